@@ -1,0 +1,1 @@
+"""jaxrl4llm.core"""
