@@ -1,1 +1,56 @@
-"""jaxrl4llm.core"""
+"""jaxrl4llm.core: the loss math of RL for LLM reasoning, as small pure JAX functions.
+
+Every technique isolated by "Tricks or Traps? A Deep Dive into RL for LLM Reasoning"
+(arXiv 2508.08221) is one function here. Conventions: a batch holds P prompts x G
+responses = B rows, each prompt's G responses adjacent (row b in group b // G); token arrays
+are [B, T] with a float mask [B, T]; sequence arrays are [B]. Every function jits with its
+string options static, works under vmap and stays finite on degenerate input.
+
+Advantages:   normalize_advantages, rloo_advantages, batch_whiten
+Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden, entropy_from_logits
+Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO), SurrogateStats, truncated_is_weights
+Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES
+KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
+Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
+Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, PRESETS,
+              compute_advantages, policy_loss, policy_loss_from_rewards
+"""
+
+from jaxrl4llm.core.advantages import batch_whiten
+from jaxrl4llm.core.advantages import normalize_advantages
+from jaxrl4llm.core.advantages import rloo_advantages
+from jaxrl4llm.core.aggregation import AGGREGATION_MODES
+from jaxrl4llm.core.aggregation import LossTerms
+from jaxrl4llm.core.aggregation import aggregate_loss
+from jaxrl4llm.core.filters import dynamic_sampling_mask
+from jaxrl4llm.core.filters import overlong_filter_mask
+from jaxrl4llm.core.filters import overlong_soft_penalty
+from jaxrl4llm.core.kl import KL_KINDS
+from jaxrl4llm.core.kl import kl_penalty
+from jaxrl4llm.core.logprobs import entropy_from_logits
+from jaxrl4llm.core.logprobs import token_logprobs
+from jaxrl4llm.core.logprobs import token_logprobs_chunked
+from jaxrl4llm.core.logprobs import token_logprobs_from_hidden
+from jaxrl4llm.core.recipes import DAPO
+from jaxrl4llm.core.recipes import DR_GRPO
+from jaxrl4llm.core.recipes import GRPO
+from jaxrl4llm.core.recipes import LITE_PPO
+from jaxrl4llm.core.recipes import PPO_BASELINE
+from jaxrl4llm.core.recipes import PRESETS
+from jaxrl4llm.core.recipes import AdvantageBatch
+from jaxrl4llm.core.recipes import Recipe
+from jaxrl4llm.core.recipes import compute_advantages
+from jaxrl4llm.core.recipes import policy_loss
+from jaxrl4llm.core.recipes import policy_loss_from_rewards
+from jaxrl4llm.core.surrogate import SurrogateStats
+from jaxrl4llm.core.surrogate import clipped_surrogate
+from jaxrl4llm.core.surrogate import truncated_is_weights
+
+__all__ = [
+    "AGGREGATION_MODES", "AdvantageBatch", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
+    "PPO_BASELINE", "PRESETS", "Recipe", "SurrogateStats", "aggregate_loss", "batch_whiten",
+    "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
+    "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
+    "policy_loss", "policy_loss_from_rewards", "rloo_advantages", "token_logprobs",
+    "token_logprobs_chunked", "token_logprobs_from_hidden", "truncated_is_weights",
+]

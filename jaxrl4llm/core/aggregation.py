@@ -1,0 +1,88 @@
+"""Per-token loss [B, T] -> (numerator, denominator): token-level and sequence-level aggregation.
+
+Returning a pair instead of a scalar keeps gradient accumulation and data parallelism exact:
+a train step sums numerators and denominators over micro-batches and devices and divides
+once, so a batch split into k micro-batches has exactly the loss (and gradient) of the
+whole batch, for every mode (the pattern of tunix's algo_core).
+
+Modes (Tricks or Traps, arXiv 2508.08221, Sec. 4.3; verl's loss_agg_mode names):
+  "token-mean"              sum_bt l·m / sum_bt m                          (DAPO, Lite PPO)
+  "seq-mean-token-mean"     mean_b [ sum_t l·m / sum_t m ]                 (GRPO)
+  "seq-mean-token-sum"      mean_b [ sum_t l·m ]
+  "seq-mean-token-sum-norm" mean_b [ sum_t l·m / norm_length ]             (Dr. GRPO)
+Sequence means run over rows with at least one counted token; rows with row_weights == 0 are
+also left out of the denominator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import chex
+import jax.numpy as jnp
+
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class LossTerms(NamedTuple):
+    """A loss as numerator / denominator; sum both over micro-batches/devices, divide once."""
+
+    numerator: chex.Array
+    denominator: chex.Array
+
+    @property
+    def value(self) -> chex.Array:
+        """numerator / denominator, and 0 when nothing counts (denominator 0)."""
+        return jnp.where(self.denominator > 0, self.numerator / jnp.maximum(self.denominator, 1e-30), 0.0)
+
+    def __add__(self, other: "LossTerms") -> "LossTerms":  # type: ignore[override]
+        return LossTerms(self.numerator + other.numerator, self.denominator + other.denominator)
+
+
+def aggregate_loss(
+    loss: chex.Array,
+    mask: chex.Array,
+    mode: AggregationMode,
+    *,
+    norm_length: float | None = None,
+    row_weights: chex.Array | None = None,
+) -> LossTerms:
+    """Reduces per-token losses to LossTerms(numerator, denominator) for `mode` (see module doc).
+
+    Args:
+      loss: [B, T] per-token loss.
+      mask: [B, T] 1 for counted tokens.
+      mode: one of AGGREGATION_MODES (static).
+      norm_length: the constant divisor of "seq-mean-token-sum-norm" (Dr. GRPO uses the
+        maximum response length); required for that mode only.
+      row_weights: [B] 0/1; rows with weight 0 stay out of every denominator (e.g. groups
+        whose rewards are all equal, which carry no advantage signal). Their numerator
+        contribution is kept.
+
+    Returns:
+      LossTerms of float32 scalars; `.value` is the loss.
+    """
+    chex.assert_rank([loss, mask], 2)
+    chex.assert_equal_shape([loss, mask])
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"Unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGGREGATION_MODES)}.")
+    m = mask.astype(jnp.float32)
+    weights = jnp.ones(loss.shape[:1], jnp.float32) if row_weights is None else row_weights.astype(jnp.float32)
+    chex.assert_shape(weights, loss.shape[:1])
+    masked = jnp.where(m > 0, loss.astype(jnp.float32) * m, 0.0)
+    row_sum = jnp.sum(masked, axis=1)
+    row_count = jnp.sum(m, axis=1)
+    row_counts_in_den = jnp.where((row_count > 0) & (weights > 0), 1.0, 0.0)
+
+    if mode == "token-mean":
+        return LossTerms(jnp.sum(row_sum), jnp.sum(row_count * (weights > 0)))
+    if mode == "seq-mean-token-mean":
+        per_row = jnp.where(row_count > 0, row_sum / jnp.maximum(row_count, 1.0), 0.0)
+    elif mode == "seq-mean-token-sum":
+        per_row = row_sum
+    else:
+        if norm_length is None or norm_length <= 0:
+            raise ValueError("mode 'seq-mean-token-sum-norm' (Dr. GRPO) needs norm_length > 0, e.g. the max response length.")
+        per_row = row_sum / norm_length
+    return LossTerms(jnp.sum(per_row), jnp.sum(row_counts_in_den))

@@ -1,0 +1,298 @@
+"""Recipes: named compositions of the core functions (PPO baseline, GRPO, DAPO, Dr. GRPO, Lite PPO).
+
+A `Recipe` is a frozen dataclass of knobs, not a class hierarchy: a new recipe is
+`dataclasses.replace(LITE_PPO, eps_high=0.28)` in a notebook. Two pure functions apply it:
+
+  compute_advantages(rewards, group_size, recipe, ...)   once per rollout batch (needs all rows:
+                                                         batch std, group means, dynamic sampling)
+  policy_loss(recipe, logp=..., old_logp=..., ...)       per micro-batch -> LossTerms + metrics
+
+`policy_loss_from_rewards` chains both for a batch that fits at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm.core.advantages import batch_whiten, check_group_layout, normalize_advantages, rloo_advantages
+from jaxrl4llm.core.aggregation import AGGREGATION_MODES, LossTerms, aggregate_loss
+from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
+from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
+from jaxrl4llm.core.surrogate import clipped_surrogate, truncated_is_weights
+
+ADV_ESTIMATORS = ("normalized", "rloo", "reinforce_pp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Every knob of the study's ablations; hashable, so it can be a static jit argument.
+
+    Attributes:
+      name: label for logs.
+      adv_estimator: "normalized" (normalize_advantages with adv_mean/adv_std), "rloo"
+        (leave-one-out baseline) or "reinforce_pp" (group-free batch whitening of rewards).
+      adv_mean, adv_std: "group" | "batch" | "none" (normalized estimator only).
+      adv_eps: added to the std.
+      eps_low, eps_high: PPO clip range [1 - eps_low, 1 + eps_high]; eps_high > eps_low is
+        Clip-Higher.
+      dual_clip: c > 1 or None.
+      ratio_level: "token" (PPO) or "sequence" (GSPO).
+      loss_agg_mode: one of AGGREGATION_MODES.
+      norm_length: divisor of "seq-mean-token-sum-norm" (Dr. GRPO: the max response length).
+      kl_coef, kl_kind, kl_clamp: KL(pi || pi_ref) loss term (0 = off, no reference model).
+      entropy_coef: entropy bonus (0 = off).
+      overlong_filter: drop truncated responses from the loss (not from advantage stats).
+      overlong_max_length, overlong_buffer_length, overlong_penalty: DAPO soft overlong
+        punishment added to rewards (penalty 0 = off).
+      dynamic_sampling: keep only groups whose rewards differ (DAPO). The trainer also
+        over-samples prompts to refill the batch; in the loss it is a row mask.
+      exclude_constant_groups: leave all-equal groups out of the loss denominators.
+      tis_cap: truncated importance-sampling cap for sampler/trainer log-prob drift, or None.
+    """
+
+    name: str = "custom"
+    adv_estimator: Literal["normalized", "rloo", "reinforce_pp"] = "normalized"
+    adv_mean: Literal["group", "batch", "none"] = "group"
+    adv_std: Literal["group", "batch", "none"] = "batch"
+    adv_eps: float = 1e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    ratio_level: Literal["token", "sequence"] = "token"
+    loss_agg_mode: str = "token-mean"
+    norm_length: float | None = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_clamp: float | None = None
+    entropy_coef: float = 0.0
+    overlong_filter: bool = False
+    overlong_max_length: int | None = None
+    overlong_buffer_length: int | None = None
+    overlong_penalty: float = 0.0
+    dynamic_sampling: bool = False
+    exclude_constant_groups: bool = False
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        problems = []
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            problems.append(f"adv_estimator={self.adv_estimator!r} (valid: {', '.join(ADV_ESTIMATORS)})")
+        for key in ("adv_mean", "adv_std"):
+            if getattr(self, key) not in ("group", "batch", "none"):
+                problems.append(f"{key}={getattr(self, key)!r} (valid: group, batch, none)")
+        if self.loss_agg_mode not in AGGREGATION_MODES:
+            problems.append(f"loss_agg_mode={self.loss_agg_mode!r} (valid: {', '.join(AGGREGATION_MODES)})")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.norm_length:
+            problems.append("loss_agg_mode='seq-mean-token-sum-norm' needs norm_length (e.g. the max response length)")
+        if self.kl_kind not in KL_KINDS:
+            problems.append(f"kl_kind={self.kl_kind!r} (valid: {', '.join(KL_KINDS)})")
+        if self.ratio_level not in ("token", "sequence"):
+            problems.append(f"ratio_level={self.ratio_level!r} (valid: token, sequence)")
+        if self.eps_low < 0 or self.eps_high < 0:
+            problems.append(f"eps_low/eps_high must be >= 0, got {self.eps_low}/{self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            problems.append(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.overlong_penalty > 0 and (not self.overlong_max_length or not self.overlong_buffer_length):
+            problems.append("overlong_penalty > 0 needs overlong_max_length and overlong_buffer_length")
+        if problems:
+            raise ValueError(f"Invalid recipe {self.name!r}: " + "; ".join(problems) + ".")
+
+    def replace(self, **changes) -> "Recipe":
+        """dataclasses.replace(self, **changes), validated."""
+        return dataclasses.replace(self, **changes)
+
+
+# The study's critic-free PPO baseline: vanilla clipped PPO loss on raw outcome rewards
+# (REINFORCE-style advantage, no normalisation), sequence-level aggregation.
+PPO_BASELINE = Recipe(name="ppo_baseline", adv_mean="none", adv_std="none", loss_agg_mode="seq-mean-token-mean")
+# GRPO (DeepSeekMath): group mean/std, per-sequence token mean, k3 KL to the reference.
+GRPO = Recipe(name="grpo", adv_mean="group", adv_std="group", loss_agg_mode="seq-mean-token-mean", kl_coef=0.001, kl_kind="k3")
+# DAPO (Yu et al. 2025): Clip-Higher 0.2/0.28, token-mean, soft overlong punishment, dynamic sampling, no KL.
+DAPO = Recipe(
+    name="dapo", adv_mean="group", adv_std="group", eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean",
+    overlong_max_length=20480, overlong_buffer_length=4096, overlong_penalty=1.0, dynamic_sampling=True,
+)
+# Dr. GRPO (Liu et al. 2025): no std, token sums divided by a constant length (set norm_length
+# to the run's max response length; 1024 is a placeholder).
+DR_GRPO = Recipe(name="dr_grpo", adv_mean="group", adv_std="none", loss_agg_mode="seq-mean-token-sum-norm", norm_length=1024)
+# Lite PPO (Tricks or Traps): group mean + batch std, token-level aggregation, vanilla 0.2 clip, no KL.
+LITE_PPO = Recipe(name="lite_ppo", adv_mean="group", adv_std="batch", loss_agg_mode="token-mean")
+
+PRESETS: dict[str, Recipe] = {r.name: r for r in (PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO)}
+
+
+class AdvantageBatch(NamedTuple):
+    """Per-row outputs of compute_advantages, all [B] float32.
+
+    advantages: per-response advantage.
+    shaped_rewards: rewards plus the soft overlong penalty (if enabled).
+    row_weights: loss-row mask (overlong filter x dynamic sampling mask, if enabled).
+    denominator_weights: row_weights, times the non-constant-group mask if
+      exclude_constant_groups; rows with 0 stay out of the loss denominators.
+    """
+
+    advantages: chex.Array
+    shaped_rewards: chex.Array
+    row_weights: chex.Array
+    denominator_weights: chex.Array
+
+
+def compute_advantages(
+    rewards: chex.Array,
+    group_size: int,
+    recipe: Recipe,
+    *,
+    truncated: chex.Array | None = None,
+    lengths: chex.Array | None = None,
+) -> AdvantageBatch:
+    """r' = r + overlong_penalty(L); A = estimator(r'); row mask = overlong_filter x dynamic_sampling.
+
+    Advantage statistics use every row, including rows the overlong filter then removes from
+    the loss (Tricks or Traps, Sec. 4.4).
+
+    Args:
+      rewards: [B] rewards, groups of `group_size` adjacent rows.
+      group_size: G (static).
+      recipe: the Recipe (static).
+      truncated: [B] bool, needed when recipe.overlong_filter.
+      lengths: [B] response lengths, needed when recipe.overlong_penalty > 0.
+
+    Returns:
+      AdvantageBatch of [B] float32 arrays.
+    """
+    check_group_layout(rewards, group_size)
+    shaped = rewards.astype(jnp.float32)
+    if recipe.overlong_penalty > 0:
+        if lengths is None:
+            raise ValueError(f"recipe {recipe.name!r} has a soft overlong penalty: pass lengths=[B] response lengths.")
+        shaped = shaped + overlong_soft_penalty(
+            lengths,
+            max_length=recipe.overlong_max_length,
+            buffer_length=recipe.overlong_buffer_length,
+            penalty=recipe.overlong_penalty,
+        )
+    if recipe.adv_estimator == "normalized":
+        adv = normalize_advantages(shaped, group_size, mean=recipe.adv_mean, std=recipe.adv_std, eps=recipe.adv_eps)
+    elif recipe.adv_estimator == "rloo":
+        adv = rloo_advantages(shaped, group_size)
+    else:
+        adv = batch_whiten(shaped, eps=recipe.adv_eps)
+
+    rows = jnp.ones_like(shaped)
+    if recipe.overlong_filter:
+        if truncated is None:
+            raise ValueError(f"recipe {recipe.name!r} filters overlong responses: pass truncated=[B] flags.")
+        rows = rows * overlong_filter_mask(truncated)
+    varied = dynamic_sampling_mask(shaped, group_size)
+    if recipe.dynamic_sampling:
+        rows = rows * varied
+    den = rows * varied if recipe.exclude_constant_groups else rows
+    return AdvantageBatch(adv, shaped, rows, den)
+
+
+def policy_loss(
+    recipe: Recipe,
+    *,
+    logp: chex.Array,
+    old_logp: chex.Array,
+    advantages: chex.Array,
+    mask: chex.Array,
+    row_weights: chex.Array | None = None,
+    denominator_weights: chex.Array | None = None,
+    ref_logp: chex.Array | None = None,
+    sampler_logp: chex.Array | None = None,
+    entropy: chex.Array | None = None,
+) -> tuple[LossTerms, dict[str, chex.Array]]:
+    """l_bt = w_bt·PPO_clip(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
+
+    w is the truncated IS weight when recipe.tis_cap and sampler_logp are set (else 1).
+
+    Args:
+      recipe: the Recipe (static).
+      logp: [B, T] current-policy log-probs of the response tokens (gradients flow).
+      old_logp: [B, T] behaviour-policy log-probs (sampler's or recomputed by the trainer).
+      advantages: [B] or [B, T] from compute_advantages.
+      mask: [B, T] response-token mask.
+      row_weights: [B] loss-row mask (AdvantageBatch.row_weights), default all ones.
+      denominator_weights: [B] rows counted in denominators, default row_weights.
+      ref_logp: [B, T] reference-policy log-probs, required when recipe.kl_coef > 0.
+      sampler_logp: [B, T] sampler log-probs for truncated IS (with recipe.tis_cap).
+      entropy: [B, T] per-token policy entropy, required when recipe.entropy_coef > 0.
+
+    Returns:
+      (LossTerms(numerator, denominator), metrics): metrics are scalars over this call's
+      counted tokens: the SurrogateStats fields, "pg_loss", "kl" (if on), "entropy" (if
+      given), "is_weight_mean" (if TIS is on), and "num_tokens" to weight them.
+    """
+    chex.assert_equal_shape([logp, old_logp, mask])
+    m = mask.astype(jnp.float32)
+    if row_weights is not None:
+        chex.assert_shape(row_weights, logp.shape[:1])
+        m = m * row_weights.astype(jnp.float32)[:, None]
+    if denominator_weights is None:
+        denominator_weights = row_weights
+
+    per_token, stats = clipped_surrogate(
+        logp, old_logp, advantages, m,
+        eps_low=recipe.eps_low, eps_high=recipe.eps_high, dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
+    )
+    num = jnp.maximum(jnp.sum(m), 1.0)
+    metrics: dict[str, chex.Array] = dict(stats._asdict())
+    metrics["pg_loss"] = jnp.sum(per_token * m) / num
+    if recipe.tis_cap is not None and sampler_logp is not None:
+        w = truncated_is_weights(old_logp, sampler_logp, recipe.tis_cap)
+        per_token = per_token * w
+        metrics["is_weight_mean"] = jnp.sum(w * m) / num
+    if recipe.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError(f"recipe {recipe.name!r} has kl_coef={recipe.kl_coef} > 0: pass ref_logp (reference-model log-probs).")
+        kl = kl_penalty(logp, ref_logp, recipe.kl_kind, clamp=recipe.kl_clamp)
+        per_token = per_token + recipe.kl_coef * kl
+        metrics["kl"] = jax.lax.stop_gradient(jnp.sum(kl * m) / num)
+    if entropy is not None:
+        metrics["entropy"] = jax.lax.stop_gradient(jnp.sum(entropy * m) / num)
+    if recipe.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError(f"recipe {recipe.name!r} has entropy_coef={recipe.entropy_coef} > 0: pass entropy=[B, T].")
+        per_token = per_token - recipe.entropy_coef * entropy
+    terms = aggregate_loss(
+        per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights
+    )
+    return terms, metrics
+
+
+def policy_loss_from_rewards(
+    recipe: Recipe,
+    *,
+    logp: chex.Array,
+    old_logp: chex.Array,
+    rewards: chex.Array,
+    mask: chex.Array,
+    group_size: int,
+    truncated: chex.Array | None = None,
+    lengths: chex.Array | None = None,
+    ref_logp: chex.Array | None = None,
+    sampler_logp: chex.Array | None = None,
+    entropy: chex.Array | None = None,
+) -> tuple[LossTerms, dict[str, chex.Array]]:
+    """compute_advantages then policy_loss, for a rollout batch that is processed at once.
+
+    Args: as compute_advantages and policy_loss; rewards [B], token arrays [B, T].
+
+    Returns:
+      (LossTerms, metrics) with the advantage mean/std added to metrics.
+    """
+    batch = compute_advantages(rewards, group_size, recipe, truncated=truncated, lengths=lengths)
+    terms, metrics = policy_loss(
+        recipe, logp=logp, old_logp=old_logp, advantages=batch.advantages, mask=mask,
+        row_weights=batch.row_weights, denominator_weights=batch.denominator_weights,
+        ref_logp=ref_logp, sampler_logp=sampler_logp, entropy=entropy,
+    )
+    metrics["advantage_mean"] = jnp.mean(batch.advantages)
+    metrics["advantage_std"] = jnp.std(batch.advantages)
+    return terms, metrics
