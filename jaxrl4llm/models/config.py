@@ -1,0 +1,230 @@
+"""ModelConfig: the static description of a decoder-only LLM (Qwen2/2.5, Qwen3, Llama 3).
+
+A frozen, hashable dataclass: pass it as a `jax.jit` static argument. It converts to and
+from the Hugging Face `config.json` dictionary of the three supported families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+
+_HF_CLASS_NAMES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = ("bfloat16", "float32", "float16")
+
+
+class ConfigError(ValueError):
+    """A config.json that jaxrl4llm cannot turn into a ModelConfig."""
+
+
+def _freeze(value: Any) -> Any:
+    """dict/list -> sorted tuple of items / tuple, recursively (hashable)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Inverse of `_freeze` for the rope_scaling tuple of (key, value) pairs."""
+    if isinstance(value, tuple) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in value):
+        return {k: _thaw(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static hyper-parameters of a decoder-only transformer.
+
+    Attributes:
+      architecture: "qwen2" | "qwen3" | "llama" (Hugging Face `model_type`).
+      vocab_size, hidden_size (D), intermediate_size (F), num_layers (L), num_heads (H),
+      num_kv_heads (KVH, grouped-query attention when < H), head_dim (Dh).
+      rope_theta: RoPE base. rope_scaling: None or a sorted tuple of (key, value) items of the
+        HF rope-scaling dict (rope_type "linear" or "llama3").
+      rms_norm_eps: RMSNorm epsilon. tie_word_embeddings: LM head = embedding matrix.
+      attention_bias: bias on q/k/v projections. o_proj_bias: bias on the output projection.
+      qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3).
+      dtype: compute dtype of matmul inputs ("bfloat16" -> bf16 x bf16 -> f32 accumulation).
+      param_dtype: storage dtype of parameters. remat: rematerialise each layer in backward.
+    """
+
+    architecture: str = "qwen3"
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_layers: int = 28
+    num_heads: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    rope_scaling: tuple | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = True
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; supported: {', '.join(_DTYPES)}")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling_dict().get("rope_type", "default")
+            if rope_type not in _SUPPORTED_ROPE_TYPES:
+                raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+
+    def rope_scaling_dict(self) -> dict:
+        """rope_scaling as a plain dict ({} when there is no scaling)."""
+        return {} if self.rope_scaling is None else _thaw(self.rope_scaling)
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (e.g. `config.replace(dtype="float32")`)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        """Total number of parameters (embedding counted once when tied)."""
+        d, f, h, kvh, dh = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+        per_layer = d * h * dh * 2 + d * kvh * dh * 2 + 3 * d * f + 2 * d
+        per_layer += (h + 2 * kvh) * dh if self.attention_bias else 0
+        per_layer += d if self.o_proj_bias else 0
+        per_layer += 2 * dh if self.qk_norm else 0
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    # ------------------------------------------------------------------ HF conversion
+    @classmethod
+    def from_hf_dict(cls, d: dict, **overrides) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (legacy rope_theta/rope_scaling or
+        transformers-5 `rope_parameters`). `overrides` set dtype, param_dtype, remat, ..."""
+        arch = d.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown architecture (model_type) {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if d.get("use_sliding_window", False):
+            raise ConfigError("use_sliding_window=True is not supported (full attention only)")
+        if d.get("mlp_bias", False):
+            raise ConfigError("mlp_bias=True is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act={d.get('hidden_act')!r} is not supported (silu only)")
+        try:
+            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+            rope_params = dict(d.get("rope_parameters") or {})
+            rope_theta = float(rope_params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            rope_scaling = d.get("rope_scaling") or rope_params or None
+            if rope_scaling is not None:
+                rope_scaling = dict(rope_scaling)
+                rope_scaling.pop("rope_theta", None)
+                if "type" in rope_scaling and "rope_type" not in rope_scaling:
+                    rope_scaling["rope_type"] = rope_scaling.pop("type")
+                if rope_scaling.get("rope_type", "default") == "default" and set(rope_scaling) <= {"rope_type"}:
+                    rope_scaling = None
+            attention_bias = bool(d.get("attention_bias", False))
+            eos = d.get("eos_token_id")
+            fields = dict(
+                architecture=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rope_theta=rope_theta,
+                rope_scaling=_freeze(rope_scaling),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=True if arch == "qwen2" else attention_bias,
+                o_proj_bias=False if arch == "qwen2" else attention_bias,
+                qk_norm=arch == "qwen3",
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+                pad_token_id=d.get("pad_token_id"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike, **overrides) -> "ModelConfig":
+        """Read `<path>/config.json` (a local Hugging Face checkpoint folder)."""
+        file = os.path.join(os.fspath(path), "config.json")
+        if not os.path.isdir(os.fspath(path)):
+            raise FileNotFoundError(f"checkpoint folder {os.fspath(path)!r} does not exist")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json in checkpoint folder {os.fspath(path)!r}")
+        try:
+            with open(file) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: invalid JSON ({e})") from None
+        try:
+            return cls.from_hf_dict(d, **overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{file}: {e}") from None
+
+    def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
+        """The Hugging Face config.json dict (legacy rope_theta/rope_scaling keys, which both
+        transformers 4/5 and vLLM read)."""
+        d = {
+            "architectures": [_HF_CLASS_NAMES[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict() or None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_cache": True,
+            "torch_dtype": torch_dtype or self.param_dtype,
+        }
+        if self.architecture != "qwen2":
+            d["attention_bias"] = self.attention_bias
+        if self.architecture == "llama":
+            d["mlp_bias"] = False
+        if self.architecture in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = False
+            d["sliding_window"] = None
+            d["max_window_layers"] = self.num_layers
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, key)
+            if value is not None:
+                d[key] = list(value) if isinstance(value, tuple) else value
+        return d

@@ -1,0 +1,52 @@
+"""Grouped-query attention: projections, masks and scaled dot-product attention.
+
+Masks are boolean [B, Tq, S] "may attend" arrays. Masked scores get a large finite negative
+value (not -inf) so a query with no visible key (a padding row) yields finite values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm.models.layers.linear import einsum
+
+_MASKED = -1e30
+
+
+def causal_padding_mask(attention_mask: jax.Array) -> jax.Array:
+    """allowed[b, t, s] = (s <= t) & attention_mask[b, s].
+
+    Args: attention_mask [B, T] (1 = real token, 0 = padding). Returns [B, T, T] bool.
+    """
+    t = attention_mask.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return causal[None] & (attention_mask[:, None, :] > 0)
+
+
+def cache_mask(kv_mask: jax.Array, cache_index: jax.Array, num_queries: int) -> jax.Array:
+    """allowed[b, i, s] = (s <= cache_index + i) & kv_mask[b, s]: query i sits in slot cache_index + i.
+
+    Args: kv_mask [B, S] (1 where slot s holds a real token); cache_index int32 scalar.
+    Returns [B, num_queries, S] bool.
+    """
+    s = kv_mask.shape[1]
+    query_slot = cache_index + jnp.arange(num_queries, dtype=jnp.int32)
+    causal = jnp.arange(s, dtype=jnp.int32)[None, :] <= query_slot[:, None]
+    return causal[None] & (kv_mask[:, None, :] > 0)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """out = softmax(q k^T / sqrt(Dh) + mask) v with H query heads sharing KVH kv heads.
+
+    Args: q [B, T, H, Dh]; k, v [B, S, KVH, Dh]; mask [B, T, S] bool. Returns [B, T, H, Dh] float32.
+    Scores and softmax are float32; matmul inputs are `dtype`.
+    """
+    b, t, h, dh = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, t, kvh, h // kvh, dh)
+    scores = einsum("btkgd,bskd->bkgts", q, k, dtype) * (dh**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = einsum("bkgts,bskd->btkgd", probs, v, dtype)
+    return out.reshape(b, t, h, dh)
