@@ -23,3 +23,7 @@ from jaxrl4llm.models.transformer import forward_with_cache
 from jaxrl4llm.models.transformer import hidden_states
 from jaxrl4llm.models.transformer import positions_from_mask
 from jaxrl4llm.models.transformer import token_logprobs
+from jaxrl4llm.models.checkpoint import CheckpointError
+from jaxrl4llm.models.checkpoint import load_pretrained
+from jaxrl4llm.models.checkpoint import save_pretrained
+from jaxrl4llm.models.tokenizer import load_tokenizer

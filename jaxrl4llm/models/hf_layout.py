@@ -17,19 +17,21 @@ from jaxrl4llm.models.config import ModelConfig
 
 class TensorMap(NamedTuple):
     """ours: path in params ("layers/q_proj"); hf: name template ({i} = layer index);
-    to_ours / to_hf: per-layer layout transforms (numpy -> numpy); stacked: has a layer axis."""
+    to_ours / to_hf: per-layer layout transforms (numpy -> numpy); stacked: has a layer axis;
+    hf_shape: shape of the HF tensor (one layer)."""
 
     ours: str
     hf: str
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     stacked: bool
+    hf_shape: tuple[int, ...]
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     """Every weight of `config`'s params with its HF name and layout transforms."""
     c = config
-    D, H, K, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    D, F, H, K, Dh, V = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
     ident = lambda w: w
     transpose = lambda w: np.ascontiguousarray(w.T)
 
@@ -45,31 +47,31 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
     pre = "model.layers.{i}."
     maps = [
-        TensorMap("embed_tokens", "model.embed_tokens.weight", ident, ident, False),
-        TensorMap("layers/input_norm", pre + "input_layernorm.weight", ident, ident, True),
-        TensorMap("layers/q_proj", pre + "self_attn.q_proj.weight", *in_heads(H), True),
-        TensorMap("layers/k_proj", pre + "self_attn.k_proj.weight", *in_heads(K), True),
-        TensorMap("layers/v_proj", pre + "self_attn.v_proj.weight", *in_heads(K), True),
-        TensorMap("layers/o_proj", pre + "self_attn.o_proj.weight", o_to_ours, o_to_hf, True),
-        TensorMap("layers/post_attn_norm", pre + "post_attention_layernorm.weight", ident, ident, True),
-        TensorMap("layers/gate_proj", pre + "mlp.gate_proj.weight", transpose, transpose, True),
-        TensorMap("layers/up_proj", pre + "mlp.up_proj.weight", transpose, transpose, True),
-        TensorMap("layers/down_proj", pre + "mlp.down_proj.weight", transpose, transpose, True),
-        TensorMap("final_norm", "model.norm.weight", ident, ident, False),
+        TensorMap("embed_tokens", "model.embed_tokens.weight", ident, ident, False, (V, D)),
+        TensorMap("layers/input_norm", pre + "input_layernorm.weight", ident, ident, True, (D,)),
+        TensorMap("layers/q_proj", pre + "self_attn.q_proj.weight", *in_heads(H), True, (H * Dh, D)),
+        TensorMap("layers/k_proj", pre + "self_attn.k_proj.weight", *in_heads(K), True, (K * Dh, D)),
+        TensorMap("layers/v_proj", pre + "self_attn.v_proj.weight", *in_heads(K), True, (K * Dh, D)),
+        TensorMap("layers/o_proj", pre + "self_attn.o_proj.weight", o_to_ours, o_to_hf, True, (D, H * Dh)),
+        TensorMap("layers/post_attn_norm", pre + "post_attention_layernorm.weight", ident, ident, True, (D,)),
+        TensorMap("layers/gate_proj", pre + "mlp.gate_proj.weight", transpose, transpose, True, (F, D)),
+        TensorMap("layers/up_proj", pre + "mlp.up_proj.weight", transpose, transpose, True, (F, D)),
+        TensorMap("layers/down_proj", pre + "mlp.down_proj.weight", transpose, transpose, True, (D, F)),
+        TensorMap("final_norm", "model.norm.weight", ident, ident, False, (D,)),
     ]
     if c.attention_bias:
         maps += [
-            TensorMap("layers/q_bias", pre + "self_attn.q_proj.bias", *head_bias(H), True),
-            TensorMap("layers/k_bias", pre + "self_attn.k_proj.bias", *head_bias(K), True),
-            TensorMap("layers/v_bias", pre + "self_attn.v_proj.bias", *head_bias(K), True),
+            TensorMap("layers/q_bias", pre + "self_attn.q_proj.bias", *head_bias(H), True, (H * Dh,)),
+            TensorMap("layers/k_bias", pre + "self_attn.k_proj.bias", *head_bias(K), True, (K * Dh,)),
+            TensorMap("layers/v_bias", pre + "self_attn.v_proj.bias", *head_bias(K), True, (K * Dh,)),
         ]
     if c.o_proj_bias:
-        maps.append(TensorMap("layers/o_bias", pre + "self_attn.o_proj.bias", ident, ident, True))
+        maps.append(TensorMap("layers/o_bias", pre + "self_attn.o_proj.bias", ident, ident, True, (D,)))
     if c.qk_norm:
         maps += [
-            TensorMap("layers/q_norm", pre + "self_attn.q_norm.weight", ident, ident, True),
-            TensorMap("layers/k_norm", pre + "self_attn.k_norm.weight", ident, ident, True),
+            TensorMap("layers/q_norm", pre + "self_attn.q_norm.weight", ident, ident, True, (Dh,)),
+            TensorMap("layers/k_norm", pre + "self_attn.k_norm.weight", ident, ident, True, (Dh,)),
         ]
     if not c.tie_word_embeddings:
-        maps.append(TensorMap("lm_head", "lm_head.weight", transpose, transpose, False))
+        maps.append(TensorMap("lm_head", "lm_head.weight", transpose, transpose, False, (V, D)))
     return maps

@@ -1,0 +1,223 @@
+"""Hugging Face checkpoint folders (config.json + safetensors) in and out, without torch.
+
+`load_pretrained` memory-maps the safetensors files and builds every parameter directly with
+its target sharding (`jax.make_array_from_callback`): each device shard is filled from the
+HF tensors of the layers it holds, one layer at a time, so the full model never exists as a
+second host copy. `save_pretrained` writes HF names and layouts (torch metadata
+{"format": "pt"}) that `transformers.AutoModelForCausalLM.from_pretrained` and vLLM read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.hf_layout import TensorMap, tensor_maps
+from jaxrl4llm.models.params import param_shapes
+from jaxrl4llm.models.sharding import DEFAULT_RULES, param_shardings
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not hold the weights its config.json describes."""
+
+
+# ---------------------------------------------------------------------------- helpers
+def _get(tree: dict, path: str):
+    for key in path.split("/"):
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file (absolute path) for a single or sharded checkpoint."""
+    index = os.path.join(path, INDEX_FILE)
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{index} lists {os.path.basename(file)!r}, which is missing from {path!r}")
+        return files
+    candidates = [single] if os.path.isfile(single) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not candidates:
+        raise CheckpointError(
+            f"no safetensors weights in {path!r} (expected {SINGLE_FILE} or {INDEX_FILE}; "
+            "PyTorch .bin checkpoints are not supported: re-save them with safe_serialization=True)")
+    files = {}
+    for file in candidates:
+        with safe_open(file, framework="flax") as f:
+            files.update({name: file for name in f.keys()})
+    return files
+
+
+def _parse_size(size: int | str) -> int:
+    """5_000_000_000 | "5GB" | "500MB" | "2GiB" -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B\s*", size.upper().replace("IB", "iB"))
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: expected an int or a string like '5GB'")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+
+
+# ---------------------------------------------------------------------------- load
+def load_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", param_dtype: str = "float32",
+                    mesh: Mesh | None = None, rules=None) -> tuple[ModelConfig, dict]:
+    """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3).
+
+    Args:
+      path: folder with config.json and model.safetensors or model.safetensors.index.json.
+      dtype: compute dtype of the returned config; param_dtype: storage dtype of params.
+      mesh, rules: place each parameter with `param_shardings(config, mesh, rules)`
+        (rules default DEFAULT_RULES); without a mesh, on the default device.
+    Returns: (ModelConfig, params pytree).
+    Raises: FileNotFoundError (folder / config.json), ConfigError (unsupported config),
+      CheckpointError (missing files or tensors, wrong shapes), each naming the file and tensor.
+    """
+    path = os.fspath(path)
+    config = ModelConfig.from_pretrained_dir(path, dtype=dtype, param_dtype=param_dtype)
+    files = _weight_files(path)
+    shapes = param_shapes(config)
+    if mesh is not None:
+        shardings = param_shardings(config, mesh, rules or DEFAULT_RULES)
+    else:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, shapes)
+    target = np.dtype(jnp.dtype(param_dtype))
+    cpu = jax.devices("cpu")[0]
+
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in sorted(set(files.values()))}
+
+        def check(tm: TensorMap, name: str):
+            if name not in files:
+                raise CheckpointError(
+                    f"tensor {name!r} is missing from the checkpoint in {path!r} "
+                    f"(needed for {tm.ours} of a {config.architecture} model)")
+            found = tuple(handles[files[name]].get_slice(name).get_shape())
+            if found != tm.hf_shape:
+                raise CheckpointError(
+                    f"{os.path.basename(files[name])}: tensor {name!r} has shape {found}, expected {tm.hf_shape} "
+                    f"from config.json")
+
+        def read(tm: TensorMap, name: str) -> np.ndarray:
+            with jax.default_device(cpu):
+                hf = np.asarray(handles[files[name]].get_tensor(name))
+            return tm.to_ours(hf).astype(target, copy=False)
+
+        maps = tensor_maps(config)
+        for tm in maps:  # validate everything before allocating anything
+            for i in range(config.num_layers if tm.stacked else 1):
+                check(tm, tm.hf.format(i=i))
+
+        params: dict = {}
+        for tm in maps:
+            shape = _get(shapes, tm.ours).shape
+
+            def shard(index, tm=tm):
+                if not tm.stacked:
+                    return read(tm, tm.hf)[index]
+                layers = range(config.num_layers)[index[0]]
+                return np.stack([read(tm, tm.hf.format(i=i))[index[1:]] for i in layers])
+
+            _set(params, tm.ours, jax.make_array_from_callback(shape, _get(shardings, tm.ours), shard))
+    return config, params
+
+
+# ---------------------------------------------------------------------------- save
+def _host_array(x: jax.Array) -> jax.Array:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
+def save_pretrained(config: ModelConfig, params: dict, path: str | os.PathLike, *,
+                    max_shard_size: int | str = "5GB", dtype: str | None = None) -> None:
+    """Write a Hugging Face checkpoint folder: config.json + safetensors (HF names and layouts).
+
+    Args:
+      config, params: the model. path: output folder (created).
+      max_shard_size: bytes per safetensors file (int or "5GB"); more than one file adds
+        model.safetensors.index.json. dtype: saved dtype (default: config.param_dtype).
+    In multi-process runs every process must call this; process 0 writes.
+    """
+    path = os.fspath(path)
+    dtype = dtype or config.param_dtype
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    limit = _parse_size(max_shard_size)
+    maps = tensor_maps(config)
+
+    entries = []  # (hf name, TensorMap, layer or None, nbytes)
+    for tm in maps:
+        nbytes = math.prod(tm.hf_shape) * np_dtype.itemsize
+        expected = _get(param_shapes(config), tm.ours).shape
+        found = tuple(_get(params, tm.ours).shape)
+        if found != expected:
+            raise CheckpointError(f"params[{tm.ours!r}] has shape {found}, expected {expected} from the config")
+        for i in range(config.num_layers if tm.stacked else 1):
+            entries.append((tm.hf.format(i=i), tm, i if tm.stacked else None, nbytes))
+
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry[3] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[3]
+
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+    hosted = {tm.ours: _host_array(_get(params, tm.ours)) for tm in maps}
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        tensors = {}
+        for name, tm, layer, _ in shard:
+            value = hosted[tm.ours] if layer is None else hosted[tm.ours][layer]
+            tensors[name] = np.ascontiguousarray(tm.to_hf(np.asarray(jax.device_get(value))).astype(np_dtype))
+            weight_map[name] = file
+        if writer:
+            save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    if not writer:
+        return
+    if len(shards) > 1:
+        total = sum(e[3] for e in entries)
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config = config.to_hf_dict(torch_dtype=dtype)
+    hf_config["dtype"] = dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

@@ -1,0 +1,221 @@
+"""Fast incremental decoding for the sampler: prefill once per prompt, decode G samples per prompt.
+
+The same math as `transformer.forward_with_cache`, arranged for decode speed on CPU/TPU:
+
+- Weights are unstacked into one dict per layer and cast to the compute dtype once per
+  rollout (`decode_weights`), so the decode loop reads each bf16 matrix directly (no
+  per-step dynamic slice of the stacked [L, ...] weights, no per-step f32 -> bf16 cast).
+- The prompt is prefilled for the P distinct prompts only; its keys/values [P, KVH, T, Dh]
+  are shared by the G samples of each prompt: the G*H/KVH queries of a prompt attend to
+  them in one matmul (G folded into the M dimension), so prompt KV is read once per prompt.
+- Generated keys/values live in fixed-size blocks [N, KVH, blk, Dh] per layer. A decode
+  step attends to the prompt plus the blocks filled so far, so step t reads O(t) cache,
+  not the whole preallocated cache:
+
+      out = softmax([q K_prompt^T, q K_1^T, ..., q K_j^T] / sqrt(Dh)) [V_prompt; V_1; ...; V_j]
+
+Cache layout is [B, KVH, S, Dh] (S contiguous per head: no transpose in the score matmul).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
+from jaxrl4llm.models.layers.linear import einsum
+from jaxrl4llm.models.layers.mlp import swiglu_mlp
+from jaxrl4llm.models.layers.norm import rms_norm
+from jaxrl4llm.models.layers.rope import apply_rope, rope_tables
+from jaxrl4llm.models.params import param_logical_axes
+from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
+
+_MASKED = -1e30
+_MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Decode sharding: rows data-parallel over (data, fsdp), weights tensor-parallel only (no
+# per-step all-gather of FSDP shards), KV cache split over kv heads.
+DECODE_RULES = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+
+
+class PromptKV(NamedTuple):
+    """Per-layer prompt keys/values (lists of L arrays [P, KVH, T, Dh]) and mask [P, T] (1 = real)."""
+
+    k: list
+    v: list
+    mask: jax.Array
+
+
+class KVBlock(NamedTuple):
+    """Per-layer keys/values of `blk` generated slots: lists of L arrays [N, KVH, blk, Dh]."""
+
+    k: list
+    v: list
+
+
+def _constrain(x: jax.Array, axes: tuple, mesh: Mesh | None, rules) -> jax.Array:
+    if mesh is None:
+        return x
+    spec = logical_to_spec(axes, rules, shape=x.shape, mesh=mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = None, rules=DECODE_RULES) -> dict:
+    """Params pytree -> {"embed", "lm_head" [D, V] or [V, D] (tied), "final_norm", "layers": [L dicts]}.
+
+    Matmul weights are cast to `config.dtype` (one pass over the weights per rollout); the
+    embedding used for lookup keeps the params' precision. With `mesh`, every weight is
+    resharded on device to the decode layout (`rules`).
+    """
+    dtype = jnp.dtype(config.dtype)
+    axes = param_logical_axes(config)
+    layers = []
+    for i in range(config.num_layers):
+        layer = {}
+        for name, w in params["layers"].items():
+            w = w[i].astype(dtype) if name in _MATMUL_WEIGHTS else w[i]
+            layer[name] = _constrain(w, axes["layers"][name][1:], mesh, rules)
+        layers.append(layer)
+    tied = config.tie_word_embeddings
+    head = params["embed_tokens"] if tied else params["lm_head"]
+    head_axes = axes["embed_tokens"] if tied else axes["lm_head"]
+    return {
+        "embed": _constrain(params["embed_tokens"], axes["embed_tokens"], mesh, rules),
+        "lm_head": _constrain(head.astype(dtype), head_axes, mesh, rules),
+        "final_norm": params["final_norm"],
+        "layers": layers,
+    }
+
+
+def _qkv(x, p, config: ModelConfig, cos, sin):
+    """x [B, T, D] residual -> q [B, T, H, Dh], k, v [B, T, KVH, Dh] float32 (normed, biased, rotated)."""
+    dtype = jnp.dtype(config.dtype)
+    h = rms_norm(x, p["input_norm"], config.rms_norm_eps)
+    q = einsum("btd,dhk->bthk", h, p["q_proj"], dtype)
+    k = einsum("btd,dhk->bthk", h, p["k_proj"], dtype)
+    v = einsum("btd,dhk->bthk", h, p["v_proj"], dtype)
+    if config.attention_bias:
+        q = q + p["q_bias"].astype(jnp.float32)
+        k = k + p["k_bias"].astype(jnp.float32)
+        v = v + p["v_bias"].astype(jnp.float32)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp_residual(x, attn, p, config: ModelConfig):
+    """x' = x + attn W_o (+ b_o); return x' + MLP(norm(x')). x [B, T, D], attn [B, T, H, Dh]."""
+    dtype = jnp.dtype(config.dtype)
+    out = einsum("bthk,hkd->btd", attn, p["o_proj"], dtype)
+    if config.o_proj_bias:
+        out = out + p["o_bias"].astype(jnp.float32)
+    x = x + out
+    h = rms_norm(x, p["post_attn_norm"], config.rms_norm_eps)
+    return x + swiglu_mlp(h, p["gate_proj"], p["up_proj"], p["down_proj"], dtype)
+
+
+def _lm_head(weights, config: ModelConfig, h):
+    """logits = norm(h) W_head. h [B, D] -> [B, V] float32."""
+    dtype = jnp.dtype(config.dtype)
+    h = rms_norm(h, weights["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        return einsum("bd,vd->bv", h, weights["lm_head"], dtype)
+    return einsum("bd,dv->bv", h, weights["lm_head"], dtype)
+
+
+def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
+            cache_dtype=None, mesh: Mesh | None = None, rules=DECODE_RULES) -> tuple[jax.Array, PromptKV]:
+    """Run left-padded prompts once: next-token logits at the last slot and the prompt KV.
+
+    pos = cumsum(mask) - 1 (a prompt's first real token has position 0).
+    Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
+    Returns: (logits [P, V] float32 at slot T-1, PromptKV with k, v [P, KVH, T, Dh] in cache_dtype).
+    """
+    cache_dtype = jnp.dtype(cache_dtype or config.dtype)
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+    cos, sin = rope_tables(config, positions)
+    attend = causal_padding_mask(mask)
+    x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)
+    ks, vs = [], []
+    for p in weights["layers"]:
+        q, k, v = _qkv(x, p, config, cos, sin)
+        k = k.astype(cache_dtype)
+        v = v.astype(cache_dtype)
+        attn = dot_product_attention(q, k, v, attend, jnp.dtype(config.dtype))
+        x = _mlp_residual(x, attn, p, config)
+        ks.append(_constrain(k.transpose(0, 2, 1, 3), CACHE_AXES, mesh, rules))
+        vs.append(_constrain(v.transpose(0, 2, 1, 3), CACHE_AXES, mesh, rules))
+    return _lm_head(weights, config, x[:, -1]), PromptKV(ks, vs, mask)
+
+
+def empty_block(config: ModelConfig, rows: int, block_size: int, *, cache_dtype=None, mesh: Mesh | None = None,
+                rules=DECODE_RULES) -> KVBlock:
+    """Zeroed KVBlock of L arrays [rows, KVH, block_size, Dh]."""
+    cache_dtype = jnp.dtype(cache_dtype or config.dtype)
+    shape = (rows, config.num_kv_heads, block_size, config.head_dim)
+    zeros = lambda: _constrain(jnp.zeros(shape, cache_dtype), CACHE_AXES, mesh, rules)
+    return KVBlock([zeros() for _ in range(config.num_layers)], [zeros() for _ in range(config.num_layers)])
+
+
+def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: list, cur_k, cur_v, slot,
+                      dtype) -> jax.Array:
+    """One query per row against the prompt KV (shared by a prompt's G rows) and the generated KV.
+
+    Args: q [N, H, Dh] float32 (N = P*G, rows of a prompt adjacent); prompt_k/v [P, KVH, T, Dh];
+    prompt_mask [P, T]; done_k/v: full blocks [N, KVH, blk, Dh]; cur_k/v: the block being filled,
+    visible up to index `slot`. Returns [N, H, Dh] float32.
+    """
+    n, h, dh = q.shape
+    num_prompts, kvh = prompt_k.shape[:2]
+    qg = q.reshape(num_prompts, n // num_prompts, kvh, h // kvh, dh)  # [P, G, KVH, H/KVH, Dh]
+    qn = q.reshape(n, kvh, h // kvh, dh)
+    by_prompt = lambda s: s.reshape(qg.shape[:-1] + (s.shape[-1],))
+    scale = dh**-0.5
+    prompt_scores = einsum("pgkhd,pksd->pgkhs", qg, prompt_k, dtype) * scale
+    scores = [jnp.where(prompt_mask[:, None, None, None, :] > 0, prompt_scores, _MASKED)]
+    scores += [by_prompt(einsum("nkhd,nksd->nkhs", qn, k, dtype) * scale) for k in done_k]
+    current = einsum("nkhd,nksd->nkhs", qn, cur_k, dtype) * scale
+    scores.append(by_prompt(jnp.where(jnp.arange(current.shape[-1]) <= slot, current, _MASKED)))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    parts = jnp.split(probs, np.cumsum([s.shape[-1] for s in scores[:-1]]).tolist(), axis=-1)
+    out = einsum("pgkhs,pksd->pgkhd", parts[0], prompt_v, dtype).reshape(n, kvh, h // kvh, dh)
+    for part, v in zip(parts[1:], done_v + [cur_v]):
+        out = out + einsum("nkhs,nksd->nkhd", part.reshape(n, kvh, h // kvh, -1), v, dtype)
+    return out.reshape(n, h, dh)
+
+
+def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array, prompt: PromptKV,
+                done_blocks: list[KVBlock], block: KVBlock, slot) -> tuple[jax.Array, KVBlock]:
+    """Next-token logits for one new token per row; its keys/values are written at `slot` of `block`.
+
+    Args:
+      tokens, positions [N] int32 (N = P*G rows, the G rows of a prompt adjacent);
+      prompt: PromptKV of the P prompts; done_blocks: full KVBlocks of earlier generated slots;
+      block: the KVBlock being filled; slot: int32 scalar index in `block`.
+    Returns: (logits [N, V] float32, updated block).
+    """
+    dtype = jnp.dtype(config.dtype)
+    slot = jnp.asarray(slot, jnp.int32)
+    cos, sin = rope_tables(config, positions[:, None])
+    x = jnp.take(weights["embed"], tokens[:, None], axis=0).astype(jnp.float32)  # [N, 1, D]
+    zero = jnp.zeros((), jnp.int32)
+    new_k, new_v = [], []
+    for i, p in enumerate(weights["layers"]):
+        q, k, v = _qkv(x, p, config, cos, sin)
+        ck = jax.lax.dynamic_update_slice(block.k[i], k.transpose(0, 2, 1, 3).astype(block.k[i].dtype),
+                                          (zero, zero, slot, zero))
+        cv = jax.lax.dynamic_update_slice(block.v[i], v.transpose(0, 2, 1, 3).astype(block.v[i].dtype),
+                                          (zero, zero, slot, zero))
+        new_k.append(ck)
+        new_v.append(cv)
+        attn = _decode_attention(q[:, 0], prompt.k[i], prompt.v[i], prompt.mask, [b.k[i] for b in done_blocks],
+                                 [b.v[i] for b in done_blocks], ck, cv, slot, dtype)
+        x = _mlp_residual(x, attn[:, None], p, config)
+    return _lm_head(weights, config, x[:, 0]), KVBlock(new_k, new_v)

@@ -1,0 +1,129 @@
+"""HF checkpoints in and out: logit parity with transformers, round trip, clear errors."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.models.hf_oracle import hf_logits_per_row, left_padded_batch, max_diff_vs_rows, tiny_hf_model
+from jaxrl4llm.models import (
+    CheckpointError,
+    ConfigError,
+    forward,
+    load_pretrained,
+    positions_from_mask,
+    save_pretrained,
+)
+
+
+def _forward(config, params, tokens, mask):
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    return np.asarray(forward(params, config, tokens, positions=positions_from_mask(mask), attention_mask=mask))
+
+
+def test_float32_logits_match_transformers(hf_checkpoint):
+    family, model, folder = hf_checkpoint
+    config, params = load_pretrained(folder, dtype="float32")
+    assert config.architecture == family
+    tokens, mask = left_padded_batch()
+    logits = _forward(config, params, tokens, mask)
+    assert max_diff_vs_rows(logits, hf_logits_per_row(model, tokens, mask), mask) <= 1e-4
+
+
+def test_bfloat16_compute_stays_close_to_transformers(hf_checkpoint):
+    _, model, folder = hf_checkpoint
+    config, params = load_pretrained(folder)  # default: bf16 compute, f32 params
+    assert config.dtype == "bfloat16" and params["embed_tokens"].dtype == jnp.float32
+    tokens, mask = left_padded_batch()
+    refs = hf_logits_per_row(model, tokens, mask)
+    scale = max(np.abs(r).max() for r in refs)
+    assert max_diff_vs_rows(_forward(config, params, tokens, mask), refs, mask) <= 0.05 * scale
+
+
+def test_save_pretrained_round_trips_through_transformers(hf_checkpoint, tmp_path):
+    family, model, folder = hf_checkpoint
+    config, params = load_pretrained(folder, dtype="float32")
+    # A tiny max_shard_size forces several files plus model.safetensors.index.json.
+    save_pretrained(config, params, tmp_path, max_shard_size="100KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert reloaded.config.model_type == family
+    tokens, mask = left_padded_batch()
+    ours = hf_logits_per_row(reloaded, tokens, mask)
+    for a, b in zip(ours, hf_logits_per_row(model, tokens, mask)):
+        np.testing.assert_array_equal(a, b)  # float32 weights saved exactly
+    _, params_again = load_pretrained(tmp_path, dtype="float32")
+    for path in ("embed_tokens", "final_norm"):
+        np.testing.assert_array_equal(params[path], params_again[path])
+    np.testing.assert_array_equal(params["layers"]["q_proj"], params_again["layers"]["q_proj"])
+
+
+def test_loads_bfloat16_safetensors(tmp_path):
+    model = tiny_hf_model("qwen3", seed=1).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config, params = load_pretrained(tmp_path, dtype="float32", param_dtype="float32")
+    tokens, mask = left_padded_batch()
+    # Reload in float32 (not model.float(): .to(bf16) also rounded the RoPE inv_freq buffer).
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    refs = hf_logits_per_row(oracle, tokens, mask)
+    assert max_diff_vs_rows(_forward(config, params, tokens, mask), refs, mask) <= 1e-4
+    save_pretrained(config, params, tmp_path / "out", dtype="bfloat16")
+    header = json.load(open(tmp_path / "out" / "config.json"))
+    assert header["torch_dtype"] == "bfloat16"
+    _, again = load_pretrained(tmp_path / "out", dtype="float32")
+    np.testing.assert_array_equal(params["layers"]["gate_proj"], again["layers"]["gate_proj"])
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.fixture
+def broken(qwen3_folder, tmp_path):
+    """A copy of the qwen3 checkpoint folder that a test may break."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(qwen3_folder, dst)
+    return dst
+
+
+def test_missing_folder_and_config(broken, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_pretrained(tmp_path / "nope")
+    os.remove(broken / "config.json")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_pretrained(broken)
+
+
+def test_missing_safetensors(broken):
+    os.remove(broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no safetensors weights"):
+        load_pretrained(broken)
+
+
+def test_unknown_architecture_lists_supported(broken):
+    cfg = json.load(open(broken / "config.json"))
+    cfg["model_type"] = "gpt2"
+    json.dump(cfg, open(broken / "config.json", "w"))
+    with pytest.raises(ConfigError, match="'gpt2'.*qwen2, qwen3, llama"):
+        load_pretrained(broken)
+
+
+def test_shape_mismatch_names_file_tensor_and_shapes(broken):
+    cfg = json.load(open(broken / "config.json"))
+    cfg["intermediate_size"] = 96
+    json.dump(cfg, open(broken / "config.json", "w"))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' "
+                                              r"has shape \(128, 64\), expected \(96, 64\)"):
+        load_pretrained(broken)
+
+
+def test_missing_tensor_is_named(broken):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="'model.layers.1.self_attn.k_norm.weight' is missing"):
+        load_pretrained(broken)
