@@ -1,0 +1,329 @@
+"""Run configuration: typed dataclasses loaded from YAML, with `section.key=value` overrides.
+
+A YAML file may start with `include: other.yaml` (or a list), resolved relative to the file;
+later files and then command-line overrides win. Unknown or mistyped keys are errors that
+list the valid keys, so a typo never silently falls back to a default.
+
+    cfg = load_config("configs/lite_ppo.yaml", ["rollout.samples_per_prompt=16", "optim.lr=2e-6"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jaxrl4llm.core.recipes import PRESETS, Recipe
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message naming the key and the fix."""
+
+
+@dataclasses.dataclass
+class ModelConfigSection:
+    """Which model to train. `path` is a local HF folder (config.json + safetensors + tokenizer);
+    without it, a random model of the given size is built (tests, demo) with `tokenizer`."""
+
+    path: str | None = None
+    tokenizer: str | None = None
+    architecture: str = "qwen3"
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    param_dtype: Literal["bfloat16", "float32"] = "float32"
+    remat: bool = False
+    logprob_chunk_size: int = 256
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Prompt data: local JSONL/JSON/parquet files with problem and answer fields."""
+
+    train_files: list[str] = dataclasses.field(default_factory=list)
+    eval_files: list[str] = dataclasses.field(default_factory=list)
+    problem_key: str | None = None
+    answer_key: str | None = None
+    template: str = "base"
+    max_prompt_tokens: int = 512
+    on_overlong_prompt: Literal["error", "drop"] = "error"
+    shuffle: bool = True
+    eval_limit: int | None = None
+    demo_task: bool = False
+    demo_num_train: int = 2000
+    demo_num_eval: int = 200
+    demo_max_operand: int = 50
+    demo_steps: int = 1
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Sampling: P prompts x G responses per step (the study: 128 x 8, T=0.99, top_p=0.99, top_k=100)."""
+
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    dynamic_sampling_max_draws: int = 4
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """The recipe: a preset name plus any Recipe field overridden by key, or a custom loss by
+    import path (`custom_loss: my_pkg.losses:my_policy_loss`, same signature as
+    jaxrl4llm.core.policy_loss)."""
+
+    preset: str = "lite_ppo"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    custom_loss: str | None = None
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """Reward function by import path: fn(response_text, gold_answer) -> float."""
+
+    fn: str = "jaxrl4llm.rewards:math_reward"
+    timeout: float = 5.0
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW with warm-up and constant or cosine decay, global-norm clipping."""
+
+    lr: float = 1e-6
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Loop, update and bookkeeping knobs."""
+
+    steps: int = 10
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_size: int | None = None
+    old_logp_source: Literal["sampler", "recompute"] = "recompute"
+    reference_model: bool = False
+    seed: int = 0
+    out_dir: str = "runs/default"
+    eval_every: int = 0
+    eval_samples: int = 1
+    eval_temperature: float = 0.0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    clipped_tokens_every: int = 10
+    export_hf: bool = True
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Device mesh shape; -1 on one axis takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A whole run; each field is a YAML section."""
+
+    model: ModelConfigSection = dataclasses.field(default_factory=ModelConfigSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def recipe(self) -> Recipe:
+        """The core Recipe: the preset with `algorithm.overrides` applied (validated)."""
+        preset = self.algorithm.preset
+        if preset not in PRESETS:
+            raise ConfigError(f"algorithm.preset={preset!r} is not a recipe; valid presets: {', '.join(PRESETS)}.")
+        base = PRESETS[preset]
+        valid = [f.name for f in dataclasses.fields(Recipe)]
+        unknown = [k for k in self.algorithm.overrides if k not in valid]
+        if unknown:
+            raise ConfigError(f"algorithm.overrides has unknown key(s) {unknown}; valid keys: {', '.join(valid)}.")
+        changes = {k: _coerce(v, _hints(Recipe)[k], f"algorithm.overrides.{k}") for k, v in self.algorithm.overrides.items()}
+        try:
+            return dataclasses.replace(base, **changes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks/converts a YAML value to the annotated type; raises ConfigError naming the key."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}.")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(repr, args))}.")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}.")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}.")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}.")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key} must be an integer, got {value!r}.")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}.")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}.")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}.")
+
+
+def _build(cls, values: Any, prefix: str):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {values!r}.")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        where = f"section '{prefix}'" if prefix else "the top level"
+        raise ConfigError(f"Unknown config key(s) {', '.join(repr(f'{prefix}.{k}' if prefix else k) for k in unknown)} in {where}; valid keys: {', '.join(names)}.")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides":
+            out[k] = _deep_merge(out[k], v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """Reads a YAML config, resolving `include:` (relative to the file) recursively."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {str(path)!r} does not exist (looked in {Path.cwd()}); pass a path to a YAML file such as configs/lite_ppo.yaml.")
+    if path.resolve() in _seen:
+        raise ConfigError(f"Config include cycle through {path}.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Config file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping of sections, got {type(raw).__name__}.")
+    includes = raw.pop("include", None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        merged = _deep_merge(merged, read_yaml(path.parent / inc, _seen + (path.resolve(),)))
+    return _deep_merge(merged, raw)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Applies `a.b=value` strings (value parsed as YAML: 1e-6, true, [a, b], null)."""
+    out = dict(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override {item!r} must look like section.key=value (e.g. optim.lr=2e-6).")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            child = node.get(p)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[p] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    """Builds and validates a RunConfig from a nested dict."""
+    cfg = _build(RunConfig, raw, "")
+    cfg.recipe()  # validates preset and overrides early
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """YAML file (or defaults when None) + overrides -> validated RunConfig."""
+    raw = read_yaml(path) if path is not None else {}
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw)
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """Plain nested dict of a RunConfig (for saving next to a run)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,254 @@
+"""The train step: `update(state, batch) -> (state, metrics)`, one jitted function over a Mesh.
+
+One rollout batch of B rows is split into `mini_batches` optimizer steps (repeated for
+`ppo_epochs`), each mini-batch into `micro` gradient-accumulation slices. Loss numerators and
+denominators come from the core as LossTerms: gradients of the numerators are summed over
+micro-batches (and, under GSPMD, over devices) and divided once by the mini-batch's global
+denominator, so the update equals the one computed on the whole mini-batch at once.
+
+The model enters as `logprob_fn(params, input_tokens, targets, positions, attention_mask)
+-> (logp [B, L], entropy [B, L])`, so this module knows nothing of any architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl4llm.core import LossTerms, Recipe, aggregate_loss, policy_loss
+
+LogprobFn = Callable[..., tuple[chex.Array, chex.Array]]
+
+
+class TrainBatch(NamedTuple):
+    """A rollout batch laid out for teacher forcing; rows are responses, L = prompt + response - 1.
+
+    input_tokens [B, L] int32: tokens fed to the model (prompt + response, minus the last).
+    targets [B, L] int32: the next token at every position.
+    positions [B, L] int32: position ids (0 at each row's first real token).
+    attention_mask [B, L]: 1 on real (non-padding) tokens.
+    loss_mask [B, L] float32: 1 where the target is a counted response token.
+    old_logp, ref_logp, sampler_logp [B, L] float32: behaviour, reference, sampler log-probs.
+    advantages, row_weights, denominator_weights [B] float32: from core.compute_advantages.
+    """
+
+    input_tokens: chex.Array
+    targets: chex.Array
+    positions: chex.Array
+    attention_mask: chex.Array
+    loss_mask: chex.Array
+    old_logp: chex.Array
+    ref_logp: chex.Array
+    sampler_logp: chex.Array
+    advantages: chex.Array
+    row_weights: chex.Array
+    denominator_weights: chex.Array
+
+
+@chex.dataclass
+class TrainState:
+    """Everything an update changes: step count, parameters, optimizer state."""
+
+    step: chex.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """Static shape of an update (hashable; part of the jit key)."""
+
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+
+
+def make_optimizer(
+    *, lr: float, schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0,
+    weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """optax chain: global-norm clipping -> AdamW with linear warm-up then constant or cosine decay."""
+    if schedule == "constant":
+        sched = optax.join_schedules(
+            [optax.linear_schedule(0.0 if warmup_steps else lr, lr, max(warmup_steps, 1)), optax.constant_schedule(lr)],
+            [max(warmup_steps, 1)],
+        ) if warmup_steps else optax.constant_schedule(lr)
+    elif schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1), end_value=lr * min_lr_ratio
+        )
+    else:
+        raise ValueError(f"Unknown schedule {schedule!r}; valid: constant, cosine.")
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts), sched
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def _split(x: chex.Array, n: int) -> chex.Array:
+    """[B, ...] -> [n, B/n, ...] with slice i = rows i, i+n, i+2n, ... (strided, so that every
+    slice keeps rows from every data shard)."""
+    b = x.shape[0]
+    return jnp.swapaxes(x.reshape(b // n, n, *x.shape[1:]), 0, 1)
+
+
+def _unsplit(x: chex.Array) -> chex.Array:
+    n, m = x.shape[:2]
+    return jnp.swapaxes(x, 0, 1).reshape(n * m, *x.shape[2:])
+
+
+def batch_loss_terms(
+    params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss
+) -> tuple[LossTerms, dict, chex.Array]:
+    """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis."""
+    logp, entropy = logprob_fn(params, batch.input_tokens, batch.targets, batch.positions, batch.attention_mask)
+    terms, metrics = loss_fn(
+        recipe,
+        logp=logp,
+        old_logp=batch.old_logp,
+        advantages=batch.advantages,
+        mask=batch.loss_mask,
+        row_weights=batch.row_weights,
+        denominator_weights=batch.denominator_weights,
+        ref_logp=batch.ref_logp,
+        sampler_logp=batch.sampler_logp,
+        entropy=entropy,
+    )
+    ratio = jnp.exp(jnp.clip(jax.lax.stop_gradient(logp) - batch.old_logp, -20.0, 20.0))
+    adv = batch.advantages[:, None]
+    clipped = ((adv > 0) & (ratio > 1 + recipe.eps_high)) | ((adv < 0) & (ratio < 1 - recipe.eps_low))
+    clipped = clipped & (batch.loss_mask > 0) & (batch.row_weights[:, None] > 0)
+    return terms, metrics, clipped
+
+
+_MIN_KEYS = ("ratio_min",)
+_MAX_KEYS = ("ratio_max",)
+
+
+def _combine_metrics(acc: dict, new: dict) -> dict:
+    """Token-weighted running means; min/max for ratio extremes; `num_tokens` summed."""
+    n_old, n_new = acc["num_tokens"], new["num_tokens"]
+    total = n_old + n_new
+    out = {}
+    for k, v in new.items():
+        if k == "num_tokens":
+            out[k] = total
+        elif k in _MIN_KEYS:
+            out[k] = jnp.where(n_new > 0, jnp.where(n_old > 0, jnp.minimum(acc[k], v), v), acc[k])
+        elif k in _MAX_KEYS:
+            out[k] = jnp.where(n_new > 0, jnp.where(n_old > 0, jnp.maximum(acc[k], v), v), acc[k])
+        else:
+            out[k] = (acc[k] * n_old + v * n_new) / jnp.maximum(total, 1.0)
+    return out
+
+
+def make_update_fn(
+    *,
+    logprob_fn: LogprobFn,
+    recipe: Recipe,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    settings: UpdateSettings,
+    loss_fn=policy_loss,
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict, chex.Array]]:
+    """Builds update(state, batch) -> (state, metrics, clipped[B, L]); jit it (with shardings).
+
+    B must be divisible by mini_batches * micro_batches. Metrics are token-weighted means over
+    the last epoch plus grad_norm (mean over optimizer steps), learning_rate, loss.
+    """
+    s = settings
+
+    def micro_step(params, mb: TrainBatch):
+        def num_fn(p):
+            terms, metrics, clipped = batch_loss_terms(p, mb, logprob_fn=logprob_fn, recipe=recipe, loss_fn=loss_fn)
+            return terms.numerator, (terms, metrics, clipped)
+
+        grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
+        return grads, terms, metrics, clipped
+
+    def mini_step(state: TrainState, mini: TrainBatch):
+        micros = jax.tree.map(lambda x: _split(x, s.micro_batches), mini)
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        # Metrics structure from an abstract evaluation, so the scan carry is fixed.
+        _, terms_shape, metrics_shape, _ = jax.eval_shape(micro_step, state.params, jax.tree.map(lambda x: x[0], micros))
+        zero_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
+
+        def body(carry, mb):
+            g_acc, num, den, met = carry
+            g, terms, metrics, clipped = micro_step(state.params, mb)
+            g_acc = jax.tree.map(jnp.add, g_acc, g)
+            return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
+
+        zero = jnp.zeros((), jnp.float32)
+        (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics), micros)
+        scale = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, (metrics, _unsplit(clipped))
+
+    def update(state: TrainState, batch: TrainBatch):
+        b = batch.input_tokens.shape[0]
+        if b % (s.mini_batches * s.micro_batches):
+            raise ValueError(
+                f"batch of {b} rows is not divisible by mini_batches*micro_batches = {s.mini_batches}*{s.micro_batches}; "
+                "change trainer.mini_batches / trainer.micro_batch_size or rollout sizes."
+            )
+        # Mini-batch j holds the contiguous rows [j*B/n, (j+1)*B/n): whole groups stay together.
+        minis = jax.tree.map(lambda x: x.reshape(s.mini_batches, b // s.mini_batches, *x.shape[1:]), batch)
+
+        def epoch(state: TrainState, _):
+            state, (metrics, clipped) = jax.lax.scan(mini_step, state, minis)
+            return state, (metrics, clipped.reshape(b, -1))
+
+        state, (metrics, clipped) = jax.lax.scan(epoch, state, None, length=s.ppo_epochs)
+        last = jax.tree.map(lambda m: m[-1], metrics)  # last epoch, one entry per mini-batch
+        n = last["num_tokens"]
+        summary = {}
+        for k, v in last.items():
+            if k == "num_tokens":
+                summary[k] = jnp.sum(v)
+            elif k in _MIN_KEYS:
+                summary[k] = jnp.min(v)
+            elif k in _MAX_KEYS:
+                summary[k] = jnp.max(v)
+            elif k in ("grad_norm", "learning_rate", "loss"):
+                summary[k] = jnp.mean(v)
+            else:
+                summary[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1.0)
+        return state, summary, clipped[-1]
+
+    return update
+
+
+def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int):
+    """(params, batch) -> (logp [B, L], entropy [B, L]) computed micro-batch by micro-batch."""
+
+    def run(params, batch: TrainBatch):
+        parts = jax.tree.map(lambda x: _split(x, micro_batches), batch)
+
+        def one(mb: TrainBatch):
+            return logprob_fn(params, mb.input_tokens, mb.targets, mb.positions, mb.attention_mask)
+
+        logp, ent = jax.lax.map(one, parts)
+        return _unsplit(logp), _unsplit(ent)
+
+    return run
+
+
+def loss_denominator(batch: TrainBatch, recipe: Recipe) -> chex.Array:
+    """The batch's global loss denominator (parameter-free), e.g. for checks and logging."""
+    m = batch.loss_mask * batch.row_weights[:, None]
+    return aggregate_loss(jnp.zeros_like(m), m, recipe.loss_agg_mode, norm_length=recipe.norm_length,
+                          row_weights=batch.denominator_weights).denominator
