@@ -1,0 +1,180 @@
+"""Canonical form of a math answer string (both the prediction and the gold).
+
+``normalize_answer`` rewrites the LaTeX and plain-text spellings that mean the same thing into
+one spelling, so that most equal answers are already equal as strings and the later rules
+(numbers, structure, sympy) see clean input:
+
+- math delimiters ``$``, ``\\(``, ``\\[`` and ``\\left``/``\\right`` sizing are dropped;
+- ``\\dfrac``/``\\tfrac``/``\\cfrac`` become ``\\frac``, ``\\frac12`` becomes ``\\frac{1}{2}``;
+- ``\\text{..}``-style wrappers are unwrapped, trailing units (``125 miles``, ``15\\text{ cm}^2``)
+  are dropped, "and"/"or" between answers become commas;
+- degrees (``^\\circ``), dollars (``\\$``) and thousands separators (``1,000``, ``14{,}916``,
+  ``11,\\!111``, ``1 000``) are removed, ``\\%``/"percent"/"pct" become a trailing ``%``;
+- relation symbols get one spelling (``\\geq`` -> ``>=``, ``\\neq`` -> ``!=``), ``x \\approx 11``
+  keeps the exact value, a multiple-choice ``(C)``/``\\text{(C)}`` becomes ``C``;
+- trailing sentence punctuation is removed.
+
+Everything here is plain string rewriting with linear-time regular expressions; nothing
+parses or evaluates the answer.
+"""
+
+from __future__ import annotations
+
+import re
+
+# LaTeX command names that a response sometimes writes with a doubled backslash
+# (``\\frac``), e.g. when the text went through one JSON escape too many.
+_KNOWN_COMMANDS = (
+    "boxed|fbox|frac|dfrac|tfrac|cfrac|sqrt|left|right|pi|text|textbf|mathrm|mathbf|le|ge|leq|"
+    "geq|neq|ne|lt|gt|cdot|times|infty|circ|in|cup|cap|pm|mp|quad|qquad|sin|cos|tan|cot|sec|"
+    "csc|log|ln|exp|theta|alpha|beta|gamma|delta|begin|end|dots|ldots|cdots|approx|mbox|"
+    "textnormal|operatorname|overline|angle|sum|prod|binom|emptyset|varnothing|mathbb|displaystyle"
+)
+_DOUBLE_BACKSLASH_RE = re.compile(rf"(?<!\\)\\\\(?=(?:{_KNOWN_COMMANDS})(?![a-zA-Z]))")
+_TEXT_WRAPPERS = r"text|textbf|textit|textrm|textsf|texttt|textnormal|mbox|mathrm|mathbf|mathit|mathsf|operatorname|rm|bf"
+_TEXT_RE = re.compile(rf"\\(?:{_TEXT_WRAPPERS})\s*\{{([^{{}}]*)\}}")
+_UNIT_WORDS = (
+    "units?|square units?|sq units?|cm|centimeters?|centimetres?|mm|millimeters?|m|meters?|metres?|km|"
+    "kilometers?|inch(?:es)?|in|ft|feet|foot|yards?|yd|miles?|mi|mph|kmh|seconds?|secs?|s|minutes?|"
+    "mins?|hours?|hrs?|h|days?|weeks?|months?|years?|yrs?|grams?|g|kg|kilograms?|pounds?|lbs?|lb|"
+    "ounces?|oz|liters?|litres?|l|ml|gallons?|dollars?|cents?|euros?|yuan|rupees?|degrees?|deg|"
+    "radians?|rad|people|persons?|students?|apples?|ways?|points?|times|square|cubic|sq|cu"
+)
+_UNIT_RE = re.compile(rf"^((?:{_UNIT_WORDS})(?:\s+(?:{_UNIT_WORDS}))*)\.?$", re.IGNORECASE)
+_TRAILING_WORDS_RE = re.compile(r"(?<![\\a-zA-Z])((?:[a-zA-Z]+\.?\s*)+)(\^\s*\{?\s*[23]\s*\}?)?\s*$")
+_SPACING_RE = re.compile(r"(?<!\\)\\[,:;! ]|\\q?quad|\\hspace\*?\{[^{}]*\}|~")
+_SIZING_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|big|Big|bigg|Bigg)(?![a-zA-Z])\s*\.?")
+_UNICODE = {
+    "\u2212": "-", "\u2013": "-", "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u00d7": r"\times ",
+    "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u221e": r"\infty ", "\u221a": r"\sqrt", "\u00b0": "",
+    "\u00b2": "^2", "\u00b3": "^3", "\u2009": " ", "\u00a0": " ", "\u202f": " ", "\u20ac": "",
+    "\u00a3": "", "\u2248": r"\approx ",
+}
+_NAME_SUBSCRIPT_RE = re.compile(r"_\{[^{}]*\}|_[A-Za-z0-9]")
+
+
+def collapse_double_backslashes(text: str) -> str:
+    r"""Turn ``\\frac`` into ``\frac`` for known command names (over-escaped responses)."""
+    return _DOUBLE_BACKSLASH_RE.sub(r"\\", text)
+
+
+def is_name(text: str) -> bool:
+    r"""True when ``text`` names a quantity rather than computing one.
+
+    Names are the left-hand sides that answers like ``x = 5``, ``f(x) = 1``, ``(p, q) = (3, 2)``,
+    ``|AB| = 1``, ``\frac{NO}{BO} = ...``, ``V_1 : V_2 = 11:21`` or ``a_{37} = 19`` put before the
+    value: they contain a letter, no digit outside subscripts and no arithmetic operator. So
+    ``7 = 11a + c`` and ``a + 3z = 0`` are equations, not assignments.
+    """
+    s = text.strip()
+    if not s or len(s) > 40:
+        return False
+    core = _NAME_SUBSCRIPT_RE.sub("", s)
+    core = re.sub(r"\\[a-zA-Z]+", "", core)  # command names such as \frac, \angle, \overline
+    if re.search(r"\d|[+\-*^=<>!]", core):
+        return False
+    return bool(re.search(r"[A-Za-z]", core))
+
+
+def _unwrap_text(s: str) -> str:
+    for _ in range(8):
+        new = _TEXT_RE.sub(lambda m: " " + m.group(1) + " ", s)
+        if new == s:
+            break
+        s = new
+    return s
+
+
+def _strip_units(s: str) -> str:
+    """Drop trailing unit words after a numeric head: ``125 miles`` -> ``125``."""
+    m = _TRAILING_WORDS_RE.search(s)
+    if not m:
+        return s
+    head = s[: m.start()].strip()
+    words = m.group(1).strip()
+    if not head or not re.search(r"\d", head):
+        return s
+    head_letters = re.sub(r"\\[a-zA-Z]+", "", head)
+    if re.search(r"[a-zA-Z]", head_letters):
+        return s  # e.g. "2 x y": letters in the head are variables, not units
+    if _UNIT_RE.match(words) or all(len(w) >= 3 for w in words.replace(".", " ").split()):
+        return head
+    return s
+
+
+def _split_approx(s: str) -> str:
+    r"""``x \approx 11`` -> ``x = 11``; ``x = 1/3 \approx 0.33`` -> ``x = 1/3``."""
+    left, _, right = s.partition(r"\approx")
+    left = left.strip()
+    if not left or is_name(left):
+        return (left + " = " if left else "") + right.strip()
+    return left
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical spelling of an answer string (see the module docstring for the rules)."""
+    s = str(text)
+    for k, v in _UNICODE.items():
+        s = s.replace(k, v)
+    s = collapse_double_backslashes(s)
+    # Thousands separators written the LaTeX way: 14{,}916, 11,\!111, 14 {, }916.
+    s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})", "", s)
+    s = re.sub(r"(?<=\d),\\!\s*(?=\d{3})", "", s)
+    s = s.replace(r"\$", " ").replace("$", " ")
+    s = re.sub(r"\\[()\[\]]", " ", s)
+    s = re.sub(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits)(?![a-zA-Z])", " ", s)
+    s = _SIZING_RE.sub("", s)
+    s = _SPACING_RE.sub(" ", s)
+    s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac\s*(\d)\s*\{", r"\\frac{\1}{", s)
+    s = re.sub(r"\\frac\s*\{([^{}]*)\}\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt\s*(\d|[a-zA-Z](?![a-zA-Z]))", r"\\sqrt{\1}", s)
+    # Degrees and percent.
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}", "", s)
+    s = re.sub(r"\\?%|\\text\{\s*%\s*\}", "%", s)
+    s = re.sub(r"(?<=[\d}\s])\s*(?:percentage|percent|pct)\b\.?", "%", s, flags=re.IGNORECASE)
+    s = _unwrap_text(s)
+    s = re.sub(r"\\(?:mathbb|mathcal|boldsymbol|vec|hat)\s*\{([^{}]*)\}", r"\1", s)
+    # Relation spellings.
+    s = re.sub(r"\\geq?(?:slant)?(?![a-zA-Z])|=>|\u2265", ">=", s)
+    s = re.sub(r"\\leq?(?:slant)?(?![a-zA-Z])|=<", "<=", s)
+    s = re.sub(r"\\neq?(?![a-zA-Z])", "!=", s)
+    s = re.sub(r"\\lt(?![a-zA-Z])", "<", s)
+    s = re.sub(r"\\gt(?![a-zA-Z])", ">", s)
+    s = re.sub(r"\\(?:dots|ldots|cdots)(?![a-zA-Z])", "", s)
+    # "and" / "or" between answers are separators.
+    s = re.sub(r"(?<![a-zA-Z\\])(?:and|or)(?![a-z])", ",", s)
+    s = re.sub(r"\s+", " ", s).strip()
+    if r"\approx" in s:
+        s = _split_approx(s)
+    # Infinity spellings.
+    s = re.sub(r"(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])", r"\\infty", s)
+    s = re.sub(r"\+\s*\\infty", r"\\infty", s)
+    # Commas left behind by "and" lists: "19, 46, , 82", leading/trailing separators.
+    s = re.sub(r"(?:\s*,\s*){2,}", ", ", s)
+    s = s.strip(" ,;")
+    s = re.sub(r"[\s.,;:!]+$", "", s) if not re.search(r"\d\.$", s) else s.rstrip(" .")
+    s = s.strip()
+    s = _strip_units(s)
+    s = re.sub(r"\s*%$", "%", s)
+    # Multiple-choice letters: (C), C), (C.
+    m = re.fullmatch(r"\(?\s*([A-Ea-e])\s*\)?", s)
+    if m:
+        s = m.group(1).upper() if s != m.group(1) else s
+    # Plain thousands separators on a lone number: 7,425,000 / 1 000 / 1,000.99.
+    if re.fullmatch(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?", s):
+        s = s.replace(",", "")
+    elif re.fullmatch(r"[+-]?\d{1,3}(?: \d{3})+(?:\.\d+)?%?", s):
+        s = s.replace(" ", "")
+    if s.startswith("+") and not s.startswith("+-"):
+        s = s[1:].lstrip()
+    return s
+
+
+def compact(text: str) -> str:
+    """Remove whitespace that does not separate two letters (for string comparison)."""
+    s = re.sub(r"\s+", " ", text.strip())
+    s = re.sub(r"(?<=[^a-zA-Z]) | (?=[^a-zA-Z])", "", s)
+    s = s.replace("{", "").replace("}", "") if not re.search(r"\\[a-zA-Z]", s) else s
+    return s
