@@ -57,11 +57,6 @@ class DataConfig:
     on_overlong_prompt: Literal["error", "drop"] = "error"
     shuffle: bool = True
     eval_limit: int | None = None
-    demo_task: bool = False
-    demo_num_train: int = 2000
-    demo_num_eval: int = 200
-    demo_max_operand: int = 50
-    demo_steps: int = 1
 
 
 @dataclasses.dataclass
@@ -90,9 +85,11 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    """Reward function by import path: fn(response_text, gold_answer) -> float."""
+    """Reward function by import path. batched=true: fn(responses, golds, timeout=...) -> list of
+    floats (the default math verifier, on all cores); batched=false: fn(response, gold) -> float."""
 
-    fn: str = "jaxrl4llm.rewards:math_reward"
+    fn: str = "jaxrl4llm.rewards:batch_math_reward"
+    batched: bool = True
     timeout: float = 5.0
 
 
@@ -317,9 +314,15 @@ def config_from_dict(raw: dict) -> RunConfig:
     return cfg
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """YAML file (or defaults when None) + overrides -> validated RunConfig."""
-    raw = read_yaml(path) if path is not None else {}
+def load_config(paths: str | Path | list | None, overrides: list[str] | None = None) -> RunConfig:
+    """YAML file(s) merged in order (or defaults when None) + overrides -> validated RunConfig."""
+    if paths is None:
+        paths = []
+    elif isinstance(paths, (str, Path)):
+        paths = [paths]
+    raw: dict = {}
+    for path in paths:
+        raw = _deep_merge(raw, read_yaml(path))
     raw = apply_overrides(raw, overrides or [])
     return config_from_dict(raw)
 

@@ -1,0 +1,205 @@
+"""Command line: `jaxrl4llm train | eval | sample | plot | convert | bin-difficulty | demo`.
+
+Every command takes `--help`. Training-style commands take one or more `-c CONFIG.yaml`
+(merged in order) followed by `section.key=value` overrides, e.g.
+
+    jaxrl4llm train -c configs/models/qwen3_4b_base.yaml -c configs/lite_ppo.yaml \\
+        model.path=/data/Qwen3-4B-Base data.train_files=[/data/train.jsonl] trainer.out_dir=runs/lite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+CONFIG_HELP = "YAML config file; repeat to merge several in order (later files win)."
+OVERRIDES_HELP = "section.key=value overrides applied after the files, e.g. optim.lr=2e-6 rollout.samples_per_prompt=16."
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", action="append", default=[], metavar="YAML", help=CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+
+
+def _load(args):
+    from jaxrl4llm.train.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_train(args) -> int:
+    from jaxrl4llm.train.loop import train
+    from jaxrl4llm.train.report import print_run_report
+
+    cfg = _load(args)
+    summary = train(cfg, resume=args.resume)
+    print_run_report(summary)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import jax
+
+    from jaxrl4llm.train.config import ConfigError
+    from jaxrl4llm.train.evaluation import evaluate
+    from jaxrl4llm.train.loop import _mesh, make_reward_fn
+    from jaxrl4llm.train.policy import load_policy
+    from jaxrl4llm.train.prompts import build_prompt_set, _load_file
+
+    cfg = _load(args)
+    if not cfg.data.eval_files:
+        raise ConfigError("jaxrl4llm eval needs data.eval_files=[FILE, ...].")
+    policy = load_policy(cfg, _mesh(cfg))
+    sets = []
+    for f in cfg.data.eval_files:
+        problems = _load_file(f, cfg)
+        if cfg.data.eval_limit:
+            problems = problems[: cfg.data.eval_limit]
+        sets.append(build_prompt_set(Path(f).stem, problems, policy.tokenizer, cfg))
+    result = evaluate(policy, sets, cfg, make_reward_fn(cfg), jax.random.PRNGKey(cfg.trainer.seed))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import jax
+
+    from jaxrl4llm.train.loop import _mesh
+    from jaxrl4llm.train.policy import load_policy
+
+    cfg = _load(args)
+    policy = load_policy(cfg, _mesh(cfg))
+    prompts = args.prompt or [sys.stdin.read()]
+    if args.template:
+        from jaxrl4llm.data import Problem, format_prompt
+
+        prompts = [format_prompt(Problem(problem=p, answer=""), args.template, tokenizer=policy.tokenizer) for p in prompts]
+    ids = [policy.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    rollout = policy.generate(ids, num_samples=args.num_samples, max_new_tokens=cfg.rollout.max_new_tokens,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                              rng=jax.random.PRNGKey(args.seed))
+    for i, text in enumerate(policy.decode(rollout)):
+        print(f"--- prompt {i // args.num_samples} sample {i % args.num_samples}")
+        print(text)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from jaxrl4llm.train.plot import plot_runs
+
+    path = plot_runs(args.run_dirs, args.out, metrics=args.metrics)
+    print(f"curves: {path}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from jaxrl4llm.train.export import export_checkpoint
+
+    path = export_checkpoint(args.run_dir, args.out, step=args.step)
+    print(f"exported Hugging Face folder: {path}")
+    return 0
+
+
+def cmd_bin_difficulty(args) -> int:
+    from jaxrl4llm.train.binning import bin_difficulty_command
+
+    bin_difficulty_command(args)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from jaxrl4llm.train.demo import run_demo
+
+    run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxrl4llm", description="RL for LLM reasoning in JAX (GRPO, DAPO, Dr. GRPO, Lite PPO).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="run an RL experiment from YAML configs",
+                       description="Sample, reward, update, evaluate and checkpoint, as the configs say. "
+                       "Writes OUT/metrics.jsonl, OUT/tb (TensorBoard), OUT/checkpoints and OUT/hf_export.")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in trainer.out_dir")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a model on data.eval_files (accuracy, pass@k, length)",
+                       description="Samples trainer.eval_samples responses per problem at trainer.eval_temperature "
+                       "(0 = greedy) and prints accuracy, pass@k and mean response length per file as JSON.")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("sample", help="sample completions for prompts from a model",
+                       description="Generates with the JAX sampler using the rollout.* settings of the config.")
+    _add_config_args(p)
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: read stdin")
+    p.add_argument("--template", default=None, help="wrap each prompt with a template (base, demo, chat)")
+    p.add_argument("-n", "--num-samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.set_defaults(fn=cmd_sample)
+
+    p = sub.add_parser("plot", help="draw training curves of one or more runs to a PNG",
+                       description="Reads RUN_DIR/metrics.jsonl of each run and overlays their curves.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("-o", "--out", default=None, help="output PNG (default: FIRST_RUN_DIR/curves.png)")
+    p.add_argument("--metrics", nargs="*", default=None, help="metric names to plot (default: the study's panel)")
+    p.set_defaults(fn=cmd_plot)
+
+    p = sub.add_parser("convert", help="export a run's checkpoint to a Hugging Face folder",
+                       description="Restores the orbax checkpoint of RUN_DIR (latest or --step) and writes config.json, "
+                       "safetensors and the tokenizer to --out, loadable by transformers and vLLM.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("bin-difficulty", help="bin problems into easy/medium/hard by correct answers in k rollouts",
+                       description="The study's binning: sample --rollouts responses per problem with the JAX sampler, "
+                       "count correct answers, write easy/medium/hard JSONL files and a histogram.")
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--data", required=True, help="JSONL/JSON/parquet problems file")
+    p.add_argument("--rollouts", type=int, default=8, help="responses sampled per problem (default 8)")
+    p.add_argument("--out", default="difficulty_bins", help="output folder")
+    p.add_argument("--easy-min", type=int, default=None, help="correct counts >= this are easy (default: rollouts - 1)")
+    p.add_argument("--hard-max", type=int, default=None, help="correct counts <= this are hard (default: 1)")
+    p.add_argument("--template", default="base", help="prompt template (base, demo, chat)")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.99)
+    p.add_argument("--top-p", type=float, default=0.99)
+    p.add_argument("--top-k", type=int, default=100)
+    p.add_argument("--batch-prompts", type=int, default=16, help="prompts per sampler call")
+    p.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_bin_difficulty)
+
+    p = sub.add_parser("demo", help="Lite PPO on the built-in arithmetic task on the CPU (the README's first command)",
+                       description="Builds the demo task and tokenizer, warm-starts a small model by SFT, runs Lite PPO, "
+                       "and prints held-out accuracy before -> after and the curves PNG.")
+    p.add_argument("--out-dir", default="runs/demo", help="where data, checkpoints and curves go")
+    p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; does not reach the target)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxrl4llm.train.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        # Our errors name the problem and the fix; JAXRL4LLM_DEBUG=1 shows the traceback too.
+        if os.environ.get("JAXRL4LLM_DEBUG"):
+            raise
+        print(f"jaxrl4llm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

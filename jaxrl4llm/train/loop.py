@@ -1,0 +1,307 @@
+"""The RL loop: sample P prompts x G responses, reward, shape, filter, compute advantages, update,
+log, evaluate, checkpoint; the sampler reads the freshly updated parameters directly.
+
+    summary = train(load_config("configs/lite_ppo.yaml"), resume=False)
+
+Exact resume: the prompt order is a pure function of (seed, epoch), the cursor into it is
+checkpointed, and every step's PRNG key is fold_in(seed key, step), so 2 steps + resume + 2
+steps equals 4 steps.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl4llm.core import compute_advantages, policy_loss
+from jaxrl4llm.train.batching import rollout_to_batch
+from jaxrl4llm.train.checkpointing import RunCheckpointer
+from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
+from jaxrl4llm.train.evaluation import evaluate
+from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio
+from jaxrl4llm.train.policy import Policy, load_policy
+from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
+from jaxrl4llm.train.step import (
+    UpdateSettings,
+    init_train_state,
+    make_logprob_pass,
+    make_optimizer,
+    make_update_fn,
+)
+
+
+def import_object(path: str, what: str) -> Any:
+    """'package.module:attr' (or 'package.module.attr') -> the object, with a clear error."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{what}={path!r}: cannot import module {module_name!r} ({e}). Use 'package.module:function'.") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{what}={path!r}: module {module_name!r} has no attribute {attr!r}.")
+    return getattr(module, attr)
+
+
+def make_reward_fn(cfg: RunConfig) -> Callable[[list[str], list[str]], list[float]]:
+    """Batch reward fn (responses, golds) -> rewards from `reward.fn` (batched or per sample)."""
+    fn = import_object(cfg.reward.fn, "reward.fn")
+    if cfg.reward.batched:
+        return lambda responses, golds: [float(r) for r in fn(responses, golds, timeout=cfg.reward.timeout)]
+    return lambda responses, golds: [float(fn(r, g)) for r, g in zip(responses, golds)]
+
+
+class PromptStream:
+    """Deterministic prompt order: epoch e is permutation(seed + e) of the train set; `cursor`
+    counts prompts consumed so far (checkpointed)."""
+
+    def __init__(self, num: int, *, seed: int, shuffle: bool, cursor: int = 0):
+        if num == 0:
+            raise ConfigError("The training set is empty: check data.train_files (or data.demo_task).")
+        self.num, self.seed, self.shuffle, self.cursor = num, seed, shuffle, cursor
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.cursor, self.num)
+            order = np.random.default_rng(self.seed + epoch).permutation(self.num) if self.shuffle else np.arange(self.num)
+            out.append(int(order[i]))
+            self.cursor += 1
+        return out
+
+
+def _mesh(cfg: RunConfig):
+    from jaxrl4llm.models import make_mesh
+
+    n = jax.device_count()
+    dims = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+    if dims.count(-1) > 1:
+        raise ConfigError("At most one of mesh.data / mesh.fsdp / mesh.tensor may be -1.")
+    fixed = int(np.prod([d for d in dims if d != -1]))
+    if -1 in dims:
+        if n % fixed:
+            raise ConfigError(f"mesh {dims}: {n} devices are not divisible by {fixed}.")
+        dims[dims.index(-1)] = n // fixed
+    if int(np.prod(dims)) != n:
+        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {int(np.prod(dims))} but there are {n} devices.")
+    return make_mesh(*dims)
+
+
+def _rows_per_micro(cfg: RunConfig, rows: int) -> int:
+    minis = cfg.trainer.mini_batches
+    if rows % minis:
+        raise ConfigError(f"{rows} rollout rows are not divisible by trainer.mini_batches={minis}.")
+    per_mini = rows // minis
+    mbs = cfg.trainer.micro_batch_size or per_mini
+    if per_mini % mbs:
+        raise ConfigError(f"a mini-batch of {per_mini} rows is not divisible by trainer.micro_batch_size={mbs}.")
+    return per_mini // mbs
+
+
+def _sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe):
+    """Samples until P groups with differing rewards are found (dynamic sampling) or the draw cap
+    is reached; returns (rollout rows of P groups, rewards, golds, responses, stats)."""
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    kept: list[tuple] = []  # (rollout, index in it, rewards, responses, prompt id)
+    spare: list[tuple] = []
+    draws = 0
+    t_sample = t_reward = 0.0
+    all_rewards = []
+    max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
+    while len(kept) < P and draws < max_draws:
+        draws += 1
+        ids = stream.take(P)
+        t0 = time.perf_counter()
+        rollout = policy.generate([prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
+                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                  rng=jax.random.fold_in(rng, draws))
+        jax.block_until_ready(rollout.response_tokens)
+        t1 = time.perf_counter()
+        responses = policy.decode(rollout)
+        golds = [prompts.answers[i] for i in ids for _ in range(G)]
+        rewards = np.asarray(reward_fn(responses, golds), np.float32)
+        t2 = time.perf_counter()
+        t_sample += t1 - t0
+        t_reward += t2 - t1
+        all_rewards.append(rewards)
+        for g, pid in enumerate(ids):
+            rows = slice(g * G, (g + 1) * G)
+            entry = (rollout, g, rewards[rows], responses[rows], pid)
+            varied = rewards[rows].max() != rewards[rows].min()
+            if varied or not recipe.dynamic_sampling:
+                if len(kept) < P:
+                    kept.append(entry)
+            else:
+                spare.append(entry)
+    filled_with_constant = max(P - len(kept), 0)
+    kept.extend(spare[:filled_with_constant])  # fixed shapes: constant groups get zero weight below
+    rollouts = [e[0] for e in kept]
+    # Concatenate the chosen groups' rows into one Rollout (same shapes: same buckets per step).
+    pad_to = max(r.prompt_tokens.shape[1] for r in rollouts)
+    pieces = []
+    for rollout, g, *_ in kept:
+        piece = jax.tree.map(lambda x: x[g * G : (g + 1) * G], rollout)
+        pieces.append(_left_pad_prompt(piece, pad_to, policy.pad_token_id))
+    merged = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *pieces)
+    stats = {
+        "time_sampling": t_sample,
+        "time_reward": t_reward,
+        "sampling_draws": draws,
+        "groups_filled_constant": filled_with_constant,
+        "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
+    }
+    rewards = np.concatenate([e[2] for e in kept])
+    responses = [s for e in kept for s in e[3]]
+    return merged, rewards, responses, stats
+
+
+def _left_pad_prompt(rollout, width: int, pad_id: int):
+    extra = width - rollout.prompt_tokens.shape[1]
+    if extra == 0:
+        return rollout
+    n = rollout.prompt_tokens.shape[0]
+    return rollout._replace(
+        prompt_tokens=jnp.concatenate([jnp.full((n, extra), pad_id, rollout.prompt_tokens.dtype), rollout.prompt_tokens], 1),
+        prompt_mask=jnp.concatenate([jnp.zeros((n, extra), rollout.prompt_mask.dtype), rollout.prompt_mask], 1),
+    )
+
+
+def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths)."""
+    recipe = cfg.recipe()
+    loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
+    reward_fn = make_reward_fn(cfg)
+    out = Path(cfg.trainer.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+
+    mesh = _mesh(cfg)
+    policy = load_policy(cfg, mesh)
+    train_set, eval_sets = load_prompt_sets(cfg, policy.tokenizer)
+    G = cfg.rollout.samples_per_prompt
+    rows = cfg.rollout.prompts_per_step * G
+    micro = _rows_per_micro(cfg, rows)
+
+    optimizer, schedule = make_optimizer(
+        lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
+        total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
+        min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
+        eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
+    )
+    settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro)
+    # The optimizer state is created under jit from the (possibly sharded) params, so its
+    # moments inherit the parameter shardings; the update keeps every leaf where it is.
+    state = jax.jit(lambda p: init_train_state(p, optimizer))(policy.params)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    update = jax.jit(
+        make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
+                       settings=settings, loss_fn=loss_fn),
+        out_shardings=(state_shardings, None, None),
+        donate_argnums=(0,),
+    )
+    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro))
+    advantages_fn = jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l))
+
+    need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
+    ref_params = jax.tree.map(jnp.copy, policy.params) if need_ref else None
+
+    ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
+    start_step, cursor = 0, 0
+    if resume:
+        state, meta, start_step = ckpt.restore(state)
+        cursor = int(meta["data_cursor"])
+        log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
+    stream = PromptStream(len(train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor)
+    writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar, start_step=start_step)
+    writer.truncate_after(start_step)
+    base_key = jax.random.PRNGKey(cfg.trainer.seed)
+
+    eval_before = None
+    if eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
+        eval_before = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9))
+        writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()})
+
+    history = []
+    for step in range(start_step, cfg.trainer.steps):
+        t_step = time.perf_counter()
+        key = jax.random.fold_in(base_key, step)
+        current = policy.with_params(state.params)
+        rollout, rewards, responses, sample_stats = _sample_groups(current, train_set, stream, cfg, key, reward_fn, recipe)
+        adv = advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
+        batch = rollout_to_batch(rollout, adv)
+        t_update = time.perf_counter()
+        if cfg.trainer.old_logp_source == "recompute":
+            old_logp, _ = logprob_pass(state.params, batch)
+            old_logp = old_logp * batch.loss_mask
+            batch = batch._replace(old_logp=old_logp)
+        if ref_params is not None:
+            ref_logp, _ = logprob_pass(ref_params, batch)
+            batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
+        gap = jnp.abs(batch.old_logp - batch.sampler_logp) * batch.loss_mask
+        n_tok = jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
+        state, metrics, clipped = update(state, batch)
+        metrics = jax.device_get(metrics)
+        t_end = time.perf_counter()
+
+        lengths = np.asarray(rollout.lengths)
+        truncated = np.asarray(rollout.truncated)
+        response_ids = [np.asarray(rollout.response_tokens)[i, : lengths[i]].tolist() for i in range(len(lengths))]
+        record = {
+            **{k: float(v) for k, v in metrics.items()},
+            "reward": float(np.mean(rewards)),
+            "accuracy": float(np.mean(rewards > 0.5)),
+            "advantage_mean": float(jnp.mean(adv.advantages)),
+            "advantage_std": float(jnp.std(adv.advantages)),
+            "advantage_abs_max": float(jnp.max(jnp.abs(adv.advantages))),
+            "rows_in_loss": float(jnp.mean(adv.row_weights)),
+            "response_length": float(lengths.mean()),
+            "response_length_max": int(lengths.max()),
+            "truncation_rate": float(truncated.mean()),
+            "truncated_repeat_ratio": truncated_repeat_ratio(response_ids, truncated),
+            "sampler_trainer_logp_gap": float(jnp.sum(gap) / n_tok),
+            "time_update": t_end - t_update,
+            "time_step": t_end - t_step,
+            "tokens_per_second": float(np.sum(lengths) + rollout.prompt_mask.sum()) / (t_end - t_step),
+            **sample_stats,
+        }
+        if ref_params is None:
+            record.pop("kl", None)
+        if cfg.trainer.clipped_tokens_every and (step + 1) % cfg.trainer.clipped_tokens_every == 0:
+            top = most_clipped_tokens(np.asarray(batch.targets), np.asarray(clipped), policy.decode_ids)
+            record["most_clipped_tokens"] = [[t, c] for t, c in top]
+        if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and eval_sets:
+            ev = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9 + step + 1))
+            record.update({f"eval/{k}": v for k, v in ev.items()})
+        writer.write(step + 1, record)
+        history.append(record)
+        if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
+            ckpt.save(step + 1, state, {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1})
+
+    eval_after = None
+    if eval_sets and cfg.trainer.eval_every >= 0:
+        if history and any(k.startswith("eval/") for k in history[-1]):
+            eval_after = {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
+        else:
+            eval_after = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn,
+                                  jax.random.fold_in(base_key, 10**9 + cfg.trainer.steps))
+    writer.close()
+    export_dir = None
+    if cfg.trainer.export_hf:
+        export_dir = policy.with_params(state.params).export(out / "hf_export")
+    ckpt.close()
+    return {
+        "history": history,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "state": state,
+        "out_dir": str(out),
+        "export_dir": None if export_dir is None else str(export_dir),
+    }
+
+
