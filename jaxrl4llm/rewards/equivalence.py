@@ -25,7 +25,7 @@ import re
 
 from jaxrl4llm.rewards.limits import within_answer_limits
 from jaxrl4llm.rewards.normalization import compact, is_name, normalize_answer
-from jaxrl4llm.rewards.numbers import close_numbers, parse_number
+from jaxrl4llm.rewards.numbers import close_numbers, is_exact_literal, parse_number
 from jaxrl4llm.rewards.structure import (
     Atom,
     Matrix,
@@ -52,8 +52,15 @@ def quick_verdict(pred: str, gold: str) -> bool | None:
         return None
     a, b = parse_number(pred), parse_number(gold)
     if a is not None and b is not None:
-        return close_numbers(a, b)
+        return _numbers_equal(a, b, pred, gold)
     return None
+
+
+def _numbers_equal(a, b, a_text: str, b_text: str) -> bool:
+    """Exact for two exact literals (integers, integer fractions); else relative 1e-9."""
+    if is_exact_literal(a_text) and is_exact_literal(b_text):
+        return a == b
+    return close_numbers(a, b)
 
 
 def answers_equal(pred: str, gold: str) -> bool:
@@ -105,7 +112,10 @@ def atoms_equal(x: str, y: str) -> bool:
         return bool(_numbers_with_percent(x, y))
     nx, ny = parse_number(x), parse_number(y)
     if nx is not None and ny is not None:
-        return close_numbers(nx, ny)
+        return _numbers_equal(nx, ny, x, y)
+    mc = re.match(r"^\(([A-E])\)\s*\S", x)
+    if mc and re.fullmatch(r"[A-E]", y):
+        return mc.group(1) == y
     if _is_text(x) or _is_text(y):
         return compact(x).lower() == compact(y).lower()
     if _is_opaque(x) or _is_opaque(y):

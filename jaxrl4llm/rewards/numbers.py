@@ -60,6 +60,11 @@ def parse_number(text: str) -> Fraction | None:
     return None
 
 
+def is_exact_literal(text: str) -> bool:
+    """True for integers and integer fractions (no decimal point, no exponent)."""
+    return not re.search(r"[.eE]|\\times|\\cdot", text)
+
+
 def close_numbers(a: Fraction | float, b: Fraction | float, rel_tol: float = 1e-9) -> bool:
     """True when a == b exactly, or |a - b| <= rel_tol * max(|a|, |b|).
 

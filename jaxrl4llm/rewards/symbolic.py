@@ -106,6 +106,8 @@ def _fix_constants(expr: sympy.Basic) -> sympy.Basic:
     for sym in expr.free_symbols:
         if sym.name == "e":
             subs[sym] = sympy.E
+        elif sym.name == "pi":
+            subs[sym] = sympy.pi
         elif sym.name == "i":
             subs[sym] = sympy.I
     return expr.xreplace(subs) if subs else expr
@@ -118,13 +120,13 @@ def to_sympy(text: str) -> sympy.Expr | None:
     if not s or _REFUSE_RE.search(re.sub(r"_\{[^{}]*\}", "_", s)):
         return None
     try:
-        expr = parse_latex(s)
+        expr = _fix_constants(parse_latex(s))
         _check_size(expr)
     except (_Refused, Exception):  # noqa: BLE001 - any parse failure means "not comparable"
         return None
     if isinstance(expr, sympy.core.relational.Relational):
         return None
-    return _fix_constants(expr)
+    return expr
 
 
 def _numeric(expr: sympy.Expr, subs: dict | None = None) -> complex | None:
