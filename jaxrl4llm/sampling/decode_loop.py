@@ -1,0 +1,160 @@
+"""The sampler's device program: prefill, then a `lax.while_loop` of decode steps, all in one jit.
+
+    y_0 ~ pi(. | prompt);   y_t ~ pi(. | prompt, y_<t)   for t < R, until every row has emitted EOS
+
+One compiled program per (config, prompt bucket, batch bucket, G, R, top_k, flags, mesh).
+The generated-token KV cache is preallocated in `num_blocks` blocks; block j is filled by
+the j-th while_loop (its buffer is the loop carry, updated in place by dynamic_update_slice)
+and attended to by every later step, so step t reads O(t) cache (see models/decode.py).
+Each while_loop exits as soon as every row is done, and later loops then run zero times.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill
+from jaxrl4llm.models.sharding import logical_to_spec
+from jaxrl4llm.sampling.filters import sample_tokens
+
+
+class DecodeState(NamedTuple):
+    """Loop carry. t: index of the next response token; token/done/eos_seen/length [N];
+    tokens/logprobs/logprobs_untruncated [N, R]."""
+
+    t: jax.Array
+    token: jax.Array
+    done: jax.Array
+    eos_seen: jax.Array
+    length: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    logprobs_untruncated: jax.Array
+
+
+class ProgramOutput(NamedTuple):
+    """Device outputs over all N_pad = P_pad * G rows (padding rows included)."""
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    response_tokens: jax.Array
+    response_mask: jax.Array
+    logprobs: jax.Array
+    logprobs_untruncated: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+
+
+def block_size_for(max_new_tokens: int, *, max_blocks: int = 4, min_block: int = 32) -> int:
+    """Generated-KV block size: blk = max(min_block, ceil((R-1) / max_blocks)) rounded up to 8.
+
+    R-1 slots hold the keys of response tokens 0..R-2 (the last token is never fed back).
+    More blocks = less cache read per step but one more compiled copy of the step body.
+    """
+    slots = max(max_new_tokens - 1, 1)
+    blk = max(min_block, -(-slots // max_blocks))
+    return -(-blk // 8) * 8
+
+
+def _row_constraint(x, mesh: Mesh | None):
+    if mesh is None:
+        return x
+    spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), DECODE_RULES, shape=x.shape, mesh=mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int) -> DecodeState:
+    """Write step t's sample into column t (pad / 0 for rows already done) and advance t."""
+    live = ~state.done
+    token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
+    is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1) & live
+    column = lambda buf, col: jax.lax.dynamic_update_slice(buf, col[:, None].astype(buf.dtype),
+                                                           (jnp.zeros((), jnp.int32), state.t))
+    zero = jnp.zeros((num_rows,), jnp.float32)
+    return DecodeState(
+        t=state.t + 1,
+        token=token,
+        done=state.done | is_eos,
+        eos_seen=state.eos_seen | is_eos,
+        length=state.length + live.astype(jnp.int32),
+        tokens=column(state.tokens, token),
+        logprobs=column(state.logprobs, jnp.where(live, sample.logprob, zero)),
+        logprobs_untruncated=column(state.logprobs_untruncated, jnp.where(live, sample.logprob_untruncated, zero)),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "mesh"),
+)
+def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids, pad_id, *,
+                   config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
+                   greedy: bool, block_size: int, mesh: Mesh | None) -> ProgramOutput:
+    """Sample `num_samples` responses of up to `max_new_tokens` tokens for each left-padded prompt.
+
+    Args:
+      params: the model params pytree (any dtype/sharding; cast and resharded on device).
+      prompt_tokens, prompt_mask [P, T] int32 (left-padded; mask 1 = real); row_valid [P] bool.
+      rng: PRNG key; step t draws with fold_in(rng, t). temperature, top_p: float32 scalars.
+      eos_ids [E] int32; pad_id int32 scalar.
+    Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
+    """
+    g, r = num_samples, max_new_tokens
+    num_rows = prompt_tokens.shape[0] * g
+    weights = decode_weights(params, config, mesh=mesh)
+    first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh)
+    sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               use_top_p=use_top_p, greedy=greedy)
+    prompt_len = _row_constraint(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
+    padding_row = _row_constraint(jnp.repeat(~row_valid, g), mesh)
+    zeros = lambda dtype: _row_constraint(jnp.zeros((num_rows, r), dtype), mesh)
+    state = DecodeState(
+        t=jnp.zeros((), jnp.int32),
+        token=jnp.zeros((num_rows,), jnp.int32),
+        done=padding_row,
+        eos_seen=jnp.zeros((num_rows,), bool),
+        length=jnp.zeros((num_rows,), jnp.int32),
+        tokens=zeros(jnp.int32) + pad_id,
+        logprobs=zeros(jnp.float32),
+        logprobs_untruncated=zeros(jnp.float32),
+    )
+    first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), jax.random.fold_in(rng, 0))
+    state = _record(state, first, eos_ids, pad_id, num_rows)
+
+    num_blocks = -(-(r - 1) // block_size)
+    done_blocks = []
+    for j in range(num_blocks):
+        block_end = (j + 1) * block_size  # slots [j*blk, (j+1)*blk) hold response tokens t-1
+
+        def cond(carry, block_end=block_end):
+            state, _ = carry
+            return (state.t < r) & (state.t - 1 < block_end) & ~jnp.all(state.done)
+
+        def body(carry, j=j, done_blocks=tuple(done_blocks)):
+            state, block = carry
+            slot = state.t - 1 - j * block_size
+            logits, block = decode_step(weights, config, state.token, prompt_len + state.t - 1, prompt_kv,
+                                        list(done_blocks), block, slot)
+            return _record(state, sample(logits, jax.random.fold_in(rng, state.t)), eos_ids, pad_id, num_rows), block
+
+        block = empty_block(config, num_rows, block_size, mesh=mesh)
+        state, block = jax.lax.while_loop(cond, body, (state, block))
+        done_blocks.append(block)
+
+    steps = jnp.arange(r, dtype=jnp.int32)
+    return ProgramOutput(
+        prompt_tokens=_row_constraint(jnp.repeat(prompt_tokens, g, axis=0), mesh),
+        prompt_mask=_row_constraint(jnp.repeat(prompt_mask, g, axis=0).astype(jnp.float32), mesh),
+        response_tokens=state.tokens,
+        response_mask=(steps[None, :] < state.length[:, None]).astype(jnp.float32),
+        logprobs=state.logprobs,
+        logprobs_untruncated=state.logprobs_untruncated,
+        lengths=state.length,
+        truncated=~state.eos_seen,
+    )

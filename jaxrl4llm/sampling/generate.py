@@ -1,0 +1,108 @@
+"""generate(): the sampler's public entry point (host side: validate, bucket, pad, run, trim).
+
+    rollout = generate(params, config, prompts, num_samples=G, max_new_tokens=R, ...)
+
+Takes the same params pytree the train step updates (any dtype, any sharding: the device
+program casts it to `config.dtype` and reshards it to the decode layout on device) and
+returns a `Rollout` of N = len(prompts) * G rows whose arrays stay on device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.decode import DECODE_RULES
+from jaxrl4llm.models.sharding import logical_to_spec
+from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
+from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program
+from jaxrl4llm.sampling.rollout import Rollout
+
+
+def _data_parallel_size(mesh: Mesh | None) -> int:
+    """Number of ways the rows are split on `mesh` (product of the mesh axes of the "batch" rule)."""
+    if mesh is None:
+        return 1
+    axes = dict(DECODE_RULES)["batch"]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))
+
+
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples: int, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_ids: Sequence[int],
+             pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
+             max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
+             batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None) -> Rollout:
+    """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
+
+    Args:
+      params, config: model parameters pytree and its ModelConfig (jaxrl4llm.models).
+      prompts: P token-id lists (unpadded, any lengths >= 1).
+      num_samples: G responses per prompt (rows p*G .. p*G+G-1 answer prompt p).
+      max_new_tokens: R, the response budget (Rollout arrays are [N, R]).
+      temperature (> 0), top_p (in (0, 1]), top_k (0 = off): the sampling distribution.
+      greedy: argmax decoding (ignores temperature/top-k/top-p for the choice).
+      eos_token_ids: tokens that end a response (kept in the response, masked after).
+      pad_token_id: fills the left of prompts and the right of finished responses.
+      rng: PRNG key; same key + same inputs -> same rollout.
+      mesh: optional ("data", "fsdp", "tensor") mesh: rows split over data x fsdp, weights and
+        KV heads over tensor.
+      max_prompt_length: optional prompt budget; a longer prompt is an error (default: no
+        budget, the longest prompt picks the bucket).
+      prompt_buckets, batch_buckets: padded prompt lengths / prompt counts (one compile each).
+      kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens)`).
+    Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
+    """
+    num_prompts = len(prompts)
+    if num_prompts == 0:
+        raise ValueError("generate() needs at least one prompt, got an empty list")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature} (use greedy=True for argmax)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_ids", t) for t in eos_token_ids]:
+        if not 0 <= int(token) < config.vocab_size:
+            raise ValueError(f"{name} contains {token}, outside the vocabulary [0, {config.vocab_size})")
+
+    longest = max(len(p) for p in prompts)
+    if max_prompt_length is not None and longest > max_prompt_length:
+        index = next(i for i, p in enumerate(prompts) if len(p) == longest)
+        raise ValueError(f"prompt {index} has {longest} tokens, more than max_prompt_length={max_prompt_length}; "
+                         f"raise max_prompt_length or truncate the prompt")
+    prompt_len = bucket(longest, prompt_buckets)
+    if prompt_len + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"prompt bucket {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}; lower max_new_tokens or "
+                         f"shorten the prompts")
+    num_rows = bucket(num_prompts, batch_buckets, multiple_of=_data_parallel_size(mesh))
+    padded = left_pad_prompts(prompts, pad_token_id=pad_token_id, length=prompt_len, num_rows=num_rows)
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {config.vocab_size})")
+
+    arrays = (padded.tokens, padded.mask, padded.row_valid)
+    if mesh is not None:
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
+            ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
+        arrays = tuple(put(a) for a in arrays)
+    eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
+    out = sample_program(
+        params, *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
+        config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
+        use_top_p=bool(top_p < 1.0), greedy=bool(greedy),
+        block_size=int(kv_block_size or block_size_for(max_new_tokens)), mesh=mesh)
+    n = num_prompts * num_samples
+    if num_rows != num_prompts:
+        out = jax.tree.map(lambda a: a[:n], out)
+    return Rollout(*out)

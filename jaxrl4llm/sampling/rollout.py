@@ -1,0 +1,81 @@
+"""Rollout: what the sampler returns, one row per sampled response (a pytree of arrays).
+
+Row n answers prompt n // G (the G = num_samples responses of a prompt are adjacent, as the
+loss math in `core/` expects). Prompts are left-padded, so the training batch is simply
+
+    tokens = concat(prompt_tokens, response_tokens)   mask = concat(prompt_mask, response_mask)
+    positions = cumsum(mask) - 1                       (a prompt's first real token is position 0)
+
+which are exactly the positions the sampler used.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+
+class Rollout(NamedTuple):
+    """Sampled responses and their log-probs (N = num_prompts * num_samples rows, R response slots).
+
+    prompt_tokens [N, P] int32: left-padded prompt (pad_token_id on the left).
+    prompt_mask [N, P] float32: 1 on real prompt tokens.
+    response_tokens [N, R] int32: generated tokens; pad_token_id after EOS.
+    response_mask [N, R] float32: 1 on generated tokens up to and including EOS, 0 after.
+    logprobs [N, R] float32: log p(y_t) under the distribution y_t was drawn from
+        (temperature, top-k and top-p applied); 0 where response_mask is 0.
+    logprobs_untruncated [N, R] float32: log softmax(logits / temperature)[y_t] (no top-k/top-p),
+        what a teacher-forced forward with the same temperature recomputes; 0 where masked.
+    lengths [N] int32: number of response tokens (EOS included).
+    truncated [N] bool: no EOS within max_new_tokens.
+    """
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    response_tokens: jax.Array
+    response_mask: jax.Array
+    logprobs: jax.Array
+    logprobs_untruncated: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+
+    @property
+    def num_rows(self) -> int:
+        return self.response_tokens.shape[0]
+
+
+def response_token_lists(rollout: Rollout) -> list[list[int]]:
+    """The generated token ids of every row (EOS included, padding dropped), on the host."""
+    tokens = np.asarray(rollout.response_tokens)
+    lengths = np.asarray(rollout.lengths)
+    return [tokens[n, : lengths[n]].tolist() for n in range(tokens.shape[0])]
+
+
+def prompt_token_lists(rollout: Rollout) -> list[list[int]]:
+    """The prompt token ids of every row (left padding dropped), on the host."""
+    tokens = np.asarray(rollout.prompt_tokens)
+    mask = np.asarray(rollout.prompt_mask) > 0
+    return [tokens[n, mask[n]].tolist() for n in range(tokens.shape[0])]
+
+
+def decode_responses(rollout: Rollout, tokenizer, *, skip_special_tokens: bool = True) -> list[str]:
+    """Response text of every row: tokenizer.batch_decode of `response_token_lists` (host side).
+
+    `tokenizer` is anything with `batch_decode(list[list[int]], skip_special_tokens=...)`
+    (a transformers tokenizer, e.g. from `jaxrl4llm.models.load_tokenizer`).
+    """
+    return list(tokenizer.batch_decode(response_token_lists(rollout), skip_special_tokens=skip_special_tokens))
+
+
+def decode_prompts(rollout: Rollout, tokenizer, *, skip_special_tokens: bool = False) -> list[str]:
+    """Prompt text of every row (host side), see `decode_responses`."""
+    return list(tokenizer.batch_decode(prompt_token_lists(rollout), skip_special_tokens=skip_special_tokens))
+
+
+def group_rows(values: Sequence, group_size: int) -> list[list]:
+    """[v_0 .. v_{N-1}] -> [[v_0 .. v_{G-1}], [v_G ..], ...]: the responses of each prompt."""
+    if len(values) % group_size:
+        raise ValueError(f"{len(values)} rows do not split into groups of {group_size}")
+    return [list(values[i : i + group_size]) for i in range(0, len(values), group_size)]

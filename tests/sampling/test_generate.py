@@ -1,0 +1,121 @@
+"""generate(): greedy parity with transformers, exact log-probs, EOS/truncation, seeds, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxrl4llm.models import forward
+from jaxrl4llm.sampling import generate, response_token_lists
+from jaxrl4llm.sampling.decode_loop import sample_program
+from tests.sampling.conftest import PAD, load_family, random_prompts
+
+
+def hf_greedy(model, prompts, max_new_tokens, eos=None) -> list[list[int]]:
+    """transformers generate(do_sample=False) on a left-padded batch; each row's new tokens, cut after EOS."""
+    t = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (t - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (t - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=PAD)[:, t:].tolist()
+    rows = []
+    for row in out:
+        cut = row.index(eos) + 1 if eos is not None and eos in row else len(row)
+        rows.append(row[:cut])
+    return rows
+
+
+def teacher_forced_logprobs(params, config, rollout, temperature=1.0):
+    """log softmax(logits / T)[y_t] from one forward pass over concat(prompt, response), positions cumsum(mask)-1."""
+    tokens = jnp.concatenate([rollout.prompt_tokens, rollout.response_tokens], axis=1)
+    mask = jnp.concatenate([rollout.prompt_mask, rollout.response_mask], axis=1)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+    logits = forward(params, config, tokens, positions=positions, attention_mask=mask)
+    p = rollout.prompt_tokens.shape[1]
+    logp = jax.nn.log_softmax(logits[:, p - 1:-1] / temperature, axis=-1)
+    return jnp.take_along_axis(logp, rollout.response_tokens[..., None], axis=-1)[..., 0], logits[:, p - 1:-1]
+
+
+@pytest.mark.parametrize("family,max_new_tokens,block", [("qwen2", 24, None), ("qwen3", 40, 16), ("llama", 24, None)])
+def test_greedy_matches_transformers_token_for_token(family, max_new_tokens, block, tmp_path_factory, key):
+    model, config, params = load_family(family, tmp_path_factory)
+    prompts = random_prompts(1)
+    run = lambda eos: generate(params, config, prompts, num_samples=2, max_new_tokens=max_new_tokens, greedy=True,
+                               eos_token_ids=[] if eos is None else [eos], pad_token_id=PAD, rng=key,
+                               kv_block_size=block)
+    expected = hf_greedy(model, prompts, max_new_tokens)
+    ours = run(None)
+    got = response_token_lists(ours)
+    for n, row in enumerate(got):
+        assert row == expected[n // 2], f"row {n} (prompt {n // 2}) differs from transformers"
+    assert np.all(np.asarray(ours.truncated))
+
+    # EOS parity: a token that row 0 emits at step 5 ends that row there; others stop at their own first one.
+    eos = expected[0][5]
+    expected = hf_greedy(model, prompts, max_new_tokens, eos=eos)
+    ours = run(eos)
+    got = response_token_lists(ours)
+    assert got[0] == expected[0] and len(got[0]) <= 6
+    for n, row in enumerate(got):
+        assert row == expected[n // 2], f"row {n} (prompt {n // 2}) differs from transformers with eos={eos}"
+    tokens, mask = np.asarray(ours.response_tokens), np.asarray(ours.response_mask)
+    lengths = np.asarray(ours.lengths)
+    np.testing.assert_array_equal(lengths, [len(r) for r in got])
+    np.testing.assert_array_equal(np.asarray(ours.truncated), [r[-1] != eos for r in got])
+    np.testing.assert_array_equal(mask, np.arange(max_new_tokens)[None] < lengths[:, None])
+    assert np.all(tokens[mask == 0] == PAD)
+    assert np.all(np.asarray(ours.logprobs)[mask == 0] == 0)
+
+
+def test_logprobs_equal_teacher_forced_forward(qwen3, key):
+    _, config, params = qwen3
+    temperature = 0.7
+    rollout = generate(params, config, random_prompts(2), num_samples=3, max_new_tokens=40, temperature=temperature,
+                       eos_token_ids=[5], pad_token_id=PAD, rng=key, kv_block_size=16)
+    expected, _ = teacher_forced_logprobs(params, config, rollout, temperature)
+    mask = np.asarray(rollout.response_mask)
+    assert mask.sum() > 100
+    np.testing.assert_allclose(np.asarray(rollout.logprobs_untruncated) * mask, np.asarray(expected) * mask, atol=1e-4)
+    # no top-k / top-p: the sampling distribution is the tempered softmax itself
+    np.testing.assert_array_equal(np.asarray(rollout.logprobs), np.asarray(rollout.logprobs_untruncated))
+
+
+def test_top_k_top_p_stay_in_their_set_and_renormalise(qwen3, key):
+    _, config, params = qwen3
+    top_k, top_p, temperature = 7, 0.6, 1.3
+    rollout = generate(params, config, random_prompts(3), num_samples=4, max_new_tokens=24, temperature=temperature,
+                       top_k=top_k, top_p=top_p, eos_token_ids=[], pad_token_id=PAD, rng=key)
+    _, logits = teacher_forced_logprobs(params, config, rollout, temperature)
+    z = np.asarray(logits, np.float64) / temperature  # [N, R, V]
+    tokens = np.asarray(rollout.response_tokens)
+    order = np.argsort(-z, axis=-1)
+    sorted_z = np.take_along_axis(z, order, axis=-1)[..., :top_k]
+    probs = np.exp(sorted_z - sorted_z.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    keep = (np.cumsum(probs, -1) - probs) < top_p
+    rank = np.argmax(order == tokens[..., None], axis=-1)
+    assert np.all(rank < top_k), "top-k emitted a token outside the k most likely"
+    assert np.all(np.take_along_axis(keep, rank[..., None], -1)), "top-p emitted a token outside the nucleus"
+    kept = np.where(keep, sorted_z, -np.inf)
+    expected = np.take_along_axis(kept, rank[..., None], -1)[..., 0] - np.log(np.exp(kept).sum(-1))
+    np.testing.assert_allclose(np.asarray(rollout.logprobs), expected, atol=1e-4)
+    assert np.all(np.asarray(rollout.logprobs) >= np.asarray(rollout.logprobs_untruncated) - 1e-6)
+
+
+def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
+    _, config, params = qwen3
+    kwargs = dict(num_samples=3, max_new_tokens=40, temperature=0.7, eos_token_ids=[5], pad_token_id=PAD,
+                  kv_block_size=16)
+    first = generate(params, config, random_prompts(2), rng=jax.random.key(7), **kwargs)
+    compiled = sample_program._cache_size()
+    again = generate(params, config, random_prompts(2), rng=jax.random.key(7), **kwargs)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other_seed = generate(params, config, random_prompts(2), rng=jax.random.key(8), **kwargs)
+    assert not np.array_equal(np.asarray(first.response_tokens), np.asarray(other_seed.response_tokens))
+    # new prompts: 3 prompts of other lengths land in the same (16-token, 4-prompt) bucket
+    new = generate(params, config, random_prompts(9, lengths=(12, 2, 16)), rng=jax.random.key(7), **kwargs)
+    assert new.response_tokens.shape == (9, 40)
+    assert sample_program._cache_size() == compiled, "a known bucket recompiled the sampler"
