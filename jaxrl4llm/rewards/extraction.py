@@ -12,15 +12,15 @@ Order of the rules (the first that applies wins):
 5. The last inline or display math (``$...$``, ``$$...$$``, ``\\(...\\)``, ``\\[...\\]``).
 6. The last number in the text (``1,000.99``, ``2/3``, ``-4.5``).
 
-Scanning is linear in the response length and refuses responses longer than
-``limits.MAX_RESPONSE_CHARS`` and braces nested deeper than ``limits.MAX_NESTING_DEPTH``.
+Scanning is linear in the response length. Responses longer than ``limits.MAX_RESPONSE_CHARS``
+or with brackets nested deeper than ``limits.MAX_NESTING_DEPTH`` have no answer (reward 0).
 """
 
 from __future__ import annotations
 
 import re
 
-from jaxrl4llm.rewards.limits import MAX_NESTING_DEPTH, MAX_RESPONSE_CHARS
+from jaxrl4llm.rewards.limits import MAX_NESTING_DEPTH, MAX_RESPONSE_CHARS, nesting_depth
 from jaxrl4llm.rewards.normalization import collapse_double_backslashes
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
@@ -164,7 +164,7 @@ def extract_answer(response: str) -> str | None:
         if cut > 0:
             text = text[:cut]
     text = collapse_double_backslashes(text)
-    if not text.strip():
+    if not text.strip() or nesting_depth(text) > MAX_NESTING_DEPTH:
         return None
 
     box = _last_box_group(text)

@@ -23,7 +23,13 @@ from jaxrl4llm.rewards.extraction import extract_answer, gold_answer
 from jaxrl4llm.rewards.limits import DEFAULT_TIMEOUT, MAX_ANSWER_CHARS, within_answer_limits
 from jaxrl4llm.rewards.normalization import normalize_answer
 from jaxrl4llm.rewards.sandbox import shared_pool
-from jaxrl4llm.rewards.symbolic import warm_up
+
+
+def warm_up() -> None:
+    """Per-worker warm-up: import sympy and the LaTeX parser before the first timed call."""
+    from jaxrl4llm.rewards import symbolic
+
+    symbolic.warm_up()
 
 
 def _prepare_pair(pred: str | None, gold) -> tuple[str, str] | bool:
