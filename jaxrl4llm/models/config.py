@@ -138,7 +138,7 @@ class ModelConfig:
         try:
             hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
             rope_params = dict(d.get("rope_parameters") or {})
-            rope_theta = float(rope_params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            rope_theta = float(rope_params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
             rope_scaling = d.get("rope_scaling") or rope_params or None
             if rope_scaling is not None:
                 rope_scaling = dict(rope_scaling)

@@ -1,0 +1,107 @@
+"""Forward and forward+backward tokens/s of a ~100M-parameter Qwen3 on this CPU: jaxrl4llm vs
+transformers (PyTorch CPU) on the same weights and batch.
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/forward.py [--batch 4 --seq 256 --iters 3]
+
+jaxrl4llm runs with bf16 matmul inputs and float32 accumulation (the default dtype) and float32
+master params; PyTorch runs float32 and bfloat16. Forward+backward is the gradient of the
+summed next-token log-probs (ours: chunked `token_logprobs`; torch: log_softmax of logits).
+The ratio is ours / best PyTorch figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from jaxrl4llm.models import forward, load_pretrained, positions_from_mask, token_logprobs
+
+QWEN3_100M = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=4, head_dim=64, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True, max_position_embeddings=4096)
+
+
+def _time(fn, iters: int) -> float:
+    fn()  # compile / warm up
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    b, t = args.batch, args.seq
+    n_tokens = b * t
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**QWEN3_100M)).float().eval()
+    folder = tempfile.mkdtemp()
+    model.save_pretrained(folder)
+    config, params = load_pretrained(folder, dtype="bfloat16")
+    print(f"Qwen3 {config.num_params / 1e6:.0f}M params, batch {b} x {t} tokens, "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads)")
+
+    rng = np.random.default_rng(0)
+    tokens_np = rng.integers(0, config.vocab_size, (b, t)).astype(np.int32)
+    tokens = jnp.asarray(tokens_np)
+    mask = jnp.ones((b, t), jnp.int32)
+    positions = positions_from_mask(mask)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def loss(p):
+        logp, _ = token_logprobs(p, config, tokens, targets, positions=positions, attention_mask=mask, chunk_size=128)
+        return jnp.sum(logp)
+
+    grad_fn = jax.jit(jax.grad(loss))
+    ours = {}
+    for name, cfg in (("jaxrl4llm bf16->f32", config), ("jaxrl4llm f32", config.replace(dtype="float32"))):
+        fwd = lambda cfg=cfg: forward(params, cfg, tokens, positions=positions, attention_mask=mask).block_until_ready()
+        ours[name] = (_time(fwd, args.iters), None)
+    ours["jaxrl4llm bf16->f32"] = (ours["jaxrl4llm bf16->f32"][0],
+                                   _time(lambda: jax.block_until_ready(grad_fn(params)), args.iters))
+
+    theirs = {}
+    ids = torch.tensor(tokens_np, dtype=torch.long)
+    tgt = torch.roll(ids, -1, dims=1)
+    for name, dtype in (("transformers f32", torch.float32), ("transformers bf16", torch.bfloat16)):
+        m = model.to(dtype)
+
+        def fwd():
+            with torch.no_grad():
+                m(ids).logits
+
+        def fwd_bwd():
+            m.zero_grad(set_to_none=True)
+            logp = torch.log_softmax(m(ids).logits.float(), -1).gather(-1, tgt[..., None])
+            logp.sum().backward()
+
+        theirs[name] = (_time(fwd, args.iters), _time(fwd_bwd, args.iters))
+
+    print(f"{'':24s} {'forward tok/s':>14s} {'fwd+bwd tok/s':>14s}")
+    for name, (f, fb) in {**ours, **theirs}.items():
+        print(f"{name:24s} {n_tokens / f:14.0f} {(n_tokens / fb if fb else float('nan')):14.0f}")
+    best_f = min(f for f, _ in theirs.values())
+    best_fb = min(fb for _, fb in theirs.values())
+    f, fb = ours["jaxrl4llm bf16->f32"]
+    print(f"ratio jaxrl4llm (bf16->f32) / best transformers: forward {best_f / f:.2f}x, "
+          f"forward+backward {best_fb / fb:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
