@@ -1,0 +1,54 @@
+"""Prompt token ids under a token budget."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jaxrl4llm.data.problems import Problem
+from jaxrl4llm.data.templates import format_prompt
+
+
+def encode_prompts(
+    problems: Sequence[Problem | str],
+    tokenizer: Any,
+    template: str,
+    *,
+    max_prompt_tokens: int,
+    on_overlong: str = "error",
+) -> tuple[list[list[int]], list[int], int]:
+    """Token ids of every formatted prompt, dropping or rejecting those over the budget.
+
+    Args:
+      problems: problems (or problem texts) in order.
+      tokenizer: a Hugging Face tokenizer.
+      template: prompt template name or format string (see ``format_prompt``).
+      max_prompt_tokens: the budget (``data.max_prompt_tokens`` in the training config).
+      on_overlong: ``"error"`` raises on the first prompt over budget; ``"drop"`` skips it.
+
+    Returns:
+      (token id lists of the kept prompts, indices of the kept problems, number dropped).
+      Chat prompts are encoded without extra special tokens (the chat template has them);
+      other prompts get the tokenizer's usual special tokens (e.g. Llama's BOS).
+    """
+    if on_overlong not in ("error", "drop"):
+        raise ValueError(f"on_overlong must be 'error' or 'drop', got {on_overlong!r}")
+    if max_prompt_tokens <= 0:
+        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+    ids_out, kept, dropped = [], [], 0
+    add_special = template != "chat"
+    for index, problem in enumerate(problems):
+        text = format_prompt(problem, template, tokenizer)
+        ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+        if len(ids) > max_prompt_tokens:
+            if on_overlong == "error":
+                pid = f" (id {problem.id})" if isinstance(problem, Problem) else ""
+                raise ValueError(
+                    f"prompt of problem {index}{pid} has {len(ids)} tokens, over the budget of "
+                    f"max_prompt_tokens={max_prompt_tokens}; raise data.max_prompt_tokens in the config "
+                    "or set data.on_overlong='drop' to skip such problems"
+                )
+            dropped += 1
+            continue
+        ids_out.append(ids)
+        kept.append(index)
+    return ids_out, kept, dropped

@@ -1,0 +1,159 @@
+"""Problems from local dataset files (JSONL, JSON or parquet) in the layouts the community uses.
+
+``load_problems`` reads a file (or a folder holding ``<split>.jsonl``/``.json``/``.parquet``) with
+Hugging Face ``datasets`` and maps its fields automatically:
+
+- problem text: ``problem``, ``question``, ``prompt``, ``query`` or ``input``;
+- gold answer: ``answer`` (GSM8K's ``"... #### 72"`` keeps what follows ``####``; numbers such
+  as AMC's ``27.0`` become ``"27"``), ``final_answer``, ``gt_answer``, ``ground_truth``,
+  ``target``; when there is none, the last ``\\boxed{}`` of ``solution`` (MATH);
+- id: ``id``, ``unique_id``, ``idx`` or ``<file stem>-<row>``; every other field goes to metadata.
+
+Nothing is downloaded: a missing file is an error that names the path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
+ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "label")
+SOLUTION_KEYS = ("solution", "reference_solution")
+ID_KEYS = ("id", "unique_id", "idx", "uid", "problem_id")
+_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One math problem: its text, its gold answer as a string, an id and any other fields."""
+
+    problem: str
+    answer: str
+    id: str
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+def format_gold(value: Any) -> str:
+    """A gold answer as a string: ``27.0`` -> "27", ``0.5`` -> "0.5", ``"#### 72"`` -> "72"."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"gold answer must be a string or a number, got {value!r}")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"gold answer must be finite, got {value!r}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    text = str(value).strip()
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip()
+    return text
+
+
+def _resolve(path: Path, split: str | None) -> Path:
+    if path.is_file():
+        return path
+    if path.is_dir():
+        names = [split] if split else ["test", "train", "validation"]
+        for name in names:
+            for suffix in _SUFFIXES:
+                candidate = path / f"{name}{suffix}"
+                if candidate.is_file():
+                    return candidate
+        found = sorted(p.name for p in path.iterdir() if p.suffix in _SUFFIXES)
+        raise FileNotFoundError(
+            f"no {'/'.join(names)} split in {path} (looked for <split>.jsonl/.json/.parquet); "
+            f"files there: {found or 'none'}. Pass split=... or the file path itself."
+        )
+    raise FileNotFoundError(
+        f"dataset file {path} does not exist; pass the path of a local .jsonl, .json or .parquet file "
+        "(nothing is downloaded)"
+    )
+
+
+def _pick(columns: list[str], explicit: str | None, candidates: tuple[str, ...], what: str, kwarg: str) -> str | None:
+    if explicit is not None:
+        if explicit not in columns:
+            raise KeyError(f"{what} field {explicit!r} not found; available fields: {columns}. Fix {kwarg}=...")
+        return explicit
+    return next((c for c in candidates if c in columns), None)
+
+
+def load_problems(
+    path: str | Path,
+    *,
+    problem_key: str | None = None,
+    answer_key: str | None = None,
+    split: str | None = None,
+) -> list[Problem]:
+    """Load problems with gold answers from a local JSONL, JSON or parquet file.
+
+    Args:
+      path: a file, or a folder containing ``<split>.jsonl`` (or .json/.parquet).
+      problem_key: field holding the problem text (default: auto, see module docstring).
+      answer_key: field holding the gold answer (default: auto; a MATH-style ``solution``
+        field is used through its last ``\\boxed{}`` when there is no answer field).
+      split: which split to read when ``path`` is a folder (default: test, then train).
+
+    Returns:
+      A list of ``Problem`` in file order.
+
+    Raises:
+      FileNotFoundError: the file (or split) does not exist.
+      KeyError: a needed field is missing; the message lists the available fields.
+      ValueError: a row has an empty problem or no usable answer.
+    """
+    import datasets
+
+    file = _resolve(Path(path).expanduser(), split)
+    builder = _SUFFIXES.get(file.suffix)
+    if builder is None:
+        raise ValueError(f"unsupported file type {file.suffix!r} for {file}; use .jsonl, .json or .parquet")
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(file), split="train")
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+    columns = list(ds.column_names)
+    pkey = _pick(columns, problem_key, PROBLEM_KEYS, "problem", "problem_key")
+    if pkey is None:
+        raise KeyError(f"{file}: no problem field (tried {list(PROBLEM_KEYS)}); available fields: {columns}. "
+                       "Pass problem_key=...")
+    akey = _pick(columns, answer_key, ANSWER_KEYS, "answer", "answer_key")
+    skey = None if akey is not None else next((c for c in SOLUTION_KEYS if c in columns), None)
+    if akey is None and skey is None:
+        raise KeyError(f"{file}: no answer field (tried {list(ANSWER_KEYS + SOLUTION_KEYS)}); available fields: "
+                       f"{columns}. Pass answer_key=...")
+    ikey = next((c for c in ID_KEYS if c in columns), None)
+
+    problems = []
+    for row_index, row in enumerate(ds):
+        text = row[pkey]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{file}: row {row_index} has an empty {pkey!r} field")
+        if akey is not None:
+            answer = format_gold(row[akey]) if row[akey] is not None else ""
+        else:
+            from jaxrl4llm.rewards.extraction import gold_answer
+
+            solution = row[skey] or ""
+            answer = gold_answer(solution).strip() if "\\boxed" in solution or "\\fbox" in solution else ""
+        if not answer:
+            raise ValueError(f"{file}: row {row_index} has no usable answer in {akey or skey!r}; fix the row or "
+                             "pass answer_key=...")
+        pid = str(row[ikey]) if ikey is not None and row[ikey] is not None else f"{file.stem}-{row_index}"
+        metadata = {k: v for k, v in row.items() if k not in (pkey, akey)}
+        problems.append(Problem(problem=text, answer=answer, id=pid, metadata=metadata))
+    return problems
+
+
+def problem_to_record(problem: Problem, **extra: Any) -> dict:
+    """The JSONL record of a problem (``problem``/``answer``/``id`` + metadata + ``extra``)."""
+    record = {k: v for k, v in problem.metadata.items() if k not in ("problem", "answer", "id")}
+    record.update(problem=problem.problem, answer=problem.answer, id=problem.id)
+    record.update(extra)
+    return record
