@@ -1,0 +1,14 @@
+"""Core tests run with `jax_numpy_rank_promotion="raise"` so silent broadcasting fails (rlax)."""
+
+import jax
+import pytest
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(autouse=True)
+def _raise_on_rank_promotion():
+    previous = jax.config.jax_numpy_rank_promotion
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    yield
+    jax.config.update("jax_numpy_rank_promotion", previous)

@@ -1,0 +1,448 @@
+"""Plain-numpy re-derivation of the loss math of `jaxrl4llm.core`, written from the papers.
+
+This module is the independent oracle of the core test-suite: it never imports jax nor the
+implementation. Every function is written for clarity (explicit loops over rows and groups),
+computes in float64 and cites the paper (or the reference code base) its formula comes from.
+
+Conventions (DESIGN.md): a batch holds P prompts x G responses = B rows, the G responses of
+a prompt adjacent (row b is in group b // G); token arrays are [B, T] with a float mask.
+
+Papers:
+  [PPO]      Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv 1707.06347.
+  [GRPO]     Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300 (group-relative advantages,
+             k3 KL estimator in the loss).
+  [DAPO]     Yu et al. 2025, "DAPO", arXiv 2503.14476 (Clip-Higher, dynamic sampling,
+             token-level loss, overlong filtering and soft overlong punishment).
+  [DrGRPO]   Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783
+             (no std normalisation, constant length normaliser).
+  [GSPO]     Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071.
+  [LitePPO]  Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
+             arXiv 2508.08221 (group-level mean, batch-level std).
+  [RLOO]     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+             Optimization", arXiv 2402.14740 (leave-one-out baseline).
+  [REINFORCE++] Hu 2025, arXiv 2501.03262 (global batch advantage whitening).
+  [DualClip] Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv 1912.09729.
+  [Schulman-KL] J. Schulman, "Approximating KL divergence" (2020 blog): k1, k2, k3.
+  [TIS]      Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+             training" (truncated importance sampling of trainer vs sampler probabilities).
+  [verl]     volcengine/verl core_algos.py (log-ratio clamp to +-20, dual clip "clip_ratio_c",
+             low_var_kl clamp to +-10, agg_loss modes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+LOG_RATIO_CLAMP = 20.0  # [verl] compute_policy_loss / kl_penalty clamp the log-ratio to +-20.
+
+
+def _f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def _std(values, ddof):
+    """Std with `ddof`; a set with n <= ddof elements has std 0 (spec)."""
+    values = _f64(values)
+    n = values.size
+    if n <= ddof:
+        return 0.0
+    mean = values.sum() / n
+    return math.sqrt(((values - mean) ** 2).sum() / (n - ddof))
+
+
+# --------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------
+
+
+def normalize_advantages(rewards, group_size, *, mean="group", std="group", eps=1e-6, ddof=1):
+    """A_i = (r_i - m_i) / (s_i + eps).
+
+    [GRPO] eq. (outcome supervision): A_i = (r_i - mean(r_group)) / std(r_group).
+    [DrGRPO]: A_i = r_i - mean(r_group) (no std).  [LitePPO]: group mean, batch std.
+    m: group mean / batch mean / 0.  s: std (ddof) of the RAW rewards in the group / over the
+    batch; std="none" means s = 1 and eps is NOT added (A = r - m exactly). A set with
+    n <= ddof elements has std 0. Rows of an all-equal group have group-centred value 0.
+    """
+    r = _f64(rewards)
+    B = r.shape[0]
+    if B % group_size:
+        raise ValueError("batch size must be a multiple of group_size")
+    out = np.zeros(B)
+    batch_mean = r.sum() / B
+    batch_std = _std(r, ddof)
+    for g in range(B // group_size):
+        rows = slice(g * group_size, (g + 1) * group_size)
+        group = r[rows]
+        group_constant = bool(np.all(group == group[0]))
+        for i in range(g * group_size, (g + 1) * group_size):
+            if mean == "group":
+                centred = 0.0 if group_constant else r[i] - group.sum() / group_size
+            elif mean == "batch":
+                centred = r[i] - batch_mean
+            elif mean == "none":
+                centred = r[i]
+            else:
+                raise ValueError(mean)
+            if std == "group":
+                out[i] = centred / (_std(group, ddof) + eps)
+            elif std == "batch":
+                out[i] = centred / (batch_std + eps)
+            elif std == "none":
+                out[i] = centred
+            else:
+                raise ValueError(std)
+    return out
+
+
+def rloo_advantages(rewards, group_size):
+    """[RLOO]: A_i = r_i - 1/(G-1) sum_{j != i} r_j (leave-one-out); size-1 groups give 0."""
+    r = _f64(rewards)
+    out = np.zeros(r.shape[0])
+    for g in range(r.shape[0] // group_size):
+        idx = list(range(g * group_size, (g + 1) * group_size))
+        for i in idx:
+            others = [r[j] for j in idx if j != i]
+            out[i] = 0.0 if not others else r[i] - sum(others) / len(others)
+    return out
+
+
+def batch_whiten(values, mask=None, *, eps=1e-6):
+    """[REINFORCE++]: (x - masked mean) / (masked std (ddof 0) + eps); masked entries 0."""
+    x = _f64(values)
+    m = np.ones_like(x) if mask is None else _f64(mask)
+    count = m.sum()
+    if count == 0:
+        return np.zeros_like(x)
+    mean = (x * m).sum() / count
+    var = (((x - mean) ** 2) * m).sum() / count
+    return np.where(m > 0, (x - mean) / (math.sqrt(var) + eps), 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# Log-probs, entropy
+# --------------------------------------------------------------------------------------
+
+
+def log_softmax(logits, axis=-1):
+    z = _f64(logits)
+    z = z - z.max(axis=axis, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """log softmax(logits / temperature)[token], token by token."""
+    lp = log_softmax(_f64(logits) / temperature)
+    B, T = tokens.shape
+    out = np.zeros((B, T))
+    for b in range(B):
+        for t in range(T):
+            out[b, t] = lp[b, t, int(tokens[b, t])]
+    return out
+
+
+def entropy_from_logits(logits, temperature=1.0):
+    """H = -sum_v p_v log p_v with p = softmax(logits / temperature)."""
+    lp = log_softmax(_f64(logits) / temperature)
+    return -(np.exp(lp) * lp).sum(axis=-1)
+
+
+# --------------------------------------------------------------------------------------
+# Surrogate
+# --------------------------------------------------------------------------------------
+
+
+def _token_advantages(advantages, shape):
+    a = _f64(advantages)
+    if a.ndim == 1:
+        a = np.repeat(a[:, None], shape[1], axis=1)
+    return a
+
+
+def ratio(logp, old_logp, mask=None, ratio_level="token"):
+    """Importance ratio per token.
+
+    token [PPO]: r_t = exp(logp_t - old_logp_t) (log-ratio clamped to +-20 as in [verl]).
+    sequence [GSPO] eq. (7): s_i = exp(1/|y_i| sum_t (logp - old_logp)) on every token of row i.
+    """
+    lr = np.clip(_f64(logp) - _f64(old_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if ratio_level == "token":
+        return np.exp(lr)
+    m = _f64(mask)
+    B, T = lr.shape
+    out = np.ones((B, T))
+    for b in range(B):
+        n = m[b].sum()
+        seq_lr = (lr[b] * m[b]).sum() / n if n > 0 else 0.0
+        out[b, :] = math.exp(seq_lr)
+    return out
+
+
+def clipped_surrogate(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2,
+                      dual_clip=None, ratio_level="token"):
+    """Per-token clipped surrogate loss and its statistics.
+
+    [PPO] eq. (7), as a loss: l = max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A).
+    [DAPO] Clip-Higher: eps_high > eps_low.
+    [DualClip] for A < 0: l = min(l, -c A) (= c |A|), i.e. verl's clip_ratio_c.
+    [GSPO]: r replaced by the sequence ratio s_i.
+    Returns (loss [B, T] zero where mask == 0, stats dict).
+    """
+    m = _f64(mask)
+    r = ratio(logp, old_logp, m, ratio_level)
+    A = _token_advantages(advantages, r.shape)
+    B, T = r.shape
+    loss = np.zeros((B, T))
+    n = low = high = dual = 0.0
+    ratios = []
+    for b in range(B):
+        for t in range(T):
+            rr, aa = r[b, t], A[b, t]
+            unclipped = -rr * aa
+            clipped = -min(max(rr, 1 - eps_low), 1 + eps_high) * aa
+            l = max(unclipped, clipped)
+            if dual_clip is not None and aa < 0:
+                l = min(l, -dual_clip * aa)
+            if m[b, t] > 0:
+                loss[b, t] = l * m[b, t]
+                n += m[b, t]
+                low += m[b, t] * (aa < 0 and rr < 1 - eps_low)
+                high += m[b, t] * (aa > 0 and rr > 1 + eps_high)
+                if dual_clip is not None:
+                    dual += m[b, t] * (aa < 0 and rr > dual_clip)
+                ratios.append(rr)
+    safe = max(n, 1e-30)
+    lr = _f64(old_logp) - _f64(logp)
+    stats = dict(
+        clip_frac_low=low / safe if n else 0.0,
+        clip_frac_high=high / safe if n else 0.0,
+        clip_frac=(low + high) / safe if n else 0.0,
+        dual_clip_frac=dual / safe if n else 0.0,
+        ratio_mean=float((r * m).sum() / n) if n else 1.0,
+        ratio_min=min(ratios) if ratios else 1.0,
+        ratio_max=max(ratios) if ratios else 1.0,
+        approx_kl=float((lr * m).sum() / n) if n else 0.0,
+        num_tokens=float(m.sum()),
+    )
+    return loss, stats
+
+
+def surrogate_grad(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2,
+                   dual_clip=None, ratio_level="token"):
+    """d/d logp of sum_{b,t} loss[b, t], derived by hand.
+
+    Token level: dl_t/dlogp_t = -A r_t where the unclipped branch is active, 0 where a clip
+    (PPO clip or dual clip) binds. Sequence level [GSPO]: the sum over the L_i tokens of row i
+    of -s_i A has derivative -A s_i m_t / L_i * L_i = -A s_i m_t per token (GSPO and
+    GSPO-token agree), 0 where the clip binds on s_i.
+    """
+    m = _f64(mask)
+    r = ratio(logp, old_logp, m, ratio_level)
+    A = _token_advantages(advantages, r.shape)
+    g = np.zeros_like(r)
+    for b in range(r.shape[0]):
+        for t in range(r.shape[1]):
+            rr, aa = r[b, t], A[b, t]
+            active = True
+            if aa > 0 and rr > 1 + eps_high:
+                active = False
+            if aa < 0 and rr < 1 - eps_low:
+                active = False
+            if dual_clip is not None and aa < 0 and rr > dual_clip:
+                active = False
+            g[b, t] = -aa * rr * m[b, t] if active else 0.0
+    return g
+
+
+# --------------------------------------------------------------------------------------
+# Aggregation
+# --------------------------------------------------------------------------------------
+
+
+def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None):
+    """(numerator, denominator) of the scalar loss; value = num / den (0 if den == 0).
+
+    token-mean [DAPO] eq. (12): sum_{i,t} l / sum_i |y_i|.
+    seq-mean-token-mean [GRPO] eq. (3): 1/G sum_i 1/|y_i| sum_t l.
+    seq-mean-token-sum: 1/G sum_i sum_t l.
+    seq-mean-token-sum-norm [DrGRPO]: 1/G sum_i sum_t l / MAX_TOKENS (a constant).
+    Rows with row weight 0 are left out of the denominators only.
+    """
+    l, m = _f64(loss), _f64(mask)
+    B = l.shape[0]
+    w = np.ones(B) if row_weights is None else _f64(row_weights)
+    num = den = 0.0
+    for b in range(B):
+        row_sum = (l[b] * m[b]).sum()
+        row_len = m[b].sum()
+        if mode == "token-mean":
+            num += row_sum
+            den += row_len * w[b]
+        elif mode == "seq-mean-token-mean":
+            if row_len > 0:
+                num += row_sum / row_len
+                den += w[b]
+        elif mode == "seq-mean-token-sum":
+            num += row_sum
+            den += w[b] * (row_len > 0)
+        elif mode == "seq-mean-token-sum-norm":
+            if norm_length is None:
+                raise ValueError("norm_length required")
+            num += row_sum / norm_length
+            den += w[b] * (row_len > 0)
+        else:
+            raise ValueError(mode)
+    return num, den
+
+
+def loss_value(num, den):
+    return num / den if den > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------
+# KL, importance weights
+# --------------------------------------------------------------------------------------
+
+
+def kl_penalty(logp, ref_logp, kind="k3", *, clamp=None):
+    """[Schulman-KL] per-token estimators of KL(pi || pi_ref) from samples of pi.
+
+    k1 = log pi - log pi_ref;  k2 ("mse") = 0.5 (log pi - log pi_ref)^2;
+    k3 [GRPO] eq. (4) = pi_ref/pi - log(pi_ref/pi) - 1 (log-ratio clamped to +-20 [verl]);
+    abs = |log pi - log pi_ref|. Optional clamp of the result to [-clamp, clamp] ([verl]: 10).
+    """
+    d = _f64(logp) - _f64(ref_logp)
+    if kind == "k1":
+        out = d
+    elif kind in ("k2", "mse"):
+        out = 0.5 * d * d
+    elif kind == "k3":
+        x = np.clip(-d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        out = np.exp(x) - x - 1.0
+    elif kind == "abs":
+        out = np.abs(d)
+    else:
+        raise ValueError(kind)
+    if clamp is not None:
+        out = np.clip(out, -clamp, clamp)
+    return out
+
+
+def exact_kl(p, q):
+    """KL(p || q) = sum_x p(x) log(p(x) / q(x)) of two categoricals."""
+    p, q = _f64(p), _f64(q)
+    return float((p * (np.log(p) - np.log(q))).sum())
+
+
+def truncated_is_weights(trainer_logp, sampler_logp, cap=2.0):
+    """[TIS]: w = min(pi_trainer / pi_sampler, cap) (no gradient)."""
+    d = _f64(trainer_logp) - _f64(sampler_logp)
+    return np.minimum(np.exp(np.minimum(d, 700.0)), cap)
+
+
+# --------------------------------------------------------------------------------------
+# Filters (DAPO)
+# --------------------------------------------------------------------------------------
+
+
+def overlong_filter_mask(truncated):
+    """[DAPO] overlong filtering: truncated samples get loss weight 0."""
+    return np.array([0.0 if bool(t) else 1.0 for t in np.asarray(truncated)])
+
+
+def overlong_soft_penalty(lengths, *, max_length, buffer_length, penalty=1.0):
+    """[DAPO] eq. (13), Soft Overlong Punishment, scaled by `penalty`:
+        0                                   if |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
+        -1                                  if L_max < |y|
+    """
+    out = []
+    for L in np.asarray(lengths):
+        L = float(L)
+        if L <= max_length - buffer_length:
+            out.append(0.0)
+        elif L <= max_length:
+            out.append(((max_length - buffer_length) - L) / buffer_length * penalty)
+        else:
+            out.append(-penalty)
+    return np.array(out)
+
+
+def constant_group_rows(rewards, group_size):
+    """1.0 on rows whose group rewards are all equal."""
+    r = _f64(rewards)
+    out = np.zeros(r.shape[0])
+    for g in range(r.shape[0] // group_size):
+        grp = r[g * group_size:(g + 1) * group_size]
+        out[g * group_size:(g + 1) * group_size] = float(np.all(grp == grp[0]))
+    return out
+
+
+def dynamic_sampling_mask(rewards, group_size):
+    """[DAPO] eq. (11) dynamic sampling: keep groups with 0 < #correct < G, i.e. groups whose
+    rewards are not all equal."""
+    return 1.0 - constant_group_rows(rewards, group_size)
+
+
+# --------------------------------------------------------------------------------------
+# Recipes
+# --------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards, group_size, recipe, *, truncated=None, lengths=None):
+    """Recipe composition (spec): shaped rewards -> advantages over ALL rows -> row weights.
+
+    Shaped rewards = rewards + [DAPO] soft overlong penalty. Advantages use every row (the
+    overlong filter only masks the loss). Dynamic sampling keeps groups whose RAW rewards
+    (correctness, [DAPO] eq. (11): 0 < #correct < G) are not all equal; exclude_constant_groups
+    leaves groups whose SHAPED rewards are all equal (zero advantage) out of the denominators.
+    """
+    raw = _f64(rewards)
+    r = raw.copy()
+    B = r.shape[0]
+    if recipe.overlong_penalty:
+        r = r + overlong_soft_penalty(lengths, max_length=recipe.overlong_max_length,
+                                      buffer_length=recipe.overlong_buffer_length,
+                                      penalty=recipe.overlong_penalty)
+    if recipe.adv_estimator == "normalized":
+        adv = normalize_advantages(r, group_size, mean=recipe.adv_mean, std=recipe.adv_std,
+                                   eps=recipe.adv_eps)
+    elif recipe.adv_estimator == "rloo":
+        adv = rloo_advantages(r, group_size)
+    else:
+        raise NotImplementedError(recipe.adv_estimator)
+    row_w = np.ones(B)
+    if recipe.overlong_filter:
+        row_w = row_w * overlong_filter_mask(truncated)
+    if recipe.dynamic_sampling:
+        row_w = row_w * dynamic_sampling_mask(raw, group_size)
+    den_w = row_w.copy()
+    if recipe.exclude_constant_groups:
+        den_w = den_w * (1.0 - constant_group_rows(r, group_size))
+    return dict(advantages=adv, shaped_rewards=r, row_weights=row_w, denominator_weights=den_w)
+
+
+def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
+                denominator_weights=None, ref_logp=None, sampler_logp=None, entropy=None):
+    """Per-token surrogate (x TIS weight) + kl_coef * KL - entropy_coef * H, aggregated.
+
+    Returns (numerator, denominator) of the scalar loss.
+    """
+    m = _f64(mask)
+    if row_weights is not None:
+        m = m * _f64(row_weights)[:, None]
+    per_token, _ = clipped_surrogate(logp, old_logp, advantages, m, eps_low=recipe.eps_low,
+                                     eps_high=recipe.eps_high, dual_clip=recipe.dual_clip,
+                                     ratio_level=recipe.ratio_level)
+    if recipe.tis_cap is not None and sampler_logp is not None:
+        per_token = per_token * truncated_is_weights(old_logp, sampler_logp, recipe.tis_cap)
+    if recipe.kl_coef > 0:
+        per_token = per_token + recipe.kl_coef * kl_penalty(logp, ref_logp, recipe.kl_kind,
+                                                            clamp=recipe.kl_clamp)
+    if recipe.entropy_coef > 0:
+        per_token = per_token - recipe.entropy_coef * _f64(entropy)
+    weights = denominator_weights if denominator_weights is not None else row_weights
+    return aggregate_loss(per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length,
+                          row_weights=weights)

@@ -1,0 +1,226 @@
+"""Tests of aggregate_loss -> LossTerms(numerator, denominator) and exact micro-batching."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from jaxrl4llm.core import AGGREGATION_MODES, LossTerms, aggregate_loss, clipped_surrogate
+from tests.core import reference as ref
+from tests.core._helpers import B, FAST, FEW, T, assert_finite, logps, mask, rng, seeds
+
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+NORM = 16.0
+
+
+def _kw(mode):
+    return dict(norm_length=NORM) if mode == "seq-mean-token-sum-norm" else {}
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "norm_length"))
+def _agg(loss, m, row_weights, mode, norm_length=None):
+    return aggregate_loss(loss, m, mode, norm_length=norm_length, row_weights=row_weights)
+
+
+def _terms(loss, m, mode, row_weights=None, norm_length="default"):
+    nl = NORM if norm_length == "default" and mode == "seq-mean-token-sum-norm" else (
+        None if norm_length == "default" else norm_length)
+    if row_weights is None:
+        terms = aggregate_loss(jnp.asarray(loss), jnp.asarray(m), mode, norm_length=nl)
+    else:
+        terms = _agg(jnp.asarray(loss), jnp.asarray(m), jnp.asarray(row_weights), mode, nl)
+    return terms
+
+
+def test_modes_are_listed():
+    assert set(MODES) <= set(AGGREGATION_MODES)
+
+
+# ----------------------------------------------------------------------------- hand values
+
+
+def test_hand_values_differ_as_documented():
+    # row 0: 1 token of loss 1 ; row 1: 3 tokens of loss 0 ; row 2: empty
+    loss = jnp.array([[1.0, 9.0, 9.0], [0.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    m = jnp.array([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    expected = {
+        "token-mean": (1.0, 4.0, 0.25),             # long rows weigh more
+        "seq-mean-token-mean": (1.0, 2.0, 0.5),     # every non-empty row weighs 1
+        "seq-mean-token-sum": (1.0, 2.0, 0.5),
+        "seq-mean-token-sum-norm": (0.25, 2.0, 0.125),  # sum / norm_length 4, 2 rows
+    }
+    for mode, (num, den, value) in expected.items():
+        terms = aggregate_loss(loss, m, mode, norm_length=4.0 if "norm" in mode else None)
+        assert isinstance(terms, LossTerms)
+        np.testing.assert_allclose(float(terms.numerator), num, rtol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(float(terms.denominator), den, rtol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(float(terms.value), value, rtol=1e-6, err_msg=mode)
+
+
+def test_row_weights_only_touch_denominators():
+    loss = jnp.array([[1.0, 1.0], [3.0, 0.0]])
+    m = jnp.array([[1.0, 1.0], [1.0, 0.0]])
+    w = jnp.array([1.0, 0.0])
+    # token-mean: num 2 + 3 = 5, den 2 (row 1 left out of the denominator)
+    terms = aggregate_loss(loss, m, "token-mean", row_weights=w)
+    np.testing.assert_allclose([float(terms.numerator), float(terms.denominator)], [5.0, 2.0])
+    # seq-mean-token-mean: num 1 + 3 = 4, den 1
+    terms = aggregate_loss(loss, m, "seq-mean-token-mean", row_weights=w)
+    np.testing.assert_allclose([float(terms.numerator), float(terms.denominator)], [4.0, 1.0])
+
+
+# ----------------------------------------------------------------------------- vs reference
+
+
+@FAST
+@given(seed=seeds, mode=st.sampled_from(MODES), weighted=st.booleans())
+def test_matches_reference(seed, mode, weighted):
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    w = (g.random(B) < 0.7).astype(np.float32) if weighted else None
+    terms = _terms(loss, m, mode, w)
+    num, den = ref.aggregate_loss(loss, m, mode, row_weights=w, **_kw(mode))
+    np.testing.assert_allclose(float(terms.numerator), num, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(terms.denominator), den, rtol=1e-6)
+    np.testing.assert_allclose(float(terms.value), ref.loss_value(num, den), rtol=1e-5,
+                               atol=1e-5)
+
+
+@FAST
+@given(seed=seeds, length=st.integers(1, T))
+def test_modes_coincide_when_all_lengths_are_equal(seed, length):
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = np.zeros((B, T), np.float32)
+    m[:, :length] = 1.0
+    v = {mode: float(_terms(loss, m, mode).value) for mode in MODES[:3]}
+    np.testing.assert_allclose(v["token-mean"], v["seq-mean-token-mean"], rtol=1e-5, atol=1e-6)
+    norm1 = float(_terms(loss, m, "seq-mean-token-sum-norm", norm_length=1.0).value)
+    np.testing.assert_allclose(v["seq-mean-token-sum"], norm1, rtol=1e-5, atol=1e-6)
+    # and Dr. GRPO with norm_length = L equals token-mean
+    norm_l = float(_terms(loss, m, "seq-mean-token-sum-norm", norm_length=float(length)).value)
+    np.testing.assert_allclose(norm_l, v["token-mean"], rtol=1e-5, atol=1e-6)
+
+
+@FAST
+@given(seed=seeds, mode=st.sampled_from(MODES), extra=st.sampled_from([1, 3]))
+def test_masked_padding_columns_change_nothing(seed, mode, extra):
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    garbage = g.uniform(-1e6, 1e6, size=(B, extra)).astype(np.float32)
+    padded_loss = np.concatenate([loss, garbage], axis=1)
+    padded_m = np.concatenate([m, np.zeros((B, extra), np.float32)], axis=1)
+    a, b = _terms(loss, m, mode), _terms(padded_loss, padded_m, mode)
+    np.testing.assert_allclose(float(b.numerator), float(a.numerator), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(b.denominator), float(a.denominator), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+def _chunks(x, k):
+    return np.split(x, k, axis=0)
+
+
+@FAST
+@given(seed=seeds, mode=st.sampled_from(MODES), k=st.sampled_from([2, 4, 8]),
+       weighted=st.booleans())
+def test_micro_batch_sums_equal_the_full_batch(seed, mode, k, weighted):
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    w = (g.random(B) < 0.7).astype(np.float32) if weighted else np.ones(B, np.float32)
+    full = _terms(loss, m, mode, w)
+    parts = [_terms(l, mm, mode, ww)
+             for l, mm, ww in zip(_chunks(loss, k), _chunks(m, k), _chunks(w, k))]
+    num = sum(float(p.numerator) for p in parts)
+    den = sum(float(p.denominator) for p in parts)
+    np.testing.assert_allclose(num, float(full.numerator), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(den, float(full.denominator), rtol=1e-6)
+    np.testing.assert_allclose(num / max(den, 1e-30) if den else 0.0, float(full.value),
+                               rtol=1e-5, atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "k"))
+def _full_and_split_grads(logp, old, adv, m, mode, k):
+    nl = NORM if mode == "seq-mean-token-sum-norm" else None
+
+    def per_token(lp, o, a, mm):
+        return clipped_surrogate(lp, o, a, mm, eps_low=0.2, eps_high=0.28)[0]
+
+    def full(lp):
+        return aggregate_loss(per_token(lp, old, adv, m), m, mode, norm_length=nl).value
+
+    def split(lp):
+        terms = [aggregate_loss(per_token(*xs), xs[3], mode, norm_length=nl)
+                 for xs in zip(*(jnp.split(x, k, axis=0) for x in (lp, old, adv, m)))]
+        return sum(t.numerator for t in terms) / sum(t.denominator for t in terms)
+
+    return jax.grad(full)(logp), jax.grad(split)(logp), full(logp), split(logp)
+
+
+@FEW
+@given(seed=seeds, mode=st.sampled_from(MODES))
+def test_micro_batch_gradients_equal_the_full_batch(seed, mode):
+    g = rng(seed)
+    logp, old = logps(g, spread=0.3)
+    adv = g.normal(size=B).astype(np.float32)
+    m = mask(g, allow_empty=False)
+    gf, gs, vf, vs = _full_and_split_grads(*map(jnp.asarray, (logp, old, adv, m)), mode, 2)
+    np.testing.assert_allclose(float(vs), float(vf), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gs), np.asarray(gf), rtol=1e-5, atol=1e-7)
+    assert np.any(np.asarray(gf) != 0)
+
+
+# ----------------------------------------------------------------------------- degenerate input
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_counts_gives_zero(mode):
+    loss = jnp.full((B, T), 3.0)
+    terms = aggregate_loss(loss, jnp.zeros((B, T)), mode, **_kw(mode))
+    assert float(terms.value) == 0.0 and float(terms.denominator) == 0.0
+    grad = jax.grad(lambda l: aggregate_loss(l, jnp.zeros((B, T)), mode, **_kw(mode)).value)(loss)
+    assert_finite(grad)
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_length_rows_are_finite(mode):
+    g = rng(4)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    m[::2] = 0.0
+    terms = _terms(loss, m, mode)
+    assert_finite(terms.numerator, terms.denominator, terms.value)
+
+
+def test_missing_norm_length_raises():
+    with pytest.raises(ValueError):
+        aggregate_loss(jnp.ones((B, T)), jnp.ones((B, T)), "seq-mean-token-sum-norm")
+
+
+def test_unknown_mode_raises():
+    with pytest.raises(ValueError):
+        aggregate_loss(jnp.ones((B, T)), jnp.ones((B, T)), "token-sum")
+
+
+# ----------------------------------------------------------------------------- vmap
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_under_vmap(mode):
+    g = rng(8)
+    loss = jnp.asarray(g.normal(size=(3, B, T)).astype(np.float32))
+    m = jnp.asarray(np.stack([mask(g) for _ in range(3)]))
+    fn = functools.partial(aggregate_loss, mode=mode, **_kw(mode))
+    terms = jax.vmap(fn)(loss, m)
+    for i in range(3):
+        ti = fn(loss[i], m[i])
+        np.testing.assert_allclose(float(terms.numerator[i]), float(ti.numerator), rtol=1e-6)
+        np.testing.assert_allclose(float(terms.denominator[i]), float(ti.denominator))
