@@ -225,7 +225,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     eval_before = None
     if eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
         eval_before = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9))
-        writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()})
+        writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
 
     history = []
     for step in range(start_step, cfg.trainer.steps):

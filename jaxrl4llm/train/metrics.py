@@ -65,7 +65,7 @@ class MetricsWriter:
         keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in keep))
 
-    def write(self, step: int, metrics: dict) -> None:
+    def write(self, step: int, metrics: dict, *, advance: bool = True) -> None:
         clean = {k: _plain(v) for k, v in metrics.items()}
         clean["step"] = step
         clean["time"] = time.time()
@@ -76,7 +76,7 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k not in ("step", "time") and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
-        if self._bar is not None:
+        if self._bar is not None and advance:
             self._bar.update(1)
             shown = {k: clean[k] for k in ("reward", "response_length", "loss", "entropy") if k in clean}
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
