@@ -95,22 +95,37 @@ def _last_box_group(text: str) -> tuple[int, str] | None:
     return group[0][0], content
 
 
+_DELIM_RE = re.compile(r"\$\$|\\\[|\\\]|\\\(|\\\)|\\\$|\$")
+_CLOSER = {"$$": "$$", "\\[": "\\]", "\\(": "\\)", "$": "$"}
+
+
+def _span_bounds(text: str) -> list[tuple[int, int, int, int]]:
+    """(open_start, content_start, content_end, close_end) of math spans, in one linear pass.
+
+    Delimiters: ``$$..$$``, ``$..$``, ``\\(..\\)``, ``\\[..\\]``; an escaped ``\\$`` is text.
+    """
+    spans, opener, start, content = [], None, 0, 0
+    for m in _DELIM_RE.finditer(text):
+        tok = m.group(0)
+        if tok == "\\$":
+            continue
+        if opener is None:
+            if tok in _CLOSER:
+                opener, start, content = tok, m.start(), m.end()
+        elif tok == _CLOSER[opener]:
+            spans.append((start, content, m.start(), m.end()))
+            opener = None
+    return spans
+
+
 def _math_spans(text: str) -> list[str]:
     """Contents of $$..$$, $..$, \\(..\\) and \\[..\\] spans, in order of appearance."""
-    spans: list[tuple[int, str]] = []
-    for pattern in (r"\$\$(.+?)\$\$", r"\\\[(.+?)\\\]", r"\\\((.+?)\\\)"):
-        for m in re.finditer(pattern, text, flags=re.DOTALL):
-            spans.append((m.start(), m.group(1)))
-    single = re.sub(r"\$\$(.+?)\$\$", lambda m: " " * len(m.group(0)), text, flags=re.DOTALL)
-    for m in re.finditer(r"(?<![\\$])\$(?!\$)((?:\\\$|[^$])+?)(?<!\\)\$", single):
-        spans.append((m.start(), m.group(1)))
-    spans.sort(key=lambda p: p[0])
-    return [s for _, s in spans if s.strip()]
+    return [text[a:b] for _, a, b, _ in _span_bounds(text) if text[a:b].strip()]
 
 
 def _last_span_end(text: str) -> int:
-    ends = [m.end() for m in re.finditer(r"\$|\\\)|\\\]", text)]
-    return ends[-1] if ends else 0
+    spans = _span_bounds(text)
+    return spans[-1][3] if spans else 0
 
 
 def _last_number(text: str) -> str | None:
@@ -120,7 +135,12 @@ def _last_number(text: str) -> str | None:
 
 def _words(text: str) -> list[str]:
     """Natural-language words (3+ letters) outside LaTeX commands and math spans."""
-    plain = re.sub(r"\$\$.+?\$\$|\$.+?\$|\\\(.+?\\\)|\\\[.+?\\\]", " ", text, flags=re.DOTALL)
+    pieces, last = [], 0
+    for start, _, _, end in _span_bounds(text):
+        pieces.append(text[last:start])
+        last = end
+    pieces.append(text[last:])
+    plain = " ".join(pieces)
     plain = re.sub(r"\\(?:begin|end)\{[a-zA-Z*]*\}|\\[a-zA-Z]+", " ", plain)
     return re.findall(r"[A-Za-z]{3,}", plain)
 

@@ -41,7 +41,7 @@ _UNIT_WORDS = (
     "radians?|rad|people|persons?|students?|apples?|ways?|points?|times|square|cubic|sq|cu"
 )
 _UNIT_RE = re.compile(rf"^((?:{_UNIT_WORDS})(?:\s+(?:{_UNIT_WORDS}))*)\.?$", re.IGNORECASE)
-_TRAILING_WORDS_RE = re.compile(r"(?<![\\a-zA-Z])((?:[a-zA-Z]+\.?\s*)+)(\^\s*\{?\s*[23]\s*\}?)?\s*$")
+_TRAILING_POWER_RE = re.compile(r"\^\s*\{?\s*[23]\s*\}?\s*$")
 _SPACING_RE = re.compile(r"(?<!\\)\\[,:;! ]|\\q?quad|\\hspace\*?\{[^{}]*\}|~")
 _SIZING_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|big|Big|bigg|Bigg)(?![a-zA-Z])\s*\.?")
 _UNICODE = {
@@ -86,13 +86,21 @@ def _unwrap_text(s: str) -> str:
 
 
 def _strip_units(s: str) -> str:
-    """Drop trailing unit words after a numeric head: ``125 miles`` -> ``125``."""
-    m = _TRAILING_WORDS_RE.search(s)
-    if not m:
+    """Drop trailing unit words after a numeric head: ``125 miles`` -> ``125``.
+
+    Scans backwards over letters, spaces and dots (no backtracking regex: the input is
+    untrusted and a nested-quantifier pattern would take exponential time).
+    """
+    body = _TRAILING_POWER_RE.sub("", s).rstrip()
+    i = len(body)
+    while i > 0 and (body[i - 1].isascii() and (body[i - 1].isalpha() or body[i - 1] in " ." )):
+        i -= 1
+    while i < len(body) and not body[i].isalpha():
+        i += 1  # the words start at a letter
+    if i >= len(body) or (i > 0 and body[i - 1] == "\\"):
         return s
-    head = s[: m.start()].strip()
-    words = m.group(1).strip()
-    if not head or not re.search(r"\d", head):
+    head, words = body[:i].strip(), body[i:].strip()
+    if not head or not re.search(r"\d", head) or len(words) > 60:
         return s
     head_letters = re.sub(r"\\[a-zA-Z]+", "", head)
     if re.search(r"[a-zA-Z]", head_letters):
@@ -133,7 +141,7 @@ def normalize_answer(text: str) -> str:
     # Degrees and percent.
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}", "", s)
     s = re.sub(r"\\?%|\\text\{\s*%\s*\}", "%", s)
-    s = re.sub(r"(?<=[\d}\s])\s*(?:percentage|percent|pct)\b\.?", "%", s, flags=re.IGNORECASE)
+    s = re.sub(r"(?<=[\d}])\s*(?:percentage|percent|pct)\b\.?", "%", s, flags=re.IGNORECASE)
     s = _unwrap_text(s)
     s = re.sub(r"\\(?:mathbb|mathcal|boldsymbol|vec|hat)\s*\{([^{}]*)\}", r"\1", s)
     # Relation spellings.
@@ -152,9 +160,9 @@ def normalize_answer(text: str) -> str:
     s = re.sub(r"(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])", r"\\infty", s)
     s = re.sub(r"\+\s*\\infty", r"\\infty", s)
     # Commas left behind by "and" lists: "19, 46, , 82", leading/trailing separators.
-    s = re.sub(r"(?:\s*,\s*){2,}", ", ", s)
+    s = re.sub(r",(?:\s*,)+", ",", s)
     s = s.strip(" ,;")
-    s = re.sub(r"[\s.,;:!]+$", "", s) if not re.search(r"\d\.$", s) else s.rstrip(" .")
+    s = s.rstrip(" .,;:!")
     s = s.strip()
     s = _strip_units(s)
     s = re.sub(r"\s*%$", "%", s)
