@@ -16,6 +16,7 @@ import jax.numpy as jnp
 def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperature: float):
     """[..., V] logits, [...] tokens -> (log p[token], entropy), both float32 [...]."""
     z = logits.astype(jnp.float32) / temperature
+    z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
     logz = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
     logp = picked - logz
@@ -55,6 +56,7 @@ def entropy_from_logits(logits: chex.Array, temperature: float = 1.0) -> chex.Ar
       [...] float32 entropies (nats).
     """
     z = logits.astype(jnp.float32) / temperature
+    z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
     logz = jax.nn.logsumexp(z, axis=-1)
     probs = jnp.exp(z - logz[..., None])
     return jnp.maximum(logz - jnp.sum(probs * z, axis=-1), 0.0)
