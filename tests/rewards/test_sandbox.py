@@ -68,9 +68,10 @@ def test_pool_kills_a_stuck_worker_and_replaces_it():
 
 def test_pool_reuses_workers():
     with SandboxPool(2) as pool:
-        first = set(pool.run(_hostile.pid, [(i,) for i in range(20)], timeout=30))
-        second = set(pool.run(_hostile.pid, [(i,) for i in range(20)], timeout=30))
-        assert first == second and len(first) <= 2
+        pids = set()
+        for _ in range(3):
+            pids |= set(pool.run(_hostile.pid, [(i,) for i in range(20)], timeout=30))
+        assert len(pids) <= 2  # 60 calls, never more than the two original processes
         assert pool.restarts == 0
 
 
