@@ -273,6 +273,36 @@ def _matrices_equal(p, g) -> bool:
     return all(symbolic.exprs_equal(x, y) for x, y in zip(a, b))
 
 
+def _as_real_set(answer):
+    """A sympy set for an interval, a union of intervals or an explicit set; else None."""
+    from jaxrl4llm.rewards import symbolic
+
+    if isinstance(answer, Seq) and answer.kind == "tuple" and len(answer.items) == 2:
+        lo, hi = answer.items
+        if not (isinstance(lo, Atom) and isinstance(hi, Atom)):
+            return None
+        return symbolic.interval_set(lo.text, hi.text, answer.open == "(", answer.close == ")")
+    if isinstance(answer, Seq) and answer.kind == "set":
+        values = [symbolic.to_sympy(i.text) if isinstance(i, Atom) else None for i in answer.items]
+        values = [v.doit() if v is not None else None for v in values]
+        return None if any(v is None for v in values) else symbolic.sympy.FiniteSet(*values)
+    if isinstance(answer, Union):
+        parts = [_as_real_set(p) for p in answer.parts]
+        return None if any(p is None for p in parts) else symbolic.sympy.Union(*parts)
+    return None
+
+
+def _relation_matches_set(rel: Relation, other) -> bool:
+    """``1 <= |z| <= 3/2`` against ``[-3/2, -1] \cup [1, 3/2]``: same real solution set."""
+    from jaxrl4llm.rewards import symbolic
+
+    target = _as_real_set(other)
+    if target is None:
+        return False
+    solution = symbolic.relation_solution_set(rel.parts, rel.ops)
+    return solution is not None and symbolic.sets_equal(solution, target)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 def _equal(p, g) -> bool:
@@ -286,6 +316,7 @@ def _equal(p, g) -> bool:
             interval = _as_interval(rel)
             if interval is not None:
                 return _equal(interval, other)
+            return _relation_matches_set(rel, other)
         value = _value(rel, lenient=rel is p)
         if value is None:
             return False

@@ -3,7 +3,8 @@
 Order of the rules (the first that applies wins):
 
 1. Only the text after the last ``</think>`` counts; text after a chat-template marker such as
-   ``<|im_start|>`` (a model continuing the conversation on its own) is cut off.
+   ``<|im_start|>`` or a new "\n\nQuestion:" turn (a model continuing the conversation on its
+   own) is cut off.
 2. The last ``\\boxed{...}`` / ``\\boxed ...`` / ``\\fbox{...}`` (nested braces allowed). Boxes that
    follow each other with only a few connecting words (``\\boxed{1} and \\boxed{2}``) form one
    answer list. A "Final Answer: ..." sentence written *after* the last box wins over the box.
@@ -24,7 +25,11 @@ from jaxrl4llm.rewards.limits import MAX_NESTING_DEPTH, MAX_RESPONSE_CHARS, nest
 from jaxrl4llm.rewards.normalization import collapse_double_backslashes
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
-_STOP_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+_STOP_MARKERS = (
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>",
+    # A base model that keeps going writes the next turn of its few-shot format.
+    "\n\nQuestion:", "\n\nHuman:", "\n\nUser:",
+)
 _FINAL_RE = re.compile(
     r"(?:final\s+answer|the\s+answer|answer\s+is|####)\s*(?:is\s*)?(?:[:=]\s*)?", re.IGNORECASE
 )

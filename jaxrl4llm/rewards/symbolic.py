@@ -256,3 +256,50 @@ def warm_up() -> None:
     exprs_equal(to_sympy(r"\frac{\sqrt{2}}{2} + x"), to_sympy(r"x + \sin(\frac{\pi}{4})"))
     relations_equal("2x + 4y", "3", "y", r"-\frac{x}{2} + \frac{3}{4}", "=")
     exprs_equal(to_sympy(r"\sum_{k=1}^{n} k"), to_sympy(r"\frac{n(n+1)}{2}"))
+
+
+_REL_FUNCS = {
+    "<": sympy.StrictLessThan, "<=": sympy.LessThan, ">": sympy.StrictGreaterThan, ">=": sympy.GreaterThan,
+}
+
+
+def relation_solution_set(parts: tuple, ops: tuple) -> sympy.Set | None:
+    """Real solution set of an inequality chain in one variable (``1 <= |z| <= 3/2``), or None."""
+    if any(op not in _REL_FUNCS for op in ops):
+        return None
+    exprs = [to_sympy(p) for p in parts]
+    if any(e is None for e in exprs):
+        return None
+    symbols = set().union(*(e.free_symbols for e in exprs))
+    if len(symbols) != 1:
+        return None
+    (var,) = symbols
+    real = sympy.Symbol(var.name, real=True)
+    exprs = [e.xreplace({var: real}).doit() for e in exprs]
+    result = sympy.S.Reals
+    for (a, b), op in zip(zip(exprs, exprs[1:]), ops):
+        try:
+            piece = sympy.solve_univariate_inequality(_REL_FUNCS[op](a, b), real, relational=False)
+        except Exception:  # noqa: BLE001 - sympy cannot solve it: not comparable
+            return None
+        result = sympy.Intersection(result, piece)
+    return result
+
+
+def interval_set(lo: str, hi: str, left_open: bool, right_open: bool) -> sympy.Set | None:
+    """The real interval with LaTeX endpoints ``lo`` and ``hi``, or None."""
+    a, b = to_sympy(lo), to_sympy(hi)
+    if a is None or b is None or a.free_symbols or b.free_symbols:
+        return None
+    try:
+        return sympy.Interval(a.doit(), b.doit(), left_open, right_open)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def sets_equal(a: sympy.Set, b: sympy.Set) -> bool:
+    """Equality of two real sets (both differences empty)."""
+    try:
+        return sympy.Complement(a, b) == sympy.S.EmptySet and sympy.Complement(b, a) == sympy.S.EmptySet
+    except Exception:  # noqa: BLE001
+        return False
