@@ -76,7 +76,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules=DEFAULT_RULES) -> dic
 
 def cache_shardings(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, rules=DEFAULT_RULES) -> KVCache:
     """KVCache of NamedSharding for a cache of `batch` rows and `max_len` slots."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     sharding = NamedSharding(mesh, logical_to_spec(CACHE_LOGICAL_AXES, rules, shape=shape, mesh=mesh))
     return KVCache(sharding, sharding)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.kv_cache import KVCache
-from jaxrl4llm.models.layers.attention import cache_mask, causal_padding_mask, dot_product_attention
+from jaxrl4llm.models.layers.attention import attend, cache_mask, causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.linear import einsum
 from jaxrl4llm.models.layers.mlp import swiglu_mlp
 from jaxrl4llm.models.layers.norm import rms_norm
@@ -67,7 +67,9 @@ def _maybe_remat(fn, config: ModelConfig):
 
 
 def _embed(params, tokens):
-    return jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
+    # mode="clip": an out-of-range id (e.g. -1 padding) must not become NaN, which would leak
+    # through masked attention (0 * NaN = NaN).
+    return jnp.take(params["embed_tokens"], tokens, axis=0, mode="clip").astype(jnp.float32)
 
 
 def _lm_head(params, config: ModelConfig, h: jax.Array) -> jax.Array:
@@ -122,6 +124,7 @@ def token_logprobs(params, config: ModelConfig, tokens, targets, *, positions, a
     backward pass), so the [B, T, V] logits never exist at once. Differentiable.
 
     Args: tokens, targets, positions [B, T] int32; attention_mask [B, T]; temperature scalar.
+      Targets outside [0, V) (e.g. -100) are clipped, never NaN: mask those positions.
     Returns: (logp [B, T] float32, entropy [B, T] float32).
     """
     h = hidden_states(params, config, tokens, positions=positions, attention_mask=attention_mask)
@@ -138,7 +141,7 @@ def token_logprobs(params, config: ModelConfig, tokens, targets, *, positions, a
         h_c, tg_c = args
         z = _lm_head(params, config, h_c) * inv_temperature
         lse = jax.nn.logsumexp(z, axis=-1)
-        logp = jnp.take_along_axis(z, tg_c[..., None], axis=-1)[..., 0] - lse
+        logp = jnp.take_along_axis(z, tg_c[..., None], axis=-1, mode="clip")[..., 0] - lse
         entropy = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
         return logp, entropy
 
@@ -156,7 +159,7 @@ def forward_with_cache(params, config: ModelConfig, tokens, *, positions, cache:
     Prefill: t = prompt length, cache_index = 0. Decode: t = 1.
 
     Args:
-      tokens, positions [B, t] int32; cache KVCache [L, B, S, KVH, Dh]; cache_index int32 scalar;
+      tokens, positions [B, t] int32; cache KVCache [L, B, KVH, S, Dh]; cache_index int32 scalar;
       kv_mask [B, S] (1 where a slot holds a real token, including the t new ones).
     Returns: (logits [B, t, V] float32, new KVCache).
     """
@@ -170,10 +173,10 @@ def forward_with_cache(params, config: ModelConfig, tokens, *, positions, cache:
         x, ck, cv = carry
         p, i = xs
         q, k, v = _project_qkv(x, p, config, cos, sin)
-        start = (i, zero, cache_index, zero, zero)
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
-        attn = dot_product_attention(q, ck[i], cv[i], mask, dtype)
+        start = (i, zero, zero, cache_index, zero)
+        ck = jax.lax.dynamic_update_slice(ck, k.transpose(0, 2, 1, 3)[None].astype(ck.dtype), start)
+        cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3)[None].astype(cv.dtype), start)
+        attn = attend(q, ck[i], cv[i], mask, dtype)
         return (_finish_layer(x, attn, p, config), ck, cv), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)

@@ -36,17 +36,29 @@ def cache_mask(kv_mask: jax.Array, cache_index: jax.Array, num_queries: int) -> 
     return causal[None] & (kv_mask[:, None, :] > 0)
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """out = softmax(q k^T / sqrt(Dh) + mask) v, keys/values heads-major (as in the KV cache).
+
+    Args: q [B, T, H, Dh]; k, v [B, KVH, S, Dh]; mask [B, T, S] bool. Returns [B, T, H, Dh] float32.
+    The G = H / KVH query heads sharing a kv head are folded into the matmul's M dimension:
+    [B, KVH, G*T, Dh] x [B, KVH, S, Dh] has leading batch dims, which XLA:CPU runs ~5x faster
+    than the same contraction with the batch dims interleaved.
+    """
+    b, t, h, dh = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    q = q.reshape(b, t, kvh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, dh)
+    scores = einsum("bkqd,bksd->bkqs", q, k, dtype) * (dh**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, kvh, g, t, s), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).reshape(b, kvh, g * t, s)
+    out = einsum("bkqs,bksd->bkqd", probs, v, dtype)
+    return out.reshape(b, kvh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """out = softmax(q k^T / sqrt(Dh) + mask) v with H query heads sharing KVH kv heads.
 
     Args: q [B, T, H, Dh]; k, v [B, S, KVH, Dh]; mask [B, T, S] bool. Returns [B, T, H, Dh] float32.
     Scores and softmax are float32; matmul inputs are `dtype`.
     """
-    b, t, h, dh = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, t, kvh, h // kvh, dh)
-    scores = einsum("btkgd,bskd->bkgts", q, k, dtype) * (dh**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = einsum("bkgts,bskd->btkgd", probs, v, dtype)
-    return out.reshape(b, t, h, dh)
+    return attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, dtype)
