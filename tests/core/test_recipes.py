@@ -375,3 +375,39 @@ def test_policy_loss_from_rewards_under_vmap(name):
         single = _jitted_from_rewards(recipe, {k: v[i] for k, v in x.items()}, r[i],
                                       truncated[i], lengths[i])[0].value
         np.testing.assert_allclose(float(batched[i]), float(single), rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- padding, options
+
+
+@pytest.mark.parametrize("name", ["GRPO", "GSPO", "LITE_PPO_entropy_tis"])
+def test_masked_padding_columns_change_nothing(name):
+    """Two extra columns with mask 0 and garbage log-probs/entropies leave the loss unchanged."""
+    recipe = VARIANTS[name]
+    x, r, truncated, lengths = _loss_inputs(30)
+    g = rng(31)
+    padded = {k: np.concatenate([v, g.uniform(-50, 0, size=(B, 2)).astype(np.float32)], axis=1)
+              for k, v in x.items()}
+    padded["mask"] = np.concatenate([x["mask"], np.zeros((B, 2), np.float32)], axis=1)
+    args = (jnp.asarray(r), jnp.asarray(truncated), jnp.asarray(lengths))
+    a = _jitted_from_rewards(recipe, {k: jnp.asarray(v) for k, v in x.items()}, *args)[0]
+    b = _jitted_from_rewards(recipe, {k: jnp.asarray(v) for k, v in padded.items()}, *args)[0]
+    np.testing.assert_allclose(float(b.numerator), float(a.numerator), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(b.denominator), float(a.denominator))
+
+
+def test_tis_needs_sampler_logp_else_it_is_off():
+    x, r, truncated, lengths = _loss_inputs(40)
+    x = {k: jnp.asarray(v) for k, v in x.items() if k != "sampler_logp"}
+    a = _compute(LITE_PPO, r, truncated, lengths)
+    with_cap, _ = _jitted_policy_loss(dataclasses.replace(LITE_PPO, tis_cap=2.0), x, a)
+    without, _ = _jitted_policy_loss(LITE_PPO, x, a)
+    np.testing.assert_allclose(float(with_cap.value), float(without.value), rtol=1e-6)
+
+
+def test_dr_grpo_without_norm_length_raises():
+    x, _, _, _ = _loss_inputs(0)
+    with pytest.raises(ValueError):
+        policy_loss(dataclasses.replace(DR_GRPO, norm_length=None),
+                    logp=jnp.asarray(x["logp"]), old_logp=jnp.asarray(x["old_logp"]),
+                    advantages=jnp.zeros(B), mask=jnp.asarray(x["mask"]))
