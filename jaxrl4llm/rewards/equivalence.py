@@ -293,7 +293,7 @@ def _as_real_set(answer):
 
 
 def _relation_matches_set(rel: Relation, other) -> bool:
-    """``1 <= |z| <= 3/2`` against ``[-3/2, -1] \cup [1, 3/2]``: same real solution set."""
+    r"""``1 <= |z| <= 3/2`` against ``[-3/2, -1] \cup [1, 3/2]``: same real solution set."""
     from jaxrl4llm.rewards import symbolic
 
     target = _as_real_set(other)
