@@ -38,7 +38,7 @@ def teacher_forced_logprobs(params, config, rollout, temperature=1.0):
     return jnp.take_along_axis(logp, rollout.response_tokens[..., None], axis=-1)[..., 0], logits[:, p - 1:-1]
 
 
-@pytest.mark.parametrize("family,max_new_tokens,block", [("qwen2", 24, None), ("qwen3", 40, 16), ("llama", 24, None)])
+@pytest.mark.parametrize("family,max_new_tokens,block", [("qwen2", 24, None), ("qwen3", 33, 16), ("llama", 24, None)])
 def test_greedy_matches_transformers_token_for_token(family, max_new_tokens, block, tmp_path_factory, key):
     model, config, params = load_family(family, tmp_path_factory)
     prompts = random_prompts(1)
@@ -72,7 +72,7 @@ def test_greedy_matches_transformers_token_for_token(family, max_new_tokens, blo
 def test_logprobs_equal_teacher_forced_forward(qwen3, key):
     _, config, params = qwen3
     temperature = 0.7
-    rollout = generate(params, config, random_prompts(2), num_samples=3, max_new_tokens=40, temperature=temperature,
+    rollout = generate(params, config, random_prompts(2), num_samples=3, max_new_tokens=33, temperature=temperature,
                        eos_token_ids=[5], pad_token_id=PAD, rng=key, kv_block_size=16)
     expected, _ = teacher_forced_logprobs(params, config, rollout, temperature)
     mask = np.asarray(rollout.response_mask)
@@ -106,7 +106,7 @@ def test_top_k_top_p_stay_in_their_set_and_renormalise(qwen3, key):
 
 def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
     _, config, params = qwen3
-    kwargs = dict(num_samples=3, max_new_tokens=40, temperature=0.7, eos_token_ids=[5], pad_token_id=PAD,
+    kwargs = dict(num_samples=3, max_new_tokens=33, temperature=0.7, eos_token_ids=[5], pad_token_id=PAD,
                   kv_block_size=16)
     first = generate(params, config, random_prompts(2), rng=jax.random.key(7), **kwargs)
     compiled = sample_program._cache_size()
@@ -117,5 +117,19 @@ def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
     assert not np.array_equal(np.asarray(first.response_tokens), np.asarray(other_seed.response_tokens))
     # new prompts: 3 prompts of other lengths land in the same (16-token, 4-prompt) bucket
     new = generate(params, config, random_prompts(9, lengths=(12, 2, 16)), rng=jax.random.key(7), **kwargs)
-    assert new.response_tokens.shape == (9, 40)
+    assert new.response_tokens.shape == (9, 33)
     assert sample_program._cache_size() == compiled, "a known bucket recompiled the sampler"
+
+
+def test_first_token_frequencies_match_the_tempered_softmax(qwen3, key):
+    _, config, params = qwen3
+    from tests.sampling.test_filters import chi_square_pvalue
+
+    prompt = random_prompts(4, lengths=(7,))
+    temperature = 0.8
+    rollout = generate(params, config, prompt, num_samples=4000, max_new_tokens=1, temperature=temperature,
+                       eos_token_ids=[], pad_token_id=PAD, rng=key)
+    _, logits = teacher_forced_logprobs(params, config, jax.tree.map(lambda a: a[:1], rollout), temperature)
+    probs = np.asarray(jax.nn.softmax(logits[0, 0] / temperature))
+    counts = np.bincount(np.asarray(rollout.response_tokens[:, 0]), minlength=config.vocab_size)
+    assert chi_square_pvalue(counts, probs) > 1e-3

@@ -1,0 +1,97 @@
+"""Sampling filters: top-k / top-p sets, the two-level top-k and inverse-CDF sampler, log-probs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxrl4llm.sampling.filters import (allowed_tokens, first_argmax, inverse_cdf_sample, sample_tokens, top_k_logits,
+                                        top_p_keep)
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value of observed counts vs probabilities (rare categories pooled)."""
+    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+    expected = probs * counts.sum()
+    order = np.argsort(expected)
+    pooled_obs, pooled_exp, acc_o, acc_e = [], [], 0.0, 0.0
+    for i in order:
+        acc_o += counts[i]
+        acc_e += expected[i]
+        if acc_e >= min_expected:
+            pooled_obs.append(acc_o)
+            pooled_exp.append(acc_e)
+            acc_o = acc_e = 0.0
+    pooled_obs[-1] += acc_o
+    pooled_exp[-1] += acc_e
+    obs, exp = np.array(pooled_obs), np.array(pooled_exp)
+    return float(stats.chi2.sf(np.sum((obs - exp) ** 2 / exp), df=len(obs) - 1))
+
+
+def test_top_p_keep_hand_example():
+    # p = [0.5, 0.3, 0.15, 0.05]: mass before = [0, 0.5, 0.8, 0.95]
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    np.testing.assert_array_equal(top_p_keep(logits, 0.5), [[True, False, False, False]])
+    np.testing.assert_array_equal(top_p_keep(logits, 0.75), [[True, True, False, False]])
+    np.testing.assert_array_equal(top_p_keep(logits, 0.81), [[True, True, True, False]])
+    np.testing.assert_array_equal(top_p_keep(logits, 1.0), [[True, True, True, True]])
+
+
+def test_two_level_top_k_equals_lax_top_k():
+    z = jax.random.normal(jax.random.key(0), (5, 3001)) * 3.0
+    values, ids = jax.jit(top_k_logits, static_argnums=1)(z, 20)
+    expected_values, expected_ids = jax.lax.top_k(z, 20)
+    np.testing.assert_array_equal(values, expected_values)
+    np.testing.assert_array_equal(ids, expected_ids)
+
+
+def test_first_argmax_takes_lowest_index_on_ties():
+    z = jnp.array([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 5.0]])
+    np.testing.assert_array_equal(first_argmax(z), [1, 0])
+
+
+def test_inverse_cdf_sample_matches_softmax_and_skips_zero_probability():
+    vocab = 300
+    z = jax.random.normal(jax.random.key(1), (vocab,)) * 1.5
+    z = z.at[::7].set(-jnp.inf)  # impossible tokens
+    draws = jax.jit(inverse_cdf_sample)(jnp.broadcast_to(z, (20000, vocab)), jax.random.key(2))
+    counts = np.bincount(np.asarray(draws), minlength=vocab)
+    assert counts[::7].sum() == 0
+    assert chi_square_pvalue(counts, np.asarray(jax.nn.softmax(z))) > 1e-3
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.7), (12, 0.5), (40, 0.9)])
+def test_sample_tokens_never_leaves_the_top_k_top_p_set(top_k, top_p):
+    z = jax.random.normal(jax.random.key(3), (2000, 500)) * 2.0
+    temperature = 0.8
+    out = jax.jit(sample_tokens, static_argnames=("top_k", "use_top_p"))(
+        z, jax.random.key(4), temperature=temperature, top_k=top_k, top_p=top_p, use_top_p=top_p < 1.0)
+    allowed = np.asarray(jax.jit(allowed_tokens, static_argnames="top_k")(
+        z, temperature=temperature, top_k=top_k, top_p=top_p))
+    tokens = np.asarray(out.tokens)
+    assert np.all(allowed[np.arange(len(tokens)), tokens])
+    # log-prob of the draw under the renormalised truncated distribution, and the untruncated one
+    zt = np.asarray(z, np.float64) / temperature
+    lse_all = np.log(np.exp(zt).sum(-1))
+    lse_kept = np.log(np.where(allowed, np.exp(zt), 0.0).sum(-1))
+    picked = zt[np.arange(len(tokens)), tokens]
+    np.testing.assert_allclose(out.logprob, picked - lse_kept, atol=1e-4)
+    np.testing.assert_allclose(out.logprob_untruncated, picked - lse_all, atol=1e-4)
+
+
+def test_top_k_frequencies_match_the_renormalised_softmax():
+    z = jax.random.normal(jax.random.key(5), (50,))
+    out = jax.jit(sample_tokens, static_argnames="top_k")(jnp.broadcast_to(z, (20000, 50)), jax.random.key(6), top_k=10)
+    counts = np.bincount(np.asarray(out.tokens), minlength=50)
+    top = np.argsort(-np.asarray(z))[:10]
+    assert counts.sum() == counts[top].sum()
+    probs = np.asarray(jax.nn.softmax(z[top]))
+    assert chi_square_pvalue(counts[top], probs) > 1e-3
+
+
+def test_greedy_is_argmax_with_untruncated_logprob():
+    z = jax.random.normal(jax.random.key(7), (6, 40))
+    out = jax.jit(sample_tokens, static_argnames="greedy")(z, jax.random.key(0), temperature=0.5, greedy=True)
+    np.testing.assert_array_equal(out.tokens, jnp.argmax(z, -1))
+    np.testing.assert_allclose(out.logprob, jnp.max(jax.nn.log_softmax(z / 0.5), -1), atol=1e-6)
