@@ -74,9 +74,9 @@ def cmd_sample(args) -> int:
     policy = load_policy(cfg, _mesh(cfg))
     prompts = args.prompt or [sys.stdin.read()]
     if args.template:
-        from jaxrl4llm.data import Problem, format_prompt
+        from jaxrl4llm.data import format_prompt
 
-        prompts = [format_prompt(Problem(problem=p, answer=""), args.template, tokenizer=policy.tokenizer) for p in prompts]
+        prompts = [format_prompt(p, args.template, tokenizer=policy.tokenizer) for p in prompts]
     ids = [policy.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     rollout = policy.generate(ids, num_samples=args.num_samples, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,

@@ -1,0 +1,29 @@
+import pytest
+
+from jaxrl4llm.data import build_char_tokenizer, write_demo_task
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """A char tokenizer and a small demo task (train 64 / test 8) on disk."""
+    root = tmp_path_factory.mktemp("demo_assets")
+    paths = write_demo_task(root / "data", num_train=64, num_test=8, seed=0, digits=1, ops="+", steps=1)
+    tok = build_char_tokenizer(root / "tokenizer")
+    return {"train": paths["train"], "test": paths["test"], "tokenizer": tok, "root": root}
+
+
+def tiny_overrides(assets, out_dir, **extra):
+    """Overrides for a random 2-layer model, 2 prompts x 4 samples, 8 new tokens."""
+    base = {
+        "model.tokenizer": assets["tokenizer"], "model.hidden_size": 32, "model.intermediate_size": 64,
+        "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 1, "model.head_dim": 16,
+        "model.dtype": "float32", "model.logprob_chunk_size": 32,
+        "data.train_files": f"[{assets['train']}]", "data.eval_files": f"[{assets['test']}]", "data.template": "demo",
+        "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "rollout.max_new_tokens": 8,
+        "optim.lr": 1e-3, "trainer.steps": 2, "trainer.out_dir": str(out_dir), "trainer.progress_bar": False,
+        "trainer.eval_every": -1, "trainer.export_hf": False, "trainer.clipped_tokens_every": 1,
+        "reward.fn": "tests.train.custom_parts:contains_one_reward", "reward.batched": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
