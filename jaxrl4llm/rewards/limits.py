@@ -5,6 +5,8 @@ write a power tower whose value does not fit in memory. Every stage of the verif
 its input against these limits first and gives the reward 0 when one is exceeded.
 """
 
+import re
+
 #: Longest response (characters) that is searched for an answer; longer ones score 0.
 MAX_RESPONSE_CHARS = 200_000
 #: Longest extracted answer (characters) that is compared; longer ones score 0.
@@ -21,10 +23,13 @@ MAX_ELEMENTS = 256
 DEFAULT_TIMEOUT = 3.0
 
 
+_NOT_BRACKET_RE = re.compile(r"[^()\[\]{}]+")
+
+
 def nesting_depth(text: str) -> int:
     """Maximum bracket nesting depth of ``text`` counting (, [ and { alike."""
     depth = best = 0
-    for ch in text:
+    for ch in _NOT_BRACKET_RE.sub("", text):
         if ch in "([{":
             depth += 1
             if depth > best:

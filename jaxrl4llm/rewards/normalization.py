@@ -20,6 +20,7 @@ parses or evaluates the answer.
 
 from __future__ import annotations
 
+import functools
 import re
 
 # LaTeX command names that a response sometimes writes with a doubled backslash
@@ -119,6 +120,35 @@ def _split_approx(s: str) -> str:
     return left
 
 
+# Patterns of normalize_answer, compiled once (it runs on every answer).
+_THOUSANDS_BRACE_RE = re.compile(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})")
+_THOUSANDS_BANG_RE = re.compile(r"(?<=\d),\\!\s*(?=\d{3})")
+_MATH_DELIM_RE = re.compile(r"\\[()\[\]]")
+_STYLE_RE = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits)(?![a-zA-Z])")
+_FRAC_VARIANT_RE = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
+_FRAC_TWO_DIGITS_RE = re.compile(r"\\frac\s*(\d)\s*(\d)")
+_FRAC_DIGIT_BRACE_RE = re.compile(r"\\frac\s*(\d)\s*\{")
+_FRAC_BRACE_DIGIT_RE = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
+_SQRT_SHORT_RE = re.compile(r"\\sqrt\s*(\d|[a-zA-Z](?![a-zA-Z]))")
+_DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}")
+_PERCENT_RE = re.compile(r"\\?%|\\text\{\s*%\s*\}")
+_PERCENT_WORD_RE = re.compile(r"(?<=[\d}])\s*(?:percentage|percent|pct)\b\.?", re.IGNORECASE)
+_FONT_RE = re.compile(r"\\(?:mathbb|mathcal|boldsymbol|vec|hat)\s*\{([^{}]*)\}")
+_GEQ_RE = re.compile(r"\\geq?(?:slant)?(?![a-zA-Z])|=>|\u2265")
+_LEQ_RE = re.compile(r"\\leq?(?:slant)?(?![a-zA-Z])|=<")
+_NEQ_RE = re.compile(r"\\neq?(?![a-zA-Z])")
+_LT_RE = re.compile(r"\\lt(?![a-zA-Z])")
+_GT_RE = re.compile(r"\\gt(?![a-zA-Z])")
+_DOTS_RE = re.compile(r"\\(?:dots|ldots|cdots)(?![a-zA-Z])")
+_AND_OR_RE = re.compile(r"(?<![a-zA-Z\\])(?:and|or)(?![a-z])")
+_WHITESPACE_RE = re.compile(r"\s+")
+_INF_WORD_RE = re.compile(r"(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])")
+_PLUS_INF_RE = re.compile(r"\+\s*\\infty")
+_REPEATED_COMMA_RE = re.compile(r",(?:\s*,)+")
+_SPACE_PERCENT_RE = re.compile(r"\s*%$")
+
+
+@functools.lru_cache(maxsize=16384)
 def normalize_answer(text: str) -> str:
     """Canonical spelling of an answer string (see the module docstring for the rules)."""
     s = str(text)
@@ -126,46 +156,46 @@ def normalize_answer(text: str) -> str:
         s = s.replace(k, v)
     s = collapse_double_backslashes(s)
     # Thousands separators written the LaTeX way: 14{,}916, 11,\!111, 14 {, }916.
-    s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})", "", s)
-    s = re.sub(r"(?<=\d),\\!\s*(?=\d{3})", "", s)
+    s = _THOUSANDS_BRACE_RE.sub("", s)
+    s = _THOUSANDS_BANG_RE.sub("", s)
     s = s.replace(r"\$", " ").replace("$", " ")
-    s = re.sub(r"\\[()\[\]]", " ", s)
-    s = re.sub(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits)(?![a-zA-Z])", " ", s)
+    s = _MATH_DELIM_RE.sub(" ", s)
+    s = _STYLE_RE.sub(" ", s)
     s = _SIZING_RE.sub("", s)
     s = _SPACING_RE.sub(" ", s)
-    s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
-    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\frac\s*(\d)\s*\{", r"\\frac{\1}{", s)
-    s = re.sub(r"\\frac\s*\{([^{}]*)\}\s*(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\sqrt\s*(\d|[a-zA-Z](?![a-zA-Z]))", r"\\sqrt{\1}", s)
+    s = _FRAC_VARIANT_RE.sub(r"\\frac", s)
+    s = _FRAC_TWO_DIGITS_RE.sub(r"\\frac{\1}{\2}", s)
+    s = _FRAC_DIGIT_BRACE_RE.sub(r"\\frac{\1}{", s)
+    s = _FRAC_BRACE_DIGIT_RE.sub(r"\\frac{\1}{\2}", s)
+    s = _SQRT_SHORT_RE.sub(r"\\sqrt{\1}", s)
     # Degrees and percent.
-    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}", "", s)
-    s = re.sub(r"\\?%|\\text\{\s*%\s*\}", "%", s)
-    s = re.sub(r"(?<=[\d}])\s*(?:percentage|percent|pct)\b\.?", "%", s, flags=re.IGNORECASE)
+    s = _DEGREE_RE.sub("", s)
+    s = _PERCENT_RE.sub("%", s)
+    s = _PERCENT_WORD_RE.sub("%", s)
     s = _unwrap_text(s)
-    s = re.sub(r"\\(?:mathbb|mathcal|boldsymbol|vec|hat)\s*\{([^{}]*)\}", r"\1", s)
+    s = _FONT_RE.sub(r"\1", s)
     # Relation spellings.
-    s = re.sub(r"\\geq?(?:slant)?(?![a-zA-Z])|=>|\u2265", ">=", s)
-    s = re.sub(r"\\leq?(?:slant)?(?![a-zA-Z])|=<", "<=", s)
-    s = re.sub(r"\\neq?(?![a-zA-Z])", "!=", s)
-    s = re.sub(r"\\lt(?![a-zA-Z])", "<", s)
-    s = re.sub(r"\\gt(?![a-zA-Z])", ">", s)
-    s = re.sub(r"\\(?:dots|ldots|cdots)(?![a-zA-Z])", "", s)
+    s = _GEQ_RE.sub(">=", s)
+    s = _LEQ_RE.sub("<=", s)
+    s = _NEQ_RE.sub("!=", s)
+    s = _LT_RE.sub("<", s)
+    s = _GT_RE.sub(">", s)
+    s = _DOTS_RE.sub("", s)
     # "and" / "or" between answers are separators.
-    s = re.sub(r"(?<![a-zA-Z\\])(?:and|or)(?![a-z])", ",", s)
-    s = re.sub(r"\s+", " ", s).strip()
+    s = _AND_OR_RE.sub(",", s)
+    s = _WHITESPACE_RE.sub(" ", s).strip()
     if r"\approx" in s:
         s = _split_approx(s)
     # Infinity spellings.
-    s = re.sub(r"(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])", r"\\infty", s)
-    s = re.sub(r"\+\s*\\infty", r"\\infty", s)
+    s = _INF_WORD_RE.sub(r"\\infty", s)
+    s = _PLUS_INF_RE.sub(r"\\infty", s)
     # Commas left behind by "and" lists: "19, 46, , 82", leading/trailing separators.
-    s = re.sub(r",(?:\s*,)+", ",", s)
+    s = _REPEATED_COMMA_RE.sub(",", s)
     s = s.strip(" ,;")
     s = s.rstrip(" .,;:!")
     s = s.strip()
     s = _strip_units(s)
-    s = re.sub(r"\s*%$", "%", s)
+    s = _SPACE_PERCENT_RE.sub("%", s)
     # Multiple-choice letters: (C), C), (C.
     m = re.fullmatch(r"\(?\s*([A-Ea-e])\s*\)?", s)
     if m:

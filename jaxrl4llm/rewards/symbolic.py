@@ -1,7 +1,8 @@
 r"""Symbolic equality with sympy on parsed LaTeX (runs only inside sandbox workers).
 
-Expressions are read with ``sympy.parsing.latex.parse_latex``, which builds sympy objects from an
-ANTLR parse tree and never evaluates Python code. Two expressions are equal when
+Expressions are read with ``latex_parser.parse_simple`` (plain arithmetic, fast) or else with
+``sympy.parsing.latex.parse_latex``; both build sympy objects from a parse tree and never
+evaluate Python code. Two expressions are equal when
 
 1. they are structurally identical, or
 2. they have no free symbols and agree numerically to a relative 1e-9 (30-digit evaluation), or
@@ -26,6 +27,7 @@ import re
 import sympy
 from sympy.parsing.latex import parse_latex
 
+from jaxrl4llm.rewards.latex_parser import Unsupported, parse_simple
 from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_NUMBER_DIGITS
 from jaxrl4llm.rewards.numbers import close_numbers
 
@@ -120,7 +122,11 @@ def to_sympy(text: str) -> sympy.Expr | None:
     if not s or _REFUSE_RE.search(re.sub(r"_\{[^{}]*\}", "_", s)):
         return None
     try:
-        expr = _fix_constants(parse_latex(s))
+        try:
+            expr = parse_simple(s)
+        except (Unsupported, RecursionError):
+            expr = parse_latex(s)
+        expr = _fix_constants(expr)
         _check_size(expr)
     except (_Refused, Exception):  # noqa: BLE001 - any parse failure means "not comparable"
         return None
