@@ -86,11 +86,12 @@ def test_group_centred_advantages_sum_to_zero_per_group(seed, std):
 
 @FAST
 @given(seed=seeds, std=st.sampled_from(["group", "batch"]),
-       a=st.floats(0.1, 10.0), b=st.floats(-5.0, 5.0))
+       a=st.floats(0.2, 10.0), b=st.floats(-2.0, 2.0))
 def test_invariant_to_positive_affine_maps_of_rewards(seed, std, a, b):
     """A(a r + b; eps a) == A(r; eps) exactly in real arithmetic, for group/group (GRPO) and
-    group/batch (Lite PPO)."""
-    r = rewards(rng(seed))
+    group/batch (Lite PPO). Rewards on a 0.01 grid, so that float32 rounding of a r + b stays
+    far below the spread of any non-constant group."""
+    r = np.round(rewards(rng(seed)), 2).astype(np.float32)
     mapped = (a * r.astype(np.float64) + b).astype(np.float32)
     out = _adv(mapped, mean="group", std=std, eps=1e-6 * a)
     expected = _adv(r, mean="group", std=std, eps=1e-6)
