@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrl4llm.train.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    if os.environ.get("JAXRL4LLM_DISTRIBUTED"):
+        import jax
+
+        jax.distributed.initialize()  # multi-host (TPU pod): must run before any device use
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:
