@@ -123,11 +123,15 @@ def atoms_equal(x: str, y: str) -> bool:
     from jaxrl4llm.rewards import symbolic  # sympy is imported only where it is needed
 
     if nx is not None or ny is not None:
-        number = nx if nx is not None else ny
+        number, number_text = (nx, x) if nx is not None else (ny, y)
         other = symbolic.to_sympy(y if nx is not None else x)
         if other is None:
             return False
-        return symbolic.exprs_equal(symbolic.sympy.Rational(number.numerator, number.denominator), other)
+        if is_exact_literal(number_text):
+            value = symbolic.sympy.Rational(number.numerator, number.denominator)
+        else:  # a decimal: compared with the relative tolerance, never exactly
+            value = symbolic.sympy.Float(symbolic.sympy.Rational(number.numerator, number.denominator), 40)
+        return symbolic.exprs_equal(value, other)
     return symbolic.expressions_equal(x, y)
 
 

@@ -159,7 +159,11 @@ class _Parser:
         kind, tok = self.peek()
         if kind == "num":
             self.take()
-            return sympy.Integer(tok) if tok.isdigit() else sympy.Rational(tok)
+            if tok.isdigit():
+                return sympy.Integer(tok)
+            # Decimals stay Floats (enough digits to hold the literal), as in parse_latex: a
+            # decimal answer is compared with the 1e-9 tolerance, not as an exact rational.
+            return sympy.Float(tok.rstrip(".") or "0", max(15, len(tok) + 2))
         if kind == "var":
             self.take()
             return sympy.Symbol(tok)

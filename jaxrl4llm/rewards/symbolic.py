@@ -24,12 +24,12 @@ import functools
 import math
 import re
 
+import mpmath
 import sympy
 from sympy.parsing.latex import parse_latex
 
 from jaxrl4llm.rewards.latex_parser import Unsupported, parse_simple
 from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_NUMBER_DIGITS
-from jaxrl4llm.rewards.numbers import close_numbers
 
 _GREEK = {
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
@@ -135,24 +135,39 @@ def to_sympy(text: str) -> sympy.Expr | None:
     return expr
 
 
-def _numeric(expr: sympy.Expr, subs: dict | None = None) -> complex | None:
+def _numeric(expr: sympy.Expr, subs: dict | None = None) -> mpmath.mpc | None:
+    """30-digit value as an mpmath complex (any exponent range), or None if not a finite number."""
     try:
         if expr.has(sympy.Sum, sympy.Product):
             expr = (expr.xreplace(subs) if subs else expr).doit()
             subs = None
         value = expr.evalf(30, subs=subs) if subs else expr.evalf(30)
-        value = complex(value)
-    except Exception:  # noqa: BLE001
+        re_part, im_part = value.as_real_imag()
+        re_part, im_part = sympy.Float(re_part, 30), sympy.Float(im_part, 30)
+        value = mpmath.mpc(mpmath.mpf(re_part._mpf_), mpmath.mpf(im_part._mpf_))
+    except Exception:  # noqa: BLE001 - symbols left, undefined values...: not a number
         return None
-    if value != value or abs(value) == float("inf"):
+    if mpmath.isnan(value) or mpmath.isinf(value):
         return None
     return value
 
 
-def _close(a: complex, b: complex, rel_tol: float = 1e-9) -> bool:
+def _close(a, b, rel_tol: float = 1e-9) -> bool:
     if a == b:
         return True
     return abs(a - b) <= rel_tol * max(abs(a), abs(b)) or abs(a - b) < 1e-12
+
+
+def _simplify_is_affordable(expr: sympy.Expr) -> bool:
+    """False for inputs on which ``simplify`` would expand huge powers (``(x+1)^{5000}``)."""
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, sympy.Pow) and node.exp.is_number and not node.base.is_number:
+            try:
+                if abs(float(node.exp)) > 64:
+                    return False
+            except (TypeError, ValueError, OverflowError):
+                return False
+    return sympy.count_ops(expr) <= 200
 
 
 def _points(symbols: list, integer: bool):
@@ -168,12 +183,29 @@ def _needs_integers(expr: sympy.Basic) -> bool:
     return expr.has(sympy.Sum, sympy.Product, sympy.factorial, sympy.binomial)
 
 
+def _exact_rational(expr: sympy.Expr) -> sympy.Rational | None:
+    """The exact value of an expression built from integers with + - * / and integer powers."""
+    if expr.atoms(sympy.Float) or expr.atoms(sympy.Function) or expr.atoms(sympy.NumberSymbol):
+        return None
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, sympy.Pow) and not node.exp.is_Integer:
+            return None
+    try:
+        value = expr.doit()
+    except Exception:  # noqa: BLE001
+        return None
+    return value if value.is_Rational else None
+
+
 def exprs_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
     """Equality of two parsed expressions (rules 1-4 of the module docstring)."""
     if a == b:
         return True
     symbols = sorted(a.free_symbols | b.free_symbols, key=lambda s: s.name)
     if not symbols:
+        ra, rb = _exact_rational(a), _exact_rational(b)
+        if ra is not None and rb is not None:
+            return ra == rb  # 10^{400} != 10^{400} + 1: exact arithmetic needs no tolerance
         va, vb = _numeric(a), _numeric(b)
         if va is not None and vb is not None:
             return _close(va, vb)
@@ -192,6 +224,8 @@ def exprs_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
             return False
         if agree >= 2:
             return True
+    if not (_simplify_is_affordable(a) and _simplify_is_affordable(b)):
+        return False
     try:
         return sympy.simplify(a - b) == 0
     except Exception:  # noqa: BLE001
@@ -248,20 +282,12 @@ def matrix_value(rows: tuple, terms_ops=None) -> sympy.Matrix | None:
     return sympy.Matrix(cells)
 
 
-def close_to_number(expr_text: str, value) -> bool:
-    """True when the LaTeX expression evaluates to ``value`` (relative 1e-9)."""
-    e = to_sympy(expr_text)
-    if e is None or e.free_symbols:
-        return False
-    v = _numeric(e)
-    return v is not None and abs(v.imag) < 1e-12 and close_numbers(v.real, float(value))
-
-
 def warm_up() -> None:
     """Load the LaTeX parser and the evaluators once (the first call costs seconds)."""
     exprs_equal(to_sympy(r"\frac{\sqrt{2}}{2} + x"), to_sympy(r"x + \sin(\frac{\pi}{4})"))
     relations_equal("2x + 4y", "3", "y", r"-\frac{x}{2} + \frac{3}{4}", "=")
     exprs_equal(to_sympy(r"\sum_{k=1}^{n} k"), to_sympy(r"\frac{n(n+1)}{2}"))
+    relation_solution_set(("1", "|x|", "2"), ("<=", "<="))  # imports the inequality solvers
 
 
 _REL_FUNCS = {

@@ -275,3 +275,12 @@ CASES = [
     (r"\boxed{\text{(A)}\ 12}", "A", True, "multiple choice with value"),
     ("d", r"\text{E}", False, "letter"),
 ]
+
+CASES += [
+    # exact arithmetic needs no tolerance; decimals get the tiny relative one
+    (r"\boxed{10^{400}}", r"10^{400} + 1", False, "exact big integers"),
+    (r"\boxed{2^{1000}}", r"2^{999} \cdot 2", True, "exact big integers"),
+    (r"\boxed{0.3333333333333333}", r"\frac{1}{6} + \frac{1}{6}", True, "float round-off vs expression"),
+    (r"\boxed{0.33}", r"\frac{1}{6} + \frac{1}{6}", False, "rounded decimal vs expression"),
+    (r"\boxed{(x+1)^{50} - (x-1)^{50}}", "5", False, "large polynomial"),
+]
