@@ -8,6 +8,8 @@ pass), so at most [B, chunk_size, V] float32 values exist at once.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,7 @@ def _chunked_over_time(fn, arrays, chunk_size: int, seq_len: int):
     return jax.tree.map(merge, outs)
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
 def token_logprobs_chunked(
     logits: chex.Array, tokens: chex.Array, temperature: float = 1.0, *, chunk_size: int = 512
 ) -> chex.Array:
@@ -107,6 +110,7 @@ def token_logprobs_chunked(
     return _chunked_over_time(fn, (logits, tokens), chunk_size, tokens.shape[1])
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy", "preferred_element_type"))
 def token_logprobs_from_hidden(
     hidden: chex.Array,
     unembed: chex.Array,

@@ -138,14 +138,8 @@ def test_second_jitted_call_does_not_recompile(name):
 
 # Called directly (eagerly), every primitive compiles once on the first call: keep this to one
 # representative per module (the jitted test above covers every entry).
-_EAGER_LAX_MAP = pytest.mark.xfail(
-    reason="lax.map over a fresh jax.checkpoint(lambda) on every eager call recompiles the chunk "
-           "body each call (fine inside a jitted step; slow in notebooks). Fix: jit the public "
-           "function with static chunk_size/temperature/return_entropy, or hoist the body.",
-    strict=False)
 DIRECT = ["normalize_advantages/lite_ppo", "rloo_advantages", "batch_whiten", "token_logprobs",
-          pytest.param("token_logprobs_chunked", marks=_EAGER_LAX_MAP),
-          pytest.param("token_logprobs_from_hidden", marks=_EAGER_LAX_MAP),
+          "token_logprobs_chunked", "token_logprobs_from_hidden",
           "entropy_from_logits",
           "clipped_surrogate/sequence", "truncated_is_weights", "kl_penalty/k3",
           "aggregate_loss/seq-mean-token-mean", "overlong_soft_penalty", "dynamic_sampling_mask",
