@@ -5,7 +5,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import given, strategies as st
 
 from jaxrl4llm.core import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty

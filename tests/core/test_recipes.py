@@ -258,15 +258,15 @@ def test_policy_loss_equals_compute_advantages_then_policy_loss(name):
 def test_grpo_hand_value_on_policy():
     # on-policy, ref == logp: r = 1, KL = 0; loss = mean over rows of -A_row.
     # rewards (1, 0, 0, 0 | 1, 1, 0, 0): A = (1.5, -.5, -.5, -.5 | .866, .866, -.866, -.866)
-    # seq-mean-token-mean: sum(-A) / 8 = 0 ; token-mean with lengths (1, 2, ...) differs.
+    # seq-mean-token-mean: sum(-A) / 8 = 0.
     logp = jnp.full((B, T), -1.0)
     m = jnp.ones((B, T))
-    adv = normalize = jnp.array([1.5, -.5, -.5, -.5, .866, .866, -.866, -.866])
+    adv = jnp.array([1.5, -.5, -.5, -.5, .866, .866, -.866, -.866])
     terms, _ = policy_loss(GRPO, logp=logp, old_logp=logp, advantages=adv, mask=m, ref_logp=logp)
     np.testing.assert_allclose(float(terms.value), 0.0, atol=1e-6)
     # only row 0 counts: loss = -1.5
     m0 = jnp.zeros((B, T)).at[0].set(1.0)
-    terms, _ = policy_loss(GRPO, logp=logp, old_logp=logp, advantages=normalize, mask=m0,
+    terms, _ = policy_loss(GRPO, logp=logp, old_logp=logp, advantages=adv, mask=m0,
                            ref_logp=logp)
     np.testing.assert_allclose(float(terms.value), -1.5, rtol=1e-6)
 

@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 
 from jaxrl4llm.core import SurrogateStats, clipped_surrogate, truncated_is_weights
 from tests.core import reference as ref
-from tests.core._helpers import B, FAST, FEW, T, assert_finite, logps, mask, rng, seeds
+from tests.core._helpers import B, FAST, T, assert_finite, logps, mask, rng, seeds
 
 STAT_NAMES = ["clip_frac_low", "clip_frac_high", "clip_frac", "dual_clip_frac", "ratio_mean",
               "ratio_min", "ratio_max", "approx_kl", "num_tokens"]
