@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from jaxrl4llm.rewards import batch_math_reward, math_reward  # noqa: E402
+from jaxrl4llm.rewards import SandboxPool, batch_math_reward, math_reward  # noqa: E402
 from jaxrl4llm.rewards.limits import DEFAULT_TIMEOUT  # noqa: E402
+from tests.rewards import _hostile  # noqa: E402
 from tests.rewards.labelled_cases import CASES  # noqa: E402
 from tests.rewards.test_sandbox import HOSTILE_RESPONSES  # noqa: E402
 
@@ -148,6 +149,12 @@ def main() -> None:
         worst = max(worst, dt)
         print(f"  hostile {name:28s} reward {r:.0f} in {dt * 1000:8.1f} ms")
     print(f"worst-case hostile time: {worst * 1000:.1f} ms (limit {DEFAULT_TIMEOUT:.1f} s)")
+    with SandboxPool(1) as pool:  # the hard-kill path: a call that ignores the in-worker alarm
+        pool.run(pow, [(2, 10)], timeout=60)
+        t = time.perf_counter()
+        out = pool.run(_hostile.ignore_alarm_and_spin, [()], timeout=DEFAULT_TIMEOUT, default="killed")
+        print(f"hard kill of a worker that ignores the alarm: {out[0]} after {(time.perf_counter() - t) * 1000:.0f} ms, "
+              f"worker replaced ({pool.restarts} restart)")
 
     public = [json.loads(line) for line in (data / "verifier_cases_public.jsonl").read_text().splitlines() if line.strip()]
     public = [r for r in public if not r.get("ambiguous")]

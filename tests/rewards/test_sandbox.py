@@ -21,7 +21,16 @@ HOSTILE_RESPONSES = {
     "huge scientific": r"\boxed{1e999999999}",
     "deep fraction": r"\boxed{" + r"\frac{1}{" * 300 + "2" + "}" * 300 + "}",
     "big polynomial": r"\boxed{(x+1)^{5000} - (x-1)^{5000}}",
+    # These pass every size guard and only the time limit stops them:
+    "product of a million terms": r"\boxed{\prod_{k=1}^{1000000} k}",
+    "long numeric sum": r"\boxed{\sum_{k=1}^{100000} \sin(k)}",
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pool():
+    """Start the shared workers first: start-up time is not part of any call's limit."""
+    math_reward(r"\boxed{\sqrt{4}}", "2")
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_RESPONSES))
