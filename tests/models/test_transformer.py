@@ -68,13 +68,13 @@ def test_token_logprobs_equals_log_softmax_of_forward(params):
     np.testing.assert_allclose(ent, ref_ent, atol=1e-5)
 
 
-def test_token_logprobs_gradient_matches_unchunked(params):
+def test_token_logprobs_gradients(params):
+    """Chunked + remat gradients equal the unchunked ones (f32); bf16 compute gives f32 grads close to them."""
     tokens, mask = _left_padded_batch()
     positions = positions_from_mask(mask)
     targets = jnp.roll(tokens, -1, axis=1)
-    config = TINY.replace(remat=True)
 
-    def chunked(p):
+    def chunked(p, config):
         logp, _ = token_logprobs(p, config, tokens, targets, positions=positions, attention_mask=mask, chunk_size=4)
         return jnp.sum(logp * mask)
 
@@ -83,9 +83,13 @@ def test_token_logprobs_gradient_matches_unchunked(params):
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
         return jnp.sum(logp * mask)
 
-    g1, g2 = jax.jit(jax.grad(chunked))(params), jax.jit(jax.grad(full))(params)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    grad = jax.jit(jax.grad(chunked), static_argnums=1)
+    g_chunked, g_full = grad(params, TINY.replace(remat=True)), jax.jit(jax.grad(full))(params)
+    g_bf16 = grad(params, TINY.replace(dtype="bfloat16", remat=True))
+    for a, b, c in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_full), jax.tree.leaves(g_bf16)):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+        assert c.dtype == jnp.float32
+        assert np.abs(c - b).max() <= 0.05 * np.abs(b).max() + 1e-6
 
 
 def test_prefill_then_decode_equals_full_forward(params):
@@ -117,3 +121,4 @@ def test_bfloat16_compute_stays_close_to_float32(params):
     real = np.asarray(mask)[..., None] > 0
     assert bf16.dtype == jnp.float32
     assert np.abs(np.where(real, bf16 - f32, 0)).max() < 0.05 * np.abs(f32).max()
+
