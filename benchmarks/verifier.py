@@ -91,7 +91,10 @@ def reward(pred, gold):
         g = parse("$" + str(gold) + "$") if "\\boxed" not in str(gold) else parse(str(gold))
         if not g:
             g = parse(str(gold))
-        return 1.0 if verify(g, parse(pred)) else 0.0
+        parsed = parse(pred)
+        if not parsed and "$" not in pred and "\\boxed" not in pred:
+            parsed = parse("$" + pred + "$")  # a bare LaTeX answer: give it delimiters
+        return 1.0 if verify(g, parsed) else 0.0
     except Exception:
         return 0.0
 sets = json.load(open(sys.argv[1]))
