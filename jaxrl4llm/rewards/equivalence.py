@@ -113,7 +113,7 @@ def atoms_equal(x: str, y: str) -> bool:
     nx, ny = parse_number(x), parse_number(y)
     if nx is not None and ny is not None:
         return _numbers_equal(nx, ny, x, y)
-    mc = re.match(r"^\(([A-E])\)\s*\S", x)
+    mc = re.match(r"^\(([A-E])\)\s+[^\s+\-*/^=<>]", x)  # "(C) 12" is choice C; "(C) + 1" is not
     if mc and re.fullmatch(r"[A-E]", y):
         return mc.group(1) == y
     if _is_text(x) or _is_text(y):

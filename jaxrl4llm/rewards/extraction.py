@@ -155,9 +155,12 @@ def _answer_from_phrase(tail: str) -> str | None:
     tail = _HOPE_RE.sub("", tail)
     tail = re.split(r"\n\s*\n", tail.strip(), maxsplit=1)[0]
     tail = re.sub(r"^\s*(?:the\s+final\s+answer\s+is|the\s+answer\s+is)\s*:?", "", tail, flags=re.IGNORECASE)
-    pieces = re.split(r"\s(?:is|are|equals|=)\s", tail)
-    if len(pieces) > 1 and pieces[-1].strip():
-        tail = pieces[-1]
+    masked = list(tail)  # look for " is " only outside math spans
+    for start, _, _, end in _span_bounds(tail):
+        masked[start:end] = "\x00" * (end - start)
+    verbs = list(re.finditer(r"\s(?:is|are|equals)\s", "".join(masked)))
+    if verbs and tail[verbs[-1].end() :].strip():
+        tail = tail[verbs[-1].end() :]
     tail = tail.strip()
     if not tail:
         return None

@@ -103,9 +103,9 @@ def _strip_units(s: str) -> str:
     head, words = body[:i].strip(), body[i:].strip()
     if not head or not re.search(r"\d", head) or len(words) > 60:
         return s
-    head_letters = re.sub(r"\\[a-zA-Z]+", "", head)
-    if re.search(r"[a-zA-Z]", head_letters):
-        return s  # e.g. "2 x y": letters in the head are variables, not units
+    value = head.rsplit("=", 1)[-1]  # "x = 5 cm": the units follow the value
+    if not re.search(r"\d", value) or re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", value)):
+        return s  # e.g. "2 x y": letters in the value are variables, not units
     if _UNIT_RE.match(words) or all(len(w) >= 3 for w in words.replace(".", " ").split()):
         return head
     return s

@@ -155,7 +155,7 @@ def _numeric(expr: sympy.Expr, subs: dict | None = None) -> mpmath.mpc | None:
 def _close(a, b, rel_tol: float = 1e-9) -> bool:
     if a == b:
         return True
-    return abs(a - b) <= rel_tol * max(abs(a), abs(b)) or abs(a - b) < 1e-12
+    return abs(a - b) <= rel_tol * max(abs(a), abs(b)) or abs(a - b) < 1e-20  # cancellation at 30 digits
 
 
 def _simplify_is_affordable(expr: sympy.Expr) -> bool:

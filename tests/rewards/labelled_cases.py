@@ -284,3 +284,12 @@ CASES += [
     (r"\boxed{0.33}", r"\frac{1}{6} + \frac{1}{6}", False, "rounded decimal vs expression"),
     (r"\boxed{(x+1)^{50} - (x-1)^{50}}", "5", False, "large polynomial"),
 ]
+
+CASES += [
+    (r"\boxed{\text{(C)}+1}", r"\text{(C)}", False, "multiple choice plus number"),
+    (r"\boxed{x = 15\mbox{ cm}^2}", r"15\mbox{ cm}^2", True, "units after assignment"),
+    (r"\boxed{x = \dfrac{270}7\text{ degrees}}", r"\frac{270}7\text{ degrees}", True, "units after assignment"),
+    ("Final Answer: The final answer is $5x - 7y + 11z + 4 = 0$. I hope it is correct.", "5x - 7y + 11z + 4 = 0",
+     True, "final answer equation"),
+    (r"\boxed{10^{-15} x}", "0", False, "tiny is not zero"),
+]
