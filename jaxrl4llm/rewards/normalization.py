@@ -5,7 +5,8 @@ one spelling, so that most equal answers are already equal as strings and the la
 (numbers, structure, sympy) see clean input:
 
 - math delimiters ``$``, ``\\(``, ``\\[`` and ``\\left``/``\\right`` sizing are dropped;
-- ``\\dfrac``/``\\tfrac``/``\\cfrac`` become ``\\frac``, ``\\frac12`` becomes ``\\frac{1}{2}``;
+- ``\\dfrac``/``\\tfrac``/``\\cfrac`` become ``\\frac``, ``\\frac12`` becomes ``\\frac{1}{2}``, a
+  mixed number ``1\\frac{4}{5}`` (integer, then a proper fraction) becomes ``\\frac{9}{5}``;
 - ``\\text{..}``-style wrappers are unwrapped, trailing units (``125 miles``, ``15\\text{ cm}^2``)
   are dropped, "and"/"or" between answers become commas;
 - degrees (``^\\circ``), dollars (``\\$``) and thousands separators (``1,000``, ``14{,}916``,
@@ -111,6 +112,16 @@ def _strip_units(s: str) -> str:
     return s
 
 
+_MIXED_NUMBER_RE = re.compile(r"(?<![\w^{}.)\\])(\d{1,9})\s*\\frac\{(\d{1,9})\}\{(\d{1,9})\}")
+
+
+def _mixed_number(m: re.Match) -> str:
+    whole, num, den = (int(g) for g in m.groups())
+    if not 0 < num < den:
+        return m.group(0)  # not a proper fraction: an ordinary product
+    return rf"\frac{{{whole * den + num}}}{{{den}}}"
+
+
 def _split_approx(s: str) -> str:
     r"""``x \approx 11`` -> ``x = 11``; ``x = 1/3 \approx 0.33`` -> ``x = 1/3``."""
     left, _, right = s.partition(r"\approx")
@@ -168,6 +179,7 @@ def normalize_answer(text: str) -> str:
     s = _FRAC_DIGIT_BRACE_RE.sub(r"\\frac{\1}{", s)
     s = _FRAC_BRACE_DIGIT_RE.sub(r"\\frac{\1}{\2}", s)
     s = _SQRT_SHORT_RE.sub(r"\\sqrt{\1}", s)
+    s = _MIXED_NUMBER_RE.sub(_mixed_number, s)  # MATH writes 33\frac{1}{3} for 100/3
     # Degrees and percent.
     s = _DEGREE_RE.sub("", s)
     s = _PERCENT_RE.sub("%", s)

@@ -293,3 +293,10 @@ CASES += [
      True, "final answer equation"),
     (r"\boxed{10^{-15} x}", "0", False, "tiny is not zero"),
 ]
+
+CASES += [
+    ("137.5", r"137 \frac{1}{2}", True, "mixed number"),
+    (r"\boxed{\frac{9}{5}}", r"1\frac{4}{5}", True, "mixed number"),
+    (r"\boxed{\frac{4}{5}}", r"1\frac{4}{5}", False, "mixed number"),
+    (r"\boxed{-1\frac{1}{2}}", "-1.5", True, "mixed number negative"),
+]
