@@ -31,7 +31,8 @@ _STOP_MARKERS = (
     "\n\nQuestion:", "\n\nHuman:", "\n\nUser:",
 )
 _FINAL_RE = re.compile(
-    r"(?:final\s+answer|the\s+answer|answer\s+is|####)\s*(?:is\s*)?(?:[:=]\s*)?", re.IGNORECASE
+    r"(?:final\s+answer|the\s+answer|answer\s+is|(?<![a-z])answer\s*:|####)\s*(?:is\s*)?(?:[:=]\s*)?",
+    re.IGNORECASE
 )
 _HOPE_RE = re.compile(r"I\s+hope\s+it\s+is\s+correct.*$", re.IGNORECASE | re.DOTALL)
 _NUMBER_RE = re.compile(
@@ -152,7 +153,7 @@ def _words(text: str) -> list[str]:
 
 def _answer_from_phrase(tail: str) -> str | None:
     """The answer inside the text that follows "final answer", e.g. "The largest $n$ is 34."."""
-    tail = _HOPE_RE.sub("", tail)
+    tail = _HOPE_RE.sub("", tail).lstrip("*_: \t")  # markdown "**Answer:** 7"
     tail = re.split(r"\n\s*\n", tail.strip(), maxsplit=1)[0]
     tail = re.sub(r"^\s*(?:the\s+final\s+answer\s+is|the\s+answer\s+is)\s*:?", "", tail, flags=re.IGNORECASE)
     masked = list(tail)  # look for " is " only outside math spans

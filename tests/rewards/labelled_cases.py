@@ -300,3 +300,10 @@ CASES += [
     (r"\boxed{\frac{4}{5}}", r"1\frac{4}{5}", False, "mixed number"),
     (r"\boxed{-1\frac{1}{2}}", "-1.5", True, "mixed number negative"),
 ]
+
+CASES += [
+    ("So 6 times 7.\nAnswer: 42", "42", True, "answer colon"),
+    ("**Answer:** 7", "7", True, "markdown answer"),
+    ("**Final Answer**\n\\[\n\\boxed{42}\n\\]", "42", True, "markdown final answer box"),
+    ("The answer is $\\boxed{3}$ or maybe $\\boxed{4}$.", "3", False, "hedged boxes"),
+]
