@@ -188,10 +188,11 @@ def compute_advantages(
         if truncated is None:
             raise ValueError(f"recipe {recipe.name!r} filters overlong responses: pass truncated=[B] flags.")
         rows = rows * overlong_filter_mask(truncated)
-    varied = dynamic_sampling_mask(shaped, group_size)
     if recipe.dynamic_sampling:
-        rows = rows * varied
-    den = rows * varied if recipe.exclude_constant_groups else rows
+        # DAPO filters on correctness (Eq. 11): the raw rewards, before any length shaping.
+        rows = rows * dynamic_sampling_mask(rewards, group_size)
+    # Zero-advantage groups are those whose *shaped* rewards are all equal.
+    den = rows * dynamic_sampling_mask(shaped, group_size) if recipe.exclude_constant_groups else rows
     return AdvantageBatch(adv, shaped, rows, den)
 
 

@@ -11,6 +11,7 @@ steps equals 4 steps.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import time
 from pathlib import Path
@@ -53,7 +54,12 @@ def make_reward_fn(cfg: RunConfig) -> Callable[[list[str], list[str]], list[floa
     """Batch reward fn (responses, golds) -> rewards from `reward.fn` (batched or per sample)."""
     fn = import_object(cfg.reward.fn, "reward.fn")
     if cfg.reward.batched:
-        return lambda responses, golds: [float(r) for r in fn(responses, golds, timeout=cfg.reward.timeout)]
+        try:
+            takes_timeout = "timeout" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            takes_timeout = False
+        kwargs = {"timeout": cfg.reward.timeout} if takes_timeout else {}
+        return lambda responses, golds: [float(r) for r in fn(responses, golds, **kwargs)]
     return lambda responses, golds: [float(fn(r, g)) for r, g in zip(responses, golds)]
 
 

@@ -152,8 +152,6 @@ def test_dapo_hand_values():
     np.testing.assert_array_equal(np.asarray(out.row_weights)[4:], 1.0)
 
 
-@pytest.mark.xfail(reason="spec is silent on raw vs shaped rewards for dynamic sampling; DAPO "
-                          "eq. (11) and verl filter on correctness (acc)", strict=False)
 def test_dapo_dynamic_sampling_uses_raw_correctness():
     """[DAPO] eq. (11) keeps groups with 0 < #correct < G: an all-correct group is dropped even
     if the soft overlong penalty spreads its shaped rewards (verl filters on `acc`)."""
