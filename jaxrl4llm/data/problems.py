@@ -115,6 +115,10 @@ def load_problems(
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(builder, data_files=str(file), split="train")
+    except Exception as err:  # noqa: BLE001 - datasets wraps the parse error; name the file instead
+        cause = err.__cause__ or err.__context__ or err
+        hint = "every line must be one JSON object" if file.suffix == ".jsonl" else f"it must be valid {builder}"
+        raise ValueError(f"could not read {file}: {type(cause).__name__}: {str(cause)[:300]} ({hint})") from err
     finally:
         if was_enabled:
             datasets.enable_progress_bars()

@@ -104,3 +104,16 @@ def test_format_gold_rejects_nonsense():
         format_gold(True)
     with pytest.raises(ValueError):
         format_gold(float("nan"))
+
+
+def test_broken_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"problem": "a", "answer": 5}\n{"problem": "b", "answer": \n')
+    with pytest.raises(ValueError, match=r"could not read .*broken.jsonl.*one JSON object"):
+        load_problems(path)
+
+
+def test_mixed_answer_types(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"problem": "a", "answer": 5}\n{"problem": "b", "answer": "x+1"}\n')
+    assert [p.answer for p in load_problems(path)] == ["5", "x+1"]
