@@ -1,6 +1,6 @@
 """Next-token sampling: temperature, top-k, top-p (nucleus), greedy, and the log-probs of the choice.
 
-    z = logits / T;  keep = top-k(z) ∩ nucleus_p(softmax(z));  y ~ softmax(z | keep)
+    z = logits / T;  keep = top-k(z) ∩ nucleus_p(softmax(z | top-k));  y ~ softmax(z | keep)
 
 Order as in transformers and vLLM: temperature, then top-k, then top-p on what top-k kept.
 Two log-probs come back for every chosen token y:
@@ -9,8 +9,12 @@ Two log-probs come back for every chosen token y:
     logprob_untruncated = log softmax(z)[y]          (temperature only: what a trainer's
                                                       teacher-forced forward recomputes)
 
-All functions are pure and jit-able; `top_k` and `greedy` are static (they fix shapes and
-branches), `temperature` and `top_p` may be traced.
+Built for decode speed on CPU, where sorts, TopK, cumsum, variadic argmax and per-token
+random draws over [N, V] cost more than the LM head itself: the vocabulary is viewed as
+[N, V/c, c] blocks (c ~ sqrt V), so a step makes two fused passes over the logits (block
+maxima; block sums of exp) and works on small arrays after that. Sampling is by inverse CDF
+with one uniform per row. All functions are pure and jit-able; `top_k`, `use_top_p` and
+`greedy` are static, `temperature` and `top_p` may be traced.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Candidate sets up to this size use sort-free O(K^2) nucleus masks and cumsums; larger
+# ones (top-p over a big vocabulary without top-k) fall back to a full sort.
+_PAIRWISE_MAX = 256
+
 
 class TokenSample(NamedTuple):
     """tokens [N] int32; logprob, logprob_untruncated [N] float32 (see module docstring)."""
@@ -30,6 +38,56 @@ class TokenSample(NamedTuple):
     logprob_untruncated: jax.Array
 
 
+# ---------------------------------------------------------------------------- small pieces
+def first_argmax(z: jax.Array) -> jax.Array:
+    """argmax over the last axis (lowest index on ties) as max + min reductions. [..., K] -> [...] int32."""
+    size = z.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    best = jnp.max(z, axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(z >= best, iota, size), axis=-1), size - 1)
+
+
+def _inclusive_cumsum(x: jax.Array) -> jax.Array:
+    """cumsum over the last (short) axis as a matmul with an upper-triangular ones matrix (fast on CPU)."""
+    m = x.shape[-1]
+    upper = jnp.triu(jnp.ones((m, m), x.dtype))
+    return jnp.einsum("...i,ij->...j", x, upper, precision=jax.lax.Precision.HIGHEST)
+
+
+def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse CDF: min{i : sum_{j<=i} w_j >= u sum_j w_j}, never an index with w = 0.
+
+    Args: weights [N, K] >= 0 (at least one > 0 per row); u [N, 1] in (0, 1]. Returns [N] int32.
+    """
+    k = weights.shape[-1]
+    cum = _inclusive_cumsum(weights)
+    last_nonzero = jnp.max(jnp.where(weights > 0, jnp.arange(k), 0), axis=-1)
+    return jnp.minimum(jnp.sum(cum < u * cum[:, -1:], axis=-1), last_nonzero).astype(jnp.int32)
+
+
+def _uniform(key: jax.Array, n: int) -> jax.Array:
+    """u ~ U(0, 1], [n, 1] float32 (never 0, so inverse CDF never lands on a p = 0 entry)."""
+    return 1.0 - jax.random.uniform(key, (n, 1), jnp.float32)
+
+
+def block_size_for_vocab(vocab: int) -> int:
+    """c = the power of two >= sqrt(V) (at least 8): [N, V] is viewed as [N, ceil(V / c), c]."""
+    return max(8, 1 << int(np.ceil(np.log2(np.sqrt(vocab)))))
+
+
+def _blocks(x: jax.Array, block: int, fill) -> jax.Array:
+    """[N, V] -> [N, ceil(V / block), block], the tail padded with `fill`."""
+    n, v = x.shape
+    pad = -v % block
+    return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(n, (v + pad) // block, block)
+
+
+def _gather_blocks(blocks: jax.Array, ids: jax.Array) -> jax.Array:
+    """blocks [N, B, c], ids [N, K] -> [N, K, c]."""
+    return jnp.take_along_axis(blocks, ids[:, :, None], axis=1)
+
+
+# ---------------------------------------------------------------------------- nucleus
 def top_p_keep(sorted_logits: jax.Array, top_p) -> jax.Array:
     """keep[i] = sum_{j<i} p_j < top_p, p = softmax(sorted_logits): the nucleus of a descending row.
 
@@ -40,108 +98,103 @@ def top_p_keep(sorted_logits: jax.Array, top_p) -> jax.Array:
     Returns: [..., K] bool.
     """
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    mass_before = _inclusive_cumsum(probs) - probs if probs.shape[-1] <= _PAIRWISE_MAX else jnp.cumsum(probs, -1) - probs
     return (mass_before < top_p) | (top_p >= 1.0)
 
 
-def first_argmax(z: jax.Array) -> jax.Array:
-    """argmax over the last axis (lowest index on ties) as two plain reductions. [N, V] -> [N] int32.
+def nucleus_keep(logits: jax.Array, top_p) -> jax.Array:
+    """keep[i] = sum_j p_j [z_j > z_i] < top_p: the nucleus of an unsorted row, without a sort.
 
-    (XLA:CPU's variadic argmax reduction is several times slower than max + min.)
+    Equals `top_p_keep` of the sorted row except that tokens tied with the boundary token
+    are kept together. O(K^2) per row: for candidate sets of a few hundred tokens.
+    Args: logits [N, K] (entries may be -inf); top_p scalar. Returns [N, K] bool.
     """
-    vocab = z.shape[-1]
-    iota = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
-    best = jnp.max(z, axis=-1, keepdims=True)
-    return jnp.minimum(jnp.min(jnp.where(z >= best, iota, vocab), axis=-1), vocab - 1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    higher = logits[:, None, :] > logits[:, :, None]  # [N, i, j]: z_j > z_i
+    mass_before = jnp.einsum("nij,nj->ni", higher.astype(jnp.float32), probs, precision=jax.lax.Precision.HIGHEST)
+    return ((mass_before < top_p) | (top_p >= 1.0)) & (logits > -jnp.inf)
 
 
-def _blocks(x: jax.Array, block: int, fill) -> jax.Array:
-    """[N, V] -> [N, ceil(V / block), block], the tail padded with `fill`."""
-    n, v = x.shape
-    pad = -v % block
-    return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(n, (v + pad) // block, block)
-
-
-def _inclusive_cumsum(x: jax.Array) -> jax.Array:
-    """cumsum over the last (short) axis as a matmul with an upper-triangular ones matrix (fast on CPU)."""
-    m = x.shape[-1]
-    upper = jnp.triu(jnp.ones((m, m), x.dtype))
-    return jnp.einsum("...i,ij->...j", x, upper, precision=jax.lax.Precision.HIGHEST)
-
-
-def inverse_cdf_sample(z: jax.Array, key: jax.Array) -> jax.Array:
-    """y ~ softmax(z) per row by inverse CDF: y = min{i : sum_{j<=i} p_j >= u * sum_j p_j}, u ~ U(0, 1].
-
-    Two levels (block sums, then the chosen block) so no [N, V] cumsum or [N, V] random
-    draw is needed: one uniform per row and a few passes over the logits.
-    Args: z [N, V] float32 (entries may be -inf); key. Returns [N] int32 (never a p = 0 token).
-    """
-    n, vocab = z.shape
-    block = max(8, 1 << int(np.ceil(np.log2(np.sqrt(vocab)))))
-    probs = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
-    blocks = _blocks(probs, block, 0.0)  # [N, B, c]
-    block_sums = jnp.sum(blocks, axis=-1)  # [N, B]
-    cum_blocks = _inclusive_cumsum(block_sums)
-    x = (1.0 - jax.random.uniform(key, (n, 1), jnp.float32)) * cum_blocks[:, -1:]
-    num_blocks = blocks.shape[1]
-    nonempty = jnp.max(jnp.where(block_sums > 0, jnp.arange(num_blocks), 0), axis=-1)
-    b = jnp.minimum(jnp.sum(cum_blocks < x, axis=-1), nonempty)  # [N]
-    within = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [N, c]
-    before = jnp.take_along_axis(cum_blocks - block_sums, b[:, None], axis=1)
-    cum_within = _inclusive_cumsum(within)
-    last = jnp.max(jnp.where(within > 0, jnp.arange(block), 0), axis=-1)
-    i = jnp.minimum(jnp.sum(cum_within < x - before, axis=-1), last)
-    return (b * block + i).astype(jnp.int32)
-
-
-def top_k_logits(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+# ---------------------------------------------------------------------------- top-k
+def top_k_logits(z: jax.Array, k: int, *, blocks: jax.Array | None = None,
+                 block_max: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The k largest entries of each row, descending, and their indices: ([N, k], [N, k] int32).
 
     Two levels for large V: the k largest lie in the k blocks with the largest maxima, so
     TopK runs over the block maxima and then over k blocks, not over all V entries.
+    `blocks` / `block_max` ([N, B, c] / [N, B]) may be passed in when already computed.
     """
     n, vocab = z.shape
-    block = max(8, 1 << int(np.round(np.log2(np.sqrt(vocab / k))))) if vocab >= 16 * k else vocab
-    if block >= vocab or -(-vocab // block) <= k:
+    if blocks is None:
+        blocks = _blocks(z, block_size_for_vocab(vocab), -jnp.inf)
+    num_blocks, block = blocks.shape[1:]
+    if num_blocks <= k:
         values, ids = jax.lax.top_k(z, k)
         return values, ids.astype(jnp.int32)
-    blocks = _blocks(z, block, -jnp.inf)  # [N, B, c]
-    _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [N, k]
-    candidates = jnp.take_along_axis(blocks, best_blocks[:, :, None], axis=1).reshape(n, k * block)
+    if block_max is None:
+        block_max = jnp.max(blocks, axis=-1)
+    _, best_blocks = jax.lax.top_k(block_max, k)  # [N, k]
+    candidates = _gather_blocks(blocks, best_blocks).reshape(n, k * block)
     values, pos = jax.lax.top_k(candidates, k)
     ids = jnp.take_along_axis(best_blocks, pos // block, axis=1) * block + pos % block
     return values, ids.astype(jnp.int32)
 
 
+# ---------------------------------------------------------------------------- the sampler
 def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0,
                   use_top_p: bool = False, greedy: bool = False) -> TokenSample:
-    """y ~ softmax(z | top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z).
+    """y ~ softmax(z | top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
 
     Args:
       logits: [N, V] float32.
-      key: PRNG key for this step.
-      temperature: scalar > 0 (ignored for the choice when greedy, still used for the log-probs).
+      key: PRNG key for this step (one uniform per row).
+      temperature: scalar > 0 (for greedy it only scales the returned log-probs).
       top_k: static; 0 = off, else keep the k largest logits.
       top_p: scalar in (0, 1]; applied only when `use_top_p` (static) is True.
       greedy: static; take the argmax (its `logprob` is then the untruncated one).
     Returns: TokenSample of [N] arrays.
     """
+    n, vocab = logits.shape
     z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    log_norm = jax.nn.logsumexp(z, axis=-1)
+    block = block_size_for_vocab(vocab)
+    zb = _blocks(z, block, -jnp.inf)  # [N, B, c]
+    block_max = jnp.max(zb, axis=-1)  # pass 1 over the logits
+    row_max = jnp.max(block_max, axis=-1, keepdims=True)
+    block_sums = jnp.sum(jnp.exp(zb - row_max[:, :, None]), axis=-1)  # pass 2 (fused exp + sum)
+    log_norm = row_max[:, 0] + jnp.log(jnp.sum(block_sums, axis=-1))
     untruncated = lambda tokens: jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - log_norm
-    vocab = z.shape[-1]
-    k = min(top_k, vocab) if top_k > 0 else (vocab if use_top_p else 0)
-    if greedy or k == 0:  # argmax, or plain temperature sampling over the whole vocabulary
-        tokens = first_argmax(z) if greedy else inverse_cdf_sample(z, key)
+
+    def finish(tokens):
         lp = untruncated(tokens)
         return TokenSample(tokens, lp, lp)
 
-    candidates, candidate_ids = top_k_logits(z, k) if k < vocab else jax.lax.top_k(z, k)  # [N, k] descending
+    if greedy:  # argmax: the first block holding the row max, then the first max inside it
+        b = first_argmax(block_max)
+        inside = _gather_blocks(zb, b[:, None])[:, 0]
+        return finish((b * block + first_argmax(inside)).astype(jnp.int32))
+
+    u = _uniform(key, n)
+    k = min(top_k, vocab) if top_k > 0 else vocab
+    if k == vocab and not use_top_p:  # plain temperature sampling: inverse CDF over blocks, then inside one
+        b = _pick(block_sums, u)
+        inside = jnp.exp(_gather_blocks(zb, b[:, None])[:, 0] - row_max)
+        before = jnp.take_along_axis(_inclusive_cumsum(block_sums) - block_sums, b[:, None], axis=1)
+        v = (u * jnp.sum(block_sums, axis=-1, keepdims=True) - before) / jnp.sum(inside, axis=-1, keepdims=True)
+        return finish((b * block + _pick(inside, jnp.clip(v, 1e-30, 1.0))).astype(jnp.int32))
+
+    if k < vocab:
+        candidates, candidate_ids = top_k_logits(z, k, blocks=zb, block_max=block_max)
+    elif vocab <= _PAIRWISE_MAX:
+        candidates, candidate_ids = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    else:  # top-p over a large vocabulary without top-k: full sort (slow path)
+        candidates, candidate_ids = jax.lax.top_k(z, vocab)
     if use_top_p:
-        candidates = jnp.where(top_p_keep(candidates, top_p), candidates, -jnp.inf)
-    choice = jax.random.categorical(key, candidates, axis=-1)
-    tokens = jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    chosen = jnp.take_along_axis(candidates, choice[:, None], axis=-1)[:, 0]
+        keep = nucleus_keep(candidates, top_p) if k <= _PAIRWISE_MAX else top_p_keep(candidates, top_p)
+        candidates = jnp.where(keep, candidates, -jnp.inf)
+    weights = jnp.exp(candidates - jnp.max(candidates, axis=-1, keepdims=True))
+    choice = _pick(weights, u)
+    tokens = jnp.take_along_axis(candidate_ids, choice[:, None], axis=1)[:, 0].astype(jnp.int32)
+    chosen = jnp.take_along_axis(candidates, choice[:, None], axis=1)[:, 0]
     lp = chosen - jax.nn.logsumexp(candidates, axis=-1)
     return TokenSample(tokens, lp, untruncated(tokens))
 
@@ -149,8 +202,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature=1.0, top_k: 
 def allowed_tokens(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0) -> jax.Array:
     """The support of the sampling distribution: mask[n, v] = 1 if v may be drawn. [N, V] bool.
 
-    A reference (full sort, host-friendly) for tests and debugging, not used by the sampler.
-    Ties at the k-th value are all allowed here (a superset of what `sample_tokens` keeps).
+    A reference (full sort) for tests and debugging, not used by the sampler.
     """
     z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
     order = jnp.argsort(-z, axis=-1)
@@ -160,6 +212,7 @@ def allowed_tokens(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=
         kth = sorted_z[:, min(top_k, z.shape[-1]) - 1:min(top_k, z.shape[-1])]
         keep_sorted = sorted_z >= kth
         sorted_z = jnp.where(keep_sorted, sorted_z, -jnp.inf)
-    keep_sorted = keep_sorted & top_p_keep(sorted_z, top_p)
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    keep_sorted = keep_sorted & ((jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1.0))
     inverse = jnp.argsort(order, axis=-1)
     return jnp.take_along_axis(keep_sorted, inverse, axis=-1)

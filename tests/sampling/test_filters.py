@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxrl4llm.sampling.filters import (allowed_tokens, first_argmax, inverse_cdf_sample, sample_tokens, top_k_logits,
+from jaxrl4llm.sampling.filters import (allowed_tokens, first_argmax, nucleus_keep, sample_tokens, top_k_logits,
                                         top_p_keep)
 
 
@@ -51,19 +51,29 @@ def test_first_argmax_takes_lowest_index_on_ties():
     np.testing.assert_array_equal(first_argmax(z), [1, 0])
 
 
-def test_inverse_cdf_sample_matches_softmax_and_skips_zero_probability():
+def test_nucleus_keep_equals_sorted_top_p_keep():
+    z = jax.random.normal(jax.random.key(8), (30, 64)) * 2.0
+    z = z.at[:, ::5].set(-jnp.inf)
+    sorted_z = -jnp.sort(-z, axis=-1)
+    for top_p in (0.3, 0.8, 0.99, 1.0):
+        expected = top_p_keep(sorted_z, top_p) & (sorted_z > -jnp.inf)
+        np.testing.assert_array_equal(jnp.sum(nucleus_keep(z, top_p), -1), jnp.sum(expected, -1))
+
+
+def test_plain_sampling_matches_softmax_and_skips_zero_probability():
     vocab = 300
     z = jax.random.normal(jax.random.key(1), (vocab,)) * 1.5
     z = z.at[::7].set(-jnp.inf)  # impossible tokens
-    draws = jax.jit(inverse_cdf_sample)(jnp.broadcast_to(z, (20000, vocab)), jax.random.key(2))
+    draws = jax.jit(sample_tokens)(jnp.broadcast_to(z, (20000, vocab)), jax.random.key(2)).tokens
     counts = np.bincount(np.asarray(draws), minlength=vocab)
     assert counts[::7].sum() == 0
     assert chi_square_pvalue(counts, np.asarray(jax.nn.softmax(z))) > 1e-3
 
 
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.7), (12, 0.5), (40, 0.9)])
-def test_sample_tokens_never_leaves_the_top_k_top_p_set(top_k, top_p):
-    z = jax.random.normal(jax.random.key(3), (2000, 500)) * 2.0
+@pytest.mark.parametrize("top_k,top_p,vocab", [(5, 1.0, 500), (0, 0.7, 500), (12, 0.5, 500), (40, 0.9, 500),
+                                               (0, 0.8, 100), (100, 0.99, 100)])
+def test_sample_tokens_never_leaves_the_top_k_top_p_set(top_k, top_p, vocab):
+    z = jax.random.normal(jax.random.key(3), (2000, vocab)) * 2.0
     temperature = 0.8
     out = jax.jit(sample_tokens, static_argnames=("top_k", "use_top_p"))(
         z, jax.random.key(4), temperature=temperature, top_k=top_k, top_p=top_p, use_top_p=top_p < 1.0)

@@ -1,0 +1,194 @@
+"""Sampler throughput: jaxrl4llm.sampling.generate vs transformers generate (PyTorch CPU), plus the decode roofline.
+
+    python benchmarks/sampler.py [--sizes demo,48m,100m] [--prompts 8] [--samples 8] [--prompt-len 64]
+                                 [--new-tokens 128] [--repeats 2] [--dtype bfloat16]
+
+For every model size (Qwen3 configs, random weights, identical in both frameworks) and for
+greedy and sampled decoding (temperature 0.99, top_p 0.99, top_k 100) it prints generated
+tokens/s of ours and of transformers on the same prompts, batch, lengths and dtype, and
+their ratio. No EOS is set, so both generate exactly P*G*R tokens.
+
+Roofline of one decode step (N = P*G rows, prompt KV shared by the G rows of a prompt,
+generated KV read up to the filled length, averaged over the R steps):
+
+    bytes = matmul weights + prompt KV (P rows) + generated KV (N rows x R/2 slots)
+    flops = 2 N (matmul params) + 4 N H Dh (T + R/2)
+    t_roof = max(bytes / copy bandwidth, flops / matmul peak)      (both measured in this run)
+    roofline use = t_roof / measured decode-step time
+
+transformers + torch are benchmark-time oracles only (never imported by jaxrl4llm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxrl4llm.models import load_pretrained  # noqa: E402
+from jaxrl4llm.sampling import generate  # noqa: E402
+
+SIZES = {
+    # name: (hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
+    "demo": (128, 2, 4, 2, 32, 384, 100),
+    "48m": (512, 10, 8, 4, 64, 1536, 32000),
+    "100m": (768, 12, 12, 4, 64, 2048, 32000),
+}
+SAMPLED = dict(temperature=0.99, top_p=0.99, top_k=100)
+
+
+def best_time(fn, repeats: int) -> float:
+    """min over `repeats` calls of the wall time of fn() (fn blocks until its result is ready)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# ---------------------------------------------------------------------------- machine peaks
+def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of an on-device copy y = x + 1 (read + write counted) of a `megabytes` float32 array."""
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    f(x).block_until_ready()
+    t = best_time(lambda: f(x).block_until_ready(), repeats)
+    return 2 * x.nbytes / t
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a bf16 x bf16 -> f32 [n, n] x [n, n] matmul (the model's matmul precision)."""
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jnp.einsum("ij,jk->ik", a, b, preferred_element_type=jnp.float32))
+    f(a, a).block_until_ready()
+    return 2 * n**3 / best_time(lambda: f(a, a).block_until_ready(), repeats)
+
+
+# ---------------------------------------------------------------------------- models
+def make_models(size: str, dtype: str, folder: str):
+    """Random Qwen3 of `size` in transformers (torch, `dtype`) and the same weights in jaxrl4llm."""
+    import torch
+    import transformers
+
+    hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[size]
+    hf_config = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=True,
+        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    torch_dtype = getattr(torch, dtype)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype).eval()
+    model.save_pretrained(folder)
+    config, params = load_pretrained(folder, dtype=dtype, param_dtype=dtype)
+    return model, config, params
+
+
+def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool, repeats: int) -> float:
+    """Seconds for transformers generate over the P*G expanded rows (best of `repeats`)."""
+    import torch
+
+    ids = torch.tensor(np.repeat(prompts, samples, axis=0), dtype=torch.long)
+    mask = torch.ones_like(ids)
+    options = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
+
+    def call():
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=0, **options)
+        assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens), out.shape
+
+    call()  # warm-up
+    return best_time(call, repeats)
+
+
+def run_ours(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
+             repeats: int) -> tuple[float, float]:
+    """(seconds for generate, compile + first-call seconds), best of `repeats` after a warm-up."""
+    options = SAMPLED if sampled else dict(greedy=True)
+    prompt_list = [row.tolist() for row in prompts]
+
+    def call(seed=0):
+        rollout = generate(params, config, prompt_list, num_samples=samples, max_new_tokens=new_tokens,
+                           eos_token_ids=[], pad_token_id=0, rng=jax.random.key(seed), **options)
+        jax.block_until_ready(rollout)
+        assert rollout.response_tokens.shape == (len(prompt_list) * samples, new_tokens)
+        assert int(rollout.lengths.min()) == new_tokens
+
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    return best_time(call, repeats), first
+
+
+# ---------------------------------------------------------------------------- roofline
+def decode_step_cost(config, num_prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                     dtype_bytes: int) -> tuple[float, float]:
+    """(bytes, flops) of one average decode step, see module docstring."""
+    c = config
+    rows = num_prompts * samples
+    layer_matmul = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    matmul_params = c.num_layers * layer_matmul + c.vocab_size * c.hidden_size
+    kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+    avg_generated = new_tokens / 2
+    bytes_ = matmul_params * dtype_bytes + kv_per_slot * (num_prompts * prompt_len + rows * avg_generated)
+    flops = 2 * rows * matmul_params + 4 * rows * c.num_layers * c.num_heads * c.head_dim * (prompt_len + avg_generated)
+    return bytes_, flops
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="demo,48m,100m")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--modes", default="greedy,sampled")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args(argv)
+
+    bandwidth = measure_copy_bandwidth()
+    peak = measure_matmul_peak()
+    print(f"machine: copy bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul peak {peak / 1e12:.2f} TFLOP/s "
+          f"({os.cpu_count()} cpus, jax {jax.__version__})")
+    rng = np.random.default_rng(0)
+    rows = args.prompts * args.samples
+    tokens = rows * args.new_tokens
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    print(f"batch: {args.prompts} prompts x {args.samples} samples, {args.prompt_len}-token prompts, "
+          f"{args.new_tokens} new tokens, {args.dtype}")
+    header = (f"{'size':>6} {'params':>7} {'mode':>8} | {'ours tok/s':>10} {'hf tok/s':>9} {'ratio':>6} | "
+              f"{'step ms':>8} {'roof ms':>8} {'roof use':>8} {'MB/step':>8} {'GFLOP/step':>10} | {'compile s':>9}")
+    print(header)
+    print("-" * len(header))
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as folder:
+            model, config, params = make_models(size, args.dtype, folder)
+        prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len))
+        bytes_, flops = decode_step_cost(config, args.prompts, args.samples, args.prompt_len, args.new_tokens,
+                                         dtype_bytes)
+        roof = max(bytes_ / bandwidth, flops / peak)
+        for mode in args.modes.split(","):
+            sampled = mode == "sampled"
+            ours, first = run_ours(config, params, prompts, args.samples, args.new_tokens, sampled, args.repeats)
+            prefill_only, _ = run_ours(config, params, prompts, args.samples, 1, sampled, args.repeats)
+            step = (ours - prefill_only) / (args.new_tokens - 1)
+            hf = float("nan") if args.skip_transformers else run_transformers(
+                model, prompts, args.samples, args.new_tokens, sampled, args.repeats)
+            print(f"{size:>6} {config.num_params / 1e6:>6.1f}M {mode:>8} | {tokens / ours:>10.0f} {tokens / hf:>9.0f} "
+                  f"{hf / ours:>6.2f} | {step * 1e3:>8.2f} {roof * 1e3:>8.2f} {roof / step:>8.2f} "
+                  f"{bytes_ / 1e6:>8.1f} {flops / 1e9:>10.2f} | {first - ours:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
