@@ -56,21 +56,28 @@ def best_time(fn, repeats: int) -> float:
 
 
 # ---------------------------------------------------------------------------- machine peaks
-def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes/s of an on-device copy y = x + 1 (read + write counted) of a `megabytes` float32 array."""
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
+def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of the best streaming copy on this machine (read + write counted): the max of
+    numpy copyto into a preallocated buffer and a jitted bf16 read-reduce (read only)."""
+    a = np.ones(megabytes * 2**20 // 4, np.float32)
+    b = np.empty_like(a)
+    copy = 2 * a.nbytes / best_time(lambda: np.copyto(b, a), repeats)
+    x = jnp.ones((megabytes * 2**20 // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
     f(x).block_until_ready()
-    t = best_time(lambda: f(x).block_until_ready(), repeats)
-    return 2 * x.nbytes / t
+    read = x.nbytes / best_time(lambda: f(x).block_until_ready(), repeats)
+    return max(copy, read)
 
 
-def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a bf16 x bf16 -> f32 [n, n] x [n, n] matmul (the model's matmul precision)."""
-    a = jnp.ones((n, n), jnp.bfloat16)
+def measure_matmul_peak(repeats: int = 5) -> float:
+    """FLOP/s of the best bf16 x bf16 -> f32 matmul (the model's precision) over a few square sizes."""
     f = jax.jit(lambda a, b: jnp.einsum("ij,jk->ik", a, b, preferred_element_type=jnp.float32))
-    f(a, a).block_until_ready()
-    return 2 * n**3 / best_time(lambda: f(a, a).block_until_ready(), repeats)
+    best = 0.0
+    for n in (1024, 2048):
+        a = jnp.ones((n, n), jnp.bfloat16)
+        f(a, a).block_until_ready()
+        best = max(best, 2 * n**3 / best_time(lambda: f(a, a).block_until_ready(), repeats))
+    return best
 
 
 # ---------------------------------------------------------------------------- models
@@ -100,13 +107,13 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
     mask = torch.ones_like(ids)
     options = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
 
-    def call():
+    def call(n=new_tokens):
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, pad_token_id=0, **options)
-        assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens), out.shape
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=0, **options)
+        assert out.shape == (ids.shape[0], ids.shape[1] + n), out.shape
 
-    call()  # warm-up
+    call(2)  # warm-up
     return best_time(call, repeats)
 
 

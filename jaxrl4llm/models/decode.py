@@ -174,20 +174,25 @@ def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: 
     """
     n, h, dh = q.shape
     num_prompts, kvh = prompt_k.shape[:2]
-    qg = q.reshape(num_prompts, n // num_prompts, kvh, h // kvh, dh)  # [P, G, KVH, H/KVH, Dh]
-    qn = q.reshape(n, kvh, h // kvh, dh)
-    by_prompt = lambda s: s.reshape(qg.shape[:-1] + (s.shape[-1],))
+    g, hg = n // num_prompts, h // kvh
+    qn = q.reshape(n, kvh, hg, dh)
+    # prompt part: the G*H/KVH queries of a prompt form the M dimension of one matmul per (prompt, kv head)
+    qp = qn.reshape(num_prompts, g, kvh, hg, dh).transpose(0, 2, 1, 3, 4).reshape(num_prompts, kvh, g * hg, dh)
     scale = dh**-0.5
-    prompt_scores = einsum("pgkhd,pksd->pgkhs", qg, prompt_k, dtype) * scale
-    scores = [jnp.where(prompt_mask[:, None, None, None, :] > 0, prompt_scores, _MASKED)]
-    scores += [by_prompt(einsum("nkhd,nksd->nkhs", qn, k, dtype) * scale) for k in done_k]
+    prompt_scores = einsum("pkmd,pksd->pkms", qp, prompt_k, dtype) * scale
+    prompt_scores = jnp.where(prompt_mask[:, None, None, :] > 0, prompt_scores, _MASKED)
+    to_rows = lambda s: s.reshape(num_prompts, kvh, g, hg, -1).transpose(0, 2, 1, 3, 4).reshape(n, kvh, hg, -1)
+    scores = [to_rows(prompt_scores)]
+    scores += [einsum("nkhd,nksd->nkhs", qn, k, dtype) * scale for k in done_k]
     current = einsum("nkhd,nksd->nkhs", qn, cur_k, dtype) * scale
-    scores.append(by_prompt(jnp.where(jnp.arange(current.shape[-1]) <= slot, current, _MASKED)))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    scores.append(jnp.where(jnp.arange(current.shape[-1]) <= slot, current, _MASKED))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [N, KVH, H/KVH, S_total]
     parts = jnp.split(probs, np.cumsum([s.shape[-1] for s in scores[:-1]]).tolist(), axis=-1)
-    out = einsum("pgkhs,pksd->pgkhd", parts[0], prompt_v, dtype).reshape(n, kvh, h // kvh, dh)
+    prompt_probs = parts[0].reshape(num_prompts, g, kvh, hg, -1).transpose(0, 2, 1, 3, 4)
+    prompt_out = einsum("pkms,pksd->pkmd", prompt_probs.reshape(num_prompts, kvh, g * hg, -1), prompt_v, dtype)
+    out = prompt_out.reshape(num_prompts, kvh, g, hg, dh).transpose(0, 2, 1, 3, 4).reshape(n, kvh, hg, dh)
     for part, v in zip(parts[1:], done_v + [cur_v]):
-        out = out + einsum("nkhs,nksd->nkhd", part.reshape(n, kvh, h // kvh, -1), v, dtype)
+        out = out + einsum("nkhs,nksd->nkhd", part, v, dtype)
     return out.reshape(n, h, dh)
 
 

@@ -116,23 +116,21 @@ def nucleus_keep(logits: jax.Array, top_p) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------- top-k
-def top_k_logits(z: jax.Array, k: int, *, blocks: jax.Array | None = None,
-                 block_max: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def top_k_logits(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k largest entries of each row, descending, and their indices: ([N, k], [N, k] int32).
 
     Two levels for large V: the k largest lie in the k blocks with the largest maxima, so
-    TopK runs over the block maxima and then over k blocks, not over all V entries.
-    `blocks` / `block_max` ([N, B, c] / [N, B]) may be passed in when already computed.
+    TopK runs over the V/c block maxima and then over the k*c entries of those blocks
+    (c ~ sqrt(V / k) balances the two), not over all V entries.
     """
     n, vocab = z.shape
-    if blocks is None:
-        blocks = _blocks(z, block_size_for_vocab(vocab), -jnp.inf)
-    num_blocks, block = blocks.shape[1:]
-    if num_blocks <= k:
+    block = max(8, 1 << int(np.round(np.log2(np.sqrt(vocab / k)))))
+    num_blocks = -(-vocab // block)
+    if num_blocks <= 2 * k:
         values, ids = jax.lax.top_k(z, k)
         return values, ids.astype(jnp.int32)
-    if block_max is None:
-        block_max = jnp.max(blocks, axis=-1)
+    blocks = _blocks(z, block, -jnp.inf)
+    block_max = jnp.max(blocks, axis=-1)
     _, best_blocks = jax.lax.top_k(block_max, k)  # [N, k]
     candidates = _gather_blocks(blocks, best_blocks).reshape(n, k * block)
     values, pos = jax.lax.top_k(candidates, k)
@@ -183,7 +181,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature=1.0, top_k: 
         return finish((b * block + _pick(inside, jnp.clip(v, 1e-30, 1.0))).astype(jnp.int32))
 
     if k < vocab:
-        candidates, candidate_ids = top_k_logits(z, k, blocks=zb, block_max=block_max)
+        candidates, candidate_ids = top_k_logits(z, k)
     elif vocab <= _PAIRWISE_MAX:
         candidates, candidate_ids = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     else:  # top-p over a large vocabulary without top-k: full sort (slow path)
