@@ -39,11 +39,14 @@ def _mixed_einsum(spec: str, dtype: jnp.dtype, x_dtype: jnp.dtype, w_dtype: jnp.
         return mm(spec, x.astype(dtype), w.astype(dtype))
 
     def fwd(x, w):
-        xc, wc = x.astype(dtype), w.astype(dtype)
-        return mm(spec, xc, wc), (xc, wc)
+        xc = x.astype(dtype)
+        # Keep w itself (not its cast) as the residual: under lax.scan over stacked layer
+        # weights, JAX forwards a residual that is a scanned input instead of stacking a copy.
+        return mm(spec, xc, w.astype(dtype)), (xc, w)
 
     def bwd(residuals, ct):
-        xc, wc = residuals
+        xc, w = residuals
+        wc = w.astype(dtype)
         ct = ct.astype(dtype)
         return mm(dx_spec, ct, wc).astype(x_dtype), mm(dw_spec, xc, ct).astype(w_dtype)
 
