@@ -60,6 +60,8 @@ class ModelConfig:
       qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3).
       dtype: compute dtype of matmul inputs ("bfloat16" -> bf16 x bf16 -> f32 accumulation).
       param_dtype: storage dtype of parameters. remat: rematerialise each layer in backward.
+    attention_query_chunk: sequences longer than this attend in blocks of this many queries
+      (bounds the [B, H, T, T] score memory of training/scoring; None = never).
     """
 
     architecture: str = "qwen3"
@@ -84,6 +86,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: bool = False
+    attention_query_chunk: int | None = 1024
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:

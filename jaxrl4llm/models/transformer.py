@@ -96,7 +96,7 @@ def hidden_states(params, config: ModelConfig, tokens, *, positions, attention_m
 
     def layer(x, p):
         q, k, v = _project_qkv(x, p, config, cos, sin)
-        attn = dot_product_attention(q, k, v, mask, dtype)
+        attn = dot_product_attention(q, k, v, mask, dtype, query_chunk=config.attention_query_chunk)
         return _finish_layer(x, attn, p, config), None
 
     x, _ = jax.lax.scan(_maybe_remat(layer, config), _embed(params, tokens), params["layers"])

@@ -55,10 +55,33 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp
     return out.reshape(b, kvh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def attend_in_query_chunks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype,
+                           chunk: int) -> jax.Array:
+    """`attend` over blocks of `chunk` queries (lax.map, each block rematerialised in backward).
+
+    Same result as `attend`; the [B, H, T, S] scores never exist at once, only
+    [B, H, chunk, S] (training on long sequences). T is padded up to a multiple of `chunk`;
+    padded queries see no key and are dropped.
+    """
+    b, t, h, dh = q.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, chunk, h, dh).swapaxes(0, 1)
+    mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1).swapaxes(0, 1)
+    block = jax.checkpoint(lambda qm: attend(qm[0], k, v, qm[1], dtype))
+    out = jax.lax.map(block, (q, mask))  # [n, B, chunk, H, Dh]
+    return out.swapaxes(0, 1).reshape(b, n * chunk, h, dh)[:, :t]
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype,
+                          query_chunk: int | None = None) -> jax.Array:
     """out = softmax(q k^T / sqrt(Dh) + mask) v with H query heads sharing KVH kv heads.
 
     Args: q [B, T, H, Dh]; k, v [B, S, KVH, Dh]; mask [B, T, S] bool. Returns [B, T, H, Dh] float32.
-    Scores and softmax are float32; matmul inputs are `dtype`.
+    Scores and softmax are float32; matmul inputs are `dtype`. With `query_chunk` < T the
+    queries are processed in blocks (`attend_in_query_chunks`).
     """
-    return attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, dtype)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if query_chunk and q.shape[1] > query_chunk:
+        return attend_in_query_chunks(q, k, v, mask, dtype, query_chunk)
+    return attend(q, k, v, mask, dtype)
