@@ -113,7 +113,7 @@ def cmd_bin_difficulty(args) -> int:
 def cmd_demo(args) -> int:
     from jaxrl4llm.train.demo import run_demo
 
-    run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick)
+    run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick, sft_steps=args.sft_steps)
     return 0
 
 
@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and prints held-out accuracy before -> after and the curves PNG.")
     p.add_argument("--out-dir", default="runs/demo", help="where data, checkpoints and curves go")
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; does not reach the target)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the warm start (default 300)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_demo)
     return parser

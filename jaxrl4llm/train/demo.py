@@ -20,8 +20,8 @@ import jax
 
 DEMO_MODEL = dict(architecture="qwen3", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32)
-DEMO_TASK = dict(num_train=4000, num_test=200, seed=0, digits=2, ops="+-", steps=1)
-SFT = dict(steps=300, batch_size=64, lr=3e-3, length=80)
+DEMO_TASK = dict(num_train=4000, num_test=200, seed=0, digits=1, ops="+-", steps=2)
+SFT = dict(steps=300, batch_size=64, lr=3e-3, length=96)
 
 
 def config_path() -> Path:
@@ -61,7 +61,8 @@ def build_warm_start(out: Path, tokenizer_dir: str, train_file: str, *, seed: in
     return path
 
 
-def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, quick: bool = False, log=print) -> dict:
+def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, quick: bool = False,
+             sft_steps: int | None = None, log=print) -> dict:
     from jaxrl4llm.data import build_char_tokenizer, write_demo_task
     from jaxrl4llm.train.config import load_config
     from jaxrl4llm.train.loop import train
@@ -74,7 +75,7 @@ def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, qui
     tokenizer_dir = build_char_tokenizer(out / "tokenizer")
     warm = out / "warmstart"
     if not (warm / "config.json").is_file():
-        warm = build_warm_start(out, tokenizer_dir, paths["train"], sft_steps=30 if quick else None, log=log)
+        warm = build_warm_start(out, tokenizer_dir, paths["train"], sft_steps=30 if quick else sft_steps, log=log)
     else:
         log(f"warm start: reusing {warm} (delete it to rebuild)")
     t_warm = time.perf_counter() - t0

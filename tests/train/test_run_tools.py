@@ -74,3 +74,14 @@ def test_interrupted_checkpoint_write_leaves_previous_usable(finished_run, demo_
     cfg = load_config(None, tiny_overrides(demo_assets, run, **{"trainer.steps": 3, "trainer.checkpoint_every": 0}))
     summary = train(cfg, resume=True, log=lambda s: None)
     assert [r for r in summary["history"]] and len(summary["history"]) == 1  # resumed at step 2, ran step 3
+
+
+def test_bin_difficulty_command(finished_run, demo_assets, tmp_path):
+    out, _ = finished_run
+    bins = tmp_path / "bins"
+    code = cli_main(["bin-difficulty", "--model", str(out / "hf_export"), "--data", demo_assets["test"], "--rollouts", "4",
+                     "--out", str(bins), "--template", "demo", "--max-new-tokens", "8", "--batch-prompts", "2",
+                     "--limit", "4", "--temperature", "1.0", "--top-p", "1.0", "--top-k", "0"])
+    assert code == 0
+    counts = sum(len((bins / f"{name}.jsonl").read_text().splitlines()) for name in ("easy", "medium", "hard"))
+    assert counts == 4 and (bins / "histogram.png").is_file()
