@@ -3,7 +3,8 @@
 import jax
 import pytest
 
-jax.config.update("jax_numpy_rank_promotion", "raise")
+# Only inside each core test (the fixture below): a module-level update would leak "raise"
+# into every test collected after this file and break code outside core that broadcasts.
 
 
 @pytest.fixture(autouse=True)
