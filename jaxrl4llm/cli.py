@@ -113,7 +113,8 @@ def cmd_bin_difficulty(args) -> int:
 def cmd_demo(args) -> int:
     from jaxrl4llm.train.demo import run_demo
 
-    run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick, sft_steps=args.sft_steps)
+    run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick, rebuild_warmstart=args.rebuild_warmstart,
+             sft_steps=args.sft_steps)
     return 0
 
 
@@ -182,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "and prints held-out accuracy before -> after and the curves PNG.")
     p.add_argument("--out-dir", default="runs/demo", help="where data, checkpoints and curves go")
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; does not reach the target)")
-    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the warm start (default 300)")
+    p.add_argument("--rebuild-warmstart", action="store_true",
+                   help="build the SFT warm start (OUT/warmstart) again even if one from the same recipe exists")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the warm start (default 300; 30 with --quick)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_demo)
     return parser

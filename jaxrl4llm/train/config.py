@@ -128,6 +128,9 @@ class TrainerConfig:
     clipped_tokens_every: int = 10
     export_hf: bool = True
     progress_bar: bool = True
+    # A fresh run (no --resume) into an out_dir that already holds a run is an error unless
+    # this is true; then that run's checkpoints, metrics, TensorBoard events and export go.
+    overwrite: bool = False
 
 
 @dataclasses.dataclass

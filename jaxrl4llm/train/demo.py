@@ -1,18 +1,26 @@
 """The demo: Lite PPO on the built-in arithmetic task, on the CPU, in a few minutes.
 
-    jaxrl4llm demo [--out-dir runs/demo] [key=value ...]
+    jaxrl4llm demo [--out-dir runs/demo] [--rebuild-warmstart] [key=value ...]
 
-1. writes the demo task (train/test JSONL) and a character-level HF tokenizer under OUT;
-2. warm-starts a small Qwen3-shaped model by SFT on short worked solutions (OUT/warmstart, an
-   HF folder; reused when present — delete it to rebuild). It is deliberately under-trained,
-   so RL has room to improve it;
-3. runs `jaxrl4llm train -c configs/demo.yaml` from that checkpoint, with the same templates,
+1. writes the demo task (1-digit, two-step +/- word problems; train/test JSONL) under OUT;
+2. builds the warm start (OUT/warmstart, an HF folder with a character-level tokenizer): a
+   0.4M-parameter Qwen3-shaped model fine-tuned (SFT) on worked solutions from a *noisy
+   teacher* whose final boxed answer is wrong in 40% of the examples (the worked steps are
+   right). The policy computes well but often boxes a wrong number: an unreliable base model
+   that the verifier's reward can fix. It takes about two minutes and is reused by later runs
+   while its recipe (`warmstart.json`) matches; `--rebuild-warmstart` forces a new one;
+3. runs `configs/demo.yaml` (Lite PPO) from that checkpoint, with the same templates,
    verifier, loaders, sampler and train step as a real run;
-4. prints the step table, `held-out accuracy: X% -> Y%` and the path of the curves PNG.
+4. prints the step table, `held-out accuracy: X% -> Y%` (4 samples per test problem at the
+   rollout temperature 1.0) and the path of the curves PNG.
 """
 
 from __future__ import annotations
 
+import json
+import random
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -21,49 +29,74 @@ import jax
 DEMO_MODEL = dict(architecture="qwen3", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32)
 DEMO_TASK = dict(num_train=4000, num_test=200, seed=0, digits=1, ops="+-", steps=2)
-SFT = dict(steps=300, batch_size=64, lr=3e-3, length=96)
+SFT = dict(steps=300, batch_size=64, lr=3e-3, length=96, answer_noise=0.4)
+REPO = Path(__file__).resolve().parents[2]
+WARMSTART_RECIPE = "warmstart.json"  # what a warm-start folder was built from; reused only on a match
 
 
 def config_path() -> Path:
-    path = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    path = REPO / "configs" / "demo.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run the demo from a jaxrl4llm checkout (configs/ ships with the repository).")
     return path
 
 
-def build_warm_start(out: Path, tokenizer_dir: str, train_file: str, *, seed: int = 0, sft_steps: int | None = None,
-                     log=print) -> Path:
-    """SFT a random demo-size model on the train split's worked solutions; save an HF folder."""
-    from jaxrl4llm.data import demo_solution, load_problems
+def noisy_solution(solution: str, rng: random.Random, noise: float) -> str:
+    r"""With probability `noise`, replace the boxed answer by a wrong one (off by 1-3); steps stay right."""
+    if rng.random() >= noise:
+        return solution
+    m = re.search(r"\\boxed\{(-?\d+)\}$", solution)
+    wrong = int(m.group(1)) + rng.choice([-3, -2, -1, 1, 2, 3])
+    return solution[: m.start(1)] + str(wrong) + "}"
+
+
+def build_warm_start(path: Path, train_file: str, *, seed: int = 0, sft_steps: int | None = None, log=print) -> Path:
+    """SFT a random demo-size model on noisy-teacher worked solutions; save an HF folder at `path`."""
+    from jaxrl4llm.data import build_char_tokenizer, demo_solution, format_prompt, load_problems
     from jaxrl4llm.models import ModelConfig, init_params, load_tokenizer, save_pretrained, token_logprobs
     from jaxrl4llm.train.sft import pack_sft_examples, sft_train
 
-    tokenizer = load_tokenizer(tokenizer_dir)
+    path = Path(path)
+    tokenizer = load_tokenizer(build_char_tokenizer(path))
     config = ModelConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, qk_norm=True, rope_theta=10000.0,
                          max_position_embeddings=512, dtype="float32", param_dtype="float32",
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, **DEMO_MODEL)
     params = init_params(config, jax.random.PRNGKey(seed))
-    from jaxrl4llm.data import format_prompt
-
     problems = load_problems(train_file)
+    rng = random.Random(seed)
     prompts = [tokenizer(format_prompt(p, "demo"))["input_ids"] for p in problems]
-    completions = [tokenizer(" " + demo_solution(p))["input_ids"] + [tokenizer.eos_token_id] for p in problems]
+    completions = [tokenizer(" " + noisy_solution(demo_solution(p), rng, SFT["answer_noise"]))["input_ids"]
+                   + [tokenizer.eos_token_id] for p in problems]
     data = pack_sft_examples(prompts, completions, length=SFT["length"], pad_id=tokenizer.pad_token_id)
     logprob_fn = lambda p, x, y, pos, m: token_logprobs(p, config, x, y, positions=pos, attention_mask=m, chunk_size=SFT["length"])
     steps = sft_steps or SFT["steps"]
-    log(f"warm start: SFT of a {config.num_params / 1e6:.2f}M-parameter Qwen3-shaped model for {steps} steps")
+    log(f"warm start: SFT of a {config.num_params / 1e6:.2f}M-parameter Qwen3-shaped model for {steps} steps "
+        f"(noisy teacher: {SFT['answer_noise']:.0%} wrong boxed answers)")
     params = sft_train(params, logprob_fn, data, steps=steps, batch_size=SFT["batch_size"], lr=SFT["lr"], seed=seed,
                        log_every=100, log=log)
-    path = out / "warmstart"
     save_pretrained(config, params, path)
-    tokenizer.save_pretrained(str(path))
     return path
 
 
+def warm_start_recipe(sft_steps: int | None = None) -> dict:
+    """Everything the warm start depends on: model shape, task, SFT settings and seed."""
+    return {"model": DEMO_MODEL, "task": DEMO_TASK, "sft": {**SFT, "steps": sft_steps or SFT["steps"]}, "seed": 0}
+
+
+def warm_start_matches(path: Path, recipe: dict) -> bool:
+    """True when `path` holds a complete warm start built from exactly `recipe`."""
+    try:
+        return (path / "config.json").is_file() and json.loads((path / WARMSTART_RECIPE).read_text()) == json.loads(
+            json.dumps(recipe))
+    except (OSError, ValueError):
+        return False
+
+
 def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, quick: bool = False,
-             sft_steps: int | None = None, log=print) -> dict:
-    from jaxrl4llm.data import build_char_tokenizer, write_demo_task
+             rebuild_warmstart: bool = False, sft_steps: int | None = None, log=print) -> dict:
+    """Runs the demo; returns the train summary plus "curves" and "total_seconds"."""
+    from jaxrl4llm.data import write_demo_task
     from jaxrl4llm.train.config import load_config
     from jaxrl4llm.train.loop import train
     from jaxrl4llm.train.plot import plot_runs
@@ -72,20 +105,23 @@ def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, qui
     t0 = time.perf_counter()
     out = Path(out_dir)
     paths = write_demo_task(out / "data", **DEMO_TASK)
-    tokenizer_dir = build_char_tokenizer(out / "tokenizer")
     warm = out / "warmstart"
-    if not (warm / "config.json").is_file():
-        warm = build_warm_start(out, tokenizer_dir, paths["train"], sft_steps=30 if quick else sft_steps, log=log)
+    recipe = warm_start_recipe(sft_steps or (30 if quick else None))
+    if rebuild_warmstart or not warm_start_matches(warm, recipe):
+        if warm.exists():
+            shutil.rmtree(warm)
+        build_warm_start(warm, paths["train"], seed=recipe["seed"], sft_steps=recipe["sft"]["steps"], log=log)
+        (warm / WARMSTART_RECIPE).write_text(json.dumps(recipe, indent=1, sort_keys=True))
     else:
-        log(f"warm start: reusing {warm} (delete it to rebuild)")
+        log(f"warm start: reusing {warm} (same recipe; --rebuild-warmstart to build it again)")
     t_warm = time.perf_counter() - t0
-    run_dir = out / "rl"
     base = [f"model.path={warm}", f"data.train_files=[{paths['train']}]", f"data.eval_files=[{paths['test']}]",
-            f"trainer.out_dir={run_dir}"]
+            f"trainer.out_dir={out / 'rl'}", "trainer.overwrite=true"]  # the demo's own run folder: replaced each time
     if quick:
         base += ["trainer.steps=3", "data.eval_limit=32", "trainer.checkpoint_every=0", "trainer.eval_samples=2"]
     cfg = load_config(config_path(), base + list(overrides or []))
     summary = train(cfg, log=log)
+    run_dir = Path(cfg.trainer.out_dir)
     png = plot_runs([run_dir], run_dir / "curves.png")
     print_run_report(summary)
     total = time.perf_counter() - t0

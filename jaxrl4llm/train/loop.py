@@ -13,6 +13,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +44,8 @@ from jaxrl4llm.train.step import (
 def import_object(path: str, what: str) -> Any:
     """'package.module:attr' (or 'package.module.attr') -> the object, with a clear error."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the working directory import
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -178,13 +183,34 @@ def _left_pad_prompt(rollout, width: int, pad_id: int):
     )
 
 
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "hf_export")  # what a run writes into trainer.out_dir
+
+
+def prepare_out_dir(cfg: RunConfig, resume: bool, log: Callable[[str], None] = print) -> Path:
+    """Creates trainer.out_dir; refuses to start a fresh run over an earlier one (its
+    checkpoints would be silently kept, its metrics mixed with the new ones) unless
+    `trainer.overwrite` is true, which deletes that run's outputs first."""
+    out = Path(cfg.trainer.out_dir)
+    found = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not resume and found:
+        if not cfg.trainer.overwrite:
+            raise ConfigError(
+                f"trainer.out_dir={str(out)!r} already holds a run ({', '.join(found)}). Pass --resume to continue "
+                f"it, trainer.overwrite=true to delete it and start over, or choose another trainer.out_dir.")
+        for name in found:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        log(f"trainer.overwrite: removed the earlier run's {', '.join(found)} from {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
     """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths)."""
     recipe = cfg.recipe()
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
     reward_fn = make_reward_fn(cfg)
-    out = Path(cfg.trainer.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out_dir(cfg, resume, log)
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
 
     mesh = _mesh(cfg)
@@ -296,6 +322,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         else:
             eval_after = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn,
                                   jax.random.fold_in(base_key, 10**9 + cfg.trainer.steps))
+            writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
     writer.close()
     export_dir = None
     if cfg.trainer.export_hf:

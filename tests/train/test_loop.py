@@ -9,7 +9,7 @@ import pytest
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.core import PRESETS
 from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.train.loop import train
+from jaxrl4llm.train.loop import prepare_out_dir, train
 
 from tests.train.conftest import tiny_overrides
 
@@ -55,6 +55,9 @@ def test_resume_is_exact(demo_assets, tmp_path):
     first = load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **{"trainer.steps": 2, "trainer.checkpoint_every": 2}))
     train(first, log=lambda s: None)
     second = load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **{"trainer.steps": 4, "trainer.checkpoint_every": 2}))
+    # A fresh run over it would keep its checkpoints and mix its metrics: refused, with the fixes.
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints, metrics.jsonl.*--resume.*trainer.overwrite=true"):
+        train(second, log=lambda s: None)
     resumed = train(second, resume=True, log=lambda s: None)
 
     for a, b in zip(full["history"][2:], resumed["history"]):
@@ -64,6 +67,22 @@ def test_resume_is_exact(demo_assets, tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_overwrite_removes_only_the_earlier_runs_outputs(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "notes.txt").write_text("mine")
+    cfg = load_config(None, [f"trainer.out_dir={run}", "trainer.overwrite=true"])
+    messages = []
+    assert prepare_out_dir(cfg, resume=False, log=messages.append) == run
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    assert "removed the earlier run's checkpoints, metrics.jsonl" in messages[0]
+    # --resume never deletes anything.
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    prepare_out_dir(load_config(None, [f"trainer.out_dir={run}"]), resume=True)
+    assert (run / "metrics.jsonl").exists()
 
 
 def test_missing_data_file_is_a_clear_error(demo_assets, tmp_path, capsys):
