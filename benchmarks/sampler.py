@@ -22,6 +22,7 @@ transformers + torch are benchmark-time oracles only (never imported by jaxrl4ll
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -81,8 +82,8 @@ def measure_matmul_peak(repeats: int = 5) -> float:
 
 
 # ---------------------------------------------------------------------------- models
-def make_models(size: str, dtype: str, folder: str):
-    """Random Qwen3 of `size` in transformers (torch, `dtype`) and the same weights in jaxrl4llm."""
+def make_hf_model(size: str, dtype: str, folder: str):
+    """A random Qwen3 of `size` in transformers (torch, `dtype`), saved to `folder`."""
     import torch
     import transformers
 
@@ -92,11 +93,9 @@ def make_models(size: str, dtype: str, folder: str):
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=True,
         max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
-    torch_dtype = getattr(torch, dtype)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype)).eval()
     model.save_pretrained(folder)
-    config, params = load_pretrained(folder, dtype=dtype, param_dtype=dtype)
-    return model, config, params
+    return model
 
 
 def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool, repeats: int) -> float:
@@ -115,6 +114,42 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
 
     call(2)  # warm-up
     return best_time(call, repeats)
+
+
+def transformers_worker(conn, size: str, dtype: str, folder: str) -> None:
+    """Child process: builds and saves the HF model, then times `generate` on request.
+
+    torch runs only here, so its thread pool never shares a process with XLA's: each
+    framework is timed in its own process, the two interleaved on the same machine."""
+    model = make_hf_model(size, dtype, folder)
+    conn.send("ready")
+    while (request := conn.recv()) is not None:
+        conn.send(run_transformers(model, *request, repeats=1))
+
+
+class TransformersPeer:
+    """Handle on a `transformers_worker` process (a context manager)."""
+
+    def __init__(self, size: str, dtype: str, folder: str):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=transformers_worker, args=(child, size, dtype, folder), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("the transformers worker failed to start")
+
+    def time_generate(self, prompts, samples: int, new_tokens: int, sampled: bool) -> float:
+        self.conn.send((prompts, samples, new_tokens, sampled))
+        return self.conn.recv()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.conn.send(None)
+        self.proc.join(timeout=60)
 
 
 def run_ours(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
@@ -158,21 +193,17 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls of ours (best is kept)")
-    parser.add_argument("--hf-repeats", type=int, default=1, help="timed calls of transformers (best is kept)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed calls of each framework, interleaved (ours, theirs, ours, ...); the best of each is kept")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args(argv)
 
-    bandwidth = measure_copy_bandwidth()
-    peak = measure_matmul_peak()
-    print(f"machine: copy bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul peak {peak / 1e12:.2f} TFLOP/s "
-          f"({os.cpu_count()} cpus, jax {jax.__version__})")
+    peaks = {"bandwidth": measure_copy_bandwidth(), "peak": measure_matmul_peak()}
+    print(f"machine: copy bandwidth {peaks['bandwidth'] / 1e9:.1f} GB/s, bf16 matmul peak {peaks['peak'] / 1e12:.2f} "
+          f"TFLOP/s ({os.cpu_count()} cpus, jax {jax.__version__})")
     rng = np.random.default_rng(0)
-    rows = args.prompts * args.samples
-    tokens = rows * args.new_tokens
-    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     print(f"batch: {args.prompts} prompts x {args.samples} samples, {args.prompt_len}-token prompts, "
           f"{args.new_tokens} new tokens, {args.dtype}")
     header = (f"{'size':>6} {'params':>7} {'mode':>8} | {'ours tok/s':>10} {'hf tok/s':>9} {'ratio':>6} | "
@@ -181,26 +212,43 @@ def main(argv=None):
     print("-" * len(header))
     footer = []
     for size in args.sizes.split(","):
-        with tempfile.TemporaryDirectory() as folder:
-            model, config, params = make_models(size, args.dtype, folder)
-        prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len))
-        # the machine is shared: keep the best peaks seen in this run (a conservative roofline)
-        bandwidth, peak = max(bandwidth, measure_copy_bandwidth()), max(peak, measure_matmul_peak())
-        bytes_, flops = decode_step_cost(config, args.prompts, args.samples, args.prompt_len, args.new_tokens,
-                                         dtype_bytes)
-        roof = max(bytes_ / bandwidth, flops / peak)
-        for mode in args.modes.split(","):
-            sampled = mode == "sampled"
-            ours, first = run_ours(config, params, prompts, args.samples, args.new_tokens, sampled, args.repeats)
-            prefill_only, _ = run_ours(config, params, prompts, args.samples, 1, sampled, args.repeats)
-            step = (ours - prefill_only) / (args.new_tokens - 1)
-            hf = float("nan") if args.skip_transformers else run_transformers(
-                model, prompts, args.samples, args.new_tokens, sampled, args.hf_repeats)
-            print(f"{size:>6} {config.num_params / 1e6:>6.1f}M {mode:>8} | {tokens / ours:>10.0f} {tokens / hf:>9.0f} "
-                  f"{hf / ours:>6.2f} | {step * 1e3:>8.2f} {roof * 1e3:>8.2f} {roof / step:>8.2f} "
-                  f"{bytes_ / 1e6:>8.1f} {flops / 1e9:>10.2f} | {first - ours:>9.1f}", flush=True)
-        footer.append(f"{size}: roofline from copy bandwidth {bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e12:.2f} TFLOP/s")
+        with contextlib.ExitStack() as stack:
+            folder = stack.enter_context(tempfile.TemporaryDirectory())
+            peer = None if args.skip_transformers else stack.enter_context(TransformersPeer(size, args.dtype, folder))
+            if peer is None:
+                make_hf_model(size, args.dtype, folder)  # the same random weights, torch in this process
+            config, params = load_pretrained(folder, dtype=args.dtype, param_dtype=args.dtype)
+            prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len))
+            # the machine is shared: keep the best peaks seen in this run (a conservative roofline)
+            peaks = {"bandwidth": max(peaks["bandwidth"], measure_copy_bandwidth()),
+                     "peak": max(peaks["peak"], measure_matmul_peak())}
+            for mode in args.modes.split(","):
+                print(measure_mode(args, size, mode, config, params, prompts, peer, peaks), flush=True)
+        footer.append(f"{size}: roofline from copy bandwidth {peaks['bandwidth'] / 1e9:.1f} GB/s, "
+                      f"matmul peak {peaks['peak'] / 1e12:.2f} TFLOP/s")
     print("\n".join(footer))
+
+
+def measure_mode(args, size, mode, config, params, prompts, peer, peaks) -> str:
+    """One table row: ours and transformers (interleaved, equal numbers of timed calls, so both
+    see the same machine load; best of each), the decode step time and its roofline use."""
+    sampled = mode == "sampled"
+    ours, hf, first = float("inf"), float("inf"), None
+    for _ in range(args.repeats):
+        t, f = run_ours(config, params, prompts, args.samples, args.new_tokens, sampled, 1)
+        ours, first = min(ours, t), first or f
+        if peer is not None:
+            hf = min(hf, peer.time_generate(prompts, args.samples, args.new_tokens, sampled))
+    hf = float("nan") if peer is None else hf
+    prefill_only, _ = run_ours(config, params, prompts, args.samples, 1, sampled, args.repeats)
+    step = (ours - prefill_only) / (args.new_tokens - 1)
+    bytes_, flops = decode_step_cost(config, args.prompts, args.samples, args.prompt_len, args.new_tokens,
+                                     2 if args.dtype == "bfloat16" else 4)
+    roof = max(bytes_ / peaks["bandwidth"], flops / peaks["peak"])
+    tokens = args.prompts * args.samples * args.new_tokens
+    return (f"{size:>6} {config.num_params / 1e6:>6.1f}M {mode:>8} | {tokens / ours:>10.0f} {tokens / hf:>9.0f} "
+            f"{hf / ours:>6.2f} | {step * 1e3:>8.2f} {roof * 1e3:>8.2f} {roof / step:>8.2f} "
+            f"{bytes_ / 1e6:>8.1f} {flops / 1e9:>10.2f} | {first - ours:>9.1f}")
 
 
 if __name__ == "__main__":

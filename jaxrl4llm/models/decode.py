@@ -29,7 +29,6 @@ from jax.sharding import Mesh, NamedSharding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.linear import einsum
-from jaxrl4llm.models.layers.mlp import swiglu_mlp
 from jaxrl4llm.models.layers.norm import rms_norm
 from jaxrl4llm.models.layers.rope import apply_rope, rope_tables
 from jaxrl4llm.models.params import param_logical_axes
@@ -69,18 +68,32 @@ def _constrain(x: jax.Array, axes: tuple, mesh: Mesh | None, rules) -> jax.Array
 def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = None, rules=DECODE_RULES) -> dict:
     """Params pytree -> {"embed", "lm_head" [D, V] or [V, D] (tied), "final_norm", "layers": [L dicts]}.
 
-    Matmul weights are cast to `config.dtype` (one pass over the weights per rollout); the
+    Matmul weights are cast to `config.dtype` (one pass over the weights per rollout) and fused
+    so that a decode step makes four weight matmuls per layer, not seven (at decode-sized M the
+    per-matmul cost dominates on CPU):
+
+        qkv     [D, KVH, H/KVH + 2, Dh] = per kv head: its H/KVH query heads, its key, its value
+        gate_up [D, 2, F]               = [W_gate, W_up]
+
+    Grouping by kv head keeps every column of a kv head on the same tensor-parallel shard. The
     embedding used for lookup keeps the params' precision. With `mesh`, every weight is
     resharded on device to the decode layout (`rules`).
     """
     dtype = jnp.dtype(config.dtype)
     axes = param_logical_axes(config)
+    kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    fused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
     layers = []
     for i in range(config.num_layers):
-        layer = {}
-        for name, w in params["layers"].items():
-            w = w[i].astype(dtype) if name in _MATMUL_WEIGHTS else w[i]
-            layer[name] = _constrain(w, axes["layers"][name][1:], mesh, rules)
+        w = {name: a[i] for name, a in params["layers"].items()}
+        layer = {name: _constrain(x.astype(dtype) if name in _MATMUL_WEIGHTS else x, axes["layers"][name][1:], mesh, rules)
+                 for name, x in w.items() if name not in fused}
+        d = w["q_proj"].shape[0]
+        qkv = jnp.concatenate([w["q_proj"].astype(dtype).reshape(d, kvh, hg, dh),
+                               w["k_proj"].astype(dtype)[:, :, None], w["v_proj"].astype(dtype)[:, :, None]], axis=2)
+        layer["qkv"] = _constrain(qkv, ("embed", "kv_heads", None, "head_dim"), mesh, rules)
+        gate_up = jnp.stack([w["gate_proj"].astype(dtype), w["up_proj"].astype(dtype)], axis=1)
+        layer["gate_up"] = _constrain(gate_up, ("embed", None, "mlp"), mesh, rules)
         layers.append(layer)
     tied = config.tie_word_embeddings
     head = params["embed_tokens"] if tied else params["lm_head"]
@@ -97,9 +110,11 @@ def _qkv(x, p, config: ModelConfig, cos, sin):
     """x [B, T, D] residual -> q [B, T, H, Dh], k, v [B, T, KVH, Dh] float32 (normed, biased, rotated)."""
     dtype = jnp.dtype(config.dtype)
     h = rms_norm(x, p["input_norm"], config.rms_norm_eps)
-    q = einsum("btd,dhk->bthk", h, p["q_proj"], dtype)
-    k = einsum("btd,dhk->bthk", h, p["k_proj"], dtype)
-    v = einsum("btd,dhk->bthk", h, p["v_proj"], dtype)
+    b, t = x.shape[:2]
+    hg = config.num_heads // config.num_kv_heads
+    qkv = einsum("btd,dkgh->btkgh", h, p["qkv"], dtype)  # [B, T, KVH, H/KVH + 2, Dh]
+    q = qkv[:, :, :, :hg].reshape(b, t, config.num_heads, config.head_dim)
+    k, v = qkv[:, :, :, hg], qkv[:, :, :, hg + 1]
     if config.attention_bias:
         q = q + p["q_bias"].astype(jnp.float32)
         k = k + p["k_bias"].astype(jnp.float32)
@@ -111,14 +126,17 @@ def _qkv(x, p, config: ModelConfig, cos, sin):
 
 
 def _mlp_residual(x, attn, p, config: ModelConfig):
-    """x' = x + attn W_o (+ b_o); return x' + MLP(norm(x')). x [B, T, D], attn [B, T, H, Dh]."""
+    """x' = x + attn W_o (+ b_o); return x' + (silu(h W_gate) * h W_up) W_down, h = norm(x').
+
+    x [B, T, D], attn [B, T, H, Dh]."""
     dtype = jnp.dtype(config.dtype)
     out = einsum("bthk,hkd->btd", attn, p["o_proj"], dtype)
     if config.o_proj_bias:
         out = out + p["o_bias"].astype(jnp.float32)
     x = x + out
     h = rms_norm(x, p["post_attn_norm"], config.rms_norm_eps)
-    return x + swiglu_mlp(h, p["gate_proj"], p["up_proj"], p["down_proj"], dtype)
+    gate_up = einsum("btd,dcf->btcf", h, p["gate_up"], dtype)  # [B, T, 2, F]
+    return x + einsum("btf,fd->btd", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], p["down_proj"], dtype)
 
 
 def _lm_head(weights, config: ModelConfig, h):

@@ -101,7 +101,8 @@ def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperatu
     Args:
       params: the model params pytree (any dtype/sharding; cast and resharded on device).
       prompt_tokens, prompt_mask [P, T] int32 (left-padded; mask 1 = real); row_valid [P] bool.
-      rng: PRNG key; step t draws with fold_in(rng, t). temperature, top_p: float32 scalars.
+      rng: PRNG key; the uniforms of all rows and steps are one draw U(0, 1] [N, R] from it.
+      temperature, top_p: float32 scalars.
       eos_ids [E] int32; pad_id int32 scalar.
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
@@ -124,7 +125,10 @@ def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperatu
         logprobs=zeros(jnp.float32),
         logprobs_untruncated=zeros(jnp.float32),
     )
-    first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), jax.random.fold_in(rng, 0))
+    # Every step's row uniforms in one draw up front (u[n, t] in (0, 1]): no PRNG work in the loop.
+    uniforms = None if greedy else _row_constraint(1.0 - jax.random.uniform(rng, (num_rows, r), jnp.float32), mesh)
+    step_uniform = lambda t: None if greedy else jax.lax.dynamic_slice_in_dim(uniforms, t, 1, axis=1)
+    first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
     state = _record(state, first, eos_ids, pad_id, num_rows)
 
     num_blocks = -(-(r - 1) // block_size)
@@ -141,7 +145,7 @@ def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperatu
             slot = state.t - 1 - j * block_size
             logits, block = decode_step(weights, config, state.token, prompt_len + state.t - 1, prompt_kv,
                                         list(done_blocks), block, slot)
-            return _record(state, sample(logits, jax.random.fold_in(rng, state.t)), eos_ids, pad_id, num_rows), block
+            return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows), block
 
         block = empty_block(config, num_rows, block_size, mesh=mesh)
         state, block = jax.lax.while_loop(cond, body, (state, block))

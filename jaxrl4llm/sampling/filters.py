@@ -139,17 +139,19 @@ def top_k_logits(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 # ---------------------------------------------------------------------------- the sampler
-def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0,
-                  use_top_p: bool = False, greedy: bool = False) -> TokenSample:
+def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, top_k: int = 0, top_p=1.0,
+                  use_top_p: bool = False, greedy: bool = False, uniform: jax.Array | None = None) -> TokenSample:
     """y ~ softmax(z | top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
 
     Args:
       logits: [N, V] float32.
-      key: PRNG key for this step (one uniform per row).
+      key: PRNG key for this step (one uniform per row); unused when `uniform` is given.
       temperature: scalar > 0 (for greedy it only scales the returned log-probs).
       top_k: static; 0 = off, else keep the k largest logits.
       top_p: scalar in (0, 1]; applied only when `use_top_p` (static) is True.
       greedy: static; take the argmax (its `logprob` is then the untruncated one).
+      uniform: optional [N, 1] float32 in (0, 1], the row uniforms drawn in advance (the decode
+        loop draws all steps' uniforms at once: no PRNG work inside the loop).
     Returns: TokenSample of [N] arrays.
     """
     n, vocab = logits.shape
@@ -171,7 +173,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature=1.0, top_k: 
         inside = _gather_blocks(zb, b[:, None])[:, 0]
         return finish((b * block + first_argmax(inside)).astype(jnp.int32))
 
-    u = _uniform(key, n)
+    u = _uniform(key, n) if uniform is None else uniform
     k = min(top_k, vocab) if top_k > 0 else vocab
     if k == vocab and not use_top_p:  # plain temperature sampling: inverse CDF over blocks, then inside one
         b = _pick(block_sums, u)
