@@ -98,7 +98,8 @@ def make_hf_model(size: str, dtype: str, folder: str):
     return model
 
 
-def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool, repeats: int) -> float:
+def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool, repeats: int,
+                     warm_up: bool = True) -> float:
     """Seconds for transformers generate over the P*G expanded rows (best of `repeats`)."""
     import torch
 
@@ -112,7 +113,8 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
                                  pad_token_id=0, **options)
         assert out.shape == (ids.shape[0], ids.shape[1] + n), out.shape
 
-    call(2)  # warm-up
+    if warm_up:
+        call(2)
     return best_time(call, repeats)
 
 
@@ -123,8 +125,10 @@ def transformers_worker(conn, size: str, dtype: str, folder: str) -> None:
     framework is timed in its own process, the two interleaved on the same machine."""
     model = make_hf_model(size, dtype, folder)
     conn.send("ready")
+    warmed = set()
     while (request := conn.recv()) is not None:
-        conn.send(run_transformers(model, *request, repeats=1))
+        conn.send(run_transformers(model, *request, repeats=1, warm_up=request[1:] not in warmed))
+        warmed.add(request[1:])
 
 
 class TransformersPeer:
@@ -152,9 +156,8 @@ class TransformersPeer:
         self.proc.join(timeout=60)
 
 
-def run_ours(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
-             repeats: int) -> tuple[float, float]:
-    """(seconds for generate, compile + first-call seconds), best of `repeats` after a warm-up."""
+def ours_call(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool):
+    """A function that runs our `generate` once on these prompts and blocks until it is done."""
     options = SAMPLED if sampled else dict(greedy=True)
     prompt_list = [row.tolist() for row in prompts]
 
@@ -165,10 +168,7 @@ def run_ours(config, params, prompts: np.ndarray, samples: int, new_tokens: int,
         assert rollout.response_tokens.shape == (len(prompt_list) * samples, new_tokens)
         assert int(rollout.lengths.min()) == new_tokens
 
-    start = time.perf_counter()
-    call()
-    first = time.perf_counter() - start
-    return best_time(call, repeats), first
+    return call
 
 
 # ---------------------------------------------------------------------------- roofline
@@ -233,14 +233,17 @@ def measure_mode(args, size, mode, config, params, prompts, peer, peaks) -> str:
     """One table row: ours and transformers (interleaved, equal numbers of timed calls, so both
     see the same machine load; best of each), the decode step time and its roofline use."""
     sampled = mode == "sampled"
-    ours, hf, first = float("inf"), float("inf"), None
+    call = ours_call(config, params, prompts, args.samples, args.new_tokens, sampled)
+    first = best_time(call, 1)  # compile + first run
+    ours, hf = float("inf"), float("inf")
     for _ in range(args.repeats):
-        t, f = run_ours(config, params, prompts, args.samples, args.new_tokens, sampled, 1)
-        ours, first = min(ours, t), first or f
+        ours = min(ours, best_time(call, 1))
         if peer is not None:
             hf = min(hf, peer.time_generate(prompts, args.samples, args.new_tokens, sampled))
     hf = float("nan") if peer is None else hf
-    prefill_only, _ = run_ours(config, params, prompts, args.samples, 1, sampled, args.repeats)
+    prefill = ours_call(config, params, prompts, args.samples, 1, sampled)
+    prefill()
+    prefill_only = best_time(prefill, args.repeats)
     step = (ours - prefill_only) / (args.new_tokens - 1)
     bytes_, flops = decode_step_cost(config, args.prompts, args.samples, args.prompt_len, args.new_tokens,
                                      2 if args.dtype == "bfloat16" else 4)

@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrl4llm.train.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    # Like `python -m`: a reward or loss named by import path (`reward.fn=my_rewards:fn`) may
+    # live in the working directory, which a console script does not put on sys.path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if os.environ.get("JAXRL4LLM_DISTRIBUTED"):
         import jax
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.linear import einsum
+from jaxrl4llm.models.layers.mlp import swiglu_mlp_fused
 from jaxrl4llm.models.layers.norm import rms_norm
 from jaxrl4llm.models.layers.rope import apply_rope, rope_tables
 from jaxrl4llm.models.params import param_logical_axes
@@ -85,15 +86,12 @@ def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = Non
     fused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
     layers = []
     for i in range(config.num_layers):
-        w = {name: a[i] for name, a in params["layers"].items()}
-        layer = {name: _constrain(x.astype(dtype) if name in _MATMUL_WEIGHTS else x, axes["layers"][name][1:], mesh, rules)
-                 for name, x in w.items() if name not in fused}
+        w = {name: a[i].astype(dtype) if name in _MATMUL_WEIGHTS else a[i] for name, a in params["layers"].items()}
+        layer = {name: _constrain(x, axes["layers"][name][1:], mesh, rules) for name, x in w.items() if name not in fused}
         d = w["q_proj"].shape[0]
-        qkv = jnp.concatenate([w["q_proj"].astype(dtype).reshape(d, kvh, hg, dh),
-                               w["k_proj"].astype(dtype)[:, :, None], w["v_proj"].astype(dtype)[:, :, None]], axis=2)
+        qkv = jnp.concatenate([w["q_proj"].reshape(d, kvh, hg, dh), w["k_proj"][:, :, None], w["v_proj"][:, :, None]], axis=2)
         layer["qkv"] = _constrain(qkv, ("embed", "kv_heads", None, "head_dim"), mesh, rules)
-        gate_up = jnp.stack([w["gate_proj"].astype(dtype), w["up_proj"].astype(dtype)], axis=1)
-        layer["gate_up"] = _constrain(gate_up, ("embed", None, "mlp"), mesh, rules)
+        layer["gate_up"] = _constrain(jnp.stack([w["gate_proj"], w["up_proj"]], axis=1), ("embed", None, "mlp"), mesh, rules)
         layers.append(layer)
     tied = config.tie_word_embeddings
     head = params["embed_tokens"] if tied else params["lm_head"]
@@ -126,17 +124,14 @@ def _qkv(x, p, config: ModelConfig, cos, sin):
 
 
 def _mlp_residual(x, attn, p, config: ModelConfig):
-    """x' = x + attn W_o (+ b_o); return x' + (silu(h W_gate) * h W_up) W_down, h = norm(x').
-
-    x [B, T, D], attn [B, T, H, Dh]."""
+    """x' = x + attn W_o (+ b_o); return x' + MLP(norm(x')). x [B, T, D], attn [B, T, H, Dh]."""
     dtype = jnp.dtype(config.dtype)
     out = einsum("bthk,hkd->btd", attn, p["o_proj"], dtype)
     if config.o_proj_bias:
         out = out + p["o_bias"].astype(jnp.float32)
     x = x + out
     h = rms_norm(x, p["post_attn_norm"], config.rms_norm_eps)
-    gate_up = einsum("btd,dcf->btcf", h, p["gate_up"], dtype)  # [B, T, 2, F]
-    return x + einsum("btf,fd->btd", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], p["down_proj"], dtype)
+    return x + swiglu_mlp_fused(h, p["gate_up"], p["down_proj"], dtype)
 
 
 def _lm_head(weights, config: ModelConfig, h):

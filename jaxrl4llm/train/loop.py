@@ -13,9 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -44,8 +42,6 @@ from jaxrl4llm.train.step import (
 def import_object(path: str, what: str) -> Any:
     """'package.module:attr' (or 'package.module.attr') -> the object, with a clear error."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if os.getcwd() not in sys.path:  # like `python -m`: modules of the working directory import
-        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
