@@ -188,8 +188,9 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
         candidates, candidate_ids = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     else:  # top-p over a large vocabulary without top-k: full sort (slow path)
         candidates, candidate_ids = jax.lax.top_k(z, vocab)
-    if use_top_p:
-        keep = nucleus_keep(candidates, top_p) if k <= _PAIRWISE_MAX else top_p_keep(candidates, top_p)
+    if use_top_p:  # candidates from TopK are sorted (cumsum); the raw small vocabulary is not (pairwise)
+        unsorted = k == vocab and vocab <= _PAIRWISE_MAX
+        keep = nucleus_keep(candidates, top_p) if unsorted else top_p_keep(candidates, top_p)
         candidates = jnp.where(keep, candidates, -jnp.inf)
     weights = jnp.exp(candidates - jnp.max(candidates, axis=-1, keepdims=True))
     choice = _pick(weights, u)

@@ -18,15 +18,21 @@ def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, dt
     return _gated_down(g, u, down, dtype)
 
 
-def swiglu_mlp_fused(x: jax.Array, gate_up: jax.Array, down: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """`swiglu_mlp` with gate and up in one matmul: gate_up = stack([W_gate, W_up], axis=1).
+def swiglu_mlp_fused(x: jax.Array, gate_up_t: jax.Array, down_t: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`swiglu_mlp` with gate and up in one matmul and the weights stored output-major (the decode layout).
 
-    Args: x [B, T, D]; gate_up [D, 2, F]; down [F, D]. Returns [B, T, D] float32.
+    Args: x [B, T, D]; gate_up_t [2, F, D] = stack([W_gate^T, W_up^T]); down_t [D, F] = W_down^T.
+    Returns [B, T, D] float32.
     """
-    gu = einsum("btd,dcf->btcf", x, gate_up, dtype)
-    return _gated_down(gu[:, :, 0], gu[:, :, 1], down, dtype)
+    gu = einsum("btd,cfd->btcf", x, gate_up_t, dtype)
+    return einsum("btf,df->btd", swiglu_gate(gu[:, :, 0], gu[:, :, 1]), down_t, dtype)
+
+
+def swiglu_gate(g: jax.Array, u: jax.Array) -> jax.Array:
+    """silu(g) * u, elementwise (Shazeer 2020, "GLU Variants Improve Transformer")."""
+    return jax.nn.silu(g) * u
 
 
 def _gated_down(g: jax.Array, u: jax.Array, down: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """(silu(g) * u) W_down. g, u [B, T, F] float32; down [F, D]. Returns [B, T, D] float32."""
-    return einsum("btf,fd->btd", jax.nn.silu(g) * u, down, dtype)
+    """swiglu_gate(g, u) W_down. g, u [B, T, F] float32; down [F, D]. Returns [B, T, D] float32."""
+    return einsum("btf,fd->btd", swiglu_gate(g, u), down, dtype)
