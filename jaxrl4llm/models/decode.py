@@ -228,19 +228,21 @@ def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: 
     return out.reshape(n, h, dh)
 
 
-def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array, prompt: PromptKV,
-                done_blocks: list[KVBlock], block: KVBlock, slot) -> tuple[jax.Array, KVBlock]:
+def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tuple[jax.Array, jax.Array],
+                prompt: PromptKV, done_blocks: list[KVBlock], block: KVBlock, slot) -> tuple[jax.Array, KVBlock]:
     """Next-token logits for one new token per row; its keys/values are written at `slot` of `block`.
 
     Args:
-      tokens, positions [N] int32 (N = P*G rows, the G rows of a prompt adjacent);
+      tokens [N] int32 (N = P*G rows, the G rows of a prompt adjacent);
+      rope: (cos, sin) [N, 1, Dh] at the tokens' positions, `rope_tables(config, positions[:, None])`
+        (the decode loop computes all steps' tables before the loop: no cos/sin inside it);
       prompt: PromptKV of the P prompts; done_blocks: full KVBlocks of earlier generated slots;
       block: the KVBlock being filled; slot: int32 scalar index in `block`.
     Returns: (logits [N, V] float32, updated block).
     """
     dtype = jnp.dtype(config.dtype)
     slot = jnp.asarray(slot, jnp.int32)
-    cos, sin = rope_tables(config, positions[:, None])
+    cos, sin = rope
     x = jnp.take(weights["embed"], tokens[:, None], axis=0).astype(jnp.float32)  # [N, 1, D]
     new_k, new_v = [], []
     for i, p in enumerate(weights["layers"]):

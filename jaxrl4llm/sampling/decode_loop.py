@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill
+from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.filters import sample_tokens
 
@@ -131,6 +132,10 @@ def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperatu
     first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
     state = _record(state, first, eos_ids, pad_id, num_rows)
 
+    # rotary tables of every step's input position (prompt_len + t - 1) up front: no cos/sin in the loop
+    cos, sin = (_row_constraint(a, mesh) for a in
+                rope_tables(config, prompt_len[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :] - 1))
+    step_rope = lambda t: tuple(jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1) for a in (cos, sin))
     num_blocks = -(-(r - 1) // block_size)
     done_blocks = []
     for j in range(num_blocks):
@@ -143,7 +148,7 @@ def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperatu
         def body(carry, j=j, done_blocks=tuple(done_blocks)):
             state, block = carry
             slot = state.t - 1 - j * block_size
-            logits, block = decode_step(weights, config, state.token, prompt_len + state.t - 1, prompt_kv,
+            logits, block = decode_step(weights, config, state.token, step_rope(state.t), prompt_kv,
                                         list(done_blocks), block, slot)
             return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows), block
 
