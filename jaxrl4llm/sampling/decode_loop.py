@@ -90,17 +90,28 @@ def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int) -> Decod
     )
 
 
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
+def weights_program(params, *, config: ModelConfig, mesh: Mesh | None):
+    """`decode_weights` as its own program: params (any dtype/sharding) -> the decode weights.
+
+    A separate program so that its outputs reach `sample_program` as row-major buffers in the
+    output-major layout it chose. Inside one program XLA folds the transposes back into the
+    dots (the loop then multiplies by input-major weights, measured slower on CPU).
+    """
+    return decode_weights(params, config, mesh=mesh)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "mesh"),
 )
-def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids, pad_id, *,
+def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids, pad_id, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
                    greedy: bool, block_size: int, mesh: Mesh | None) -> ProgramOutput:
     """Sample `num_samples` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     Args:
-      params: the model params pytree (any dtype/sharding; cast and resharded on device).
+      weights: `weights_program(params)`: the decode weights (cast, fused, output-major, resharded).
       prompt_tokens, prompt_mask [P, T] int32 (left-padded; mask 1 = real); row_valid [P] bool.
       rng: PRNG key; the uniforms of all rows and steps are one draw U(0, 1] [N, R] from it.
       temperature, top_p: float32 scalars.
@@ -109,7 +120,6 @@ def sample_program(params, prompt_tokens, prompt_mask, row_valid, rng, temperatu
     """
     g, r = num_samples, max_new_tokens
     num_rows = prompt_tokens.shape[0] * g
-    weights = decode_weights(params, config, mesh=mesh)
     first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy)

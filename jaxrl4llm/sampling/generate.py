@@ -20,7 +20,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
-from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program
+from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, weights_program
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -98,7 +98,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         arrays = tuple(put(a) for a in arrays)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
     out = sample_program(
-        params, *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
+        weights_program(params, config=config, mesh=mesh), *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
         config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
         use_top_p=bool(top_p < 1.0), greedy=bool(greedy),
         block_size=int(kv_block_size or block_size_for(max_new_tokens)), mesh=mesh)
