@@ -88,13 +88,14 @@ def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = Non
     dtype = jnp.dtype(config.dtype)
     axes = param_logical_axes(config)
     kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
-    fused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj"}
     layers = []
     for i in range(config.num_layers):
-        w = {name: a[i].astype(dtype) if name in _MATMUL_WEIGHTS else a[i] for name, a in params["layers"].items()}
-        layer = {name: _constrain(x, axes["layers"][name][1:], mesh, rules) for name, x in w.items() if name not in fused}
+        layer = {name: _constrain(a[i], axes["layers"][name][1:], mesh, rules)
+                 for name, a in params["layers"].items() if name not in _MATMUL_WEIGHTS}  # norms, biases
+        w = {name: params["layers"][name][i].astype(dtype) for name in _MATMUL_WEIGHTS}
         d = w["q_proj"].shape[0]
-        qkv = jnp.concatenate([w["q_proj"].reshape(d, kvh, hg, dh), w["k_proj"][:, :, None], w["v_proj"][:, :, None]], axis=2)
+        qkv = jnp.concatenate([w["q_proj"].reshape(d, kvh, hg, dh), w["k_proj"][:, :, None], w["v_proj"][:, :, None]],
+                              axis=2)
         layer["qkv_t"] = _constrain(qkv.reshape(d, -1).T, ("kv_heads", "embed"), mesh, rules)
         layer["o_t"] = _constrain(w["o_proj"].reshape(-1, d).T, ("embed", "heads"), mesh, rules)
         gate_up = jnp.stack([w["gate_proj"].T, w["up_proj"].T], axis=1)  # [F, 2, D]

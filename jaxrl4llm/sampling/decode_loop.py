@@ -22,7 +22,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.sharding import logical_to_spec
-from jaxrl4llm.sampling.filters import sample_tokens
+from jaxrl4llm.sampling.filters import open_uniform, sample_tokens
 
 
 class DecodeState(NamedTuple):
@@ -137,15 +137,16 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
         logprobs_untruncated=zeros(jnp.float32),
     )
     # Every step's row uniforms in one draw up front (u[n, t] in (0, 1]): no PRNG work in the loop.
-    uniforms = None if greedy else _row_constraint(1.0 - jax.random.uniform(rng, (num_rows, r), jnp.float32), mesh)
-    step_uniform = lambda t: None if greedy else jax.lax.dynamic_slice_in_dim(uniforms, t, 1, axis=1)
+    column = lambda a, t: jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1)  # [N, R, ...] -> step t's [N, 1, ...]
+    uniforms = None if greedy else _row_constraint(open_uniform(rng, (num_rows, r)), mesh)
+    step_uniform = lambda t: None if greedy else column(uniforms, t)
     first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
     state = _record(state, first, eos_ids, pad_id, num_rows)
 
     # rotary tables of every step's input position (prompt_len + t - 1) up front: no cos/sin in the loop
     cos, sin = (_row_constraint(a, mesh) for a in
                 rope_tables(config, prompt_len[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :] - 1))
-    step_rope = lambda t: tuple(jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1) for a in (cos, sin))
+    step_rope = lambda t: (column(cos, t), column(sin, t))
     num_blocks = -(-(r - 1) // block_size)
     done_blocks = []
     for j in range(num_blocks):

@@ -65,9 +65,9 @@ def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.sum(cum < u * cum[:, -1:], axis=-1), last_nonzero).astype(jnp.int32)
 
 
-def _uniform(key: jax.Array, n: int) -> jax.Array:
-    """u ~ U(0, 1], [n, 1] float32 (never 0, so inverse CDF never lands on a p = 0 entry)."""
-    return 1.0 - jax.random.uniform(key, (n, 1), jnp.float32)
+def open_uniform(key: jax.Array, shape) -> jax.Array:
+    """u ~ U(0, 1] float32 of `shape` (never 0, so inverse CDF never lands on a p = 0 entry)."""
+    return 1.0 - jax.random.uniform(key, shape, jnp.float32)
 
 
 def block_size_for_vocab(vocab: int) -> int:
@@ -173,7 +173,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
         inside = _gather_blocks(zb, b[:, None])[:, 0]
         return finish((b * block + first_argmax(inside)).astype(jnp.int32))
 
-    u = _uniform(key, n) if uniform is None else uniform
+    u = open_uniform(key, (n, 1)) if uniform is None else uniform
     k = min(top_k, vocab) if top_k > 0 else vocab
     if k == vocab and not use_top_p:  # plain temperature sampling: inverse CDF over blocks, then inside one
         b = _pick(block_sums, u)
@@ -182,15 +182,15 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
         v = (u * jnp.sum(block_sums, axis=-1, keepdims=True) - before) / jnp.sum(inside, axis=-1, keepdims=True)
         return finish((b * block + _pick(inside, jnp.clip(v, 1e-30, 1.0))).astype(jnp.int32))
 
+    sorted_desc = True  # TopK output: top-p is a cumsum; the raw small vocabulary needs the pairwise mask
     if k < vocab:
         candidates, candidate_ids = top_k_logits(z, k)
     elif vocab <= _PAIRWISE_MAX:
-        candidates, candidate_ids = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+        candidates, candidate_ids, sorted_desc = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1), False
     else:  # top-p over a large vocabulary without top-k: full sort (slow path)
         candidates, candidate_ids = jax.lax.top_k(z, vocab)
-    if use_top_p:  # candidates from TopK are sorted (cumsum); the raw small vocabulary is not (pairwise)
-        unsorted = k == vocab and vocab <= _PAIRWISE_MAX
-        keep = nucleus_keep(candidates, top_p) if unsorted else top_p_keep(candidates, top_p)
+    if use_top_p:
+        keep = top_p_keep(candidates, top_p) if sorted_desc else nucleus_keep(candidates, top_p)
         candidates = jnp.where(keep, candidates, -jnp.inf)
     weights = jnp.exp(candidates - jnp.max(candidates, axis=-1, keepdims=True))
     choice = _pick(weights, u)

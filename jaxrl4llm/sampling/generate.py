@@ -97,8 +97,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
             ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
         arrays = tuple(put(a) for a in arrays)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
+    weights = weights_program(params, config=config, mesh=mesh)
     out = sample_program(
-        weights_program(params, config=config, mesh=mesh), *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
+        weights, *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
         config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
         use_top_p=bool(top_p < 1.0), greedy=bool(greedy),
         block_size=int(kv_block_size or block_size_for(max_new_tokens)), mesh=mesh)

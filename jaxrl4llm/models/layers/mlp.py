@@ -15,7 +15,7 @@ def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, dt
     """
     g = einsum("btd,df->btf", x, gate, dtype)
     u = einsum("btd,df->btf", x, up, dtype)
-    return _gated_down(g, u, down, dtype)
+    return einsum("btf,fd->btd", swiglu_gate(g, u), down, dtype)
 
 
 def swiglu_mlp_fused(x: jax.Array, gate_up_t: jax.Array, down_t: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -36,7 +36,3 @@ def swiglu_gate(g: jax.Array, u: jax.Array) -> jax.Array:
     """silu(g) * u, elementwise (Shazeer 2020, "GLU Variants Improve Transformer")."""
     return jax.nn.silu(g) * u
 
-
-def _gated_down(g: jax.Array, u: jax.Array, down: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """swiglu_gate(g, u) W_down. g, u [B, T, F] float32; down [F, D]. Returns [B, T, D] float32."""
-    return einsum("btf,fd->btd", swiglu_gate(g, u), down, dtype)
