@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill
+from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill, seal_block
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.filters import open_uniform, sample_tokens
@@ -165,7 +165,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
 
         block = empty_block(config, num_rows, block_size, mesh=mesh)
         state, block = jax.lax.while_loop(cond, body, (state, block))
-        done_blocks.append(block)
+        done_blocks.append(seal_block(block, mesh=mesh))
 
     steps = jnp.arange(r, dtype=jnp.int32)
     return ProgramOutput(
