@@ -110,8 +110,10 @@ def nucleus_keep(logits: jax.Array, top_p) -> jax.Array:
     Args: logits [N, K] (entries may be -inf); top_p scalar. Returns [N, K] bool.
     """
     probs = jax.nn.softmax(logits, axis=-1)
+    # one fused compare-select-sum pass (a [N, K, K] 0/1 matrix times probs is a batched
+    # matrix-vector product that XLA:CPU runs on a slow path: 107 us against 84 us at K = 100)
     higher = logits[:, None, :] > logits[:, :, None]  # [N, i, j]: z_j > z_i
-    mass_before = jnp.einsum("nij,nj->ni", higher.astype(jnp.float32), probs, precision=jax.lax.Precision.HIGHEST)
+    mass_before = jnp.sum(jnp.where(higher, probs[:, None, :], 0.0), axis=-1)
     return ((mass_before < top_p) | (top_p >= 1.0)) & (logits > -jnp.inf)
 
 
