@@ -55,7 +55,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
       max_prompt_length: optional prompt budget; a longer prompt is an error (default: no
         budget, the longest prompt picks the bucket).
       prompt_buckets, batch_buckets: padded prompt lengths / prompt counts (one compile each).
-      kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens)`).
+      kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens, KVH * Dh)`).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """
     num_prompts = len(prompts)
@@ -102,7 +102,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         weights, *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
         config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
         use_top_p=bool(top_p < 1.0), greedy=bool(greedy),
-        block_size=int(kv_block_size or block_size_for(max_new_tokens)), mesh=mesh)
+        block_size=int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim)),
+        mesh=mesh)
     n = num_prompts * num_samples
     if num_rows != num_prompts:
         out = jax.tree.map(lambda a: a[:n], out)

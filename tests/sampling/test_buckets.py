@@ -3,9 +3,12 @@
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxrl4llm.models import ModelConfig
 from jaxrl4llm.sampling import Rollout, bucket, decode_responses, generate, group_rows, left_pad_prompts
+from jaxrl4llm.sampling.decode_loop import block_size_for
 from jaxrl4llm.sampling.rollout import prompt_token_lists, response_token_lists
 
 
@@ -74,3 +77,14 @@ def test_rollout_host_helpers_drop_padding():
     assert decode_responses(rollout, _Tokenizer()) == ["t7 t2", "t8 t9 t3"]
     assert group_rows(["a", "b", "c", "d"], 2) == [["a", "b"], ["c", "d"]]
     assert jax.tree.structure(rollout).num_leaves == 8  # a pytree of arrays
+
+
+@settings(max_examples=50, deadline=None)
+@given(new_tokens=st.integers(1, 4096), kv_width=st.sampled_from([16, 64, 128, 256, 1024]))
+def test_kv_block_size_covers_the_response_in_few_blocks_of_enough_keys(new_tokens, kv_width):
+    """At most 4 blocks hold the R-1 fed-back tokens; a block has >= 32 slots and >= 4096 keys per row."""
+    blk = block_size_for(new_tokens, kv_width)
+    assert blk % 8 == 0 and blk >= 32
+    assert blk * kv_width >= 4096
+    assert -(-max(new_tokens - 1, 1) // blk) <= 4
+    assert blk - 8 < max(32, -(-4096 // kv_width), -(-(new_tokens - 1) // 4))  # the smallest such multiple of 8
