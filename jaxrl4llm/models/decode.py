@@ -119,6 +119,21 @@ def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = Non
     }
 
 
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """x = table[tokens] as float32. table [V, D]; tokens [...] int32 -> [..., D].
+
+    A 16-bit table is gathered through its uint16 bit pattern: XLA:CPU otherwise moves the
+    float32 conversion in front of the gather and, the table being loop-invariant, converts
+    the whole table once per call (a float32 copy of the embedding: 2.5 GB for a 151936 x
+    4096 vocabulary, 50-170 ms per call at 100M parameters). Inference only: the integer gather
+    carries no gradient to the table.
+    """
+    if table.dtype.itemsize != 2:
+        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+    rows = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), tokens, axis=0)
+    return jax.lax.bitcast_convert_type(rows, table.dtype).astype(jnp.float32)
+
+
 def _qkv(x, p, config: ModelConfig, cos, sin):
     """x [B, T, D] residual -> q [B, T, H, Dh], k, v [B, T, KVH, Dh] float32 (normed, biased, rotated)."""
     dtype = jnp.dtype(config.dtype)
@@ -170,7 +185,7 @@ def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Arr
     positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
     cos, sin = rope_tables(config, positions)
     attend = causal_padding_mask(mask)
-    x = jnp.take(weights["embed"], tokens, axis=0).astype(jnp.float32)
+    x = embed_lookup(weights["embed"], tokens)
     ks, vs = [], []
     for p in weights["layers"]:
         q, k, v = _qkv(x, p, config, cos, sin)
@@ -262,7 +277,7 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
     dtype = jnp.dtype(config.dtype)
     slot = jnp.asarray(slot, jnp.int32)
     cos, sin = rope
-    x = jnp.take(weights["embed"], tokens[:, None], axis=0).astype(jnp.float32)  # [N, 1, D]
+    x = embed_lookup(weights["embed"], tokens[:, None])  # [N, 1, D]
     new_k, new_v = [], []
     for i, p in enumerate(weights["layers"]):
         q, k, v = _qkv(x, p, config, cos, sin)

@@ -1,12 +1,15 @@
-"""The decode KV-block write: one slot changes, bit for bit, whatever the cache dtype."""
+"""Decode-path memory ops: the KV-block write changes one slot bit for bit; the embedding lookup
+never makes a float32 copy of a 16-bit table."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl4llm.models.decode import write_slot
+from jaxrl4llm.models.decode import embed_lookup, write_slot
+from jaxrl4llm.models.layers.norm import rms_norm
 
 
 @settings(max_examples=20, deadline=None)
@@ -20,3 +23,22 @@ def test_write_slot_equals_a_plain_dynamic_update_slice(slot, dtype):
     expected[:, :, slot] = np.asarray(new.astype(dtype))[:, :, 0]
     assert got.dtype == cache.dtype
     np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_embed_lookup_gathers_rows_without_a_float32_copy_of_the_table(dtype):
+    """Inside a loop (as in the decode while_loop) a bf16 table stays bf16 in the compiled program:
+    XLA:CPU would convert the whole loop-invariant table to float32 in front of the gather."""
+    table = jax.random.normal(jax.random.key(0), (96, 64)).astype(dtype)
+    tokens = jnp.array([3, 95, 0, 17, 3])
+    np.testing.assert_array_equal(np.asarray(embed_lookup(table, tokens)),
+                                  np.asarray(table.astype(jnp.float32))[np.asarray(tokens)])
+
+    def loop(table, scale, tokens):
+        def body(i, acc):
+            x = rms_norm(embed_lookup(table, (tokens + i) % 96), scale, 1e-6).astype(jnp.bfloat16)
+            return acc + x.astype(jnp.float32).sum()
+        return jax.lax.fori_loop(0, 4, body, 0.0)
+
+    hlo = jax.jit(loop).lower(table, jnp.ones((64,)), tokens).compile().as_text()
+    assert ("f32[96,64]" in hlo) == (dtype == "float32")
