@@ -119,19 +119,29 @@ def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = Non
     }
 
 
+def _move_as_bits(move, *arrays: jax.Array) -> jax.Array:
+    """move(*arrays) for a pure data movement (gather, update-slice), done on the arrays' uint16
+    bit patterns when they are 16-bit floats, and viewed back in their dtype.
+
+    XLA:CPU treats 16-bit float data movement as float32 arithmetic: it widens a bf16
+    dynamic-update-slice to float32 (converting the whole buffer there and back), and moves a
+    float32 conversion in front of a gather (converting the whole gathered-from table). On
+    integers it does neither. Inference only: the integer view carries no gradient.
+    """
+    dtype = arrays[0].dtype
+    if dtype.itemsize != 2:
+        return move(*arrays)
+    return jax.lax.bitcast_convert_type(move(*(jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays)), dtype)
+
+
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     """x = table[tokens] as float32. table [V, D]; tokens [...] int32 -> [..., D].
 
-    A 16-bit table is gathered through its uint16 bit pattern: XLA:CPU otherwise moves the
-    float32 conversion in front of the gather and, the table being loop-invariant, converts
-    the whole table once per call (a float32 copy of the embedding: 2.5 GB for a 151936 x
-    4096 vocabulary, 50-170 ms per call at 100M parameters). Inference only: the integer gather
-    carries no gradient to the table.
+    A 16-bit table is gathered as bits (`_move_as_bits`): otherwise, the table being
+    loop-invariant, XLA:CPU converts all of it to float32 once per call (a float32 copy of the
+    embedding: 2.5 GB for a 151936 x 4096 vocabulary, 50-170 ms per call at 100M parameters).
     """
-    if table.dtype.itemsize != 2:
-        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
-    rows = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), tokens, axis=0)
-    return jax.lax.bitcast_convert_type(rows, table.dtype).astype(jnp.float32)
+    return _move_as_bits(lambda t: jnp.take(t, tokens, axis=0), table).astype(jnp.float32)
 
 
 def _qkv(x, p, config: ModelConfig, cos, sin):
@@ -215,17 +225,13 @@ def seal_block(block: KVBlock, *, mesh: Mesh | None = None, rules=DECODE_RULES) 
 def write_slot(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
     """cache[:, :, slot] = new. cache [B, KVH, S, Dh]; new [B, KVH, 1, Dh] (any float dtype).
 
-    A 16-bit float cache is updated through its uint16 bit pattern: XLA:CPU widens a bf16
-    dynamic-update-slice to float32 and converts the whole block there and back, fused with
-    the computation of `new` (measured at the demo size: 81 us per block write, 24 us as uint16).
+    A 16-bit float cache is updated as bits (`_move_as_bits`): otherwise XLA:CPU converts the
+    whole block to float32 and back, fused with the computation of `new` (measured at the demo
+    size: 81 us per block write, 24 us as bits).
     """
     zero = jnp.zeros((), jnp.int32)
     index = (zero, zero, jnp.asarray(slot, jnp.int32), zero)
-    new = new.astype(cache.dtype)
-    if cache.dtype.itemsize != 2:
-        return jax.lax.dynamic_update_slice(cache, new, index)
-    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(bits(cache), bits(new), index), cache.dtype)
+    return _move_as_bits(lambda c, n: jax.lax.dynamic_update_slice(c, n, index), cache, new.astype(cache.dtype))
 
 
 def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: list, cur_k, cur_v, slot,

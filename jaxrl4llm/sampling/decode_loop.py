@@ -52,7 +52,7 @@ class ProgramOutput(NamedTuple):
     truncated: jax.Array
 
 
-def block_size_for(max_new_tokens: int, kv_width: int = 256, *, max_blocks: int = 4, min_block: int = 32,
+def block_size_for(max_new_tokens: int, kv_width: int, *, max_blocks: int = 4, min_block: int = 32,
                    min_block_elements: int = 4096) -> int:
     """Generated-KV block size: blk = max(min_block, min_block_elements / kv_width, ceil((R-1) / max_blocks)),
     rounded up to 8. kv_width = KVH * Dh, a slot's keys per row and layer.
