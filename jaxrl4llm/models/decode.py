@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels.decode_attention import decode_attention as kernel_decode_attention
+from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.linear import einsum
@@ -235,8 +237,11 @@ def write_slot(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
 
 
 def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: list, cur_k, cur_v, slot,
-                      dtype) -> jax.Array:
+                      dtype, use_kernel: bool = False) -> jax.Array:
     """One query per row against the prompt KV (shared by a prompt's G rows) and the generated KV.
+
+    With `use_kernel` (CPU only) the CPU kernel `kernels.decode_attention` computes the same
+    result in one call; this function's XLA ops are the reference it is tested against.
 
     Args: q [N, H, Dh] float32 (N = P*G, rows of a prompt adjacent); prompt_k [P, KVH, Dh, T],
     prompt_v [P, KVH, T, Dh]; prompt_mask [P, T]; done_k/v: sealed blocks (keys [N, KVH, Dh, blk],
@@ -244,6 +249,8 @@ def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: 
     index `slot`.
     Returns [N, H, Dh] float32.
     """
+    if use_kernel and kernel_supports(cur_k.dtype, dtype):
+        return kernel_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k, done_v, cur_k, cur_v, slot)
     n, h, dh = q.shape
     num_prompts, kvh = prompt_k.shape[:2]
     g, hg = n // num_prompts, h // kvh
@@ -269,7 +276,8 @@ def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: 
 
 
 def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tuple[jax.Array, jax.Array],
-                prompt: PromptKV, done_blocks: list[KVBlock], block: KVBlock, slot) -> tuple[jax.Array, KVBlock]:
+                prompt: PromptKV, done_blocks: list[KVBlock], block: KVBlock, slot, *,
+                use_kernels: bool = False) -> tuple[jax.Array, KVBlock]:
     """Next-token logits for one new token per row; its keys/values are written at `slot` of `block`.
 
     Args:
@@ -278,6 +286,7 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
         (the decode loop computes all steps' tables before the loop: no cos/sin inside it);
       prompt: PromptKV of the P prompts; done_blocks: sealed KVBlocks of earlier generated slots;
       block: the KVBlock being filled; slot: int32 scalar index in `block`.
+      use_kernels: attend with the CPU kernel (`jaxrl4llm.kernels`; CPU programs only).
     Returns: (logits [N, V] float32, updated block).
     """
     dtype = jnp.dtype(config.dtype)
@@ -290,6 +299,6 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
         new_k.append(write_slot(block.k[i], k.transpose(0, 2, 1, 3), slot))
         new_v.append(write_slot(block.v[i], v.transpose(0, 2, 1, 3), slot))
         attn = _decode_attention(q[:, 0], prompt.k[i], prompt.v[i], prompt.mask, [b.k[i] for b in done_blocks],
-                                 [b.v[i] for b in done_blocks], new_k[i], new_v[i], slot, dtype)
+                                 [b.v[i] for b in done_blocks], new_k[i], new_v[i], slot, dtype, use_kernels)
         x = _mlp_residual(x, attn[:, None], p, config)
     return _lm_head(weights, config, x[:, 0]), KVBlock(new_k, new_v)

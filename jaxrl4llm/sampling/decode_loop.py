@@ -110,11 +110,12 @@ def weights_program(params, *, config: ModelConfig, mesh: Mesh | None):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "mesh"),
+    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "mesh",
+                     "use_kernels"),
 )
 def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids, pad_id, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
-                   greedy: bool, block_size: int, mesh: Mesh | None) -> ProgramOutput:
+                   greedy: bool, block_size: int, mesh: Mesh | None, use_kernels: bool = False) -> ProgramOutput:
     """Sample `num_samples` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     Args:
@@ -123,13 +124,15 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
       rng: PRNG key; the uniforms of all rows and steps are one draw U(0, 1] [N, R] from it.
       temperature, top_p: float32 scalars.
       eos_ids [E] int32; pad_id int32 scalar.
+      use_kernels: decode attention and top-k with the CPU kernels (`jaxrl4llm.kernels`; the
+        caller checks that the program runs on CPU and that they are loaded).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r = num_samples, max_new_tokens
     num_rows = prompt_tokens.shape[0] * g
     first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               use_top_p=use_top_p, greedy=greedy)
+                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
     prompt_len = _row_constraint(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
     padding_row = _row_constraint(jnp.repeat(~row_valid, g), mesh)
     zeros = lambda dtype: _row_constraint(jnp.zeros((num_rows, r), dtype), mesh)
@@ -167,7 +170,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
             state, block = carry
             slot = state.t - 1 - j * block_size
             logits, block = decode_step(weights, config, state.token, step_rope(state.t), prompt_kv,
-                                        list(done_blocks), block, slot)
+                                        list(done_blocks), block, slot, use_kernels=use_kernels)
             return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows), block
 
         block = empty_block(config, num_rows, block_size, mesh=mesh)

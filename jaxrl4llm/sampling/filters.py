@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl4llm.kernels.top_k import top_k as kernel_top_k
+
 # Candidate sets up to this size use sort-free O(K^2) nucleus masks and cumsums; larger
 # ones (top-p over a big vocabulary without top-k) fall back to a full sort.
 _PAIRWISE_MAX = 256
@@ -118,13 +120,17 @@ def nucleus_keep(logits: jax.Array, top_p) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------- top-k
-def top_k_logits(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k_logits(z: jax.Array, k: int, *, use_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
     """The k largest entries of each row, descending, and their indices: ([N, k], [N, k] int32).
+
+    With `use_kernel` (CPU only): the CPU kernel `kernels.top_k`, the same result as lax.top_k.
 
     Two levels for large V: the k largest lie in the k blocks with the largest maxima, so
     TopK runs over the V/c block maxima and then over the k*c entries of those blocks
     (c ~ sqrt(V / k) balances the two), not over all V entries.
     """
+    if use_kernel:
+        return kernel_top_k(z, k)
     n, vocab = z.shape
     block = max(8, 1 << int(np.round(np.log2(np.sqrt(vocab / k)))))
     num_blocks = -(-vocab // block)
@@ -142,7 +148,8 @@ def top_k_logits(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 # ---------------------------------------------------------------------------- the sampler
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, top_k: int = 0, top_p=1.0,
-                  use_top_p: bool = False, greedy: bool = False, uniform: jax.Array | None = None) -> TokenSample:
+                  use_top_p: bool = False, greedy: bool = False, uniform: jax.Array | None = None,
+                  use_kernels: bool = False) -> TokenSample:
     """y ~ softmax(z | top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
 
     Args:
@@ -154,6 +161,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
       greedy: static; take the argmax (its `logprob` is then the untruncated one).
       uniform: optional [N, 1] float32 in (0, 1], the row uniforms drawn in advance (the decode
         loop draws all steps' uniforms at once: no PRNG work inside the loop).
+      use_kernels: static; top-k with the CPU kernel (`jaxrl4llm.kernels`; CPU programs only).
     Returns: TokenSample of [N] arrays.
     """
     n, vocab = logits.shape
@@ -186,7 +194,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
 
     sorted_desc = True  # TopK output: top-p is a cumsum; the raw small vocabulary needs the pairwise mask
     if k < vocab:
-        candidates, candidate_ids = top_k_logits(z, k)
+        candidates, candidate_ids = top_k_logits(z, k, use_kernel=use_kernels)
     elif vocab <= _PAIRWISE_MAX:
         candidates, candidate_ids, sorted_desc = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1), False
     else:  # top-p over a large vocabulary without top-k: full sort (slow path)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels.native import load_kernels, require_kernels
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
@@ -33,11 +34,31 @@ def _data_parallel_size(mesh: Mesh | None) -> int:
     return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))
 
 
+def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
+    """Resolve generate()'s `cpu_kernels` option (see there) to a yes/no for this call."""
+    if requested is False:
+        return False
+    devices = list(mesh.devices.flat) if mesh is not None else None
+    on_cpu = {d.platform for d in devices} == {"cpu"} if devices is not None else jax.default_backend() == "cpu"
+    if requested is None:
+        return mesh is None and on_cpu and load_kernels()
+    if not on_cpu:
+        raise ValueError("cpu_kernels=True, but the sampler runs on "
+                         f"{jax.default_backend() if devices is None else devices[0].platform}: the kernels are "
+                         f"CPU-only; pass cpu_kernels=None or False")
+    if mesh is not None and mesh.size > 1:
+        raise ValueError("cpu_kernels=True with a multi-device mesh: the kernels run unsharded; pass "
+                         "cpu_kernels=None or False (the sharded sampler uses XLA ops)")
+    require_kernels()
+    return True
+
+
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_ids: Sequence[int],
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
              max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
-             batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None) -> Rollout:
+             batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
+             cpu_kernels: bool | None = None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
 
     Args:
@@ -56,6 +77,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         budget, the longest prompt picks the bucket).
       prompt_buckets, batch_buckets: padded prompt lengths / prompt counts (one compile each).
       kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens, KVH * Dh)`).
+      cpu_kernels: decode attention and top-k with the C++ CPU kernels (`jaxrl4llm.kernels`).
+        None (default): when the program runs on CPU without a mesh and the kernels build;
+        True: require them (an error names what is missing); False: XLA ops only.
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """
     num_prompts = len(prompts)
@@ -96,6 +120,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
             ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
         arrays = tuple(put(a) for a in arrays)
+    use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
     weights = weights_program(params, config=config, mesh=mesh)
     out = sample_program(
@@ -103,7 +128,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
         use_top_p=bool(top_p < 1.0), greedy=bool(greedy),
         block_size=int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim)),
-        mesh=mesh)
+        mesh=mesh, use_kernels=use_kernels)
     n = num_prompts * num_samples
     if num_rows != num_prompts:
         out = jax.tree.map(lambda a: a[:n], out)

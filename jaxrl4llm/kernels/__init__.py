@@ -1,0 +1,18 @@
+"""Native CPU kernels for the sampler's decode step, called from JAX through XLA's FFI.
+
+XLA:CPU runs decode attention (one query per row against a small per-row KV cache) as many tiny
+batched matmuls, and TopK as a serial per-row sort; these two kernels do the same math in C++
+(see docs/sampling.md for the measurements). They are compiled from `csrc/` with the machine's
+C++ compiler on first use and cached; on other platforms, or when they cannot be built, the
+sampler runs its XLA formulation, which tests hold the kernels to.
+
+    JAXRL4LLM_CPU_KERNELS=0   never use them      (=1: require them: a build failure is an error)
+    JAXRL4LLM_KERNEL_CACHE    where the built library goes (default ~/.cache/jaxrl4llm/kernels)
+    CXX                       the compiler (default c++)
+"""
+
+from jaxrl4llm.kernels.decode_attention import decode_attention
+from jaxrl4llm.kernels.native import KernelBuildError, load_kernels, require_kernels
+from jaxrl4llm.kernels.top_k import top_k
+
+__all__ = ["KernelBuildError", "decode_attention", "load_kernels", "require_kernels", "top_k"]
