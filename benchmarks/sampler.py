@@ -1,7 +1,7 @@
 """Sampler throughput: jaxrl4llm.sampling.generate vs transformers generate (PyTorch CPU), plus the decode roofline.
 
     python benchmarks/sampler.py [--sizes demo,48m,100m] [--prompts 8] [--samples 8] [--prompt-len 64]
-                                 [--new-tokens 128] [--repeats 2] [--dtype bfloat16]
+                                 [--new-tokens 128] [--repeats 2] [--dtype bfloat16] [--cpu-kernels auto]
 
 For every model size (Qwen3 configs, random weights, identical in both frameworks) and for
 greedy and sampled decoding (temperature 0.99, top_p 0.99, top_k 100) it prints generated
@@ -156,9 +156,13 @@ class TransformersPeer:
         self.proc.join(timeout=60)
 
 
-def ours_call(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool):
+CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> generate(cpu_kernels=...)
+
+
+def ours_call(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
+              cpu_kernels: bool | None = None):
     """A function that runs our `generate` once on these prompts and blocks until it is done."""
-    options = SAMPLED if sampled else dict(greedy=True)
+    options = dict(SAMPLED if sampled else dict(greedy=True), cpu_kernels=cpu_kernels)
     prompt_list = [row.tolist() for row in prompts]
 
     def call(seed=0):
@@ -198,6 +202,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--cpu-kernels", default="auto", choices=tuple(CPU_KERNELS),
+                        help="our decode attention and top-k: C++ CPU kernels (auto/on) or XLA ops only (off)")
     args = parser.parse_args(argv)
 
     peaks = {"bandwidth": measure_copy_bandwidth(), "peak": measure_matmul_peak()}
@@ -205,7 +211,7 @@ def main(argv=None):
           f"TFLOP/s ({os.cpu_count()} cpus, jax {jax.__version__})")
     rng = np.random.default_rng(0)
     print(f"batch: {args.prompts} prompts x {args.samples} samples, {args.prompt_len}-token prompts, "
-          f"{args.new_tokens} new tokens, {args.dtype}")
+          f"{args.new_tokens} new tokens, {args.dtype}, CPU kernels {args.cpu_kernels}")
     header = (f"{'size':>6} {'params':>7} {'mode':>8} | {'ours tok/s':>10} {'hf tok/s':>9} {'ratio':>6} | "
               f"{'step ms':>8} {'roof ms':>8} {'roof use':>8} {'MB/step':>8} {'GFLOP/step':>10} | {'compile s':>9}")
     print(header)
@@ -233,7 +239,7 @@ def measure_mode(args, size, mode, config, params, prompts, peer, peaks) -> str:
     """One table row: ours and transformers (interleaved, equal numbers of timed calls, so both
     see the same machine load; best of each), the decode step time and its roofline use."""
     sampled = mode == "sampled"
-    call = ours_call(config, params, prompts, args.samples, args.new_tokens, sampled)
+    call = ours_call(config, params, prompts, args.samples, args.new_tokens, sampled, CPU_KERNELS[args.cpu_kernels])
     first = best_time(call, 1)  # compile + first run
     ours, hf = float("inf"), float("inf")
     for _ in range(args.repeats):
@@ -241,7 +247,7 @@ def measure_mode(args, size, mode, config, params, prompts, peer, peaks) -> str:
         if peer is not None:
             hf = min(hf, peer.time_generate(prompts, args.samples, args.new_tokens, sampled))
     hf = float("nan") if peer is None else hf
-    prefill = ours_call(config, params, prompts, args.samples, 1, sampled)
+    prefill = ours_call(config, params, prompts, args.samples, 1, sampled, CPU_KERNELS[args.cpu_kernels])
     prefill()
     prefill_only = best_time(prefill, args.repeats)
     step = (ours - prefill_only) / (args.new_tokens - 1)

@@ -40,13 +40,14 @@ def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
         return False
     devices = list(mesh.devices.flat) if mesh is not None else None
     on_cpu = {d.platform for d in devices} == {"cpu"} if devices is not None else jax.default_backend() == "cpu"
+    single_device = mesh is None or mesh.size == 1
     if requested is None:
-        return mesh is None and on_cpu and load_kernels()
+        return single_device and on_cpu and load_kernels()
     if not on_cpu:
         raise ValueError("cpu_kernels=True, but the sampler runs on "
                          f"{jax.default_backend() if devices is None else devices[0].platform}: the kernels are "
                          f"CPU-only; pass cpu_kernels=None or False")
-    if mesh is not None and mesh.size > 1:
+    if not single_device:
         raise ValueError("cpu_kernels=True with a multi-device mesh: the kernels run unsharded; pass "
                          "cpu_kernels=None or False (the sharded sampler uses XLA ops)")
     require_kernels()
@@ -78,7 +79,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
       prompt_buckets, batch_buckets: padded prompt lengths / prompt counts (one compile each).
       kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens, KVH * Dh)`).
       cpu_kernels: decode attention and top-k with the C++ CPU kernels (`jaxrl4llm.kernels`).
-        None (default): when the program runs on CPU without a mesh and the kernels build;
+        None (default): when the program runs on one CPU device and the kernels build;
         True: require them (an error names what is missing); False: XLA ops only.
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """

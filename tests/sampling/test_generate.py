@@ -148,3 +148,36 @@ def test_bf16_rollout_matches_a_bf16_teacher_forced_forward(qwen3, key):
     # bf16 matmul inputs: both sides round the same activations, so they agree far inside bf16's 2^-8
     np.testing.assert_allclose(got, np.asarray(expected), atol=0.03)
     assert np.mean(np.abs(got - np.asarray(expected))) < 0.005
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_kernels_and_xla_ops_give_the_same_rollout(qwen3, key, dtype):
+    """The sampler with its C++ CPU kernels (decode attention, top-k) against its XLA ops alone:
+    the same tokens for the same seed, log-probs equal to round-off (float32) or bf16 rounding."""
+    _, config, params = qwen3
+    config = config.replace(dtype=dtype)
+    run = lambda kernels: generate(params, config, random_prompts(5), num_samples=3, max_new_tokens=40,
+                                   temperature=0.9, top_k=9, top_p=0.95, eos_token_ids=[], pad_token_id=PAD,
+                                   rng=key, kv_block_size=16, cpu_kernels=kernels)
+    with_kernels, xla_only = run(True), run(False)
+    tokens = np.asarray(with_kernels.response_tokens)
+    same = tokens == np.asarray(xla_only.response_tokens)
+    if dtype == "float32":
+        assert same.all()
+        np.testing.assert_allclose(np.asarray(with_kernels.logprobs), np.asarray(xla_only.logprobs), atol=1e-5)
+    else:  # a bf16 rounding may flip a near-tie, after which a row's continuation differs
+        first_diff = np.where(same.all(axis=1), tokens.shape[1], np.argmin(same, axis=1))
+        assert np.mean(first_diff == tokens.shape[1]) >= 0.7, first_diff
+        agree = np.arange(tokens.shape[1])[None, :] < first_diff[:, None]
+        gap = np.abs(np.asarray(with_kernels.logprobs) - np.asarray(xla_only.logprobs))[agree]
+        assert gap.max() < 0.05 and gap.mean() < 0.005
+
+
+def test_cpu_kernels_required_but_switched_off(qwen3, key, monkeypatch):
+    _, config, params = qwen3
+    from jaxrl4llm.kernels import KernelBuildError
+
+    monkeypatch.setenv("JAXRL4LLM_CPU_KERNELS", "0")
+    with pytest.raises(KernelBuildError, match="JAXRL4LLM_CPU_KERNELS=0"):
+        generate(params, config, random_prompts(1), num_samples=1, max_new_tokens=2, eos_token_ids=[],
+                 pad_token_id=PAD, rng=key, cpu_kernels=True)

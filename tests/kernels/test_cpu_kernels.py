@@ -1,0 +1,157 @@
+"""The C++ CPU kernels (jaxrl4llm.kernels) against the XLA formulations they replace.
+
+decode attention: equal to models.decode._decode_attention (float32: to round-off; bfloat16: to
+the rounding of the probabilities); top-k: bit-identical to jax.lax.top_k, ties and IEEE total
+order included. Plus the build switch and its errors.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxrl4llm.kernels import KernelBuildError, decode_attention, load_kernels, require_kernels, top_k
+from jaxrl4llm.kernels import native
+from jaxrl4llm.models.decode import _decode_attention
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    require_kernels()  # CI builds them: a build failure fails the tests, it does not skip them
+
+
+def _attention_case(rng, *, prompts, g, kvh, hg, dh, t, blk, sealed, slot, dtype, q_scale=1.0):
+    n = prompts * g
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
+    mask = (rng.random((prompts, t)) < 0.7).astype(np.int32)
+    mask[0] = 0  # a prompt with no real token: the row attends to its generated slots only
+    return dict(
+        q=jnp.asarray(rng.normal(size=(n, kvh * hg, dh)) * q_scale, jnp.float32),
+        prompt_k=normal(prompts, kvh, dh, t), prompt_v=normal(prompts, kvh, t, dh), prompt_mask=jnp.asarray(mask),
+        done_k=[normal(n, kvh, dh, blk) for _ in range(sealed)], done_v=[normal(n, kvh, blk, dh) for _ in range(sealed)],
+        cur_k=normal(n, kvh, blk, dh), cur_v=normal(n, kvh, blk, dh), slot=jnp.int32(slot))
+
+
+def _both(case, dtype):
+    kernel = jax.jit(lambda c: decode_attention(**c))(case)
+    reference = jax.jit(lambda c: _decode_attention(**c, dtype=jnp.dtype(dtype)))(case)
+    return np.asarray(kernel), np.asarray(reference)
+
+
+@settings(max_examples=24, deadline=None)
+@given(data=st.data())
+def test_decode_attention_equals_xla(data):
+    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+    blk = data.draw(st.sampled_from([8, 20, 32]))
+    shape = dict(prompts=data.draw(st.integers(1, 3)), g=data.draw(st.integers(1, 3)), kvh=data.draw(st.integers(1, 2)),
+                 hg=data.draw(st.sampled_from([1, 2, 5])),  # 5 query heads: a group of 4 and one of 1
+                 dh=data.draw(st.sampled_from([8, 24, 64])), t=data.draw(st.sampled_from([1, 7, 16, 37])),
+                 blk=blk, sealed=data.draw(st.integers(0, 2)), slot=data.draw(st.integers(0, blk - 1)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    kernel, reference = _both(_attention_case(rng, dtype=dtype, **shape), dtype)
+    assert kernel.shape == reference.shape
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: a probability may round the other way
+    np.testing.assert_allclose(kernel, reference, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_attention_peaked_scores(dtype):
+    """Scores far apart (exp underflows to 0 for most slots): still the XLA result."""
+    rng = np.random.default_rng(1)
+    case = _attention_case(rng, prompts=2, g=2, kvh=2, hg=2, dh=64, t=16, blk=16, sealed=1, slot=9, dtype=dtype,
+                           q_scale=40.0)
+    kernel, reference = _both(case, dtype)
+    np.testing.assert_allclose(kernel, reference, rtol=2e-2, atol=2e-2 if dtype == "bfloat16" else 1e-4)
+
+
+def test_decode_attention_shape_errors():
+    rng = np.random.default_rng(0)
+    case = _attention_case(rng, prompts=2, g=2, kvh=1, hg=1, dh=8, t=4, blk=8, sealed=1, slot=0, dtype="float32")
+    with pytest.raises(ValueError, match="multiple of prompts"):
+        decode_attention(**{**case, "q": case["q"][:3]})
+    with pytest.raises(ValueError, match="sealed key blocks"):
+        decode_attention(**{**case, "done_v": []})
+
+
+def _top_k_rows(rng, n, v, kind):
+    x = rng.normal(size=(n, v)).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x * 2) / 2
+    elif kind == "special":  # -inf, +inf, NaN, -0.0 among the entries
+        x = np.round(x * 2) / 2
+        x[rng.random((n, v)) < 0.3] = -np.inf
+        x[rng.random((n, v)) < 0.05] = np.inf
+        x[rng.random((n, v)) < 0.05] = np.nan
+        x[rng.random((n, v)) < 0.1] = -0.0
+    elif kind == "constant":
+        x[:] = 1.5
+    return jnp.asarray(x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 4), v=st.integers(1, 3000), data=st.data())
+def test_top_k_equals_lax(n, v, data):
+    k = data.draw(st.integers(1, min(v, 150)))
+    kind = data.draw(st.sampled_from(["normal", "ties", "special", "constant"]))
+    x = _top_k_rows(np.random.default_rng(data.draw(st.integers(0, 2**16))), n, v, kind)
+    values, ids = jax.jit(top_k, static_argnums=1)(x, k)
+    want_values, want_ids = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+def test_top_k_equals_lax_at_sampler_shape():
+    """The study's top_k = 100 over a 32000 vocabulary, 64 rows (the benchmark's shape)."""
+    x = _top_k_rows(np.random.default_rng(2), 64, 32000, "normal") * 3.0
+    values, ids = jax.jit(top_k, static_argnums=1)(x, 100)
+    want_values, want_ids = jax.lax.top_k(x, 100)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+def test_top_k_errors():
+    x = jnp.zeros((2, 5))
+    with pytest.raises(ValueError, match=r"k=6 must be in \[1, V=5\]"):
+        top_k(x, 6)
+    with pytest.raises(ValueError, match=r"expected x \[N, V\]"):
+        top_k(jnp.zeros(5), 1)
+
+
+def test_switch_off_and_required(monkeypatch):
+    monkeypatch.setenv("JAXRL4LLM_CPU_KERNELS", "0")
+    assert load_kernels() is False
+    with pytest.raises(KernelBuildError, match="JAXRL4LLM_CPU_KERNELS=0"):
+        require_kernels()
+    monkeypatch.setenv("JAXRL4LLM_CPU_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="use 0 \\(off\\), 1 \\(required\\)"):
+        load_kernels()
+
+
+def test_build_errors_name_the_problem(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXRL4LLM_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler '/no/such/c\\+\\+'"):
+        native.build("/no/such/c++")
+    with pytest.raises(KernelBuildError, match="building the CPU kernels failed"):
+        native.build("false")  # a "compiler" that fails
+    assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+
+
+def test_failed_build_falls_back_with_a_warning(tmp_path):
+    """Unset switch + no compiler: load_kernels() warns and returns False (the sampler uses XLA)."""
+    env = {**os.environ, "CXX": "/no/such/c++", "JAXRL4LLM_KERNEL_CACHE": str(tmp_path)}
+    env.pop("JAXRL4LLM_CPU_KERNELS", None)
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from jaxrl4llm.kernels import load_kernels\n"
+            "print('available', load_kernels())\n")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "available False" in result.stdout
+    assert "CPU kernels unavailable" in result.stderr and "no C++ compiler" in result.stderr
