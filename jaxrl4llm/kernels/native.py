@@ -94,15 +94,21 @@ def build(compiler: str | None = None) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> str | None:
-    """Build + register once per process; None on success, else why the kernels are unavailable."""
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """Build + register once per process: (library, None) on success, else (None, why not)."""
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
         for name in TARGETS:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     except (KernelBuildError, OSError, AttributeError) as error:
-        return str(error)
-    return None
+        return None, str(error)
+    return library, None
+
+
+def bf16_pairs() -> bool:
+    """Whether the loaded kernels take bf16 caches in the pair layout (built with AVX512-BF16)."""
+    library, _ = _load()
+    return library is not None and bool(library.jaxrl4llm_bf16_pairs())
 
 
 def load_kernels() -> bool:
@@ -114,7 +120,7 @@ def load_kernels() -> bool:
     mode = _mode()
     if mode == "off":
         return False
-    problem = _load()
+    _, problem = _load()
     if problem is None:
         return True
     if mode == "on":
@@ -127,7 +133,7 @@ def require_kernels() -> None:
     """Build and register the kernels, or raise KernelBuildError saying why they are unavailable."""
     if _mode() == "off":
         raise KernelBuildError("JAXRL4LLM_CPU_KERNELS=0 turns the CPU kernels off; unset it to use them")
-    problem = _load()
+    _, problem = _load()
     if problem is not None:
         raise KernelBuildError(problem)
 

@@ -50,6 +50,8 @@ _MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 DECODE_RULES = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")  # keys [B, KVH, Dh, S]
 VALUE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # values [B, KVH, S, Dh]
+KEY_PAIR_AXES = ("batch", "kv_heads", "head_dim", "cache_seq", None)  # pair layout keys [B, KVH, Dh/2, S, 2]
+VALUE_PAIR_AXES = ("batch", "kv_heads", "cache_seq", "head_dim", None)  # pair layout values [B, KVH, S/2, Dh, 2]
 
 
 class PromptKV(NamedTuple):
@@ -186,12 +188,15 @@ def _lm_head(weights, config: ModelConfig, h):
 
 
 def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
-            cache_dtype=None, mesh: Mesh | None = None, rules=DECODE_RULES) -> tuple[jax.Array, PromptKV]:
+            cache_dtype=None, mesh: Mesh | None = None, rules=DECODE_RULES,
+            pair_layout: bool = False) -> tuple[jax.Array, PromptKV]:
     """Run left-padded prompts once: next-token logits at the last slot and the prompt KV.
 
     pos = cumsum(mask) - 1 (a prompt's first real token has position 0).
     Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
     Returns: (logits [P, V] float32 at slot T-1, PromptKV (k [P, KVH, Dh, T], v [P, KVH, T, Dh]) in cache_dtype).
+    pair_layout: the PromptKV in the CPU kernel's pair layout (k [P, KVH, Dh/2, T', 2], v [P, KVH,
+    T'/2, Dh, 2], T' = T rounded up to even, the extra slot masked).
     """
     cache_dtype = jnp.dtype(cache_dtype or config.dtype)
     positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -205,8 +210,15 @@ def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Arr
         v = v.astype(cache_dtype)
         attn = dot_product_attention(q, k, v, attend, jnp.dtype(config.dtype))
         x = _mlp_residual(x, attn, p, config)
-        ks.append(_constrain(k.transpose(0, 2, 3, 1), KEY_AXES, mesh, rules))
-        vs.append(_constrain(v.transpose(0, 2, 1, 3), VALUE_AXES, mesh, rules))
+        if pair_layout:
+            k, v = (jnp.pad(a, ((0, 0), (0, a.shape[1] % 2), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for a in (k, v))
+            ks.append(_constrain(pair_keys(k), KEY_PAIR_AXES, mesh, rules))
+            vs.append(_constrain(pair_values(v), VALUE_PAIR_AXES, mesh, rules))
+        else:
+            ks.append(_constrain(k.transpose(0, 2, 3, 1), KEY_AXES, mesh, rules))
+            vs.append(_constrain(v.transpose(0, 2, 1, 3), VALUE_AXES, mesh, rules))
+    if pair_layout:
+        mask = jnp.pad(mask, ((0, 0), (0, mask.shape[1] % 2)))
     return _lm_head(weights, config, x[:, -1]), PromptKV(ks, vs, mask)
 
 
@@ -219,8 +231,26 @@ def empty_block(config: ModelConfig, rows: int, block_size: int, *, cache_dtype=
     return KVBlock([zeros() for _ in range(config.num_layers)], [zeros() for _ in range(config.num_layers)])
 
 
-def seal_block(block: KVBlock, *, mesh: Mesh | None = None, rules=DECODE_RULES) -> KVBlock:
-    """A full block's keys [N, KVH, blk, Dh] -> [N, KVH, Dh, blk] (the score-matmul layout); values as they are."""
+def pair_keys(k: jax.Array) -> jax.Array:
+    """Keys [B, KVH, S, Dh] -> the CPU kernel's pair layout [B, KVH, Dh/2, S, 2] (pairs of d side by side)."""
+    b, h, s, d = k.shape
+    return k.reshape(b, h, s, d // 2, 2).transpose(0, 1, 3, 2, 4)
+
+
+def pair_values(v: jax.Array) -> jax.Array:
+    """Values [B, KVH, S, Dh] -> the CPU kernel's pair layout [B, KVH, S/2, Dh, 2] (pairs of slots side by side)."""
+    b, h, s, d = v.shape
+    return v.reshape(b, h, s // 2, 2, d).transpose(0, 1, 2, 4, 3)
+
+
+def seal_block(block: KVBlock, *, mesh: Mesh | None = None, rules=DECODE_RULES, pair_layout: bool = False) -> KVBlock:
+    """A full block's keys [N, KVH, blk, Dh] -> [N, KVH, Dh, blk] (the score-matmul layout); values as they are.
+
+    pair_layout: keys and values to the CPU kernel's pair layout instead (`pair_keys`, `pair_values`).
+    """
+    if pair_layout:
+        return KVBlock([_constrain(pair_keys(k), KEY_PAIR_AXES, mesh, rules) for k in block.k],
+                       [_constrain(pair_values(v), VALUE_PAIR_AXES, mesh, rules) for v in block.v])
     return KVBlock([_constrain(k.transpose(0, 1, 3, 2), KEY_AXES, mesh, rules) for k in block.k], block.v)
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels.native import bf16_pairs as kernel_bf16_pairs
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill, seal_block
 from jaxrl4llm.models.layers.rope import rope_tables
@@ -130,7 +131,10 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
     """
     g, r = num_samples, max_new_tokens
     num_rows = prompt_tokens.shape[0] * g
-    first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh)
+    # the attention kernel reads bf16 prompt and sealed KV in its pair layout where the CPU has AVX512-BF16
+    pairs = (use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and config.head_dim % 2 == 0 and block_size % 2 == 0
+             and kernel_bf16_pairs())
+    first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh, pair_layout=pairs)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
     prompt_len = _row_constraint(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
@@ -176,7 +180,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
         block = empty_block(config, num_rows, block_size, mesh=mesh)
         state, block = jax.lax.while_loop(cond, body, (state, block))
         if j + 1 < num_blocks:  # the last block is never attended to again
-            done_blocks.append(seal_block(block, mesh=mesh))
+            done_blocks.append(seal_block(block, mesh=mesh, pair_layout=pairs))
 
     steps = jnp.arange(r, dtype=jnp.int32)
     return ProgramOutput(

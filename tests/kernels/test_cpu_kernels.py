@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jaxrl4llm.kernels import KernelBuildError, decode_attention, load_kernels, require_kernels, top_k
 from jaxrl4llm.kernels import native
-from jaxrl4llm.models.decode import _decode_attention
+from jaxrl4llm.models.decode import _decode_attention, pair_keys, pair_values
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 
@@ -60,6 +60,30 @@ def test_decode_attention_equals_xla(data):
     assert kernel.shape == reference.shape
     tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: a probability may round the other way
     np.testing.assert_allclose(kernel, reference, rtol=tol, atol=tol)
+
+
+def _to_pairs(case):
+    """The same operands in the kernel's pair layout (prompt/sealed keys and values)."""
+    to_slot_major = lambda k: jnp.swapaxes(k, -1, -2)  # keys [.., Dh, S] -> [.., S, Dh]
+    return {**case, "prompt_k": pair_keys(to_slot_major(case["prompt_k"])), "prompt_v": pair_values(case["prompt_v"]),
+            "done_k": [pair_keys(to_slot_major(k)) for k in case["done_k"]],
+            "done_v": [pair_values(v) for v in case["done_v"]]}
+
+
+@pytest.mark.skipif(not native.bf16_pairs(), reason="this CPU has no AVX512-BF16: the kernels use one layout")
+@settings(max_examples=16, deadline=None)
+@given(data=st.data())
+def test_decode_attention_pair_layout_equals_xla(data):
+    """bf16 operands in the pair layout (AVX512-BF16 dot products) against the XLA ops on the usual layout."""
+    blk = data.draw(st.sampled_from([8, 20, 32]))
+    shape = dict(prompts=data.draw(st.integers(1, 3)), g=data.draw(st.integers(1, 3)), kvh=data.draw(st.integers(1, 2)),
+                 hg=data.draw(st.sampled_from([1, 2, 5])), dh=data.draw(st.sampled_from([8, 24, 64, 70])),
+                 t=data.draw(st.sampled_from([2, 16, 38, 80])), blk=blk, sealed=data.draw(st.integers(0, 2)),
+                 slot=data.draw(st.integers(0, blk - 1)))
+    case = _attention_case(np.random.default_rng(data.draw(st.integers(0, 2**16))), dtype="bfloat16", **shape)
+    kernel = np.asarray(jax.jit(lambda c: decode_attention(**c))(_to_pairs(case)))
+    reference = np.asarray(jax.jit(lambda c: _decode_attention(**c, dtype=jnp.bfloat16))(case))
+    np.testing.assert_allclose(kernel, reference, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

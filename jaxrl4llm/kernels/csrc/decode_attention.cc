@@ -13,11 +13,21 @@
 //   prompt_mask [P, T] s32 (1 = real)   cur_k, cur_v [N, KVH, blk, Dh]   slot [] s32
 //   then for each sealed block: keys [N, KVH, Dh, blk], values [N, KVH, blk, Dh]
 // Cache operands are all bf16 or all f32. Result: [N, KVH, HG, Dh] f32.
+//
+// Pair layout (bf16, CPUs with AVX512-BF16; `jaxrl4llm_bf16_pairs()` returns 1 when built with
+// it): prompt and sealed operands hold adjacent pairs of the contracted index side by side,
+//   prompt_k [P, KVH, Dh/2, T, 2]   prompt_v [P, KVH, T/2, Dh, 2]   (T even)
+//   sealed keys [N, KVH, Dh/2, blk, 2]   sealed values [N, KVH, blk/2, Dh, 2]
+// so one VDPBF16PS multiplies 32 bf16 pairs into 16 float32 sums, with no conversion.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "vector_math.h"
@@ -226,6 +236,156 @@ void attend(const Shape& sh, const Operands<T>& ops, int64_t slot, int64_t begin
   }
 }
 
+#if defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------- pair layout
+inline uint32_t pair_at(const uint16_t* p, int64_t i) {  // elements i, i + 1 as one 32-bit lane
+  uint32_t pair;
+  std::memcpy(&pair, p + i, sizeof pair);
+  return pair;
+}
+
+// s[h, j] = q[h] . K[:, j] for h < NH, j < s_len; keys [Dh/2, S, 2]; q [NH, Dh] bf16 bits (Dh even).
+template <int NH>
+void pair_scores(const uint16_t* q, int64_t dh, const uint16_t* k, int64_t s_len, float* out, int64_t stride) {
+  const int64_t half = dh / 2;
+  int64_t j0 = 0;
+  for (; j0 + 4 * kLanes <= s_len; j0 += 4 * kLanes) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < half; ++d2) {
+      __m512bh kv[4];
+      for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + (d2 * s_len + j0 + c * kLanes) * 2);
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh qq = (__m512bh)_mm512_set1_epi32(int32_t(pair_at(q, h * dh + 2 * d2)));
+        for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], qq, kv[c]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + h * stride + j0 + c * kLanes, acc[h][c]);
+  }
+  for (; j0 + kLanes <= s_len; j0 += kLanes) {
+    __m512 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < half; ++d2) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + (d2 * s_len + j0) * 2);
+      for (int h = 0; h < NH; ++h)
+        acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_set1_epi32(int32_t(pair_at(q, h * dh + 2 * d2))), kv);
+    }
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(out + h * stride + j0, acc[h]);
+  }
+  for (int64_t j = j0; j < s_len; ++j)
+    for (int h = 0; h < NH; ++h) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < dh; ++d) acc += load(q, h * dh + d) * load(k, ((d / 2) * s_len + j) * 2 + d % 2);
+      out[h * stride + j] = acc;
+    }
+}
+
+// s[h, j] = q[h] . K[j, :] for h < NH, j < count; keys [S, Dh] (the block being filled).
+template <int NH>
+void pair_scores_slot_major(const uint16_t* q, int64_t dh, const uint16_t* k, int64_t count, float* out,
+                            int64_t stride) {
+  for (int64_t j = 0; j < count; ++j) {
+    const uint16_t* key = k + j * dh;
+    for (int h = 0; h < NH; ++h) {
+      const uint16_t* qh = q + h * dh;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 2 * kLanes <= dh; d += 2 * kLanes)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d), (__m512bh)_mm512_loadu_si512(key + d));
+      float total = _mm512_reduce_add_ps(acc);
+      for (; d < dh; ++d) total += load(qh, d) * load(key, d);
+      out[h * stride + j] = total;
+    }
+  }
+}
+
+// o[h, c0 : c0 + 16 C] += sum_{j < count} p[h, j] V[j, c0 : ...] for h < NH; values [S/2, Dh, 2],
+// count even; p [NH, stride] bf16 bits.
+template <int NH, int C>
+void pair_value_columns(const uint16_t* p, int64_t stride, const uint16_t* v, int64_t dh, int64_t count, int64_t c0,
+                        float* o) {
+  __m512 acc[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_loadu_ps(o + h * dh + c0 + c * kLanes);
+  for (int64_t s2 = 0; s2 < count / 2; ++s2) {
+    __m512bh vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + (s2 * dh + c0 + c * kLanes) * 2);
+    for (int h = 0; h < NH; ++h) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(int32_t(pair_at(p, h * stride + 2 * s2)));
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], pp, vv[c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + h * dh + c0 + c * kLanes, acc[h][c]);
+}
+
+template <int NH>
+void pair_values(const uint16_t* p, int64_t stride, const uint16_t* v, int64_t dh, int64_t count, float* o) {
+  int64_t c = 0;
+  for (; c + 4 * kLanes <= dh; c += 4 * kLanes) pair_value_columns<NH, 4>(p, stride, v, dh, count, c, o);
+  for (; c + kLanes <= dh; c += kLanes) pair_value_columns<NH, 1>(p, stride, v, dh, count, c, o);
+  for (; c < dh; ++c)
+    for (int h = 0; h < NH; ++h) {
+      float acc = o[h * dh + c];
+      for (int64_t j = 0; j < count; ++j) acc += load(p, h * stride + j) * load(v, ((j / 2) * dh + c) * 2 + j % 2);
+      o[h * dh + c] = acc;
+    }
+}
+
+struct PairScratch {
+  std::vector<uint16_t> q, p;
+};
+
+// One (row, kv head) item, query heads [h0, h0 + NH), pair layout.
+template <int NH>
+void attend_heads_pairs(const Shape& sh, const Operands<uint16_t>& ops, int64_t item, int64_t h0, int64_t visible,
+                        PairScratch& pairs, float* s, float* o) {
+  const int64_t n = item / sh.kvh, k = item % sh.kvh, prompt = n / (sh.n / sh.prompts);
+  const int64_t width = sh.t + sh.sealed * sh.blk + sh.blk, cur = sh.t + sh.sealed * sh.blk;
+  const int64_t pk = prompt * sh.kvh + k;
+  const float* qi = ops.q + (item * sh.hg + h0) * sh.dh;
+  uint16_t* q = pairs.q.data();
+  for (int64_t i = 0; i < NH * sh.dh; ++i) q[i] = uint16_t(float_to_bits(round_to_bf16(qi[i])) >> 16);
+  pair_scores<NH>(q, sh.dh, ops.prompt_k + pk * sh.dh * sh.t, sh.t, s, width);
+  for (int64_t b = 0; b < sh.sealed; ++b)
+    pair_scores<NH>(q, sh.dh, ops.sealed_k[b] + item * sh.dh * sh.blk, sh.blk, s + sh.t + b * sh.blk, width);
+  pair_scores_slot_major<NH>(q, sh.dh, ops.cur_k + item * sh.blk * sh.dh, visible, s + cur, width);
+  const float scale = 1.0f / std::sqrt(float(sh.dh));
+  uint16_t* p = pairs.p.data();
+  for (int h = 0; h < NH; ++h) {
+    float* row = s + h * width;
+    float top = scale_mask_max(row, ops.mask + prompt * sh.t, sh.t, scale, kMasked);
+    top = scale_mask_max(row + sh.t, nullptr, cur - sh.t + visible, scale, top);
+    softmax(row, cur + visible, top, true);
+    for (int64_t j = 0; j < cur; ++j) p[h * width + j] = uint16_t(float_to_bits(row[j]) >> 16);
+  }
+  std::fill(o, o + NH * sh.dh, 0.0f);
+  pair_values<NH>(p, width, ops.prompt_v + pk * sh.t * sh.dh, sh.dh, sh.t, o);
+  for (int64_t b = 0; b < sh.sealed; ++b)
+    pair_values<NH>(p + sh.t + b * sh.blk, width, ops.sealed_v[b] + item * sh.blk * sh.dh, sh.dh, sh.blk, o);
+  weighted_values<NH>(s + cur, width, ops.cur_v + item * sh.blk * sh.dh, sh.dh, visible, o);
+  std::copy(o, o + NH * sh.dh, ops.out + (item * sh.hg + h0) * sh.dh);
+}
+
+void attend_pairs(const Shape& sh, const Operands<uint16_t>& ops, int64_t slot, int64_t begin, int64_t end) {
+  const int64_t width = sh.t + sh.sealed * sh.blk + sh.blk;
+  std::vector<float> s(kHeadGroup * width), o(kHeadGroup * sh.dh);
+  PairScratch pairs{std::vector<uint16_t>(kHeadGroup * sh.dh), std::vector<uint16_t>(kHeadGroup * width)};
+  for (int64_t item = begin; item < end; ++item) {
+    for (int64_t h0 = 0; h0 < sh.hg; h0 += kHeadGroup) {
+      switch (std::min<int64_t>(kHeadGroup, sh.hg - h0)) {
+        case 1: attend_heads_pairs<1>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
+        case 2: attend_heads_pairs<2>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
+        case 3: attend_heads_pairs<3>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
+        default: attend_heads_pairs<4>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 ffi::Error check_dims(const ffi::AnyBuffer& b, std::initializer_list<int64_t> want, const char* name) {
   auto dims = b.dimensions();
   bool ok = dims.size() == want.size();
@@ -235,7 +395,7 @@ ffi::Error check_dims(const ffi::AnyBuffer& b, std::initializer_list<int64_t> wa
 }
 
 template <typename T>
-ffi::Error run(ffi::ThreadPool pool, const Shape& sh, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer prompt_k,
+ffi::Error run(ffi::ThreadPool pool, const Shape& sh, bool pairs, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer prompt_k,
                ffi::AnyBuffer prompt_v, ffi::Buffer<ffi::S32> mask, ffi::AnyBuffer cur_k, ffi::AnyBuffer cur_v,
                int64_t slot, ffi::RemainingArgs sealed, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto data = [](const ffi::AnyBuffer& b) { return reinterpret_cast<const T*>(b.untyped_data()); };
@@ -244,8 +404,13 @@ ffi::Error run(ffi::ThreadPool pool, const Shape& sh, ffi::Buffer<ffi::F32> q, f
   for (int64_t b = 0; b < sh.sealed; ++b) {
     auto kb = sealed.get<ffi::AnyBuffer>(2 * b), vb = sealed.get<ffi::AnyBuffer>(2 * b + 1);
     if (!kb.has_value() || !vb.has_value()) return ffi::Error::InvalidArgument("decode_attention: bad sealed block");
-    if (auto e = check_dims(*kb, {sh.n, sh.kvh, sh.dh, sh.blk}, "sealed keys"); e.failure()) return e;
-    if (auto e = check_dims(*vb, {sh.n, sh.kvh, sh.blk, sh.dh}, "sealed values"); e.failure()) return e;
+    if (pairs) {
+      if (auto e = check_dims(*kb, {sh.n, sh.kvh, sh.dh / 2, sh.blk, 2}, "sealed keys"); e.failure()) return e;
+      if (auto e = check_dims(*vb, {sh.n, sh.kvh, sh.blk / 2, sh.dh, 2}, "sealed values"); e.failure()) return e;
+    } else {
+      if (auto e = check_dims(*kb, {sh.n, sh.kvh, sh.dh, sh.blk}, "sealed keys"); e.failure()) return e;
+      if (auto e = check_dims(*vb, {sh.n, sh.kvh, sh.blk, sh.dh}, "sealed values"); e.failure()) return e;
+    }
     if (kb->element_type() != prompt_k.element_type() || vb->element_type() != prompt_k.element_type())
       return ffi::Error::InvalidArgument("decode_attention: cache operands must share one dtype");
     ops.sealed_k.push_back(data(*kb));
@@ -253,7 +418,14 @@ ffi::Error run(ffi::ThreadPool pool, const Shape& sh, ffi::Buffer<ffi::F32> q, f
   }
   const int64_t items = sh.n * sh.kvh;
   const int64_t grain = std::max<int64_t>(1, items / (8 * std::max<int64_t>(1, pool.num_threads() + 1)));
-  parallel_for(pool, items, grain, [&](int64_t begin, int64_t end) { attend<T>(sh, ops, slot, begin, end); });
+  parallel_for(pool, items, grain, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512BF16__)
+    if constexpr (sizeof(T) == 2) {
+      if (pairs) return attend_pairs(sh, ops, slot, begin, end);
+    }
+#endif
+    attend<T>(sh, ops, slot, begin, end);
+  });
   return ffi::Error::Success();
 }
 
@@ -264,25 +436,37 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   auto qd = q.dimensions();
   auto pkd = prompt_k.dimensions();
   auto ckd = cur_k.dimensions();
-  if (qd.size() != 4 || pkd.size() != 4 || ckd.size() != 4)
-    return ffi::Error::InvalidArgument("decode_attention: q and caches must be rank 4");
+  const bool pairs = pkd.size() == 5;
+  if (qd.size() != 4 || (pkd.size() != 4 && !pairs) || ckd.size() != 4)
+    return ffi::Error::InvalidArgument("decode_attention: q and caches must be rank 4 (prompt/sealed: 5 in pairs)");
   if (sealed.size() % 2 != 0) return ffi::Error::InvalidArgument("decode_attention: sealed keys/values unpaired");
   Shape sh{qd[0], qd[1], qd[2], qd[3], pkd[0], pkd[3], ckd[2], int64_t(sealed.size() / 2)};
   if (sh.prompts <= 0 || sh.n % sh.prompts != 0)
     return ffi::Error::InvalidArgument("decode_attention: rows must be a multiple of prompts");
-  if (auto e = check_dims(prompt_k, {sh.prompts, sh.kvh, sh.dh, sh.t}, "prompt keys"); e.failure()) return e;
-  if (auto e = check_dims(prompt_v, {sh.prompts, sh.kvh, sh.t, sh.dh}, "prompt values"); e.failure()) return e;
+  auto type = prompt_k.element_type();
+  if (pairs) {
+#if !defined(__AVX512BF16__)
+    return ffi::Error::InvalidArgument("decode_attention: the pair layout needs a build with AVX512-BF16");
+#endif
+    if (type != ffi::DataType::BF16 || sh.dh % 2 || sh.t % 2 || sh.blk % 2)
+      return ffi::Error::InvalidArgument("decode_attention: the pair layout needs bf16 and even Dh, T and blk");
+    if (auto e = check_dims(prompt_k, {sh.prompts, sh.kvh, sh.dh / 2, sh.t, 2}, "prompt keys"); e.failure()) return e;
+    if (auto e = check_dims(prompt_v, {sh.prompts, sh.kvh, sh.t / 2, sh.dh, 2}, "prompt values"); e.failure())
+      return e;
+  } else {
+    if (auto e = check_dims(prompt_k, {sh.prompts, sh.kvh, sh.dh, sh.t}, "prompt keys"); e.failure()) return e;
+    if (auto e = check_dims(prompt_v, {sh.prompts, sh.kvh, sh.t, sh.dh}, "prompt values"); e.failure()) return e;
+  }
   if (auto e = check_dims(cur_k, {sh.n, sh.kvh, sh.blk, sh.dh}, "current keys"); e.failure()) return e;
   if (auto e = check_dims(cur_v, {sh.n, sh.kvh, sh.blk, sh.dh}, "current values"); e.failure()) return e;
-  auto type = prompt_k.element_type();
   if (prompt_v.element_type() != type || cur_k.element_type() != type || cur_v.element_type() != type)
     return ffi::Error::InvalidArgument("decode_attention: cache operands must share one dtype");
   const int64_t s = int64_t(slot.typed_data()[0]);
   if (s < 0 || s >= sh.blk) return ffi::Error::InvalidArgument("decode_attention: slot outside the block");
   if (type == ffi::DataType::BF16)
-    return run<uint16_t>(pool, sh, q, prompt_k, prompt_v, mask, cur_k, cur_v, s, sealed, out);
+    return run<uint16_t>(pool, sh, pairs, q, prompt_k, prompt_v, mask, cur_k, cur_v, s, sealed, out);
   if (type == ffi::DataType::F32)
-    return run<float>(pool, sh, q, prompt_k, prompt_v, mask, cur_k, cur_v, s, sealed, out);
+    return run<float>(pool, sh, pairs, q, prompt_k, prompt_v, mask, cur_k, cur_v, s, sealed, out);
   return ffi::Error::InvalidArgument("decode_attention: cache dtype must be bfloat16 or float32");
 }
 
@@ -301,3 +485,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxrl4llm_decode_attention, jaxrl4llm::decode_atte
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // slot
                                   .RemainingArgs()                         // sealed k0, v0, k1, v1, ...
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+
+// 1 if this build has the pair layout (AVX512-BF16), else 0.
+extern "C" int jaxrl4llm_bf16_pairs() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
