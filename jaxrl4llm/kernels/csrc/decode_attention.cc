@@ -167,12 +167,14 @@ inline void softmax(float* x, int64_t count, float top, bool round) {
     store16(x + j, e);
     total += e;
   }
-  float sum = sum16(total);
-  for (; j < count; ++j) {
-    f32x16 tail = splat(x[j] - top);
-    x[j] = exp_nonpositive(tail)[0];
-    sum += x[j];
+  if (j < count) {  // the last count % 16 entries: one vector exp, padded with exp(-inf) = 0
+    f32x16 tail = splat(kMasked);
+    for (int64_t i = j; i < count; ++i) tail[i - j] = x[i];
+    tail = exp_nonpositive(tail - top);
+    for (int64_t i = j; i < count; ++i) x[i] = tail[i - j];
+    total += tail;
   }
+  const float sum = sum16(total);
   const float inv = 1.0f / sum;
   j = 0;
   for (; j + kLanes <= count; j += kLanes) {
