@@ -33,10 +33,12 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.kernels.decode_attention import decode_attention as kernel_decode_attention
 from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
+from jaxrl4llm.kernels.matmul import matmul as kernel_matmul
+from jaxrl4llm.kernels.matmul import pack_weight, packable
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.linear import einsum
-from jaxrl4llm.models.layers.mlp import swiglu_mlp_fused
+from jaxrl4llm.models.layers.mlp import swiglu_gate
 from jaxrl4llm.models.layers.norm import rms_norm
 from jaxrl4llm.models.layers.rope import apply_rope, rope_tables
 from jaxrl4llm.models.params import param_logical_axes
@@ -44,6 +46,7 @@ from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
 _MASKED = -1e30
 _MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED_WEIGHTS = ("qkv_t", "o_t", "gate_up_t", "down_t")  # the decode layout's matmul weights
 
 # Decode sharding: rows data-parallel over (data, fsdp), weights tensor-parallel only (no
 # per-step all-gather of FSDP shards), KV cache split over kv heads.
@@ -77,8 +80,12 @@ def _constrain(x: jax.Array, axes: tuple, mesh: Mesh | None, rules) -> jax.Array
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = None, rules=DECODE_RULES) -> dict:
+def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = None, rules=DECODE_RULES,
+                   pack: bool = False) -> dict:
     """Params pytree -> {"embed", "lm_head" [V, D], "final_norm", "layers": [L dicts]}.
+
+    pack: also pack each matmul weight for the CPU matmul kernel (`kernels.matmul.pack_weight`,
+    bf16 only; a weight whose shape the kernel does not take stays 2-D). Single device only.
 
     Matmul weights are cast to `config.dtype`, fused, and stored as 2-D output-major matrices
     ([out, in]: each output unit's weights contiguous), one pass over the weights per rollout.
@@ -115,12 +122,29 @@ def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = Non
         layers.append(layer)
     tied = config.tie_word_embeddings
     head = params["embed_tokens"] if tied else params["lm_head"].T
-    return {
+    weights = {
         "embed": _constrain(params["embed_tokens"], axes["embed_tokens"], mesh, rules),
         "lm_head": _constrain(head.astype(dtype), ("vocab", "embed"), mesh, rules),
         "final_norm": params["final_norm"],
         "layers": layers,
     }
+    if pack:
+        maybe_pack = lambda w: pack_weight(w) if packable(w) else w
+        weights["lm_head"] = maybe_pack(weights["lm_head"])
+        weights["layers"] = [{name: maybe_pack(a) if name in _FUSED_WEIGHTS else a for name, a in layer.items()}
+                             for layer in layers]
+    return weights
+
+
+def _project(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """y = x W^T: x [M, K]; W output-major [N, K], or packed for the CPU kernel. Returns [M, N] float32.
+
+    Always a plain 2-D product: XLA:CPU keeps a 2-D output-major weight as it is, but transposes
+    the weight of a higher-rank contraction.
+    """
+    if w.ndim == 4:
+        return kernel_matmul(x, w)
+    return einsum("mk,nk->mn", x, w, dtype)
 
 
 def _move_as_bits(move, *arrays: jax.Array) -> jax.Array:
@@ -154,8 +178,7 @@ def _qkv(x, p, config: ModelConfig, cos, sin):
     h = rms_norm(x, p["input_norm"], config.rms_norm_eps)
     b, t = x.shape[:2]
     hg = config.num_heads // config.num_kv_heads
-    qkv = einsum("md,nd->mn", h.reshape(b * t, -1), p["qkv_t"], dtype).reshape(b, t, config.num_kv_heads, hg + 2,
-                                                                               config.head_dim)
+    qkv = _project(h.reshape(b * t, -1), p["qkv_t"], dtype).reshape(b, t, config.num_kv_heads, hg + 2, config.head_dim)
     q = qkv[:, :, :, :hg].reshape(b, t, config.num_heads, config.head_dim)
     k, v = qkv[:, :, :, hg], qkv[:, :, :, hg + 1]
     if config.attention_bias:
@@ -172,19 +195,21 @@ def _mlp_residual(x, attn, p, config: ModelConfig):
     """x' = x + attn W_o (+ b_o); return x' + MLP(norm(x')). x [B, T, D], attn [B, T, H, Dh]."""
     dtype = jnp.dtype(config.dtype)
     b, t = attn.shape[:2]
-    out = einsum("mk,dk->md", attn.reshape(b * t, -1), p["o_t"], dtype).reshape(b, t, -1)
+    out = _project(attn.reshape(b * t, -1), p["o_t"], dtype).reshape(b, t, -1)
     if config.o_proj_bias:
         out = out + p["o_bias"].astype(jnp.float32)
     x = x + out
     h = rms_norm(x, p["post_attn_norm"], config.rms_norm_eps)
-    return x + swiglu_mlp_fused(h, p["gate_up_t"], p["down_t"], dtype)
+    # gate and up in one matmul (rows interleaved: unit f's gate at 2f, its up at 2f + 1)
+    gate_up = _project(h.reshape(b * t, -1), p["gate_up_t"], dtype).reshape(b * t, -1, 2)
+    return x + _project(swiglu_gate(gate_up[..., 0], gate_up[..., 1]), p["down_t"], dtype).reshape(b, t, -1)
 
 
 def _lm_head(weights, config: ModelConfig, h):
     """logits = norm(h) W_head. h [B, D] -> [B, V] float32."""
     dtype = jnp.dtype(config.dtype)
     h = rms_norm(h, weights["final_norm"], config.rms_norm_eps)
-    return einsum("bd,vd->bv", h, weights["lm_head"], dtype)
+    return _project(h, weights["lm_head"], dtype)
 
 
 def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,

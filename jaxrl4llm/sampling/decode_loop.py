@@ -98,15 +98,21 @@ def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int) -> Decod
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def weights_program(params, *, config: ModelConfig, mesh: Mesh | None):
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "pack"))
+def weights_program(params, *, config: ModelConfig, mesh: Mesh | None, pack: bool = False):
     """`decode_weights` as its own program: params (any dtype/sharding) -> the decode weights.
 
     A separate program so that its outputs reach `sample_program` as row-major buffers in the
     output-major layout it chose. Inside one program XLA folds the transposes back into the
     dots (the loop then multiplies by input-major weights, measured slower on CPU).
+    pack: pack the matmul weights for the CPU matmul kernel (see `uses_packed_weights`).
     """
-    return decode_weights(params, config, mesh=mesh)
+    return decode_weights(params, config, mesh=mesh, pack=pack)
+
+
+def uses_packed_weights(config: ModelConfig, use_kernels: bool) -> bool:
+    """Whether the sampler runs its matmuls with the CPU kernel: kernels on, bf16, AVX512-BF16."""
+    return use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and kernel_bf16_pairs()
 
 
 @functools.partial(
