@@ -71,13 +71,21 @@ def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 def measure_matmul_peak(repeats: int = 5) -> float:
-    """FLOP/s of the best bf16 x bf16 -> f32 matmul (the model's precision) over a few square sizes."""
-    f = jax.jit(lambda a, b: jnp.einsum("ij,jk->ik", a, b, preferred_element_type=jnp.float32))
+    """FLOP/s of the best bf16 x bf16 -> f32 matmul (the model's precision) over a few square sizes:
+    XLA's dot, and our CPU matmul kernel where it is available (the sampler's fastest matmul)."""
+    from jaxrl4llm.kernels.matmul import matmul, pack_weight
+    from jaxrl4llm.kernels.native import bf16_pairs, load_kernels
+
+    products = [jax.jit(lambda a, b: jnp.einsum("ij,kj->ik", a, b, preferred_element_type=jnp.float32))]
+    if jax.default_backend() == "cpu" and load_kernels() and bf16_pairs():
+        products.append(jax.jit(lambda a, packed: matmul(a, packed)))
     best = 0.0
     for n in (1024, 2048):
         a = jnp.ones((n, n), jnp.bfloat16)
-        f(a, a).block_until_ready()
-        best = max(best, 2 * n**3 / best_time(lambda: f(a, a).block_until_ready(), repeats))
+        for i, f in enumerate(products):
+            b = a if i == 0 else jax.block_until_ready(pack_weight(a))
+            f(a, b).block_until_ready()
+            best = max(best, 2 * n**3 / best_time(lambda: f(a, b).block_until_ready(), repeats))
     return best
 
 

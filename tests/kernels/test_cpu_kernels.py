@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from jaxrl4llm.kernels import KernelBuildError, decode_attention, load_kernels, require_kernels, top_k
 from jaxrl4llm.kernels import native
+from jaxrl4llm.kernels.matmul import matmul, pack_weight
 from jaxrl4llm.models.decode import _decode_attention, pair_keys, pair_values
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
@@ -147,6 +148,26 @@ def test_top_k_errors():
         top_k(x, 6)
     with pytest.raises(ValueError, match=r"expected x \[N, V\]"):
         top_k(jnp.zeros(5), 1)
+
+
+@pytest.mark.skipif(not native.bf16_pairs(), reason="the matmul kernel needs AVX512-BF16")
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 70), k2=st.integers(1, 100), panels=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_matmul_equals_xla_bf16_dot(m, k2, panels, seed):
+    """Every row-tile size (M % 8), any even K: the XLA bf16 x bf16 -> f32 dot, to f32 round-off."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, 2 * k2)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(32 * panels, 2 * k2)), jnp.float32).astype(jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda x, w: matmul(x, pack_weight(w)))(x, w))
+    want = np.asarray(jnp.einsum("mk,nk->mn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_shape_errors():
+    with pytest.raises(ValueError, match="N % 32 == 0 and K even"):
+        pack_weight(jnp.zeros((40, 8)))
+    with pytest.raises(ValueError, match="does not match the packed weight"):
+        matmul(jnp.zeros((4, 6)), pack_weight(jnp.zeros((32, 8))))
 
 
 def test_switch_off_and_required(monkeypatch):
