@@ -20,6 +20,12 @@ p [M, S] x V [S, Dh]). XLA:CPU runs that score matmul faster than one against ke
 [S, Dh] (48M shape: 3.8 ms against 6.0 ms per step). The block being filled keeps its keys
 [B, KVH, S, Dh]: writing one slot there is a contiguous row per head (a strided one-element
 write per (row, head, d) costs ~10x more), and `seal_block` transposes them once it is full.
+
+On CPU the sampler can run the matmuls, the attention and top-k as C++ kernels
+(`jaxrl4llm.kernels`): `decode_weights(pack=True)` packs the matmul weights for the matmul
+kernel, and `prefill` / `seal_block(pair_layout=True)` store bf16 prompt and sealed KV in the
+attention kernel's pair layout (`pair_keys`, `pair_values`). The XLA ops here are the reference
+the kernels are tested against, and what every other platform runs.
 """
 
 from __future__ import annotations
