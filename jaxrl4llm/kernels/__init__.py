@@ -9,6 +9,7 @@ sampler runs its XLA formulation, which tests hold the kernels to.
 
     JAXRL4LLM_CPU_KERNELS=0   never use them      (=1: require them: a build failure is an error)
     JAXRL4LLM_KERNEL_CACHE    where the built library goes (default ~/.cache/jaxrl4llm/kernels)
+    JAXRL4LLM_KERNEL_MARCH    x86-64 target instead of -march=native (e.g. x86-64-v3)
     CXX                       the compiler (default c++)
 """
 

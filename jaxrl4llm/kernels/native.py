@@ -46,10 +46,14 @@ def _mode() -> str:
 
 
 def compile_flags() -> list[str]:
-    """C++ flags: optimised for this machine (AVX-512 registers where it has them)."""
+    """C++ flags: optimised for this machine (AVX-512 registers where it has them).
+
+    On x86-64, JAXRL4LLM_KERNEL_MARCH overrides `-march=native` (e.g. `x86-64-v3` for a library
+    that also runs on AVX2-only CPUs; the tests use it to check the kernels' fallback paths).
+    """
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes"]
     if platform.machine().lower() in ("x86_64", "amd64"):
-        flags += ["-march=native", "-mprefer-vector-width=512"]
+        flags += [f"-march={os.environ.get('JAXRL4LLM_KERNEL_MARCH') or 'native'}", "-mprefer-vector-width=512"]
     return flags
 
 

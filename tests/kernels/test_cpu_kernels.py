@@ -200,3 +200,39 @@ def test_failed_build_falls_back_with_a_warning(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "available False" in result.stdout
     assert "CPU kernels unavailable" in result.stderr and "no C++ compiler" in result.stderr
+
+
+_FALLBACK_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxrl4llm.kernels import bf16_pairs, decode_attention, require_kernels, top_k
+from jaxrl4llm.models.decode import _decode_attention
+from tests.kernels.test_cpu_kernels import _attention_case, _top_k_rows
+
+require_kernels()
+assert not bf16_pairs(), "a build without AVX512-BF16 must not offer the pair layout"
+rng = np.random.default_rng(0)
+for n, v, k, kind in [(3, 1000, 37, "ties"), (2, 333, 100, "special"), (64, 32000, 100, "normal"), (1, 5, 5, "constant")]:
+    x = _top_k_rows(rng, n, v, kind)
+    got, want = jax.jit(top_k, static_argnums=1)(x, k), jax.lax.top_k(x, k)
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1])), (n, v, k, kind)
+for dtype in ("float32", "bfloat16"):
+    case = _attention_case(rng, prompts=2, g=3, kvh=2, hg=5, dh=24, t=37, blk=20, sealed=2, slot=7, dtype=dtype)
+    got = np.asarray(jax.jit(lambda c: decode_attention(**c))(case))
+    want = np.asarray(jax.jit(lambda c: _decode_attention(**c, dtype=jnp.dtype(dtype)))(case))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 if dtype == "bfloat16" else 1e-5)
+print("fallbacks ok")
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 targets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 only; SSE2 only (the scalar top-k filter)
+def test_kernels_built_for_older_cpus_match_xla(march, tmp_path):
+    """The paths this CPU does not take: a build for an AVX2-only or a baseline x86-64 CPU
+    (no AVX-512, no AVX512-BF16) still equals the XLA ops; the sampler then keeps XLA's matmuls."""
+    env = {**os.environ, "JAXRL4LLM_KERNEL_MARCH": march, "JAXRL4LLM_KERNEL_CACHE": str(tmp_path),
+           "JAXRL4LLM_CPU_KERNELS": "1", "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", _FALLBACK_CHECK], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fallbacks ok" in result.stdout
