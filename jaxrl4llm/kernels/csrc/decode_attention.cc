@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -222,20 +223,29 @@ void attend_heads(const Shape& sh, const Operands<T>& ops, int64_t item, int64_t
   std::copy(o, o + NH * sh.dh, ops.out + (item * sh.hg + h0) * sh.dh);
 }
 
+// f(std::integral_constant<int, NH>{}, item, h0) for items [begin, end) (item = (row, kv head)) and
+// their query heads in groups [h0, h0 + NH) of at most kHeadGroup.
+template <typename F>
+void for_head_groups(const Shape& sh, int64_t begin, int64_t end, const F& f) {
+  for (int64_t item = begin; item < end; ++item) {
+    for (int64_t h0 = 0; h0 < sh.hg; h0 += kHeadGroup) {
+      switch (std::min<int64_t>(kHeadGroup, sh.hg - h0)) {
+        case 1: f(std::integral_constant<int, 1>{}, item, h0); break;
+        case 2: f(std::integral_constant<int, 2>{}, item, h0); break;
+        case 3: f(std::integral_constant<int, 3>{}, item, h0); break;
+        default: f(std::integral_constant<int, kHeadGroup>{}, item, h0); break;
+      }
+    }
+  }
+}
+
 template <typename T>
 void attend(const Shape& sh, const Operands<T>& ops, int64_t slot, int64_t begin, int64_t end) {
   const int64_t width = sh.t + sh.sealed * sh.blk + sh.blk;  // score columns per head
   std::vector<float> q(kHeadGroup * sh.dh), s(kHeadGroup * width), o(kHeadGroup * sh.dh);
-  for (int64_t item = begin; item < end; ++item) {  // item = (row, kv head)
-    for (int64_t h0 = 0; h0 < sh.hg; h0 += kHeadGroup) {
-      switch (std::min<int64_t>(kHeadGroup, sh.hg - h0)) {
-        case 1: attend_heads<1>(sh, ops, item, h0, slot + 1, q.data(), s.data(), o.data()); break;
-        case 2: attend_heads<2>(sh, ops, item, h0, slot + 1, q.data(), s.data(), o.data()); break;
-        case 3: attend_heads<3>(sh, ops, item, h0, slot + 1, q.data(), s.data(), o.data()); break;
-        default: attend_heads<4>(sh, ops, item, h0, slot + 1, q.data(), s.data(), o.data()); break;
-      }
-    }
-  }
+  for_head_groups(sh, begin, end, [&](auto nh, int64_t item, int64_t h0) {
+    attend_heads<decltype(nh)::value>(sh, ops, item, h0, slot + 1, q.data(), s.data(), o.data());
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -375,16 +385,9 @@ void attend_pairs(const Shape& sh, const Operands<uint16_t>& ops, int64_t slot, 
   const int64_t width = sh.t + sh.sealed * sh.blk + sh.blk;
   std::vector<float> s(kHeadGroup * width), o(kHeadGroup * sh.dh);
   PairScratch pairs{std::vector<uint16_t>(kHeadGroup * sh.dh), std::vector<uint16_t>(kHeadGroup * width)};
-  for (int64_t item = begin; item < end; ++item) {
-    for (int64_t h0 = 0; h0 < sh.hg; h0 += kHeadGroup) {
-      switch (std::min<int64_t>(kHeadGroup, sh.hg - h0)) {
-        case 1: attend_heads_pairs<1>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
-        case 2: attend_heads_pairs<2>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
-        case 3: attend_heads_pairs<3>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
-        default: attend_heads_pairs<4>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data()); break;
-      }
-    }
-  }
+  for_head_groups(sh, begin, end, [&](auto nh, int64_t item, int64_t h0) {
+    attend_heads_pairs<decltype(nh)::value>(sh, ops, item, h0, slot + 1, pairs, s.data(), o.data());
+  });
 }
 #endif  // __AVX512BF16__
 
