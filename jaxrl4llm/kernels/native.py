@@ -62,6 +62,16 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "jaxrl4llm" / "kernels"
 
 
+def _cpu_identity() -> str:
+    """The CPU model and its instruction-set flags (Linux /proc/cpuinfo; else what platform says)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(dict.fromkeys(keep))
+
+
 def library_path(compiler: str) -> Path:
     """Where the library built from the current sources with `compiler` lives."""
     digest = hashlib.sha256()
@@ -69,6 +79,7 @@ def library_path(compiler: str) -> Path:
         digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
     digest.update(" ".join([compiler] + compile_flags()).encode())
     digest.update(jaxlib.__version__.encode())
+    digest.update(_cpu_identity().encode())  # -march=native: a shared cache never serves another CPU's build
     return _cache_dir() / f"jaxrl4llm_cpu_kernels_{digest.hexdigest()[:16]}.so"
 
 
