@@ -70,6 +70,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     dynamic_sampling_max_draws: int = 4
+    # the sampler's C++ CPU kernels (docs/sampling.md): auto = on one CPU device when they build;
+    # true = required (an error says why they are unavailable); false = XLA ops only
+    cpu_kernels: Literal["auto"] | bool = "auto"
 
 
 @dataclasses.dataclass
@@ -198,6 +201,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) > 1:  # say every accepted form, e.g. "'auto'" or "true/false"
+            forms = [", ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal else _type_name(a)
+                     for a in args if a is not type(None)]
+            raise ConfigError(f"{key}={value!r} is not allowed; use {' or '.join(forms)}.")
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}.")
     if origin is Literal:
         if value not in args:

@@ -26,6 +26,7 @@ class Policy:
     pad_token_id: int
     temperature: float
     chunk_size: int
+    cpu_kernels: bool | None = None  # generate(cpu_kernels=): None = auto
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -45,7 +46,7 @@ class Policy:
             self.params, self.config, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.mesh,
-            greedy=greedy or temperature <= 0,
+            greedy=greedy or temperature <= 0, cpu_kernels=self.cpu_kernels,
         )
 
     def decode(self, rollout) -> list[str]:
@@ -120,5 +121,6 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     return Policy(
         config=model_config, params=params, tokenizer=tokenizer, mesh=mesh, eos_token_ids=_eos_ids(tokenizer, model_config),
         pad_token_id=int(pad), temperature=cfg.rollout.temperature, chunk_size=m.logprob_chunk_size,
+        cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
     )
 

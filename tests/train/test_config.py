@@ -78,3 +78,25 @@ def test_include_merges_and_later_wins(tmp_path):
     (tmp_path / "top.yaml").write_text("include: base.yaml\noptim: {lr: 2.0e-5}\n")
     cfg = load_config(tmp_path / "top.yaml")
     assert cfg.optim.lr == 2e-5 and cfg.optim.warmup_steps == 3
+
+
+def test_rollout_cpu_kernels_switch_reaches_the_sampler():
+    from jaxrl4llm.train.policy import Policy
+
+    assert load_config(None, []).rollout.cpu_kernels == "auto"
+    assert load_config(None, ["rollout.cpu_kernels=false"]).rollout.cpu_kernels is False
+    assert load_config(None, ["rollout.cpu_kernels=off"]).rollout.cpu_kernels is False  # YAML: off = false
+    with pytest.raises(ConfigError, match="rollout.cpu_kernels='fast' is not allowed; use 'auto' or bool"):
+        load_config(None, ["rollout.cpu_kernels=fast"])
+    seen = {}
+    policy = Policy(config=None, params=None, tokenizer=None, mesh=None, eos_token_ids=(1,), pad_token_id=0,
+                    temperature=1.0, chunk_size=0, cpu_kernels=False)
+    import jaxrl4llm.sampling as sampling
+
+    original = sampling.generate
+    sampling.generate = lambda *a, **kw: seen.update(kw)
+    try:
+        policy.generate([[1]], num_samples=1, max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=0, rng=None)
+    finally:
+        sampling.generate = original
+    assert seen["cpu_kernels"] is False
