@@ -105,13 +105,14 @@ def weights_program(params, *, config: ModelConfig, mesh: Mesh | None, pack: boo
     A separate program so that its outputs reach `sample_program` as row-major buffers in the
     output-major layout it chose. Inside one program XLA folds the transposes back into the
     dots (the loop then multiplies by input-major weights, measured slower on CPU).
-    pack: pack the matmul weights for the CPU matmul kernel (see `uses_packed_weights`).
+    pack: pack the matmul weights for the CPU matmul kernel (see `bf16_kernel_paths`).
     """
     return decode_weights(params, config, mesh=mesh, pack=pack)
 
 
-def uses_packed_weights(config: ModelConfig, use_kernels: bool) -> bool:
-    """Whether the sampler runs its matmuls with the CPU kernel: kernels on, bf16, AVX512-BF16."""
+def bf16_kernel_paths(config: ModelConfig, use_kernels: bool) -> bool:
+    """Whether the sampler takes the kernels' AVX512-BF16 paths (kernels on, bf16 model, a CPU
+    with AVX512-BF16): packed weights for the matmul kernel, the pair layout for the attention."""
     return use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and kernel_bf16_pairs()
 
 
@@ -131,15 +132,15 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
       rng: PRNG key; the uniforms of all rows and steps are one draw U(0, 1] [N, R] from it.
       temperature, top_p: float32 scalars.
       eos_ids [E] int32; pad_id int32 scalar.
-      use_kernels: decode attention and top-k with the CPU kernels (`jaxrl4llm.kernels`; the
-        caller checks that the program runs on CPU and that they are loaded).
+      use_kernels: matmuls (with `weights_program(pack=True)`), decode attention and top-k with
+        the CPU kernels (`jaxrl4llm.kernels`; the caller checks that the program runs on CPU and
+        that they are loaded).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r = num_samples, max_new_tokens
     num_rows = prompt_tokens.shape[0] * g
-    # the attention kernel reads bf16 prompt and sealed KV in its pair layout where the CPU has AVX512-BF16
-    pairs = (use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and config.head_dim % 2 == 0 and block_size % 2 == 0
-             and kernel_bf16_pairs())
+    # the attention kernel reads bf16 prompt and sealed KV in its pair layout (pairs of Dh and of slots)
+    pairs = bf16_kernel_paths(config, use_kernels) and config.head_dim % 2 == 0 and block_size % 2 == 0
     first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh, pair_layout=pairs)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)

@@ -21,7 +21,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
-from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, uses_packed_weights, weights_program
+from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, bf16_kernel_paths, weights_program
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -78,7 +78,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         budget, the longest prompt picks the bucket).
       prompt_buckets, batch_buckets: padded prompt lengths / prompt counts (one compile each).
       kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens, KVH * Dh)`).
-      cpu_kernels: decode attention and top-k with the C++ CPU kernels (`jaxrl4llm.kernels`).
+      cpu_kernels: matmuls, decode attention and top-k with the C++ CPU kernels (`jaxrl4llm.kernels`).
         None (default): when the program runs on one CPU device and the kernels build;
         True: require them (an error names what is missing); False: XLA ops only.
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
@@ -123,7 +123,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         arrays = tuple(put(a) for a in arrays)
     use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
-    weights = weights_program(params, config=config, mesh=mesh, pack=uses_packed_weights(config, use_kernels))
+    weights = weights_program(params, config=config, mesh=mesh, pack=bf16_kernel_paths(config, use_kernels))
     out = sample_program(
         weights, *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
         config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
