@@ -7,7 +7,8 @@ are [B, T] with a float mask [B, T]; sequence arrays are [B]. Every function jit
 string options static, works under vmap and stays finite on degenerate input.
 
 Advantages:   normalize_advantages, rloo_advantages, batch_whiten
-Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden, entropy_from_logits
+Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden,
+              token_logprobs_from_head, entropy_from_logits
 Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO), SurrogateStats, truncated_is_weights
 Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES
 KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
@@ -30,6 +31,7 @@ from jaxrl4llm.core.kl import kl_penalty
 from jaxrl4llm.core.logprobs import entropy_from_logits
 from jaxrl4llm.core.logprobs import token_logprobs
 from jaxrl4llm.core.logprobs import token_logprobs_chunked
+from jaxrl4llm.core.logprobs import token_logprobs_from_head
 from jaxrl4llm.core.logprobs import token_logprobs_from_hidden
 from jaxrl4llm.core.recipes import DAPO
 from jaxrl4llm.core.recipes import DR_GRPO
@@ -52,5 +54,5 @@ __all__ = [
     "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
     "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
     "policy_loss", "policy_loss_from_rewards", "rloo_advantages", "token_logprobs",
-    "token_logprobs_chunked", "token_logprobs_from_hidden", "truncated_is_weights",
+    "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",
 ]

@@ -20,7 +20,7 @@ def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperat
     z = logits.astype(jnp.float32) / temperature
     z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
     logz = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
     logp = picked - logz
     probs = jnp.exp(z - logz[..., None])
     entropy = jnp.maximum(logz - jnp.sum(probs * z, axis=-1), 0.0)
@@ -110,6 +110,33 @@ def token_logprobs_chunked(
     return _chunked_over_time(fn, (logits, tokens), chunk_size, tokens.shape[1])
 
 
+def token_logprobs_from_head(
+    head, hidden: chex.Array, tokens: chex.Array, *, temperature: float = 1.0, chunk_size: int = 512,
+    return_entropy: bool = False,
+):
+    """log p(token) = log_softmax(head(hidden) / temperature)[token], chunked over T.
+
+    `head` maps a [B, c, D] chunk of hidden states to [B, c, V] logits (a model's LM head, which
+    may close over its weights); it is applied chunk by chunk, rematerialised in the backward
+    pass, so the [B, T, V] logits never exist at once. Call it inside your own jit.
+
+    Args:
+      head: callable [B, c, D] -> [B, c, V] logits.
+      hidden: [B, T, D] final hidden states (after the final norm).
+      tokens: [B, T] int target tokens (out-of-range ids are clipped: mask those positions).
+      temperature: sampling temperature. chunk_size: positions per chunk (static).
+      return_entropy: also return the per-token entropy (max-subtracted, as `entropy_from_logits`).
+
+    Returns:
+      logp [B, T] float32, or (logp, entropy) each [B, T] float32.
+    """
+    chex.assert_rank([hidden, tokens], [3, 2])
+    chex.assert_equal_shape_prefix([hidden, tokens], 2)
+    fn = lambda h, t: _gather_logprob_and_entropy(head(h), t, temperature)
+    logp, ent = _chunked_over_time(fn, (hidden, tokens), min(chunk_size, tokens.shape[1]), tokens.shape[1])
+    return (logp, ent) if return_entropy else logp
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy", "preferred_element_type"))
 def token_logprobs_from_hidden(
     hidden: chex.Array,
@@ -123,8 +150,8 @@ def token_logprobs_from_hidden(
 ):
     """log p(token) = log_softmax((hidden @ unembed) / temperature)[token], chunked over T.
 
-    The LM head is applied chunk by chunk, so the [B, T, V] logits never exist at once: the
-    memory-saving path of verl's / tunix's fused log-prob computation.
+    `token_logprobs_from_head` with the head h -> h @ unembed: the memory-saving path of
+    verl's / tunix's fused log-prob computation.
 
     Args:
       hidden: [B, T, D] final hidden states (after the final norm).
@@ -139,21 +166,17 @@ def token_logprobs_from_hidden(
       logp [B, T] float32, or (logp, entropy) each [B, T] float32.
     """
     chex.assert_rank([hidden, unembed, tokens], [3, 2, 2])
-    chex.assert_equal_shape_prefix([hidden, tokens], 2)
     if hidden.shape[-1] != unembed.shape[0]:
         raise ValueError(f"hidden has width {hidden.shape[-1]} but unembed is {unembed.shape} ([D, V] expected).")
-
-    def chunk(h, t):
-        logits = jnp.einsum("bcd,dv->bcv", h, unembed.astype(h.dtype), preferred_element_type=preferred_element_type)
-        return _gather_logprob_and_entropy(logits, t, temperature)
-
-    logp, ent = _chunked_over_time(chunk, (hidden, tokens), chunk_size, tokens.shape[1])
-    return (logp, ent) if return_entropy else logp
+    head = lambda h: jnp.einsum("bcd,dv->bcv", h, unembed.astype(h.dtype), preferred_element_type=preferred_element_type)
+    return token_logprobs_from_head(head, hidden, tokens, temperature=temperature, chunk_size=chunk_size,
+                                    return_entropy=return_entropy)
 
 
 __all__ = [
     "token_logprobs",
     "token_logprobs_chunked",
     "token_logprobs_from_hidden",
+    "token_logprobs_from_head",
     "entropy_from_logits",
 ]

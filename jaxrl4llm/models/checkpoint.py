@@ -22,9 +22,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from flax import nnx
+
+from jaxrl4llm.models.causal_lm import CausalLM, abstract_model
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.hf_layout import TensorMap, tensor_maps
-from jaxrl4llm.models.params import param_shapes
+from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import DEFAULT_RULES, param_shardings
 
 SINGLE_FILE = "model.safetensors"
@@ -36,17 +39,9 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------- helpers
-def _get(tree: dict, path: str):
-    for key in path.split("/"):
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for key in parents:
-        tree = tree.setdefault(key, {})
-    tree[leaf] = value
+def _flat(state: nnx.State) -> dict[str, nnx.Variable]:
+    """{"layers/attn/q_proj/kernel": Variable, ...} of a model state."""
+    return {"/".join(str(k) for k in path): v for path, v in nnx.to_flat_state(state)}
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -89,30 +84,34 @@ def _parse_size(size: int | str) -> int:
 
 
 # ---------------------------------------------------------------------------- load
-def load_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", param_dtype: str = "float32",
-                    mesh: Mesh | None = None, rules=None) -> tuple[ModelConfig, dict]:
-    """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3).
+def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="float32",
+                    mesh: Mesh | None = None, rules=None) -> CausalLM:
+    """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3) as an NNX model.
 
     Args:
       path: folder with config.json and model.safetensors or model.safetensors.index.json.
-      dtype: compute dtype of the returned config; param_dtype: storage dtype of params.
-      mesh, rules: place each parameter with `param_shardings(config, mesh, rules)`
-        (rules default DEFAULT_RULES); without a mesh, on the default device.
-    Returns: (ModelConfig, params pytree).
+      dtype: compute dtype (matmul inputs); param_dtype: storage dtype of the parameters. Each
+        a string ("bfloat16") or a dtype (jnp.bfloat16).
+      mesh, rules: place each parameter with `param_shardings(state, mesh, rules)` (rules
+        default DEFAULT_RULES, axes from the parameters' metadata); without a mesh, on the
+        default device.
+    Returns: the `CausalLM` module of the checkpoint's family (`model.config` is its
+      ModelConfig); `graphdef, state = nnx.split(model)` for the functional API.
     Raises: FileNotFoundError (folder / config.json), ConfigError (unsupported config),
       CheckpointError (missing files or tensors, wrong shapes), each naming the file and tensor.
     """
     path = os.fspath(path)
     config = ModelConfig.from_pretrained_dir(path, dtype=dtype, param_dtype=param_dtype)
     files = _weight_files(path)
-    shapes = param_shapes(config)
+    graphdef, abstract = abstract_model(config)
     if mesh is not None:
-        shardings = param_shardings(config, mesh, rules or DEFAULT_RULES)
+        shardings = _flat(param_shardings(abstract, mesh, rules or DEFAULT_RULES))
     else:
         device = SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, shapes)
-    target = np.dtype(jnp.dtype(param_dtype))
+        shardings = {key: v.replace(device) for key, v in _flat(abstract).items()}
+    target = np.dtype(jnp.dtype(config.param_dtype))
     cpu = jax.devices("cpu")[0]
+    expected = _flat(abstract)
 
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in sorted(set(files.values()))}
@@ -133,23 +132,26 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "bfloat16", param_d
                 hf = np.asarray(handles[files[name]].get_tensor(name))
             return tm.to_ours(hf).astype(target, copy=False)
 
-        maps = tensor_maps(config)
-        for tm in maps:  # validate everything before allocating anything
+        maps = {tm.ours: tm for tm in tensor_maps(config)}
+        assert set(maps) == set(expected), (sorted(set(maps) ^ set(expected)))  # the HF table covers the module
+        for tm in maps.values():  # validate everything before allocating anything
             for i in range(config.num_layers if tm.stacked else 1):
                 check(tm, tm.hf.format(i=i))
 
-        params: dict = {}
-        for tm in maps:
-            shape = _get(shapes, tm.ours).shape
+        def build(key: str):
+            tm = maps[key]
 
-            def shard(index, tm=tm):
+            def shard(index):
                 if not tm.stacked:
                     return read(tm, tm.hf)[index]
                 layers = range(config.num_layers)[index[0]]
                 return np.stack([read(tm, tm.hf.format(i=i))[index[1:]] for i in layers])
 
-            _set(params, tm.ours, jax.make_array_from_callback(shape, _get(shardings, tm.ours), shard))
-    return config, params
+            return jax.make_array_from_callback(tuple(expected[key].shape), shardings[key].value, shard)
+
+        state = nnx.from_flat_state([(path_key, v.replace(build("/".join(map(str, path_key)))))
+                                     for path_key, v in nnx.to_flat_state(abstract)])
+    return nnx.merge(graphdef, state)
 
 
 # ---------------------------------------------------------------------------- save
@@ -161,29 +163,40 @@ def _host_array(x: jax.Array) -> jax.Array:
     return x
 
 
-def save_pretrained(config: ModelConfig, params: dict, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", dtype: str | None = None) -> None:
+def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                    dtype=None) -> None:
     """Write a Hugging Face checkpoint folder: config.json + safetensors (HF names and layouts).
 
     Args:
-      config, params: the model. path: output folder (created).
+      model: a `CausalLM` (LoRA adapters are merged into the weights first: the folder is a
+        plain model), or its (graphdef, state) pair. path: output folder (created).
       max_shard_size: bytes per safetensors file (int or "5GB"); more than one file adds
         model.safetensors.index.json. dtype: saved dtype (default: config.param_dtype).
     In multi-process runs every process must call this; process 0 writes.
     """
+    if isinstance(model, tuple):
+        model = nnx.merge(model[0], *(model[1] if isinstance(model[1], tuple) else (model[1],)))
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"save_pretrained writes jaxrl4llm CausalLM models, got {type(model).__name__}")
+    config = model.config
+    graphdef, state = nnx.split(model)
+    if model.lora_settings is not None:
+        graphdef, state = jax.jit(merge_lora, static_argnums=0)(graphdef, state)
+    params = _flat(state)
     path = os.fspath(path)
-    dtype = dtype or config.param_dtype
+    dtype = jnp.dtype(dtype or config.param_dtype).name
     np_dtype = np.dtype(jnp.dtype(dtype))
     limit = _parse_size(max_shard_size)
     maps = tensor_maps(config)
+    expected = _flat(abstract_model(config)[1])
 
     entries = []  # (hf name, TensorMap, layer or None, nbytes)
     for tm in maps:
         nbytes = math.prod(tm.hf_shape) * np_dtype.itemsize
-        expected = _get(param_shapes(config), tm.ours).shape
-        found = tuple(_get(params, tm.ours).shape)
-        if found != expected:
-            raise CheckpointError(f"params[{tm.ours!r}] has shape {found}, expected {expected} from the config")
+        found = tuple(params[tm.ours].shape)
+        if found != tuple(expected[tm.ours].shape):
+            raise CheckpointError(f"{tm.ours} has shape {found}, expected {tuple(expected[tm.ours].shape)} "
+                                  f"from the config")
         for i in range(config.num_layers if tm.stacked else 1):
             entries.append((tm.hf.format(i=i), tm, i if tm.stacked else None, nbytes))
 
@@ -199,7 +212,7 @@ def save_pretrained(config: ModelConfig, params: dict, path: str | os.PathLike, 
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
-    hosted = {tm.ours: _host_array(_get(params, tm.ours)) for tm in maps}
+    hosted = {tm.ours: _host_array(params[tm.ours].value) for tm in maps}
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map = {}

@@ -11,6 +11,9 @@ import json
 import os
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import numpy as np
+
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
 
 _HF_CLASS_NAMES = {
@@ -58,7 +61,8 @@ class ModelConfig:
       rms_norm_eps: RMSNorm epsilon. tie_word_embeddings: LM head = embedding matrix.
       attention_bias: bias on q/k/v projections. o_proj_bias: bias on the output projection.
       qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3).
-      dtype: compute dtype of matmul inputs ("bfloat16" -> bf16 x bf16 -> f32 accumulation).
+      dtype: compute dtype of matmul inputs ("bfloat16" -> bf16 x bf16 -> f32 accumulation); a
+        dtype object (jnp.bfloat16) is accepted and stored by name.
       param_dtype: storage dtype of parameters. remat: rematerialise each layer in backward.
     attention_query_chunk: sequences longer than this attend in blocks of this many queries
       (bounds the [B, H, T, T] score memory of training/scoring; None = never).
@@ -89,6 +93,13 @@ class ModelConfig:
     attention_query_chunk: int | None = 1024
 
     def __post_init__(self):
+        for name in ("dtype", "param_dtype"):  # jnp.bfloat16 / np.dtype / "bfloat16" all name the same dtype
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, np.dtype(value).name)
+                except TypeError:
+                    raise ConfigError(f"{name}={value!r} is not a dtype; supported: {', '.join(_DTYPES)}") from None
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unknown architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -1,70 +1,62 @@
-"""Fast incremental decoding for the sampler: prefill once per prompt, decode G samples per prompt.
+"""Incremental decoding for the sampler: prefill once per prompt, decode G samples per prompt.
 
-The same math as `transformer.forward_with_cache`, arranged for decode speed on CPU/TPU:
+The layer math is `layers.decoder.decoder_layer`, the same function the training forward
+runs; here it runs over a decode layout of the weights and an `attend` that reads and writes
+the KV cache:
 
 - Weights are unstacked into one dict per layer and cast to the compute dtype once per
-  rollout (`decode_weights`), so the decode loop reads each bf16 matrix directly (no
-  per-step dynamic slice of the stacked [L, ...] weights, no per-step f32 -> bf16 cast).
-- The prompt is prefilled for the P distinct prompts only; its keys/values [P, KVH, T, Dh]
-  are shared by the G samples of each prompt: the G*H/KVH queries of a prompt attend to
-  them in one matmul (G folded into the M dimension), so prompt KV is read once per prompt.
+  rollout (`decode_weights`), so the decode loop reads each matrix directly (no per-step
+  dynamic slice of the stacked [L, ...] weights, no per-step cast), and fused into four
+  output-major matmuls per layer (`FusedLayer`).
+- The prompt is prefilled for the P distinct prompts only; its keys/values are shared by the
+  G samples of each prompt: the G*H/KVH queries of a prompt attend to them in one matmul (G
+  folded into the M dimension), so prompt KV is read once per prompt.
 - Generated keys/values live in fixed-size blocks [N, KVH, blk, Dh] per layer. A decode
-  step attends to the prompt plus the blocks filled so far, so step t reads O(t) cache,
-  not the whole preallocated cache:
+  step attends to the prompt plus the blocks filled so far, so step t reads O(t) cache:
 
       out = softmax([q K_prompt^T, q K_1^T, ..., q K_j^T] / sqrt(Dh)) [V_prompt; V_1; ...; V_j]
 
-Cache layouts: values [B, KVH, S, Dh]; keys [B, KVH, Dh, S] for the prompt and for full
-("sealed") blocks, so both attention matmuls are plain row-major products (q [M, Dh] x K [Dh, S];
-p [M, S] x V [S, Dh]). XLA:CPU runs that score matmul faster than one against keys stored
-[S, Dh] (48M shape: 3.8 ms against 6.0 ms per step). The block being filled keeps its keys
-[B, KVH, S, Dh]: writing one slot there is a contiguous row per head (a strided one-element
-write per (row, head, d) costs ~10x more), and `seal_block` transposes them once it is full.
+Cache layouts (`DecodeBackend`): values [B, KVH, S, Dh]; keys [B, KVH, Dh, S] for the prompt
+and for full ("sealed") blocks, so both attention matmuls are plain row-major products. The
+block being filled keeps its keys [B, KVH, S, Dh]: one slot is a contiguous row per head.
 
-On CPU the sampler can run the matmuls, the attention and top-k as C++ kernels
-(`jaxrl4llm.kernels`): `decode_weights(pack=True)` packs the matmul weights for the matmul
-kernel, and `prefill` / `seal_block(pair_layout=True)` store bf16 prompt and sealed KV in the
-attention kernel's pair layout (`pair_keys`, `pair_values`). The XLA ops here are the reference
-the kernels are tested against, and what every other platform runs.
+`DecodeBackend` is the one hook where a platform changes how the decode step's primitive
+operations run (weight layout, matmul, embedding gather, cache writes and layouts, attention);
+this module is platform-neutral, and `jaxrl4llm.kernels.backend` holds the CPU backends (C++
+kernels, pair layouts, 16-bit moves). The XLA ops here are the reference they are tested against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.decode_attention import decode_attention as kernel_decode_attention
-from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
-from jaxrl4llm.kernels.matmul import matmul as kernel_matmul
-from jaxrl4llm.kernels.matmul import pack_weight, packable
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
+from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.linear import einsum
-from jaxrl4llm.models.layers.mlp import swiglu_gate
 from jaxrl4llm.models.layers.norm import rms_norm
-from jaxrl4llm.models.layers.rope import apply_rope, rope_tables
-from jaxrl4llm.models.params import param_logical_axes
-from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
+from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_axes, logical_to_spec
 
 _MASKED = -1e30
-_MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_FUSED_WEIGHTS = ("qkv_t", "o_t", "gate_up_t", "down_t")  # the decode layout's matmul weights
 
 # Decode sharding: rows data-parallel over (data, fsdp), weights tensor-parallel only (no
 # per-step all-gather of FSDP shards), KV cache split over kv heads.
 DECODE_RULES = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")  # keys [B, KVH, Dh, S]
 VALUE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # values [B, KVH, S, Dh]
-KEY_PAIR_AXES = ("batch", "kv_heads", "head_dim", "cache_seq", None)  # pair layout keys [B, KVH, Dh/2, S, 2]
-VALUE_PAIR_AXES = ("batch", "kv_heads", "cache_seq", "head_dim", None)  # pair layout values [B, KVH, S/2, Dh, 2]
 
 
 class PromptKV(NamedTuple):
-    """Per-layer prompt keys [P, KVH, Dh, T] and values [P, KVH, T, Dh] (lists of L arrays), mask [P, T] (1 = real)."""
+    """Per-layer prompt keys and values (lists of L arrays in the backend's layout; XLA: keys
+    [P, KVH, Dh, T], values [P, KVH, T, Dh]), mask [P, T'] (1 = real)."""
 
     k: list
     v: list
@@ -73,245 +65,75 @@ class PromptKV(NamedTuple):
 
 class KVBlock(NamedTuple):
     """Per-layer keys and values of `blk` generated slots (lists of L arrays). Values [N, KVH, blk, Dh];
-    keys [N, KVH, blk, Dh] while the block is being filled, [N, KVH, Dh, blk] once sealed (`seal_block`)."""
+    keys [N, KVH, blk, Dh] while the block is being filled; sealed: the backend's layout (`seal`)."""
 
     k: list
     v: list
 
 
-def _constrain(x: jax.Array, axes: tuple, mesh: Mesh | None, rules) -> jax.Array:
-    if mesh is None:
-        return x
-    spec = logical_to_spec(axes, rules, shape=x.shape, mesh=mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+@dataclasses.dataclass(frozen=True)
+class DecodeBackend:
+    """How the decode step's primitives run: plain XLA ops, for every platform.
 
-
-def decode_weights(params: dict, config: ModelConfig, *, mesh: Mesh | None = None, rules=DECODE_RULES,
-                   pack: bool = False) -> dict:
-    """Params pytree -> {"embed", "lm_head" [V, D], "final_norm", "layers": [L dicts]}.
-
-    pack: also pack each matmul weight for the CPU matmul kernel (`kernels.matmul.pack_weight`,
-    bf16 only; a weight whose shape the kernel does not take stays 2-D). Single device only.
-
-    Matmul weights are cast to `config.dtype`, fused, and stored as 2-D output-major matrices
-    ([out, in]: each output unit's weights contiguous), one pass over the weights per rollout.
-    At decode-sized M, XLA:CPU runs `x W^T` with W output-major faster than `x W` (a 10-layer
-    48M-shaped chain: 16.7 ms against 20.2 ms per step), and it keeps that layout only for 2-D
-    x 2-D products (a higher-rank contraction gets its weight transposed back). Four fused
-    matmuls per layer instead of seven:
-
-        qkv_t     [KVH * (H/KVH + 2) * Dh, D]  per kv head: its H/KVH query heads, its key, its value
-        o_t       [D, H * Dh]
-        gate_up_t [2F, D]                      W_gate^T and W_up^T rows interleaved
-        down_t    [D, F]
-
-    Grouping by kv head (and interleaving gate/up) keeps the rows a tensor-parallel shard needs
-    together. The embedding used for lookup keeps the params' precision. With `mesh`, every
-    weight is resharded on device to the decode layout (`rules`).
+    Subclass and override to change a layout or a primitive for one platform
+    (`jaxrl4llm.kernels.backend.CpuBackend`). Hashable: a jit static argument.
+    mesh, rules: shard the decode arrays on `mesh` by the logical `rules` (None: one device).
     """
-    dtype = jnp.dtype(config.dtype)
-    axes = param_logical_axes(config)
-    kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
-    layers = []
-    for i in range(config.num_layers):
-        layer = {name: _constrain(a[i], axes["layers"][name][1:], mesh, rules)
-                 for name, a in params["layers"].items() if name not in _MATMUL_WEIGHTS}  # norms, biases
-        w = {name: params["layers"][name][i].astype(dtype) for name in _MATMUL_WEIGHTS}
-        d = w["q_proj"].shape[0]
-        qkv = jnp.concatenate([w["q_proj"].reshape(d, kvh, hg, dh), w["k_proj"][:, :, None], w["v_proj"][:, :, None]],
-                              axis=2)
-        layer["qkv_t"] = _constrain(qkv.reshape(d, -1).T, ("kv_heads", "embed"), mesh, rules)
-        layer["o_t"] = _constrain(w["o_proj"].reshape(-1, d).T, ("embed", "heads"), mesh, rules)
-        gate_up = jnp.stack([w["gate_proj"].T, w["up_proj"].T], axis=1)  # [F, 2, D]
-        layer["gate_up_t"] = _constrain(gate_up.reshape(-1, d), ("mlp", "embed"), mesh, rules)
-        layer["down_t"] = _constrain(w["down_proj"].T, ("embed", "mlp"), mesh, rules)
-        layers.append(layer)
-    tied = config.tie_word_embeddings
-    head = params["embed_tokens"] if tied else params["lm_head"].T
-    weights = {
-        "embed": _constrain(params["embed_tokens"], axes["embed_tokens"], mesh, rules),
-        "lm_head": _constrain(head.astype(dtype), ("vocab", "embed"), mesh, rules),
-        "final_norm": params["final_norm"],
-        "layers": layers,
-    }
-    if pack:
-        maybe_pack = lambda w: pack_weight(w) if packable(w) else w
-        weights["lm_head"] = maybe_pack(weights["lm_head"])
-        weights["layers"] = [{name: maybe_pack(a) if name in _FUSED_WEIGHTS else a for name, a in layer.items()}
-                             for layer in layers]
-    return weights
+
+    mesh: Mesh | None = None
+    rules: tuple = DECODE_RULES
+
+    def constrain(self, x: jax.Array, axes: tuple) -> jax.Array:
+        if self.mesh is None:
+            return x
+        spec = logical_to_spec(axes, self.rules, shape=x.shape, mesh=self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def prepare_weight(self, w: jax.Array) -> jax.Array:
+        """A fused output-major weight [N, K] in compute dtype -> what `matmul` takes."""
+        return w
+
+    def matmul(self, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+        """y = x W^T: x [M, K], W [N, K] (as `prepare_weight` returned it) -> [M, N] float32.
+
+        Output-major 2-D weights: at decode-sized M XLA:CPU runs `x W^T` faster than `x W`
+        and keeps that layout only for 2-D x 2-D products."""
+        return einsum("mk,nk->mn", x, w, dtype)
+
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """x = table[tokens] as float32. table [V, D]; tokens [...] int32 -> [..., D]."""
+        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+    def write_slot(self, cache: jax.Array, new: jax.Array, slot) -> jax.Array:
+        """cache[:, :, slot] = new. cache [B, KVH, S, Dh]; new [B, KVH, 1, Dh] (any float dtype)."""
+        zero = jnp.zeros((), jnp.int32)
+        return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (zero, zero, jnp.asarray(slot, jnp.int32),
+                                                                           zero))
+
+    def store_prompt(self, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Prompt k, v [P, T, KVH, Dh] (cache dtype), mask [P, T] -> the cached (keys, values, mask)."""
+        return (self.constrain(k.transpose(0, 2, 3, 1), KEY_AXES), self.constrain(v.transpose(0, 2, 1, 3), VALUE_AXES),
+                mask)
+
+    def seal(self, block: KVBlock) -> KVBlock:
+        """A full block's keys [N, KVH, blk, Dh] -> [N, KVH, Dh, blk] (the score-matmul layout); values as they are."""
+        return KVBlock([self.constrain(k.transpose(0, 1, 3, 2), KEY_AXES) for k in block.k], block.v)
+
+    def attend(self, q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: list, cur_k, cur_v, slot,
+               dtype) -> jax.Array:
+        """One query per row against the prompt KV (shared by a prompt's G rows) and the generated KV.
+
+        Args: q [N, H, Dh] float32 (N = P*G, rows of a prompt adjacent); prompt_k [P, KVH, Dh, T],
+        prompt_v [P, KVH, T, Dh]; prompt_mask [P, T]; done_k/v: sealed blocks (keys [N, KVH, Dh, blk],
+        values [N, KVH, blk, Dh]); cur_k/v [N, KVH, blk, Dh]: the block being filled, visible up to
+        index `slot`. Returns [N, H, Dh] float32.
+        """
+        return xla_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k, done_v, cur_k, cur_v, slot, dtype)
 
 
-def _project(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """y = x W^T: x [M, K]; W output-major [N, K], or packed for the CPU kernel. Returns [M, N] float32.
-
-    Always a plain 2-D product: XLA:CPU keeps a 2-D output-major weight as it is, but transposes
-    the weight of a higher-rank contraction.
-    """
-    if w.ndim == 4:
-        return kernel_matmul(x, w)
-    return einsum("mk,nk->mn", x, w, dtype)
-
-
-def _move_as_bits(move, *arrays: jax.Array) -> jax.Array:
-    """move(*arrays) for a pure data movement (gather, update-slice), done on the arrays' uint16
-    bit patterns when they are 16-bit floats, and viewed back in their dtype.
-
-    XLA:CPU treats 16-bit float data movement as float32 arithmetic: it widens a bf16
-    dynamic-update-slice to float32 (converting the whole buffer there and back), and moves a
-    float32 conversion in front of a gather (converting the whole gathered-from table). On
-    integers it does neither. Inference only: the integer view carries no gradient.
-    """
-    dtype = arrays[0].dtype
-    if dtype.itemsize != 2:
-        return move(*arrays)
-    return jax.lax.bitcast_convert_type(move(*(jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays)), dtype)
-
-
-def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """x = table[tokens] as float32. table [V, D]; tokens [...] int32 -> [..., D].
-
-    A 16-bit table is gathered as bits (`_move_as_bits`): otherwise, the table being
-    loop-invariant, XLA:CPU converts all of it to float32 once per call (a float32 copy of the
-    embedding: 2.5 GB for a 151936 x 4096 vocabulary, 50-170 ms per call at 100M parameters).
-    """
-    return _move_as_bits(lambda t: jnp.take(t, tokens, axis=0), table).astype(jnp.float32)
-
-
-def _qkv(x, p, config: ModelConfig, cos, sin):
-    """x [B, T, D] residual -> q [B, T, H, Dh], k, v [B, T, KVH, Dh] float32 (normed, biased, rotated)."""
-    dtype = jnp.dtype(config.dtype)
-    h = rms_norm(x, p["input_norm"], config.rms_norm_eps)
-    b, t = x.shape[:2]
-    hg = config.num_heads // config.num_kv_heads
-    qkv = _project(h.reshape(b * t, -1), p["qkv_t"], dtype).reshape(b, t, config.num_kv_heads, hg + 2, config.head_dim)
-    q = qkv[:, :, :, :hg].reshape(b, t, config.num_heads, config.head_dim)
-    k, v = qkv[:, :, :, hg], qkv[:, :, :, hg + 1]
-    if config.attention_bias:
-        q = q + p["q_bias"].astype(jnp.float32)
-        k = k + p["k_bias"].astype(jnp.float32)
-        v = v + p["v_bias"].astype(jnp.float32)
-    if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def _mlp_residual(x, attn, p, config: ModelConfig):
-    """x' = x + attn W_o (+ b_o); return x' + MLP(norm(x')). x [B, T, D], attn [B, T, H, Dh]."""
-    dtype = jnp.dtype(config.dtype)
-    b, t = attn.shape[:2]
-    out = _project(attn.reshape(b * t, -1), p["o_t"], dtype).reshape(b, t, -1)
-    if config.o_proj_bias:
-        out = out + p["o_bias"].astype(jnp.float32)
-    x = x + out
-    h = rms_norm(x, p["post_attn_norm"], config.rms_norm_eps)
-    # gate and up in one matmul (rows interleaved: unit f's gate at 2f, its up at 2f + 1)
-    gate_up = _project(h.reshape(b * t, -1), p["gate_up_t"], dtype).reshape(b * t, -1, 2)
-    return x + _project(swiglu_gate(gate_up[..., 0], gate_up[..., 1]), p["down_t"], dtype).reshape(b, t, -1)
-
-
-def _lm_head(weights, config: ModelConfig, h):
-    """logits = norm(h) W_head. h [B, D] -> [B, V] float32."""
-    dtype = jnp.dtype(config.dtype)
-    h = rms_norm(h, weights["final_norm"], config.rms_norm_eps)
-    return _project(h, weights["lm_head"], dtype)
-
-
-def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
-            cache_dtype=None, mesh: Mesh | None = None, rules=DECODE_RULES,
-            pair_layout: bool = False) -> tuple[jax.Array, PromptKV]:
-    """Run left-padded prompts once: next-token logits at the last slot and the prompt KV.
-
-    pos = cumsum(mask) - 1 (a prompt's first real token has position 0).
-    Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
-    Returns: (logits [P, V] float32 at slot T-1, PromptKV (k [P, KVH, Dh, T], v [P, KVH, T, Dh]) in cache_dtype).
-    pair_layout: the PromptKV in the CPU kernel's pair layout (k [P, KVH, Dh/2, T', 2], v [P, KVH,
-    T'/2, Dh, 2], T' = T rounded up to even, the extra slot masked).
-    """
-    cache_dtype = jnp.dtype(cache_dtype or config.dtype)
-    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
-    cos, sin = rope_tables(config, positions)
-    attend = causal_padding_mask(mask)
-    x = embed_lookup(weights["embed"], tokens)
-    ks, vs = [], []
-    for p in weights["layers"]:
-        q, k, v = _qkv(x, p, config, cos, sin)
-        k = k.astype(cache_dtype)
-        v = v.astype(cache_dtype)
-        attn = dot_product_attention(q, k, v, attend, jnp.dtype(config.dtype))
-        x = _mlp_residual(x, attn, p, config)
-        if pair_layout:
-            k, v = (jnp.pad(a, ((0, 0), (0, a.shape[1] % 2), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for a in (k, v))
-            ks.append(_constrain(pair_keys(k), KEY_PAIR_AXES, mesh, rules))
-            vs.append(_constrain(pair_values(v), VALUE_PAIR_AXES, mesh, rules))
-        else:
-            ks.append(_constrain(k.transpose(0, 2, 3, 1), KEY_AXES, mesh, rules))
-            vs.append(_constrain(v.transpose(0, 2, 1, 3), VALUE_AXES, mesh, rules))
-    if pair_layout:
-        mask = jnp.pad(mask, ((0, 0), (0, mask.shape[1] % 2)))
-    return _lm_head(weights, config, x[:, -1]), PromptKV(ks, vs, mask)
-
-
-def empty_block(config: ModelConfig, rows: int, block_size: int, *, cache_dtype=None, mesh: Mesh | None = None,
-                rules=DECODE_RULES) -> KVBlock:
-    """Zeroed KVBlock to fill: L keys and L values [rows, KVH, block_size, Dh]."""
-    cache_dtype = jnp.dtype(cache_dtype or config.dtype)
-    shape = (rows, config.num_kv_heads, block_size, config.head_dim)
-    zeros = lambda: _constrain(jnp.zeros(shape, cache_dtype), VALUE_AXES, mesh, rules)
-    return KVBlock([zeros() for _ in range(config.num_layers)], [zeros() for _ in range(config.num_layers)])
-
-
-def pair_keys(k: jax.Array) -> jax.Array:
-    """Keys [B, KVH, S, Dh] -> the CPU kernel's pair layout [B, KVH, Dh/2, S, 2] (pairs of d side by side)."""
-    b, h, s, d = k.shape
-    return k.reshape(b, h, s, d // 2, 2).transpose(0, 1, 3, 2, 4)
-
-
-def pair_values(v: jax.Array) -> jax.Array:
-    """Values [B, KVH, S, Dh] -> the CPU kernel's pair layout [B, KVH, S/2, Dh, 2] (pairs of slots side by side)."""
-    b, h, s, d = v.shape
-    return v.reshape(b, h, s // 2, 2, d).transpose(0, 1, 2, 4, 3)
-
-
-def seal_block(block: KVBlock, *, mesh: Mesh | None = None, rules=DECODE_RULES, pair_layout: bool = False) -> KVBlock:
-    """A full block's keys [N, KVH, blk, Dh] -> [N, KVH, Dh, blk] (the score-matmul layout); values as they are.
-
-    pair_layout: keys and values to the CPU kernel's pair layout instead (`pair_keys`, `pair_values`).
-    """
-    if pair_layout:
-        return KVBlock([_constrain(pair_keys(k), KEY_PAIR_AXES, mesh, rules) for k in block.k],
-                       [_constrain(pair_values(v), VALUE_PAIR_AXES, mesh, rules) for v in block.v])
-    return KVBlock([_constrain(k.transpose(0, 1, 3, 2), KEY_AXES, mesh, rules) for k in block.k], block.v)
-
-
-def write_slot(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
-    """cache[:, :, slot] = new. cache [B, KVH, S, Dh]; new [B, KVH, 1, Dh] (any float dtype).
-
-    A 16-bit float cache is updated as bits (`_move_as_bits`): otherwise XLA:CPU converts the
-    whole block to float32 and back, fused with the computation of `new` (measured at the demo
-    size: 81 us per block write, 24 us as bits).
-    """
-    zero = jnp.zeros((), jnp.int32)
-    index = (zero, zero, jnp.asarray(slot, jnp.int32), zero)
-    return _move_as_bits(lambda c, n: jax.lax.dynamic_update_slice(c, n, index), cache, new.astype(cache.dtype))
-
-
-def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: list, cur_k, cur_v, slot,
-                      dtype, use_kernel: bool = False) -> jax.Array:
-    """One query per row against the prompt KV (shared by a prompt's G rows) and the generated KV.
-
-    With `use_kernel` (CPU only) the CPU kernel `kernels.decode_attention` computes the same
-    result in one call; this function's XLA ops are the reference it is tested against.
-
-    Args: q [N, H, Dh] float32 (N = P*G, rows of a prompt adjacent); prompt_k [P, KVH, Dh, T],
-    prompt_v [P, KVH, T, Dh]; prompt_mask [P, T]; done_k/v: sealed blocks (keys [N, KVH, Dh, blk],
-    values [N, KVH, blk, Dh]); cur_k/v [N, KVH, blk, Dh]: the block being filled, visible up to
-    index `slot`.
-    Returns [N, H, Dh] float32.
-    """
-    if use_kernel and kernel_supports(cur_k.dtype, dtype):
-        return kernel_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k, done_v, cur_k, cur_v, slot)
+def xla_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: list, cur_k, cur_v, slot,
+                         dtype) -> jax.Array:
+    """`DecodeBackend.attend` in XLA ops (the reference of the CPU kernel; shapes there)."""
     n, h, dh = q.shape
     num_prompts, kvh = prompt_k.shape[:2]
     g, hg = n // num_prompts, h // kvh
@@ -336,9 +158,163 @@ def _decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_v: 
     return out.reshape(n, h, dh)
 
 
+# ---------------------------------------------------------------------------- weights
+def _flat_values(state) -> dict[str, jax.Array]:
+    return {"/".join(map(str, path)): v.value for path, v in nnx.to_flat_state(state)}
+
+
+_NORMS_AND_BIASES = {  # decode-layout name -> state path (under layers/)
+    "input_norm": "input_norm/scale", "post_attn_norm": "post_attn_norm/scale",
+    "q_norm": "attn/q_norm/scale", "k_norm": "attn/k_norm/scale",
+    "q_bias": "attn/q_proj/bias", "k_bias": "attn/k_proj/bias", "v_bias": "attn/v_proj/bias",
+    "o_bias": "attn/o_proj/bias",
+}
+
+
+def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBackend()) -> dict:
+    """State of a `CausalLM` without adapters (`lora.merge_lora` first) -> the decode layout:
+    {"embed", "lm_head" [V, D], "final_norm", "layers": [L dicts]}.
+
+    Matmul weights are cast to `config.dtype`, fused, and stored as 2-D output-major matrices
+    ([out, in]), then handed to `backend.prepare_weight`, one pass over the weights per rollout:
+
+        qkv_t     [KVH * (H/KVH + 2) * Dh, D]  per kv head: its H/KVH query heads, its key, its value
+        o_t       [D, H * Dh]
+        gate_up_t [2F, D]                      W_gate^T and W_up^T rows interleaved
+
+        down_t    [D, F]
+
+    Grouping by kv head (and interleaving gate/up) keeps the rows a tensor-parallel shard needs
+    together. The embedding used for lookup keeps the state's precision. Every weight is
+    constrained to the backend's decode sharding.
+    """
+    dtype = jnp.dtype(config.dtype)
+    flat = _flat_values(state)
+    axes = {key: tuple(v.value) for key, v in
+            (("/".join(map(str, p)), v) for p, v in nnx.to_flat_state(logical_axes(state)))}
+    kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    b = backend
+    layers = []
+    for i in range(config.num_layers):
+        layer = {name: b.constrain(flat["layers/" + path][i], axes["layers/" + path][1:])
+                 for name, path in _NORMS_AND_BIASES.items() if "layers/" + path in flat}
+        w = lambda path: flat["layers/" + path + "/kernel"][i].astype(dtype)
+        q, k, v = w("attn/q_proj"), w("attn/k_proj"), w("attn/v_proj")
+        d = q.shape[0]
+        qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
+        layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, ("kv_heads", "embed")))
+        layer["o_t"] = b.prepare_weight(b.constrain(w("attn/o_proj").reshape(-1, d).T, ("embed", "heads")))
+        gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
+        layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), ("mlp", "embed")))
+        layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, ("embed", "mlp")))
+        layers.append(layer)
+    embed = flat["embed_tokens/embedding"]
+    head = embed if config.tie_word_embeddings else flat["lm_head/kernel"].T
+    return {
+        "embed": b.constrain(embed, axes["embed_tokens/embedding"]),
+        "lm_head": b.prepare_weight(b.constrain(head.astype(dtype), ("vocab", "embed"))),
+        "final_norm": flat["final_norm/scale"],
+        "layers": layers,
+    }
+
+
+class FusedLayer:
+    """`layers.decoder.LayerWeights` over one layer of `decode_weights` (four fused matmuls)."""
+
+    def __init__(self, weights: dict, config: ModelConfig, backend: DecodeBackend):
+        self.w, self.c, self.backend = weights, config, backend
+        self.dtype = jnp.dtype(config.dtype)
+
+    def _project(self, x: jax.Array, name: str) -> jax.Array:
+        """x [B, T, K] -> x W^T [B, T, N] float32 (one 2-D matmul over B*T rows)."""
+        b, t = x.shape[:2]
+        return self.backend.matmul(x.reshape(b * t, -1), self.w[name], self.dtype).reshape(b, t, -1)
+
+    def input_norm(self, x):
+        return rms_norm(x, self.w["input_norm"], self.c.rms_norm_eps)
+
+    def post_attn_norm(self, x):
+        return rms_norm(x, self.w["post_attn_norm"], self.c.rms_norm_eps)
+
+    def qkv(self, h):
+        c = self.c
+        b, t = h.shape[:2]
+        hg = c.num_heads // c.num_kv_heads
+        qkv = self._project(h, "qkv_t").reshape(b, t, c.num_kv_heads, hg + 2, c.head_dim)
+        q = qkv[:, :, :, :hg].reshape(b, t, c.num_heads, c.head_dim)
+        k, v = qkv[:, :, :, hg], qkv[:, :, :, hg + 1]
+        if "q_bias" in self.w:
+            q = q + self.w["q_bias"].astype(jnp.float32)
+            k = k + self.w["k_bias"].astype(jnp.float32)
+            v = v + self.w["v_bias"].astype(jnp.float32)
+        return q, k, v
+
+    def qk_norm(self, q, k):
+        if "q_norm" not in self.w:
+            return q, k
+        eps = self.c.rms_norm_eps
+        return rms_norm(q, self.w["q_norm"], eps), rms_norm(k, self.w["k_norm"], eps)
+
+    def out(self, attn):
+        b, t = attn.shape[:2]
+        y = self._project(attn.reshape(b, t, -1), "o_t")
+        return y + self.w["o_bias"].astype(jnp.float32) if "o_bias" in self.w else y
+
+    def gate_up(self, h):
+        b, t = h.shape[:2]
+        gu = self._project(h, "gate_up_t").reshape(b, t, -1, 2)  # unit f's gate at 2f, its up at 2f + 1
+        return gu[..., 0], gu[..., 1]
+
+    def down(self, a):
+        return self._project(a, "down_t")
+
+
+def _lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):
+    """logits = norm(h) W_head. h [B, D] -> [B, V] float32."""
+    h = rms_norm(h, weights["final_norm"], config.rms_norm_eps)
+    return backend.matmul(h, weights["lm_head"], jnp.dtype(config.dtype))
+
+
+def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
+            backend: DecodeBackend = DecodeBackend(), cache_dtype=None) -> tuple[jax.Array, PromptKV]:
+    """Run left-padded prompts once: next-token logits at the last slot and the prompt KV.
+
+    pos = cumsum(mask) - 1 (a prompt's first real token has position 0).
+    Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
+    Returns: (logits [P, V] float32 at slot T-1, PromptKV in cache_dtype and the backend's layout).
+    """
+    cache_dtype = jnp.dtype(cache_dtype or config.dtype)
+    dtype = jnp.dtype(config.dtype)
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+    cos, sin = rope_tables(config, positions)
+    allowed = causal_padding_mask(mask)
+
+    def attend(q, k, v):  # the prompt attends to itself through the cache-dtype KV it stores
+        k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+        return dot_product_attention(q, k, v, allowed, dtype), (k, v)
+
+    x = backend.embed(weights["embed"], tokens)
+    ks, vs = [], []
+    for p in weights["layers"]:
+        x, (k, v) = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
+        k, v, stored_mask = backend.store_prompt(k, v, mask)
+        ks.append(k)
+        vs.append(v)
+    return _lm_head(weights, config, backend, x[:, -1]), PromptKV(ks, vs, stored_mask)
+
+
+def empty_block(config: ModelConfig, rows: int, block_size: int, *, backend: DecodeBackend = DecodeBackend(),
+                cache_dtype=None) -> KVBlock:
+    """Zeroed KVBlock to fill: L keys and L values [rows, KVH, block_size, Dh]."""
+    cache_dtype = jnp.dtype(cache_dtype or config.dtype)
+    shape = (rows, config.num_kv_heads, block_size, config.head_dim)
+    zeros = lambda: backend.constrain(jnp.zeros(shape, cache_dtype), VALUE_AXES)
+    return KVBlock([zeros() for _ in range(config.num_layers)], [zeros() for _ in range(config.num_layers)])
+
+
 def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tuple[jax.Array, jax.Array],
                 prompt: PromptKV, done_blocks: list[KVBlock], block: KVBlock, slot, *,
-                use_kernels: bool = False) -> tuple[jax.Array, KVBlock]:
+                backend: DecodeBackend = DecodeBackend()) -> tuple[jax.Array, KVBlock]:
     """Next-token logits for one new token per row; its keys/values are written at `slot` of `block`.
 
     Args:
@@ -347,19 +323,22 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
         (the decode loop computes all steps' tables before the loop: no cos/sin inside it);
       prompt: PromptKV of the P prompts; done_blocks: sealed KVBlocks of earlier generated slots;
       block: the KVBlock being filled; slot: int32 scalar index in `block`.
-      use_kernels: attend with the CPU kernel (`jaxrl4llm.kernels`; CPU programs only).
     Returns: (logits [N, V] float32, updated block).
     """
     dtype = jnp.dtype(config.dtype)
     slot = jnp.asarray(slot, jnp.int32)
     cos, sin = rope
-    x = embed_lookup(weights["embed"], tokens[:, None])  # [N, 1, D]
+    x = backend.embed(weights["embed"], tokens[:, None])  # [N, 1, D]
     new_k, new_v = [], []
     for i, p in enumerate(weights["layers"]):
-        q, k, v = _qkv(x, p, config, cos, sin)
-        new_k.append(write_slot(block.k[i], k.transpose(0, 2, 1, 3), slot))
-        new_v.append(write_slot(block.v[i], v.transpose(0, 2, 1, 3), slot))
-        attn = _decode_attention(q[:, 0], prompt.k[i], prompt.v[i], prompt.mask, [b.k[i] for b in done_blocks],
-                                 [b.v[i] for b in done_blocks], new_k[i], new_v[i], slot, dtype, use_kernels)
-        x = _mlp_residual(x, attn[:, None], p, config)
-    return _lm_head(weights, config, x[:, 0]), KVBlock(new_k, new_v)
+        def attend(q, k, v, i=i):
+            ck = backend.write_slot(block.k[i], k.transpose(0, 2, 1, 3), slot)
+            cv = backend.write_slot(block.v[i], v.transpose(0, 2, 1, 3), slot)
+            out = backend.attend(q[:, 0], prompt.k[i], prompt.v[i], prompt.mask, [b.k[i] for b in done_blocks],
+                                 [b.v[i] for b in done_blocks], ck, cv, slot, dtype)
+            return out[:, None], (ck, cv)
+
+        x, (ck, cv) = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
+        new_k.append(ck)
+        new_v.append(cv)
+    return _lm_head(weights, config, backend, x[:, 0]), KVBlock(new_k, new_v)

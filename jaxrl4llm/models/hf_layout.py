@@ -1,7 +1,9 @@
-"""Name and layout map between our params pytree and Hugging Face tensors.
+"""Name and layout map between the parameters of our NNX model and Hugging Face tensors.
 
-Each entry maps one of our weights to one HF tensor name (per layer for stacked weights)
-and the pair of layout transforms between them (numpy arrays, one layer at a time):
+Each entry maps one parameter of `CausalLM`'s state (its path, e.g. layers/attn/q_proj/kernel)
+to one HF tensor name (per layer for stacked weights) and the pair of layout transforms
+between them (numpy arrays, one layer at a time). Shapes and sharding axes are the module's
+own (`abstract_model`); this table holds only names and transposes.
 
     HF Linear weight [out, in] (y = x W^T)  <->  ours [in, ...out dims] (y = x W)
 """
@@ -16,7 +18,7 @@ from jaxrl4llm.models.config import ModelConfig
 
 
 class TensorMap(NamedTuple):
-    """ours: path in params ("layers/q_proj"); hf: name template ({i} = layer index);
+    """ours: path in the model state ("layers/attn/q_proj/kernel"); hf: name template ({i} = layer index);
     to_ours / to_hf: per-layer layout transforms (numpy -> numpy); stacked: has a layer axis;
     hf_shape: shape of the HF tensor (one layer)."""
 
@@ -46,32 +48,33 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     o_to_hf = lambda w: np.ascontiguousarray(w.reshape(H * Dh, D).T)
 
     pre = "model.layers.{i}."
+    attn, mlp = "layers/attn/", "layers/mlp/"
     maps = [
-        TensorMap("embed_tokens", "model.embed_tokens.weight", ident, ident, False, (V, D)),
-        TensorMap("layers/input_norm", pre + "input_layernorm.weight", ident, ident, True, (D,)),
-        TensorMap("layers/q_proj", pre + "self_attn.q_proj.weight", *in_heads(H), True, (H * Dh, D)),
-        TensorMap("layers/k_proj", pre + "self_attn.k_proj.weight", *in_heads(K), True, (K * Dh, D)),
-        TensorMap("layers/v_proj", pre + "self_attn.v_proj.weight", *in_heads(K), True, (K * Dh, D)),
-        TensorMap("layers/o_proj", pre + "self_attn.o_proj.weight", o_to_ours, o_to_hf, True, (D, H * Dh)),
-        TensorMap("layers/post_attn_norm", pre + "post_attention_layernorm.weight", ident, ident, True, (D,)),
-        TensorMap("layers/gate_proj", pre + "mlp.gate_proj.weight", transpose, transpose, True, (F, D)),
-        TensorMap("layers/up_proj", pre + "mlp.up_proj.weight", transpose, transpose, True, (F, D)),
-        TensorMap("layers/down_proj", pre + "mlp.down_proj.weight", transpose, transpose, True, (D, F)),
-        TensorMap("final_norm", "model.norm.weight", ident, ident, False, (D,)),
+        TensorMap("embed_tokens/embedding", "model.embed_tokens.weight", ident, ident, False, (V, D)),
+        TensorMap("layers/input_norm/scale", pre + "input_layernorm.weight", ident, ident, True, (D,)),
+        TensorMap(attn + "q_proj/kernel", pre + "self_attn.q_proj.weight", *in_heads(H), True, (H * Dh, D)),
+        TensorMap(attn + "k_proj/kernel", pre + "self_attn.k_proj.weight", *in_heads(K), True, (K * Dh, D)),
+        TensorMap(attn + "v_proj/kernel", pre + "self_attn.v_proj.weight", *in_heads(K), True, (K * Dh, D)),
+        TensorMap(attn + "o_proj/kernel", pre + "self_attn.o_proj.weight", o_to_ours, o_to_hf, True, (D, H * Dh)),
+        TensorMap("layers/post_attn_norm/scale", pre + "post_attention_layernorm.weight", ident, ident, True, (D,)),
+        TensorMap(mlp + "gate_proj/kernel", pre + "mlp.gate_proj.weight", transpose, transpose, True, (F, D)),
+        TensorMap(mlp + "up_proj/kernel", pre + "mlp.up_proj.weight", transpose, transpose, True, (F, D)),
+        TensorMap(mlp + "down_proj/kernel", pre + "mlp.down_proj.weight", transpose, transpose, True, (D, F)),
+        TensorMap("final_norm/scale", "model.norm.weight", ident, ident, False, (D,)),
     ]
     if c.attention_bias:
         maps += [
-            TensorMap("layers/q_bias", pre + "self_attn.q_proj.bias", *head_bias(H), True, (H * Dh,)),
-            TensorMap("layers/k_bias", pre + "self_attn.k_proj.bias", *head_bias(K), True, (K * Dh,)),
-            TensorMap("layers/v_bias", pre + "self_attn.v_proj.bias", *head_bias(K), True, (K * Dh,)),
+            TensorMap(attn + "q_proj/bias", pre + "self_attn.q_proj.bias", *head_bias(H), True, (H * Dh,)),
+            TensorMap(attn + "k_proj/bias", pre + "self_attn.k_proj.bias", *head_bias(K), True, (K * Dh,)),
+            TensorMap(attn + "v_proj/bias", pre + "self_attn.v_proj.bias", *head_bias(K), True, (K * Dh,)),
         ]
     if c.o_proj_bias:
-        maps.append(TensorMap("layers/o_bias", pre + "self_attn.o_proj.bias", ident, ident, True, (D,)))
+        maps.append(TensorMap(attn + "o_proj/bias", pre + "self_attn.o_proj.bias", ident, ident, True, (D,)))
     if c.qk_norm:
         maps += [
-            TensorMap("layers/q_norm", pre + "self_attn.q_norm.weight", ident, ident, True, (Dh,)),
-            TensorMap("layers/k_norm", pre + "self_attn.k_norm.weight", ident, ident, True, (Dh,)),
+            TensorMap(attn + "q_norm/scale", pre + "self_attn.q_norm.weight", ident, ident, True, (Dh,)),
+            TensorMap(attn + "k_norm/scale", pre + "self_attn.k_norm.weight", ident, ident, True, (Dh,)),
         ]
     if not c.tie_word_embeddings:
-        maps.append(TensorMap("lm_head", "lm_head.weight", transpose, transpose, False, (V, D)))
+        maps.append(TensorMap("lm_head/kernel", "lm_head.weight", transpose, transpose, False, (V, D)))
     return maps

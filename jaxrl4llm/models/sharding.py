@@ -1,5 +1,9 @@
 """Logical -> physical sharding: map logical axis names of params/activations to mesh axes.
 
+A parameter's logical axes are its own metadata (`sharding_names`, set where the module
+creates it: `models/layers/`); `param_shardings` reads them from the state, so a module's
+shapes, axes and HF names have one source each.
+
 The mesh has axes ("data", "fsdp", "tensor"). A rules table is a tuple of
 (logical_name, mesh_axis | tuple of mesh axes | None) pairs (hashable, so it can be a jit
 static argument). A mesh axis that does not divide a dimension, or is already used by an
@@ -9,11 +13,10 @@ earlier dimension of the same array, is dropped for that dimension (replicated i
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.kv_cache import CACHE_LOGICAL_AXES, KVCache
-from jaxrl4llm.models.params import ParamSpec, param_specs
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -65,20 +68,39 @@ def logical_to_spec(axes: tuple[str | None, ...], rules=DEFAULT_RULES, *, shape:
     return PartitionSpec(*spec)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
-    """Pytree (same structure as params) of NamedSharding."""
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, logical_to_spec(s.axes, rules, shape=s.shape, mesh=mesh)),
-        param_specs(config),
-        is_leaf=lambda x: isinstance(x, ParamSpec),
-    )
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
-def cache_shardings(config: ModelConfig, mesh: Mesh, batch: int, max_len: int, rules=DEFAULT_RULES) -> KVCache:
-    """KVCache of NamedSharding for a cache of `batch` rows and `max_len` slots."""
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-    sharding = NamedSharding(mesh, logical_to_spec(CACHE_LOGICAL_AXES, rules, shape=shape, mesh=mesh))
-    return KVCache(sharding, sharding)
+def _abstract_state(state_or_config):
+    if isinstance(state_or_config, ModelConfig):
+        from jaxrl4llm.models.causal_lm import abstract_model
+
+        return abstract_model(state_or_config)[1]
+    return state_or_config
+
+
+def logical_axes(state) -> nnx.State:
+    """The state with each parameter's value replaced by its logical axis names (a tuple, one
+    name or None per dim), read from the variable's `sharding_names` metadata."""
+    def axes(v: nnx.Variable):
+        names = v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding_names")
+        return v.replace(tuple(names) if names is not None else (None,) * len(v.shape))
+    return jax.tree.map(axes, state, is_leaf=_is_variable)
+
+
+def param_shardings(state_or_config, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
+    """NamedSharding of every parameter (same structure as the state), from its logical axes.
+
+    state_or_config: a model state (arrays or ShapeDtypeStructs, e.g. from `abstract_model`),
+    or a ModelConfig (our model of that config). Pass the result to `jax.device_put` or as a
+    jit's in/out shardings.
+    """
+    def sharding(v: nnx.Variable):
+        names = v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding_names")
+        names = tuple(names) if names is not None else (None,) * len(v.shape)
+        return v.replace(NamedSharding(mesh, logical_to_spec(names, rules, shape=tuple(v.shape), mesh=mesh)))
+    return jax.tree.map(sharding, _abstract_state(state_or_config), is_leaf=_is_variable)
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...], rules=DEFAULT_RULES) -> NamedSharding:

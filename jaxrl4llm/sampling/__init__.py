@@ -1,6 +1,6 @@
 """JAX rollout engine: prefill + KV-cache decode in one jitted while_loop, top-k/top-p, G samples per prompt.
 
-    rollout = generate(params, config, prompts, num_samples=G, max_new_tokens=R, temperature=0.99,
+    rollout = generate(graphdef, state, prompts, num_samples=G, max_new_tokens=R, temperature=0.99,
                        top_p=0.99, top_k=100, eos_token_ids=[eos], pad_token_id=pad, rng=key)
 
 See docs/sampling.md.
@@ -17,7 +17,6 @@ from jaxrl4llm.sampling.filters import sample_tokens
 from jaxrl4llm.sampling.filters import top_p_keep
 from jaxrl4llm.sampling.generate import generate
 from jaxrl4llm.sampling.rollout import Rollout
-from jaxrl4llm.sampling.rollout import decode_prompts
 from jaxrl4llm.sampling.rollout import decode_responses
 from jaxrl4llm.sampling.rollout import group_rows
 from jaxrl4llm.sampling.rollout import prompt_token_lists

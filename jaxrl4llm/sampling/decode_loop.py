@@ -18,10 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from flax import nnx
+
+from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.native import bf16_pairs as kernel_bf16_pairs
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decode import DECODE_RULES, decode_step, decode_weights, empty_block, prefill, seal_block
+from jaxrl4llm.models.decode import DECODE_RULES, DecodeBackend, decode_step, decode_weights, empty_block, prefill
 from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.filters import open_uniform, sample_tokens
 
@@ -98,50 +102,57 @@ def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int) -> Decod
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "pack"))
-def weights_program(params, *, config: ModelConfig, mesh: Mesh | None, pack: bool = False):
-    """`decode_weights` as its own program: params (any dtype/sharding) -> the decode weights.
+def decode_backend(config: ModelConfig, *, mesh: Mesh | None, use_kernels: bool, block_size: int) -> DecodeBackend:
+    """The decode backend of one sampler call: `kernels.backend.CpuBackend` on CPU (16-bit moves as
+    bits; with `use_kernels`, the C++ kernels and, on their AVX512-BF16 paths, packed weights and
+    the pair KV layout), the platform-neutral `DecodeBackend` elsewhere."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if {d.platform for d in devices} != {"cpu"}:
+        return DecodeBackend(mesh=mesh)
+    packed = use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and kernel_bf16_pairs()
+    pairs = packed and config.head_dim % 2 == 0 and block_size % 2 == 0
+    return CpuBackend(mesh=mesh, kernels=use_kernels, packed=packed, pairs=pairs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "backend"))
+def weights_program(graphdef: nnx.GraphDef, state, *, config: ModelConfig, backend: DecodeBackend):
+    """The model state (any dtype/sharding, LoRA adapters merged in) -> the decode weights
+    (`models.decode.decode_weights` in the backend's layout).
 
     A separate program so that its outputs reach `sample_program` as row-major buffers in the
     output-major layout it chose. Inside one program XLA folds the transposes back into the
     dots (the loop then multiplies by input-major weights, measured slower on CPU).
-    pack: pack the matmul weights for the CPU matmul kernel (see `bf16_kernel_paths`).
     """
-    return decode_weights(params, config, mesh=mesh, pack=pack)
-
-
-def bf16_kernel_paths(config: ModelConfig, use_kernels: bool) -> bool:
-    """Whether the sampler takes the kernels' AVX512-BF16 paths (kernels on, bf16 model, a CPU
-    with AVX512-BF16): packed weights for the matmul kernel, the pair layout for the attention."""
-    return use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and kernel_bf16_pairs()
+    _, plain = merge_lora(graphdef, state)
+    return decode_weights(plain, config, backend)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "mesh",
+    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "backend",
                      "use_kernels"),
 )
 def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids, pad_id, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
-                   greedy: bool, block_size: int, mesh: Mesh | None, use_kernels: bool = False) -> ProgramOutput:
+                   greedy: bool, block_size: int, backend: DecodeBackend,
+                   use_kernels: bool = False) -> ProgramOutput:
     """Sample `num_samples` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     Args:
-      weights: `weights_program(params)`: the decode weights (cast, fused, output-major, resharded).
+      weights: `weights_program(...)`: the decode weights (cast, fused, output-major, resharded).
       prompt_tokens, prompt_mask [P, T] int32 (left-padded; mask 1 = real); row_valid [P] bool.
       rng: PRNG key; the uniforms of all rows and steps are one draw U(0, 1] [N, R] from it.
       temperature, top_p: float32 scalars.
       eos_ids [E] int32; pad_id int32 scalar.
-      use_kernels: matmuls (with `weights_program(pack=True)`), decode attention and top-k with
-        the CPU kernels (`jaxrl4llm.kernels`; the caller checks that the program runs on CPU and
-        that they are loaded).
+      backend: the decode backend (`decode_backend`; the same one `weights_program` used).
+      use_kernels: top-k with the CPU kernel (`jaxrl4llm.kernels`; the caller checks that the
+        program runs on CPU and that they are loaded).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r = num_samples, max_new_tokens
     num_rows = prompt_tokens.shape[0] * g
-    # the attention kernel reads bf16 prompt and sealed KV in its pair layout (pairs of Dh and of slots)
-    pairs = bf16_kernel_paths(config, use_kernels) and config.head_dim % 2 == 0 and block_size % 2 == 0
-    first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, mesh=mesh, pair_layout=pairs)
+    mesh = backend.mesh
+    first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, backend=backend)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
     prompt_len = _row_constraint(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
@@ -181,13 +192,13 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
             state, block = carry
             slot = state.t - 1 - j * block_size
             logits, block = decode_step(weights, config, state.token, step_rope(state.t), prompt_kv,
-                                        list(done_blocks), block, slot, use_kernels=use_kernels)
+                                        list(done_blocks), block, slot, backend=backend)
             return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows), block
 
-        block = empty_block(config, num_rows, block_size, mesh=mesh)
+        block = empty_block(config, num_rows, block_size, backend=backend)
         state, block = jax.lax.while_loop(cond, body, (state, block))
         if j + 1 < num_blocks:  # the last block is never attended to again
-            done_blocks.append(seal_block(block, mesh=mesh, pair_layout=pairs))
+            done_blocks.append(backend.seal(block))
 
     steps = jnp.arange(r, dtype=jnp.int32)
     return ProgramOutput(

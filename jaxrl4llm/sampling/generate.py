@@ -1,10 +1,13 @@
 """generate(): the sampler's public entry point (host side: validate, bucket, pad, run, trim).
 
-    rollout = generate(params, config, prompts, num_samples=G, max_new_tokens=R, ...)
+    rollout = generate(graphdef, state, prompts, num_samples=G, max_new_tokens=R, ...)
 
-Takes the same params pytree the train step updates (any dtype, any sharding: the device
-program casts it to `config.dtype` and reshards it to the decode layout on device) and
-returns a `Rollout` of N = len(prompts) * G rows whose arrays stay on device.
+Takes the model as the train step holds it, `(graphdef, state)` of an NNX model (any dtype,
+any sharding, LoRA adapters included: the device program merges adapters, casts to
+`config.dtype` and reshards to the decode layout on device) and returns a `Rollout` of
+N = len(prompts) * G rows whose arrays stay on device. Our `CausalLM` runs the KV-cache
+decoder (`decode_loop.py`); any other NNX causal LM (docs/models.md, "Bring your own NNX
+model") runs `generic_decode.py`.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.kernels.native import load_kernels, require_kernels
-from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
-from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, bf16_kernel_paths, weights_program
+from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
+from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -54,7 +58,7 @@ def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
     return True
 
 
-def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples: int, max_new_tokens: int,
+def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_ids: Sequence[int],
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
              max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
@@ -63,7 +67,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
 
     Args:
-      params, config: model parameters pytree and its ModelConfig (jaxrl4llm.models).
+      graphdef, state: the NNX model, `nnx.split(model)` (state: one nnx.State or a tuple of
+        them, e.g. (LoRA adapters, frozen base)).
       prompts: P token-id lists (unpadded, any lengths >= 1).
       num_samples: G responses per prompt (rows p*G .. p*G+G-1 answer prompt p).
       max_new_tokens: R, the response budget (Rollout arrays are [N, R]).
@@ -80,9 +85,15 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
       kv_block_size: generated-KV block size (default `block_size_for(max_new_tokens, KVH * Dh)`).
       cpu_kernels: matmuls, decode attention and top-k with the C++ CPU kernels (`jaxrl4llm.kernels`).
         None (default): when the program runs on one CPU device and the kernels build;
-        True: require them (an error names what is missing); False: XLA ops only.
+        True: require them (an error names what is missing); False: XLA ops only. Our models only.
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """
+    model = merge(graphdef, state)  # Python objects over the same arrays: no copy
+    config = model.config if isinstance(model, CausalLM) else None
+    vocab_size = config.vocab_size if config is not None else getattr(model, "vocab_size", None)
+    if vocab_size is None:
+        raise TypeError(f"generate() needs a jaxrl4llm CausalLM or an NNX model with a `vocab_size` attribute "
+                        f"(docs/models.md, bring your own model); got {type(model).__name__}")
     num_prompts = len(prompts)
     if num_prompts == 0:
         raise ValueError("generate() needs at least one prompt, got an empty list")
@@ -97,8 +108,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_ids", t) for t in eos_token_ids]:
-        if not 0 <= int(token) < config.vocab_size:
-            raise ValueError(f"{name} contains {token}, outside the vocabulary [0, {config.vocab_size})")
+        if not 0 <= int(token) < vocab_size:
+            raise ValueError(f"{name} contains {token}, outside the vocabulary [0, {vocab_size})")
 
     longest = max(len(p) for p in prompts)
     if max_prompt_length is not None and longest > max_prompt_length:
@@ -106,30 +117,36 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         raise ValueError(f"prompt {index} has {longest} tokens, more than max_prompt_length={max_prompt_length}; "
                          f"raise max_prompt_length or truncate the prompt")
     prompt_len = bucket(longest, prompt_buckets)
-    if prompt_len + max_new_tokens > config.max_position_embeddings:
+    max_positions = config.max_position_embeddings if config is not None else getattr(model, "max_length", None)
+    if max_positions is not None and prompt_len + max_new_tokens > max_positions:
         raise ValueError(f"prompt bucket {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
-                         f"max_position_embeddings={config.max_position_embeddings}; lower max_new_tokens or "
-                         f"shorten the prompts")
+                         f"max_position_embeddings={max_positions}; lower max_new_tokens or shorten the prompts")
     num_rows = bucket(num_prompts, batch_buckets, multiple_of=_data_parallel_size(mesh))
     padded = left_pad_prompts(prompts, pad_token_id=pad_token_id, length=prompt_len, num_rows=num_rows)
     for i, p in enumerate(prompts):
-        if min(p) < 0 or max(p) >= config.vocab_size:
-            raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {config.vocab_size})")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size})")
 
     arrays = (padded.tokens, padded.mask, padded.row_valid)
     if mesh is not None:
         put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
             ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
         arrays = tuple(put(a) for a in arrays)
-    use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
-    weights = weights_program(params, config=config, mesh=mesh, pack=bf16_kernel_paths(config, use_kernels))
-    out = sample_program(
-        weights, *arrays, rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id),
-        config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
-        use_top_p=bool(top_p < 1.0), greedy=bool(greedy),
-        block_size=int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim)),
-        mesh=mesh, use_kernels=use_kernels)
+    scalars = (rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id))
+    sampling = dict(num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
+                    use_top_p=bool(top_p < 1.0), greedy=bool(greedy))
+    if config is None:
+        if cpu_kernels:
+            raise ValueError("cpu_kernels=True: the CPU kernels run jaxrl4llm models only; pass cpu_kernels=None")
+        out = generic_sample_program(graphdef, state, *arrays, *scalars, mesh=mesh, **sampling)
+    else:
+        use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
+        block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
+        backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
+        weights = weights_program(graphdef, state, config=config, backend=backend)
+        out = sample_program(weights, *arrays, *scalars, config=config, block_size=block_size, backend=backend,
+                             use_kernels=use_kernels, **sampling)
     n = num_prompts * num_samples
     if num_rows != num_prompts:
         out = jax.tree.map(lambda a: a[:n], out)

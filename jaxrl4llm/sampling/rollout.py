@@ -69,11 +69,6 @@ def decode_responses(rollout: Rollout, tokenizer, *, skip_special_tokens: bool =
     return list(tokenizer.batch_decode(response_token_lists(rollout), skip_special_tokens=skip_special_tokens))
 
 
-def decode_prompts(rollout: Rollout, tokenizer, *, skip_special_tokens: bool = False) -> list[str]:
-    """Prompt text of every row (host side), see `decode_responses`."""
-    return list(tokenizer.batch_decode(prompt_token_lists(rollout), skip_special_tokens=skip_special_tokens))
-
-
 def group_rows(values: Sequence, group_size: int) -> list[list]:
     """[v_0 .. v_{N-1}] -> [[v_0 .. v_{G-1}], [v_G ..], ...]: the responses of each prompt."""
     if len(values) % group_size:

@@ -25,9 +25,29 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """`model.lora`: LoRA adapters on the named linears, the base frozen (models.LoraSettings)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    dropout: float = 0.0
+
+    def settings(self):
+        from jaxrl4llm.models import LoraSettings
+
+        try:
+            return LoraSettings(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets), dropout=self.dropout)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclasses.dataclass
 class ModelConfigSection:
     """Which model to train. `path` is a local HF folder (config.json + safetensors + tokenizer);
-    without it, a random model of the given size is built (tests, demo) with `tokenizer`."""
+    without it, a random model of the given size is built (tests, demo) with `tokenizer`.
+    `lora`: train LoRA adapters only (LoraConfig). `module`: "package.module:factory", your own
+    NNX causal LM, factory(vocab_size=..., rngs=nnx.Rngs) -> nnx.Module (docs/models.md)."""
 
     path: str | None = None
     tokenizer: str | None = None
@@ -42,6 +62,8 @@ class ModelConfigSection:
     param_dtype: Literal["bfloat16", "float32"] = "float32"
     remat: bool = False
     logprob_chunk_size: int = 256
+    lora: LoraConfig | None = None
+    module: str | None = None
 
 
 @dataclasses.dataclass

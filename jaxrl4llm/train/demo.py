@@ -53,7 +53,7 @@ def noisy_solution(solution: str, rng: random.Random, noise: float) -> str:
 def build_warm_start(path: Path, train_file: str, *, seed: int = 0, sft_steps: int | None = None, log=print) -> Path:
     """SFT a random demo-size model on noisy-teacher worked solutions; save an HF folder at `path`."""
     from jaxrl4llm.data import build_char_tokenizer, demo_solution, format_prompt, load_problems
-    from jaxrl4llm.models import ModelConfig, init_params, load_tokenizer, save_pretrained, token_logprobs
+    from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained, score_tokens
     from jaxrl4llm.train.sft import pack_sft_examples, sft_train
 
     path = Path(path)
@@ -62,20 +62,21 @@ def build_warm_start(path: Path, train_file: str, *, seed: int = 0, sft_steps: i
                          max_position_embeddings=512, dtype="float32", param_dtype="float32",
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, **DEMO_MODEL)
-    params = init_params(config, jax.random.PRNGKey(seed))
+    graphdef, params = init_model(config, jax.random.PRNGKey(seed))
     problems = load_problems(train_file)
     rng = random.Random(seed)
     prompts = [tokenizer(format_prompt(p, "demo"))["input_ids"] for p in problems]
     completions = [tokenizer(" " + noisy_solution(demo_solution(p), rng, SFT["answer_noise"]))["input_ids"]
                    + [tokenizer.eos_token_id] for p in problems]
     data = pack_sft_examples(prompts, completions, length=SFT["length"], pad_id=tokenizer.pad_token_id)
-    logprob_fn = lambda p, x, y, pos, m: token_logprobs(p, config, x, y, positions=pos, attention_mask=m, chunk_size=SFT["length"])
+    logprob_fn = lambda p, x, y, pos, m: score_tokens(graphdef, p, x, y, positions=pos, attention_mask=m,
+                                                      chunk_size=SFT["length"])
     steps = sft_steps or SFT["steps"]
     log(f"warm start: SFT of a {config.num_params / 1e6:.2f}M-parameter Qwen3-shaped model for {steps} steps "
         f"(noisy teacher: {SFT['answer_noise']:.0%} wrong boxed answers)")
     params = sft_train(params, logprob_fn, data, steps=steps, batch_size=SFT["batch_size"], lr=SFT["lr"], seed=seed,
                        log_every=100, log=log)
-    save_pretrained(config, params, path)
+    save_pretrained((graphdef, params), path)
     return path
 
 

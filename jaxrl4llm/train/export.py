@@ -24,7 +24,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None 
     cfg = config_from_dict(json.loads(cfg_path.read_text()))
     policy = load_policy(cfg, None)
     optimizer, _ = make_optimizer(lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm)
-    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer), policy.params)
+    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer), policy.params)  # no frozen part: not saved
     state, _, restored_step = RunCheckpointer(run_dir, keep=cfg.trainer.keep_checkpoints).restore(abstract, step)
     path = policy.with_params(state.params).export(out)
     (Path(path) / "jaxrl4llm_source.json").write_text(json.dumps({"run_dir": str(run_dir), "step": restored_step}))

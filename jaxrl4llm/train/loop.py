@@ -33,6 +33,7 @@ from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.step import (
     UpdateSettings,
     init_train_state,
+    join_params,
     make_logprob_pass,
     make_optimizer,
     make_update_fn,
@@ -225,7 +226,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro)
     # The optimizer state is created under jit from the (possibly sharded) params, so its
     # moments inherit the parameter shardings; the update keeps every leaf where it is.
-    state = jax.jit(lambda p: init_train_state(p, optimizer))(policy.params)
+    state = jax.jit(lambda p, f: init_train_state(p, optimizer, f))(policy.params, policy.frozen)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     update = jax.jit(
         make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
@@ -237,12 +238,13 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     advantages_fn = jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l))
 
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
-    ref_params = jax.tree.map(jnp.copy, policy.params) if need_ref else None
+    ref_params = jax.tree.map(jnp.copy, policy.params) if need_ref else None  # LoRA: the adapters at init
 
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
     start_step, cursor = 0, 0
     if resume:
-        state, meta, start_step = ckpt.restore(state)
+        restored, meta, start_step = ckpt.restore(state.replace(frozen=None))  # checkpoints hold no frozen base
+        state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
     stream = PromptStream(len(train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor)
@@ -252,24 +254,24 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
 
     eval_before = None
     if eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
-        eval_before = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9))
+        eval_before = evaluate(policy.with_state(state), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9))
         writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
 
     history = []
     for step in range(start_step, cfg.trainer.steps):
         t_step = time.perf_counter()
         key = jax.random.fold_in(base_key, step)
-        current = policy.with_params(state.params)
+        current = policy.with_state(state)
         rollout, rewards, responses, sample_stats = _sample_groups(current, train_set, stream, cfg, key, reward_fn, recipe)
         adv = advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
         batch = rollout_to_batch(rollout, adv)
         t_update = time.perf_counter()
         if cfg.trainer.old_logp_source == "recompute":
-            old_logp, _ = logprob_pass(state.params, batch)
+            old_logp, _ = logprob_pass(join_params(state.params, state.frozen), batch)
             old_logp = old_logp * batch.loss_mask
             batch = batch._replace(old_logp=old_logp)
         if ref_params is not None:
-            ref_logp, _ = logprob_pass(ref_params, batch)
+            ref_logp, _ = logprob_pass(join_params(ref_params, state.frozen), batch)
             batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
         gap = jnp.abs(batch.old_logp - batch.sampler_logp) * batch.loss_mask
         n_tok = jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
@@ -304,25 +306,25 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
             top = most_clipped_tokens(np.asarray(batch.targets), np.asarray(clipped), policy.decode_ids)
             record["most_clipped_tokens"] = [[t, c] for t, c in top]
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and eval_sets:
-            ev = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9 + step + 1))
+            ev = evaluate(policy.with_state(state), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9 + step + 1))
             record.update({f"eval/{k}": v for k, v in ev.items()})
         writer.write(step + 1, record)
         history.append(record)
         if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
-            ckpt.save(step + 1, state, {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1})
+            ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1})
 
     eval_after = None
     if eval_sets and cfg.trainer.eval_every >= 0:
         if history and any(k.startswith("eval/") for k in history[-1]):
             eval_after = {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
         else:
-            eval_after = evaluate(policy.with_params(state.params), eval_sets, cfg, reward_fn,
+            eval_after = evaluate(policy.with_state(state), eval_sets, cfg, reward_fn,
                                   jax.random.fold_in(base_key, 10**9 + cfg.trainer.steps))
             writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
     writer.close()
     export_dir = None
     if cfg.trainer.export_hf:
-        export_dir = policy.with_params(state.params).export(out / "hf_export")
+        export_dir = policy.with_state(state).export(out / "hf_export")
     ckpt.close()
     return {
         "history": history,

@@ -1,5 +1,6 @@
-"""The policy a run trains: model config + parameters + tokenizer + mesh, and the three things the
-loop asks of it (sample, score tokens, export). Parameters are the train state's pytree: the
+"""The policy a run trains: the NNX model as (graphdef, state), tokenizer, mesh, and the three
+things the loop asks of it (sample, score tokens, export). `params` is the train state's
+trainable pytree (all parameters, or the LoRA adapters when `frozen` holds the base); the
 sampler reads them as they are, with no host round trip or format conversion.
 """
 
@@ -14,12 +15,14 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl4llm.train.config import ConfigError, RunConfig
+from jaxrl4llm.train.step import join_params
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    config: Any  # jaxrl4llm.models.ModelConfig
-    params: Any
+    config: Any  # jaxrl4llm.models.ModelConfig, or None for a bring-your-own module
+    graphdef: Any  # flax.nnx.GraphDef
+    params: Any  # trainable nnx.State
     tokenizer: Any
     mesh: Mesh | None
     eos_token_ids: tuple[int, ...]
@@ -27,23 +30,34 @@ class Policy:
     temperature: float
     chunk_size: int
     cpu_kernels: bool | None = None  # generate(cpu_kernels=): None = auto
+    frozen: Any = None  # frozen nnx.State (the LoRA base), or None
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
 
+    def with_state(self, train_state) -> "Policy":
+        """The policy at a TrainState: its params and its frozen part (the update donates the
+        state's buffers, so the frozen base is read from the newest state, never kept aside)."""
+        return dataclasses.replace(self, params=train_state.params, frozen=train_state.frozen)
+
+    @property
+    def state(self):
+        """What `nnx.merge(graphdef, ...)` takes: params, or (adapters, frozen base)."""
+        return join_params(self.params, self.frozen)
+
     @property
     def logprob_fn(self):
-        """(params, inputs, targets, positions, attention_mask) -> (logp, entropy) [B, L], at the
+        """(state, inputs, targets, positions, attention_mask) -> (logp, entropy) [B, L], at the
         rollout temperature (the distribution the sampler drew from, before top-k/top-p)."""
-        from jaxrl4llm.models import token_logprobs
+        from jaxrl4llm.models import score_tokens
 
-        return functools.partial(_logprobs, token_logprobs, self.config, self.temperature, self.chunk_size)
+        return functools.partial(_logprobs, score_tokens, self.graphdef, self.temperature, self.chunk_size)
 
     def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False):
         from jaxrl4llm.sampling import generate
 
         return generate(
-            self.params, self.config, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+            self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.mesh,
             greedy=greedy or temperature <= 0, cpu_kernels=self.cpu_kernels,
@@ -58,18 +72,22 @@ class Policy:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def export(self, path: str | Path) -> Path:
-        """Writes an HF folder (config.json, safetensors, tokenizer) loadable by transformers/vLLM."""
+        """Writes an HF folder (config.json, safetensors, tokenizer) loadable by transformers/vLLM;
+        LoRA adapters are merged into the weights."""
         from jaxrl4llm.models import save_pretrained
 
+        if self.config is None:
+            raise ConfigError("model.module models have no Hugging Face layout to export to; set trainer.export_hf=false "
+                              "and save the orbax checkpoint's state instead.")
         path = Path(path)
-        save_pretrained(self.config, self.params, path)
+        save_pretrained((self.graphdef, self.state), path)
         self.tokenizer.save_pretrained(str(path))
         return path
 
 
-def _logprobs(token_logprobs, config, temperature, chunk_size, params, inputs, targets, positions, attention_mask):
-    return token_logprobs(params, config, inputs, targets, positions=positions, attention_mask=attention_mask,
-                          temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size)
+def _logprobs(score_tokens, graphdef, temperature, chunk_size, state, inputs, targets, positions, attention_mask):
+    return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
+                        temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size)
 
 
 def _eos_ids(tokenizer, model_config) -> tuple[int, ...]:
@@ -90,37 +108,79 @@ def _eos_ids(tokenizer, model_config) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _user_module(m, tokenizer, rng):
+    """model.module = "package.module:factory" -> (graphdef, state) of the user's NNX model."""
+    from flax import nnx
+
+    from jaxrl4llm.train.loop import import_object
+
+    factory = import_object(m.module, "model.module")
+    model = factory(vocab_size=len(tokenizer), rngs=nnx.Rngs(params=rng))
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(f"model.module={m.module!r} returned {type(model).__name__}, not an nnx.Module.")
+    if m.lora is not None:
+        raise ConfigError("model.lora applies to jaxrl4llm's models; wrap your own module's linears instead.")
+    return nnx.split(model)
+
+
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
-    """From `model.path` (an HF folder) or a random model of the configured size + `model.tokenizer`."""
-    from jaxrl4llm.models import ModelConfig, init_params, load_pretrained, load_tokenizer, param_shardings
+    """From `model.path` (an HF folder), `model.module` (your NNX model) or a random model of the
+    configured size + `model.tokenizer`; with `model.lora`, adapters on a frozen base."""
+    from flax import nnx
+
+    from jaxrl4llm.models import ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, param_shardings
 
     m = cfg.model
+    rng = jax.random.PRNGKey(cfg.trainer.seed)
+    model_config = None
     if m.path:
         if not Path(m.path).is_dir():
             raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a local Hugging Face checkpoint (config.json + *.safetensors).")
-        model_config, params = load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh)
+        model = load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh)
+        model_config = model.config
+        graphdef, state = nnx.split(model)
         tokenizer = load_tokenizer(m.tokenizer or m.path)
     else:
         if not m.tokenizer:
             raise ConfigError("Set model.path (an HF checkpoint folder) or, for a random model, model.tokenizer (a tokenizer folder).")
         tokenizer = load_tokenizer(m.tokenizer)
-        model_config = ModelConfig(
-            architecture=m.architecture, vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
-            attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
-            rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )
-        params = init_params(model_config, jax.random.PRNGKey(cfg.trainer.seed))
+        if m.module:
+            graphdef, state = _user_module(m, tokenizer, rng)
+        else:
+            model_config = ModelConfig(
+                architecture=m.architecture, vocab_size=len(tokenizer), hidden_size=m.hidden_size,
+                intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+                attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
+                rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            )
+            graphdef, state = init_model(model_config, rng)
         if mesh is not None:
-            params = jax.device_put(params, param_shardings(model_config, mesh))
-    if m.remat and not model_config.remat:
+            state = jax.device_put(state, param_shardings(state, mesh))
+    if m.remat and model_config is not None and not model_config.remat:
         model_config = model_config.replace(remat=True)
+        graphdef, state = nnx.split(_with_config(nnx.merge(graphdef, state), model_config))
+    frozen = None
+    if m.lora is not None and model_config is not None:
+        graphdef, adapters = add_lora(model_config, m.lora.settings(), jax.random.fold_in(rng, 1))
+        if mesh is not None:
+            adapters = jax.device_put(adapters, param_shardings(adapters, mesh))
+        state, frozen = adapters, state
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Policy(
-        config=model_config, params=params, tokenizer=tokenizer, mesh=mesh, eos_token_ids=_eos_ids(tokenizer, model_config),
-        pad_token_id=int(pad), temperature=cfg.rollout.temperature, chunk_size=m.logprob_chunk_size,
+        config=model_config, graphdef=graphdef, params=state, frozen=frozen, tokenizer=tokenizer, mesh=mesh,
+        eos_token_ids=_eos_ids(tokenizer, model_config), pad_token_id=int(pad), temperature=cfg.rollout.temperature,
+        chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
     )
 
+
+def _with_config(model, config):
+    """The same module tree and arrays under another ModelConfig (e.g. remat switched on)."""
+    from jaxrl4llm.models import abstract_model
+
+    graphdef, _ = abstract_model(config)
+    from flax import nnx
+
+    return nnx.merge(graphdef, nnx.state(model))

@@ -7,7 +7,10 @@ micro-batches (and, under GSPMD, over devices) and divided once by the mini-batc
 denominator, so the update equals the one computed on the whole mini-batch at once.
 
 The model enters as `logprob_fn(params, input_tokens, targets, positions, attention_mask)
--> (logp [B, L], entropy [B, L])`, so this module knows nothing of any architecture.
+-> (logp [B, L], entropy [B, L])`, so this module knows nothing of any architecture. With a
+frozen part (LoRA: `TrainState.frozen` holds the base weights), `params` passed to it is
+`join_params(trainable, frozen)` = (trainable, frozen), and only the trainable part is
+differentiated, optimised and checkpointed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl4llm.core import LossTerms, Recipe, aggregate_loss, policy_loss
+from jaxrl4llm.core import LossTerms, Recipe, policy_loss
 
 LogprobFn = Callable[..., tuple[chex.Array, chex.Array]]
 
@@ -52,11 +55,18 @@ class TrainBatch(NamedTuple):
 
 @chex.dataclass
 class TrainState:
-    """Everything an update changes: step count, parameters, optimizer state."""
+    """Everything an update changes: step count, trainable parameters, optimizer state; and the
+    frozen parameters an update reads but never changes (None, or the LoRA base)."""
 
     step: chex.Array
     params: Any
     opt_state: Any
+    frozen: Any = None
+
+
+def join_params(params, frozen):
+    """What `logprob_fn` takes: the trainable params alone, or (trainable, frozen)."""
+    return params if frozen is None else (params, frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +99,9 @@ def make_optimizer(
     return optax.chain(*parts), sched
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+def init_train_state(params, optimizer: optax.GradientTransformation, frozen=None) -> TrainState:
+    """Step 0; the optimizer state covers `params` only (never `frozen`)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), frozen=frozen)
 
 
 def _split(x: chex.Array, n: int) -> chex.Array:
@@ -166,9 +177,10 @@ def make_update_fn(
     """
     s = settings
 
-    def micro_step(params, mb: TrainBatch):
+    def micro_step(params, frozen, mb: TrainBatch):
         def num_fn(p):
-            terms, metrics, clipped = batch_loss_terms(p, mb, logprob_fn=logprob_fn, recipe=recipe, loss_fn=loss_fn)
+            terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=logprob_fn, recipe=recipe,
+                                                       loss_fn=loss_fn)
             return terms.numerator, (terms, metrics, clipped)
 
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
@@ -178,12 +190,13 @@ def make_update_fn(
         micros = jax.tree.map(lambda x: _split(x, s.micro_batches), mini)
         zero_grads = jax.tree.map(jnp.zeros_like, state.params)
         # Metrics structure from an abstract evaluation, so the scan carry is fixed.
-        _, terms_shape, metrics_shape, _ = jax.eval_shape(micro_step, state.params, jax.tree.map(lambda x: x[0], micros))
+        _, terms_shape, metrics_shape, _ = jax.eval_shape(micro_step, state.params, state.frozen,
+                                                          jax.tree.map(lambda x: x[0], micros))
         zero_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
 
         def body(carry, mb):
             g_acc, num, den, met = carry
-            g, terms, metrics, clipped = micro_step(state.params, mb)
+            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb)
             g_acc = jax.tree.map(jnp.add, g_acc, g)
             return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
 
@@ -195,7 +208,7 @@ def make_update_fn(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen)
         return new_state, (metrics, _unsplit(clipped))
 
     def update(state: TrainState, batch: TrainBatch):
@@ -245,10 +258,3 @@ def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int):
         return _unsplit(logp), _unsplit(ent)
 
     return run
-
-
-def loss_denominator(batch: TrainBatch, recipe: Recipe) -> chex.Array:
-    """The batch's global loss denominator (parameter-free), e.g. for checks and logging."""
-    m = batch.loss_mask * batch.row_weights[:, None]
-    return aggregate_loss(jnp.zeros_like(m), m, recipe.loss_agg_mode, norm_length=recipe.norm_length,
-                          row_weights=batch.denominator_weights).denominator

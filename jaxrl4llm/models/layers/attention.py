@@ -1,4 +1,4 @@
-"""Grouped-query attention: projections, masks and scaled dot-product attention.
+"""Grouped-query attention: the projections module, masks and scaled dot-product attention.
 
 Masks are boolean [B, Tq, S] "may attend" arrays. Masked scores get a large finite negative
 value (not -inf) so a query with no visible key (a padding row) yields finite values.
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxrl4llm.models.layers.linear import einsum
+from jaxrl4llm.models.layers.linear import Linear, LoraSettings, einsum
+from jaxrl4llm.models.layers.norm import RMSNorm
 
 _MASKED = -1e30
 
@@ -22,18 +24,6 @@ def causal_padding_mask(attention_mask: jax.Array) -> jax.Array:
     t = attention_mask.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     return causal[None] & (attention_mask[:, None, :] > 0)
-
-
-def cache_mask(kv_mask: jax.Array, cache_index: jax.Array, num_queries: int) -> jax.Array:
-    """allowed[b, i, s] = (s <= cache_index + i) & kv_mask[b, s]: query i sits in slot cache_index + i.
-
-    Args: kv_mask [B, S] (1 where slot s holds a real token); cache_index int32 scalar.
-    Returns [B, num_queries, S] bool.
-    """
-    s = kv_mask.shape[1]
-    query_slot = cache_index + jnp.arange(num_queries, dtype=jnp.int32)
-    causal = jnp.arange(s, dtype=jnp.int32)[None, :] <= query_slot[:, None]
-    return causal[None] & (kv_mask[:, None, :] > 0)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -85,3 +75,47 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     if query_chunk and q.shape[1] > query_chunk:
         return attend_in_query_chunks(q, k, v, mask, dtype, query_chunk)
     return attend(q, k, v, mask, dtype)
+
+
+class Attention(nnx.Module):
+    """The attention projections of a decoder layer (the attention itself is the caller's `attend`).
+
+    q_proj [D, H, Dh], k_proj / v_proj [D, KVH, Dh] (+ biases [H|KVH, Dh] when
+    `attention_bias`, Qwen2), o_proj [H, Dh, D] (+ bias [D] when `o_proj_bias`), per-head
+    RMSNorm q_norm / k_norm [Dh] when `qk_norm` (Qwen3).
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, lora: LoraSettings | None = None):
+        c = config
+        d, h, kvh, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+        def linear(name, spec, shape, axes, bias_axes=None, in_ndim=1):
+            adapter = lora if lora is not None and name in lora.targets else None
+            return Linear(spec, shape, axes, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs, in_ndim=in_ndim,
+                          bias_axes=bias_axes, lora=adapter)
+
+        qkv_bias = lambda heads: (heads, "head_dim") if c.attention_bias else None
+        self.q_proj = linear("q_proj", "btd,dhk->bthk", (d, h, dh), ("embed", "heads", "head_dim"), qkv_bias("heads"))
+        self.k_proj = linear("k_proj", "btd,dhk->bthk", (d, kvh, dh), ("embed", "kv_heads", "head_dim"),
+                             qkv_bias("kv_heads"))
+        self.v_proj = linear("v_proj", "btd,dhk->bthk", (d, kvh, dh), ("embed", "kv_heads", "head_dim"),
+                             qkv_bias("kv_heads"))
+        self.o_proj = linear("o_proj", "bthk,hkd->btd", (h, dh, d), ("heads", "head_dim", "embed"),
+                             ("norm",) if c.o_proj_bias else None, in_ndim=2)
+        norm = lambda: RMSNorm(dh, ("head_dim",), eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        self.q_norm = norm() if c.qk_norm else None
+        self.k_norm = norm() if c.qk_norm else None
+
+    def qkv(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """h [B, T, D] -> q [B, T, H, Dh], k, v [B, T, KVH, Dh] float32 (biases added)."""
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
+    def qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-head RMSNorm of q and k (Qwen3), identity otherwise."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
+    def out(self, attn: jax.Array) -> jax.Array:
+        """attn [B, T, H, Dh] -> attn W_o (+ b_o) [B, T, D] float32."""
+        return self.o_proj(attn)

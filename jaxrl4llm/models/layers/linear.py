@@ -1,11 +1,17 @@
-"""Mixed-precision contraction: the one place where matmul precision is decided."""
+"""Linear layers: the one place where matmul precision is decided, and the LoRA adapter.
+
+    y = x W                       W [in..., out...] (y = einsum(spec, x, W)), float32 out
+    y = x W + (alpha / r) x A B   with LoRA: A [in..., r], B [r, out...] (Hu et al. 2021, arXiv 2106.09685)
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -52,3 +58,106 @@ def _mixed_einsum(spec: str, dtype: jnp.dtype, x_dtype: jnp.dtype, w_dtype: jnp.
 
     f.defvjp(fwd, bwd)
     return f
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (Hu et al. 2021): y = x W + (alpha / rank) x A B, W frozen, A and B trained.
+
+    rank: r. alpha: scale numerator (scale = alpha / rank). targets: names of the linears that
+    get adapters ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "lm_head"). dropout: must be 0 (adapter dropout is not implemented; a non-zero value is
+    refused rather than silently ignored). A starts N(0, 1/in), B at zero, so an adapted model starts equal to its base.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if self.dropout != 0.0:
+            raise ValueError(f"lora.dropout={self.dropout}: adapter dropout is not implemented; set lora.dropout=0")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(f"lora.targets {list(self.targets)}: unknown {unknown}; valid: {', '.join(LORA_TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def param(value: jax.Array, axes: tuple[str | None, ...], kind=nnx.Param) -> nnx.Variable:
+    """A parameter carrying its logical sharding axes as metadata (`sharding_names`).
+
+    The names are logical ("embed", "heads", ...); `models.sharding` maps them to mesh axes,
+    so they are never placed eagerly (eager_sharding=False).
+    """
+    return kind(value, sharding_names=tuple(axes), eager_sharding=False)
+
+
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = einsum(spec, x, W) (+ b) (+ LoRA), float32 out, matmul inputs in `dtype`.
+
+    Args:
+      spec: the contraction, e.g. "btd,dhk->bthk" (x [B, T, D], W [D, H, Dh] -> [B, T, H, Dh]).
+      shape, axes: W's shape and logical axis names. `in_ndim` leading dims of W are contracted.
+      bias_axes: adds b [out...] (None: no bias). lora: LoRA settings (None: no adapter).
+    """
+
+    def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *, dtype, param_dtype,
+                 rngs: nnx.Rngs, in_ndim: int = 1, bias_axes: tuple[str, ...] | None = None,
+                 lora: LoraSettings | None = None, std: float = 0.02):
+        self.spec = spec
+        self.dtype = jnp.dtype(dtype)
+        self.kernel = param(normal_init(rngs, shape, param_dtype, std), axes)
+        self.bias = None if bias_axes is None else param(jnp.zeros(shape[in_ndim:], param_dtype), bias_axes)
+        self.lora = None if lora is None else LoraAdapter(spec, shape, axes, in_ndim=in_ndim, settings=lora,
+                                                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = einsum(self.spec, x, self.kernel[...], self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        if self.lora is not None:
+            y = y + self.lora(x)
+        return y
+
+
+class LoraAdapter(nnx.Module):
+    """delta(x) = (alpha / r) * einsum(spec, dropout(x) A, B); A [in..., r], B [r, out...] as nnx.LoRAParam."""
+
+    def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *, in_ndim: int,
+                 settings: LoraSettings, dtype, param_dtype, rngs: nnx.Rngs):
+        inputs, out = spec.replace(" ", "").split("->")
+        x_idx, w_idx = inputs.split(",")
+        w_in, w_out = w_idx[:in_ndim], w_idx[in_ndim:]
+        self.down_spec = f"{x_idx},{w_in}r->{out[:len(out) - len(w_out)]}r"
+        self.up_spec = f"{out[:len(out) - len(w_out)]}r,r{w_out}->{out}"
+        fan_in = 1
+        for n in shape[:in_ndim]:
+            fan_in *= n
+        r = settings.rank
+        self.scale = settings.scale
+        self.dtype = jnp.dtype(dtype)
+        self.lora_a = param(normal_init(rngs, (*shape[:in_ndim], r), param_dtype, fan_in ** -0.5),
+                            (*axes[:in_ndim], None), nnx.LoRAParam)
+        self.lora_b = param(jnp.zeros((r, *shape[in_ndim:]), param_dtype), (None, *axes[in_ndim:]), nnx.LoRAParam)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = einsum(self.down_spec, x, self.lora_a[...], self.dtype)
+        return self.scale * einsum(self.up_spec, h, self.lora_b[...], self.dtype)
+
+    def delta_kernel(self) -> jax.Array:
+        """(alpha / r) A B: the change of W that merging the adapter makes, W's shape, float32."""
+        a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
+        return self.scale * jnp.tensordot(a, b, axes=1)

@@ -1,9 +1,12 @@
-"""RMSNorm."""
+"""RMSNorm: the pure function and its nnx.Module."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl4llm.models.layers.linear import param
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -14,3 +17,14 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
     variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
     return x * jax.lax.rsqrt(variance + eps) * scale.astype(jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """y = rms_norm(x, scale, eps); scale [D] starts at ones."""
+
+    def __init__(self, dim: int, axes: tuple[str, ...], *, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = param(jnp.ones((dim,), param_dtype), axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)

@@ -1,0 +1,210 @@
+"""The decoder-only causal LM (Qwen2/2.5, Qwen3, Llama 3) as a Flax NNX module, and the pure
+functions of its `(graphdef, state)` that every jitted program calls.
+
+    x_0 = embed(tokens)
+    x_{l+1} = decoder_layer(x_l)                 (l < L: lax.scan over the stacked layer state)
+    logits = norm(x_L) W_head                    (W_head = embed^T when tied)
+
+The residual stream is float32; matmul inputs are `config.dtype` with float32 accumulation.
+Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm, Llama 3 "llama3" RoPE scaling; all three
+share this code (the module only holds the weights a family has).
+
+The functional boundary: `graphdef, state = nnx.split(model)` once (or `init_model`,
+`load_pretrained`); jitted programs take `state` (an `nnx.State` pytree: optax, orbax and the
+sampler treat it as any pytree) with `graphdef` static, and rebuild the module inside with
+`nnx.merge`. Nothing mutates a Python object under `jit`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxrl4llm.core.logprobs import token_logprobs_from_head
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
+from jaxrl4llm.models.layers.decoder import DecoderLayer
+from jaxrl4llm.models.layers.linear import Linear, LoraSettings, einsum, normal_init, param
+from jaxrl4llm.models.layers.norm import RMSNorm
+from jaxrl4llm.models.layers.rope import rope_tables
+
+
+def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """pos[b, t] = max(cumsum(mask[b])[t] - 1, 0): RoPE positions of a left-padded batch.
+
+    Args: attention_mask [B, T] (1 = real token). Returns [B, T] int32.
+    """
+    return jnp.maximum(jnp.cumsum(jnp.asarray(attention_mask).astype(jnp.int32), axis=-1) - 1, 0)
+
+
+class Embed(nnx.Module):
+    """embedding [V, D] ("vocab", "embed"): tokens -> rows, and the tied LM head h E^T."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs, std: float = 0.02):
+        self.dtype = jnp.dtype(dtype)
+        self.embedding = param(normal_init(rngs, (vocab, dim), param_dtype, std), ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        # mode="clip": an out-of-range id (e.g. -1 padding) must not become NaN, which would leak
+        # through masked attention (0 * NaN = NaN).
+        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip").astype(jnp.float32)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """Tied LM head: h [B, T, D] -> h E^T [B, T, V] float32."""
+        return einsum("btd,vd->btv", h, self.embedding[...], self.dtype)
+
+
+class CausalLM(nnx.Module):
+    """A decoder-only transformer of one of the supported families (`config.architecture`).
+
+    Attributes: embed_tokens (Embed), layers (one DecoderLayer whose parameters are stacked
+    [L, ...] on a leading "layers" axis), final_norm (RMSNorm), lm_head (Linear [D, V], None
+    when tied). Every parameter carries its logical sharding axes as `sharding_names` metadata.
+
+    Args:
+      config: ModelConfig. rngs: nnx.Rngs for the random init (N(0, std^2) matrices, ones for
+        norm scales, zeros for biases). lora: LoraSettings to add LoRA adapters (nnx.LoRAParam).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora: LoraSettings | None = None,
+                 std: float = 0.02):
+        c = config
+        self.config = c
+        self.lora_settings = lora
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs,
+                                  std=std)
+
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_layers(rngs):
+            return DecoderLayer(c, rngs=rngs, lora=lora)
+
+        self.layers = stacked_layers(rngs)
+        self.final_norm = RMSNorm(c.hidden_size, ("norm",), eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        head_lora = lora if lora is not None and "lm_head" in lora.targets else None
+        self.lm_head = None if c.tie_word_embeddings else Linear(
+            "btd,dv->btv", (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype=c.dtype,
+            param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std)
+
+    def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                      attention_mask: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real)."""
+        c = self.config
+        cos, sin = rope_tables(c, positions)
+        mask = causal_padding_mask(attention_mask)
+        dtype = jnp.dtype(c.dtype)
+        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask, dtype, query_chunk=c.attention_query_chunk),
+                                  None)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(x, one_layer):
+            x, _ = nnx.merge(layer_def, one_layer)(x, cos, sin, attend)
+            return x, None
+
+        if c.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, _ = jax.lax.scan(body, self.embed_tokens(tokens), layer_state)
+        return self.final_norm(x)
+
+    def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """LM head: h [B, T, D] -> logits [B, T, V] float32."""
+        return self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+
+    def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 attention_mask: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+        """logits [B, T, V] float32. Left-padded rows equal each row run alone (positions from
+        `positions_from_mask`); rows at padding positions hold finite garbage."""
+        return self.logits(self.hidden_states(tokens, positions, attention_mask))
+
+
+class Qwen2ForCausalLM(CausalLM):
+    """Qwen2 / Qwen2.5: q/k/v biases, untied or tied head."""
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """Qwen3: per-head q/k RMSNorm, explicit head_dim."""
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama 3 / 3.1: "llama3" RoPE scaling."""
+
+
+FAMILY_CLASSES = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM}
+
+
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The module class of `config.architecture`."""
+    return FAMILY_CLASSES[config.architecture]
+
+
+# ---------------------------------------------------------------------------- the functional boundary
+def merge(graphdef: nnx.GraphDef, state) -> nnx.Module:
+    """nnx.merge(graphdef, *states): `state` is one nnx.State or a tuple of them (e.g. LoRA
+    adapters and the frozen base, see `models.lora`)."""
+    states = state if isinstance(state, tuple) else (state,)
+    return nnx.merge(graphdef, *states)
+
+
+def abstract_model(config: ModelConfig, *, lora: LoraSettings | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs): shapes, dtypes and sharding metadata, nothing allocated."""
+    model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0), lora=lora))
+    return nnx.split(model)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "lora", "std"))
+def _init_state(config: ModelConfig, rng: jax.Array, lora: LoraSettings | None, std: float):
+    return nnx.split(model_class(config)(config, rngs=nnx.Rngs(params=rng), lora=lora, std=std))[1]
+
+
+def init_model(config: ModelConfig, rng: jax.Array, *, lora: LoraSettings | None = None,
+               std: float = 0.02) -> tuple[nnx.GraphDef, nnx.State]:
+    """A random model as (graphdef, state), built in one jitted program.
+
+    To create it sharded: `jax.device_put(state, param_shardings(state, mesh))`, or jit
+    `_init_state` with those out_shardings for models too large for one device.
+    """
+    graphdef, _ = abstract_model(config, lora=lora)
+    return graphdef, _init_state(config, rng, lora, std)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def forward(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, positions: Int[Array, "B T"],
+            attention_mask: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+    """logits = merge(graphdef, state)(tokens, positions, attention_mask): [B, T, V] float32."""
+    return merge(graphdef, state)(tokens, positions, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, positions: Int[Array, "B T"],
+                  attention_mask: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    """Final-norm hidden states [B, T, D] float32 of a model with a `hidden_states` method."""
+    return merge(graphdef, state).hidden_states(tokens, positions, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
+def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
+                 positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
+                 chunk_size: int = 128) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
+
+    logp[b, t] = log_softmax(z)[targets[b, t]], entropy = logZ - E_p[z] (max-subtracted,
+    `core.token_logprobs_from_head`), z = logits[b, t] / temperature. A model with
+    `hidden_states` and `logits` methods (ours, and the bring-your-own protocol's optional
+    pair) gets its LM head applied `chunk_size` positions at a time, so the [B, T, V] logits
+    never exist at once; any other model's `__call__` logits are scored whole.
+    Targets outside [0, V) (e.g. -100) are clipped, never NaN: mask those positions.
+    """
+    model = merge(graphdef, state)
+    inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
+    if hasattr(model, "hidden_states") and hasattr(model, "logits"):
+        h = model.hidden_states(tokens, positions, attention_mask)
+        head = lambda hc: model.logits(hc) * inv_temperature
+    else:
+        h = model(tokens, positions, attention_mask)
+        head = lambda zc: zc * inv_temperature
+    return token_logprobs_from_head(head, h, targets, chunk_size=chunk_size, return_entropy=True)

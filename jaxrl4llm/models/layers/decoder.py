@@ -1,0 +1,88 @@
+"""The decoder layer: its math written once, and its nnx.Module.
+
+    x'  = x + W_o attend(rope(qk_norm(q)), rope(qk_norm(k)), v),   (q, k, v) = norm_1(x) (W_q, W_k, W_v)
+    x'' = x' + W_down (silu(norm_2(x') W_gate) * norm_2(x') W_up)
+
+`decoder_layer` is that math over any object with the projection methods of `LayerWeights`:
+the training forward and the scoring pass run it over a `DecoderLayer` (one Linear per HF
+weight, LoRA adapters included), the sampler's prefill and decode step over its fused decode
+layout (`models/decode.py`). What differs between them is only `attend`: causal attention over
+the sequence, or attention against a KV cache (which `attend` also writes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import jax
+from flax import nnx
+
+from jaxrl4llm.models.layers.attention import Attention
+from jaxrl4llm.models.layers.linear import LoraSettings
+from jaxrl4llm.models.layers.mlp import MLP, swiglu_gate
+from jaxrl4llm.models.layers.norm import RMSNorm
+from jaxrl4llm.models.layers.rope import apply_rope
+
+# attend(q [B, T, H, Dh], k, v [B, T, KVH, Dh]) -> (out [B, T, H, Dh] float32, aux): aux is what
+# the caller keeps of the layer (nothing in training, the written KV cache when decoding).
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+class LayerWeights(Protocol):
+    """What `decoder_layer` needs of a layer's weights (all outputs float32)."""
+
+    def input_norm(self, x: jax.Array) -> jax.Array: ...  # [B, T, D] -> [B, T, D]
+    def post_attn_norm(self, x: jax.Array) -> jax.Array: ...
+    def qkv(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]: ...  # -> [B,T,H,Dh], 2x [B,T,KVH,Dh]
+    def qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+    def out(self, attn: jax.Array) -> jax.Array: ...  # [B, T, H, Dh] -> [B, T, D]
+    def gate_up(self, h: jax.Array) -> tuple[jax.Array, jax.Array]: ...  # [B, T, D] -> 2x [B, T, F]
+    def down(self, a: jax.Array) -> jax.Array: ...  # [B, T, F] -> [B, T, D]
+
+
+def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  attend: AttendFn) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder layer (formula in the module docstring).
+
+    Args: x [B, T, D] float32 residual stream; cos, sin [B, T, Dh] rotary tables of the T
+      positions; attend: attention of the new queries (see AttendFn).
+    Returns: (x'' [B, T, D] float32, attend's aux).
+    """
+    q, k, v = layer.qkv(layer.input_norm(x))
+    q, k = layer.qk_norm(q, k)
+    attn, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    x = x + layer.out(attn)
+    g, u = layer.gate_up(layer.post_attn_norm(x))
+    return x + layer.down(swiglu_gate(g, u)), aux
+
+
+class DecoderLayer(nnx.Module):
+    """input_norm, attn (q/k/v/o projections, q/k norms), post_attn_norm, mlp (gate/up/down)."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, lora: LoraSettings | None = None):
+        c = config
+        norm = lambda: RMSNorm(c.hidden_size, ("norm",), eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        self.input_norm = norm()
+        self.attn = Attention(c, rngs=rngs, lora=lora)
+        self.post_attn_norm = norm()
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs,
+                       lora=lora)
+
+    # LayerWeights
+    def qkv(self, h):
+        return self.attn.qkv(h)
+
+    def qk_norm(self, q, k):
+        return self.attn.qk_norm(q, k)
+
+    def out(self, attn):
+        return self.attn.out(attn)
+
+    def gate_up(self, h):
+        return self.mlp.gate_up(h)
+
+    def down(self, a):
+        return self.mlp.down(a)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn) -> tuple[jax.Array, Any]:
+        return decoder_layer(self, x, cos, sin, attend)

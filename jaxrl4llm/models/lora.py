@@ -1,0 +1,76 @@
+"""LoRA on the model's linears: add adapters to a base model, split trainable from frozen, merge.
+
+    W_eff = W + (alpha / r) A B        (Hu et al. 2021, arXiv 2106.09685; PEFT's `lora_alpha / r`)
+
+The adapters are `nnx.LoRAParam` variables inside the adapted `Linear`s (`models/layers/linear.py`),
+so a model state splits by variable type: `nnx.split(model, nnx.LoRAParam, nnx.Param)` gives
+(graphdef, adapters, base). The trainer differentiates and optimises the adapters only
+(`train/step.py`: `TrainState.params` = adapters, `TrainState.frozen` = base), checkpoints hold
+the adapters only, and the sampler and the HF export run `merge_lora` first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl4llm.models.causal_lm import CausalLM, abstract_model, merge, model_class
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.layers.linear import Linear, LoraSettings
+
+
+@functools.partial(jax.jit, static_argnames=("config", "settings"))
+def _init_adapters(config: ModelConfig, rng: jax.Array, settings: LoraSettings) -> nnx.State:
+    # Only the adapters leave the program: XLA drops the base weights' random init.
+    model = model_class(config)(config, rngs=nnx.Rngs(params=rng), lora=settings)
+    return nnx.state(model, nnx.LoRAParam)
+
+
+def add_lora(config: ModelConfig, settings: LoraSettings, rng: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef of the adapted model, fresh adapters): A ~ N(0, 1/fan_in), B = 0.
+
+    The base state of the same config completes it: `nnx.merge(graphdef, adapters, base)`,
+    or `forward(graphdef, (adapters, base), ...)`. At init the adapted model equals its base.
+    """
+    graphdef, _ = abstract_model(config, lora=settings)
+    return graphdef, _init_adapters(config, rng, settings)
+
+
+def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(adapters, base) of an adapted model's state; (all params, empty) without adapters."""
+    adapters, base = nnx.split_state(state, nnx.LoRAParam, ...)
+    if not jax.tree.leaves(adapters):
+        return base, adapters
+    return adapters, base
+
+
+def _delta(linear: Linear) -> jax.Array:
+    """(alpha / r) A B in W's shape (with W's leading stacked-layer axes), float32."""
+    lora = linear.lora
+    a, b = lora.lora_a[...].astype(jnp.float32), lora.lora_b[...].astype(jnp.float32)
+    stacked = a.ndim + b.ndim - 2 - linear.kernel[...].ndim  # leading axes A and B share with W (layers)
+    product = lambda a, b: jnp.tensordot(a, b, axes=1)
+    for _ in range(stacked):
+        product = jax.vmap(product)
+    return lora.scale * product(a, b)
+
+
+def merge_lora(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
+    """A model with adapters -> the plain model (no adapters) with W <- W + (alpha / r) A B.
+
+    `state` is the adapted model's state (or a tuple (adapters, base)). Returns (graphdef,
+    state) of the un-adapted model of the same config; unchanged when there are no adapters.
+    Pure: jit it (the sampler's weight program and the HF export call it).
+    """
+    model = merge(graphdef, state)
+    if not isinstance(model, CausalLM) or model.lora_settings is None:
+        return graphdef, nnx.state(model)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and node.lora is not None:
+            node.kernel[...] = (node.kernel[...].astype(jnp.float32) + _delta(node)).astype(node.kernel.dtype)
+    plain_graphdef, _ = abstract_model(model.config)
+    base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    return plain_graphdef, base
