@@ -147,7 +147,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
                 layers = range(config.num_layers)[index[0]]
                 return np.stack([read(tm, tm.hf.format(i=i))[index[1:]] for i in layers])
 
-            return jax.make_array_from_callback(tuple(expected[key].shape), shardings[key].value, shard)
+            return jax.make_array_from_callback(tuple(expected[key].shape), shardings[key].get_value(), shard)
 
         state = nnx.from_flat_state([(path_key, v.replace(build("/".join(map(str, path_key)))))
                                      for path_key, v in nnx.to_flat_state(abstract)])
@@ -212,7 +212,7 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_siz
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
-    hosted = {tm.ours: _host_array(params[tm.ours].value) for tm in maps}
+    hosted = {tm.ours: _host_array(params[tm.ours].get_value()) for tm in maps}
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map = {}

@@ -160,7 +160,7 @@ def xla_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_
 
 # ---------------------------------------------------------------------------- weights
 def _flat_values(state) -> dict[str, jax.Array]:
-    return {"/".join(map(str, path)): v.value for path, v in nnx.to_flat_state(state)}
+    return {"/".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(state)}
 
 
 _NORMS_AND_BIASES = {  # decode-layout name -> state path (under layers/)
@@ -190,7 +190,7 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
     """
     dtype = jnp.dtype(config.dtype)
     flat = _flat_values(state)
-    axes = {key: tuple(v.value) for key, v in
+    axes = {key: tuple(v.get_value()) for key, v in
             (("/".join(map(str, p)), v) for p, v in nnx.to_flat_state(logical_axes(state)))}
     kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     b = backend
