@@ -64,7 +64,7 @@ class CausalLM(nnx.Module):
 
     Attributes: embed_tokens (Embed), layers (one DecoderLayer whose parameters are stacked
     [L, ...] on a leading "layers" axis), final_norm (RMSNorm), lm_head (Linear [D, V], None
-    when tied). Every parameter carries its logical sharding axes as `sharding_names` metadata.
+    when tied). Every parameter carries its logical sharding axes as `out_sharding` metadata.
 
     Args:
       config: ModelConfig. rngs: nnx.Rngs for the random init (N(0, std^2) matrices, ones for

@@ -1,6 +1,6 @@
 """Logical -> physical sharding: map logical axis names of params/activations to mesh axes.
 
-A parameter's logical axes are its own metadata (`sharding_names`, set where the module
+A parameter's logical axes are its own metadata (`out_sharding`, set where the module
 creates it: `models/layers/`); `param_shardings` reads them from the state, so a module's
 shapes, axes and HF names have one source each.
 
@@ -80,13 +80,16 @@ def _abstract_state(state_or_config):
     return state_or_config
 
 
+def _names(v: nnx.Variable) -> tuple:
+    """A parameter's logical axis names (`out_sharding` metadata; None per dim when absent)."""
+    names = v.get_metadata().get("out_sharding")
+    return tuple(names) if names is not None else (None,) * len(v.shape)
+
+
 def logical_axes(state) -> nnx.State:
     """The state with each parameter's value replaced by its logical axis names (a tuple, one
-    name or None per dim), read from the variable's `sharding_names` metadata."""
-    def axes(v: nnx.Variable):
-        names = v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding_names")
-        return v.replace(tuple(names) if names is not None else (None,) * len(v.shape))
-    return jax.tree.map(axes, state, is_leaf=_is_variable)
+    name or None per dim), read from the variable's `out_sharding` metadata."""
+    return jax.tree.map(lambda v: v.replace(_names(v)), state, is_leaf=_is_variable)
 
 
 def param_shardings(state_or_config, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
@@ -97,9 +100,7 @@ def param_shardings(state_or_config, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Sta
     jit's in/out shardings.
     """
     def sharding(v: nnx.Variable):
-        names = v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding_names")
-        names = tuple(names) if names is not None else (None,) * len(v.shape)
-        return v.replace(NamedSharding(mesh, logical_to_spec(names, rules, shape=tuple(v.shape), mesh=mesh)))
+        return v.replace(NamedSharding(mesh, logical_to_spec(_names(v), rules, shape=tuple(v.shape), mesh=mesh)))
     return jax.tree.map(sharding, _abstract_state(state_or_config), is_leaf=_is_variable)
 
 

@@ -93,12 +93,12 @@ class LoraSettings:
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...], kind=nnx.Param) -> nnx.Variable:
-    """A parameter carrying its logical sharding axes as metadata (`sharding_names`).
+    """A parameter carrying its logical sharding axes as metadata (`out_sharding`).
 
     The names are logical ("embed", "heads", ...); `models.sharding` maps them to mesh axes,
     so they are never placed eagerly (eager_sharding=False).
     """
-    return kind(value, sharding_names=tuple(axes), eager_sharding=False)
+    return kind(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float) -> jax.Array:
