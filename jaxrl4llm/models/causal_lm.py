@@ -29,7 +29,8 @@ from jaxrl4llm.core.logprobs import token_logprobs_from_head
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.decoder import DecoderLayer
-from jaxrl4llm.models.layers.linear import Linear, LoraSettings, einsum, normal_init, param
+from jaxrl4llm.models.layers.linear import (Linear, LoraSettings, current_dropout_key, einsum, lora_dropout,
+                                            normal_init, param)
 from jaxrl4llm.models.layers.norm import RMSNorm
 from jaxrl4llm.models.layers.rope import rope_tables
 
@@ -89,7 +90,7 @@ class CausalLM(nnx.Module):
         head_lora = lora if lora is not None and "lm_head" in lora.targets else None
         self.lm_head = None if c.tie_word_embeddings else Linear(
             "btd,dv->btv", (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype=c.dtype,
-            param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std)
+            param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std, name="lm_head")
 
     def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                       attention_mask: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -101,14 +102,18 @@ class CausalLM(nnx.Module):
         attend = lambda q, k, v: (dot_product_attention(q, k, v, mask, dtype, query_chunk=c.attention_query_chunk),
                                   None)
         layer_def, layer_state = nnx.split(self.layers)
+        dropout_key = current_dropout_key()  # LoRA dropout (training forwards only): one key per layer
+        keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
 
-        def body(x, one_layer):
-            x, _ = nnx.merge(layer_def, one_layer)(x, cos, sin, attend)
+        def body(x, xs):
+            one_layer, key = xs
+            with lora_dropout(key):
+                x, _ = nnx.merge(layer_def, one_layer)(x, cos, sin, attend)
             return x, None
 
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, self.embed_tokens(tokens), layer_state)
+        x, _ = jax.lax.scan(body, self.embed_tokens(tokens), (layer_state, keys))
         return self.final_norm(x)
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
@@ -189,7 +194,8 @@ def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, p
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
 def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
                  positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
-                 chunk_size: int = 128) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+                 chunk_size: int = 128, dropout_rng: jax.Array | None = None
+                 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
 
     logp[b, t] = log_softmax(z)[targets[b, t]], entropy = logZ - E_p[z] (max-subtracted,
@@ -198,8 +204,13 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
     pair) gets its LM head applied `chunk_size` positions at a time, so the [B, T, V] logits
     never exist at once; any other model's `__call__` logits are scored whole.
     Targets outside [0, V) (e.g. -100) are clipped, never NaN: mask those positions.
+    dropout_rng: a key for LoRA adapter dropout (the trainer's update passes one; None = none).
     """
-    model = merge(graphdef, state)
+    with lora_dropout(dropout_rng):
+        return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size)
+
+
+def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size):
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     if hasattr(model, "hidden_states") and hasattr(model, "logits"):
         h = model.hidden_states(tokens, positions, attention_mask)

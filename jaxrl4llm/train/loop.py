@@ -230,7 +230,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     update = jax.jit(
         make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
-                       settings=settings, loss_fn=loss_fn),
+                       settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None),
         out_shardings=(state_shardings, None, None),
         donate_argnums=(0,),
     )

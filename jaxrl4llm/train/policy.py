@@ -31,6 +31,7 @@ class Policy:
     chunk_size: int
     cpu_kernels: bool | None = None  # generate(cpu_kernels=): None = auto
     frozen: Any = None  # frozen nnx.State (the LoRA base), or None
+    dropout: bool = False  # the model has LoRA dropout: updates pass a dropout key
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -47,8 +48,9 @@ class Policy:
 
     @property
     def logprob_fn(self):
-        """(state, inputs, targets, positions, attention_mask) -> (logp, entropy) [B, L], at the
-        rollout temperature (the distribution the sampler drew from, before top-k/top-p)."""
+        """(state, inputs, targets, positions, attention_mask, rng=None) -> (logp, entropy) [B, L], at
+        the rollout temperature (the distribution the sampler drew from, before top-k/top-p);
+        `rng` keys LoRA dropout (the update passes it, scoring passes none)."""
         from jaxrl4llm.models import score_tokens
 
         return functools.partial(_logprobs, score_tokens, self.graphdef, self.temperature, self.chunk_size)
@@ -85,9 +87,10 @@ class Policy:
         return path
 
 
-def _logprobs(score_tokens, graphdef, temperature, chunk_size, state, inputs, targets, positions, attention_mask):
+def _logprobs(score_tokens, graphdef, temperature, chunk_size, state, inputs, targets, positions, attention_mask,
+              rng=None):
     return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
-                        temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size)
+                        temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size, dropout_rng=rng)
 
 
 def _eos_ids(tokenizer, model_config) -> tuple[int, ...]:
@@ -161,15 +164,16 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     if m.remat and model_config is not None and not model_config.remat:
         model_config = model_config.replace(remat=True)
         graphdef, state = nnx.split(_with_config(nnx.merge(graphdef, state), model_config))
-    frozen = None
+    frozen, dropout = None, False
     if m.lora is not None and model_config is not None:
         graphdef, adapters = add_lora(model_config, m.lora.settings(), jax.random.fold_in(rng, 1))
         if mesh is not None:
             adapters = jax.device_put(adapters, param_shardings(adapters, mesh))
         state, frozen = adapters, state
+        dropout = m.lora.dropout > 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Policy(
-        config=model_config, graphdef=graphdef, params=state, frozen=frozen, tokenizer=tokenizer, mesh=mesh,
+        config=model_config, graphdef=graphdef, params=state, frozen=frozen, dropout=dropout, tokenizer=tokenizer, mesh=mesh,
         eos_token_ids=_eos_ids(tokenizer, model_config), pad_token_id=int(pad), temperature=cfg.rollout.temperature,
         chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),

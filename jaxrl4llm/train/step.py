@@ -16,6 +16,7 @@ differentiated, optimised and checkpointed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import chex
@@ -169,17 +170,22 @@ def make_update_fn(
     schedule: optax.Schedule,
     settings: UpdateSettings,
     loss_fn=policy_loss,
+    dropout_seed: int | None = None,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict, chex.Array]]:
     """Builds update(state, batch) -> (state, metrics, clipped[B, L]); jit it (with shardings).
 
     B must be divisible by mini_batches * micro_batches. Metrics are token-weighted means over
     the last epoch plus grad_norm (mean over optimizer steps), learning_rate, loss.
+    dropout_seed: call `logprob_fn(..., rng=key)` with key = fold(seed, optimizer step,
+    micro-batch) for models with dropout (LoRA adapters); None: no rng argument.
     """
     s = settings
 
-    def micro_step(params, frozen, mb: TrainBatch):
+    def micro_step(params, frozen, mb: TrainBatch, key=None):
+        fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
+
         def num_fn(p):
-            terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=logprob_fn, recipe=recipe,
+            terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
                                                        loss_fn=loss_fn)
             return terms.numerator, (terms, metrics, clipped)
 
@@ -194,14 +200,19 @@ def make_update_fn(
                                                           jax.tree.map(lambda x: x[0], micros))
         zero_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
 
-        def body(carry, mb):
+        def body(carry, xs):
+            mb, index = xs
             g_acc, num, den, met = carry
-            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb)
+            key = None
+            if dropout_seed is not None:
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state.step), index)
+            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, key)
             g_acc = jax.tree.map(jnp.add, g_acc, g)
             return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
 
         zero = jnp.zeros((), jnp.float32)
-        (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics), micros)
+        (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics),
+                                                           (micros, jnp.arange(s.micro_batches)))
         scale = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         grad_norm = optax.tree.norm(grads)

@@ -105,4 +105,25 @@ def test_lora_settings_refuse_bad_values():
     with pytest.raises(ValueError, match="rank"):
         LoraSettings(rank=0)
     with pytest.raises(ValueError, match="dropout"):
-        LoraSettings(dropout=0.1)
+        LoraSettings(dropout=1.0)
+
+
+def test_lora_dropout_only_under_a_key_and_keyed(base):
+    config, (graphdef, frozen) = base
+    lora_def, adapters = add_lora(config, LoraSettings(rank=4, alpha=8.0, targets=TARGETS, dropout=0.5),
+                                  jax.random.key(1))
+    adapters = jax.tree.map(lambda a: a + 0.05, adapters)  # B != 0: the adapters change logits
+    tokens, positions, mask = _inputs()
+    score = lambda rng: score_tokens(lora_def, (adapters, frozen), tokens[:, :-1], tokens[:, 1:],
+                                     positions=positions[:, :-1], attention_mask=mask[:, :-1], dropout_rng=rng)[0]
+    plain = score(None)
+    np.testing.assert_allclose(plain, score(None))  # no key: deterministic, no dropout
+    a, b = score(jax.random.key(0)), score(jax.random.key(1))
+    np.testing.assert_allclose(a, score(jax.random.key(0)))  # same key, same masks
+    assert float(jnp.max(jnp.abs(a - plain))) > 1e-4 and float(jnp.max(jnp.abs(a - b))) > 1e-4
+    # the base path has no dropout: with the adapters zeroed, a key changes nothing
+    zero = jax.tree.map(jnp.zeros_like, adapters)
+    np.testing.assert_allclose(
+        score_tokens(lora_def, (zero, frozen), tokens, tokens, positions=positions, attention_mask=mask,
+                     dropout_rng=jax.random.key(0))[0],
+        score_tokens(graphdef, frozen, tokens, tokens, positions=positions, attention_mask=mask)[0], atol=1e-6)

@@ -14,7 +14,7 @@ from jaxrl4llm.train.loop import train
 
 from tests.train.conftest import tiny_overrides
 
-LORA = "{rank: 4, alpha: 8, targets: [q_proj, v_proj, gate_proj]}"
+LORA = "{rank: 4, alpha: 8, targets: [q_proj, v_proj, gate_proj], dropout: 0.1}"
 
 
 def _array_paths(tree, prefix=""):

@@ -92,7 +92,7 @@ class Attention(nnx.Module):
         def linear(name, spec, shape, axes, bias_axes=None, in_ndim=1):
             adapter = lora if lora is not None and name in lora.targets else None
             return Linear(spec, shape, axes, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs, in_ndim=in_ndim,
-                          bias_axes=bias_axes, lora=adapter)
+                          bias_axes=bias_axes, lora=adapter, name=name)
 
         qkv_bias = lambda heads: (heads, "head_dim") if c.attention_bias else None
         self.q_proj = linear("q_proj", "btd,dhk->bthk", (d, h, dh), ("embed", "heads", "head_dim"), qkv_bias("heads"))

@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +72,9 @@ class LoraSettings:
 
     rank: r. alpha: scale numerator (scale = alpha / rank). targets: names of the linears that
     get adapters ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "lm_head"). dropout: must be 0 (adapter dropout is not implemented; a non-zero value is
-    refused rather than silently ignored). A starts N(0, 1/in), B at zero, so an adapted model starts equal to its base.
+    "lm_head"). dropout: probability of zeroing an input of A (inverted dropout, as PEFT's
+    lora_dropout) in the forwards run under `lora_dropout(key)` (the trainer's update); scoring
+    and sampling never drop. A starts N(0, 1/in), B at zero, so an adapted model starts equal to its base.
     """
 
     rank: int = 8
@@ -81,8 +85,8 @@ class LoraSettings:
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if self.dropout != 0.0:
-            raise ValueError(f"lora.dropout={self.dropout}: adapter dropout is not implemented; set lora.dropout=0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
         unknown = sorted(set(self.targets) - set(LORA_TARGETS))
         if unknown or not self.targets:
             raise ValueError(f"lora.targets {list(self.targets)}: unknown {unknown}; valid: {', '.join(LORA_TARGETS)}")
@@ -90,6 +94,26 @@ class LoraSettings:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+_DROPOUT = threading.local()
+
+
+@contextlib.contextmanager
+def lora_dropout(key: jax.Array | None):
+    """Within this context (at trace time), LoRA adapters with dropout > 0 drop inputs of A,
+    keyed by `key` folded with the adapter's name (and by the caller with the layer index)."""
+    previous = getattr(_DROPOUT, "key", None)
+    _DROPOUT.key = key
+    try:
+        yield
+    finally:
+        _DROPOUT.key = previous
+
+
+def current_dropout_key() -> jax.Array | None:
+    """The key of the innermost `lora_dropout` context, or None (no dropout)."""
+    return getattr(_DROPOUT, "key", None)
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...], kind=nnx.Param) -> nnx.Variable:
@@ -112,17 +136,18 @@ class Linear(nnx.Module):
       spec: the contraction, e.g. "btd,dhk->bthk" (x [B, T, D], W [D, H, Dh] -> [B, T, H, Dh]).
       shape, axes: W's shape and logical axis names. `in_ndim` leading dims of W are contracted.
       bias_axes: adds b [out...] (None: no bias). lora: LoRA settings (None: no adapter).
+      name: the HF name of the linear ("q_proj"): keys its adapter's dropout.
     """
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *, dtype, param_dtype,
                  rngs: nnx.Rngs, in_ndim: int = 1, bias_axes: tuple[str, ...] | None = None,
-                 lora: LoraSettings | None = None, std: float = 0.02):
+                 lora: LoraSettings | None = None, std: float = 0.02, name: str = ""):
         self.spec = spec
         self.dtype = jnp.dtype(dtype)
         self.kernel = param(normal_init(rngs, shape, param_dtype, std), axes)
         self.bias = None if bias_axes is None else param(jnp.zeros(shape[in_ndim:], param_dtype), bias_axes)
         self.lora = None if lora is None else LoraAdapter(spec, shape, axes, in_ndim=in_ndim, settings=lora,
-                                                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                                          dtype=dtype, param_dtype=param_dtype, rngs=rngs, name=name)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = einsum(self.spec, x, self.kernel[...], self.dtype)
@@ -137,7 +162,7 @@ class LoraAdapter(nnx.Module):
     """delta(x) = (alpha / r) * einsum(spec, dropout(x) A, B); A [in..., r], B [r, out...] as nnx.LoRAParam."""
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *, in_ndim: int,
-                 settings: LoraSettings, dtype, param_dtype, rngs: nnx.Rngs):
+                 settings: LoraSettings, dtype, param_dtype, rngs: nnx.Rngs, name: str = ""):
         inputs, out = spec.replace(" ", "").split("->")
         x_idx, w_idx = inputs.split(",")
         w_in, w_out = w_idx[:in_ndim], w_idx[in_ndim:]
@@ -148,12 +173,18 @@ class LoraAdapter(nnx.Module):
             fan_in *= n
         r = settings.rank
         self.scale = settings.scale
+        self.dropout = settings.dropout
+        self.salt = zlib.crc32(name.encode())
         self.dtype = jnp.dtype(dtype)
         self.lora_a = param(normal_init(rngs, (*shape[:in_ndim], r), param_dtype, fan_in ** -0.5),
                             (*axes[:in_ndim], None), nnx.LoRAParam)
         self.lora_b = param(jnp.zeros((r, *shape[in_ndim:]), param_dtype), (None, *axes[in_ndim:]), nnx.LoRAParam)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        key = current_dropout_key()
+        if self.dropout > 0 and key is not None:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0)
         h = einsum(self.down_spec, x, self.lora_a[...], self.dtype)
         return self.scale * einsum(self.up_spec, h, self.lora_b[...], self.dtype)
 

@@ -20,7 +20,7 @@ class MLP(nnx.Module):
                  lora: LoraSettings | None = None):
         def linear(name, spec, shape, axes):
             adapter = lora if lora is not None and name in lora.targets else None
-            return Linear(spec, shape, axes, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=adapter)
+            return Linear(spec, shape, axes, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=adapter, name=name)
 
         self.gate_proj = linear("gate_proj", "btd,df->btf", (hidden, intermediate), ("embed", "mlp"))
         self.up_proj = linear("up_proj", "btd,df->btf", (hidden, intermediate), ("embed", "mlp"))
