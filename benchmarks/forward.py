@@ -5,7 +5,7 @@ transformers (PyTorch CPU) on the same weights and batch.
 
 jaxrl4llm runs with bf16 matmul inputs and float32 accumulation (the default dtype) and float32
 master params; PyTorch runs float32 and bfloat16. Forward+backward is the gradient of the
-summed next-token log-probs (ours: chunked `token_logprobs`; torch: log_softmax of logits).
+summed next-token log-probs (ours: chunked `score_tokens`; torch: log_softmax of logits).
 The ratio is ours / best PyTorch figure.
 """
 
@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 
-from jaxrl4llm.models import forward, load_pretrained, positions_from_mask, token_logprobs
+from jaxrl4llm.models import abstract_model, forward, load_pretrained, positions_from_mask, score_tokens
 
 QWEN3_100M = dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4, head_dim=64, rope_theta=1_000_000.0,
@@ -56,7 +57,8 @@ def main() -> None:
     model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**QWEN3_100M)).float().eval()
     folder = tempfile.mkdtemp()
     model.save_pretrained(folder)
-    config, params = load_pretrained(folder, dtype="bfloat16")
+    ours_model = load_pretrained(folder, dtype="bfloat16")
+    config, (graphdef, params) = ours_model.config, nnx.split(ours_model)
     print(f"Qwen3 {config.num_params / 1e6:.0f}M params, batch {b} x {t} tokens, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads)")
@@ -69,7 +71,7 @@ def main() -> None:
     targets = jnp.roll(tokens, -1, axis=1)
 
     def loss(p):
-        logp, _ = token_logprobs(p, config, tokens, targets, positions=positions, attention_mask=mask, chunk_size=128)
+        logp, _ = score_tokens(graphdef, p, tokens, targets, positions=positions, attention_mask=mask, chunk_size=128)
         return jnp.sum(logp)
 
     grad_fn = jax.jit(jax.grad(loss))
@@ -82,10 +84,12 @@ def main() -> None:
               f"{n_tokens / fb[1]:.0f})", flush=True)
 
     ours = {}
-    for name, cfg in (("jaxrl4llm bf16->f32", config), ("jaxrl4llm f32", config.replace(dtype="float32"))):
-        fwd = lambda cfg=cfg: forward(params, cfg, tokens, positions=positions, attention_mask=mask).block_until_ready()
+    # the compute dtype lives in the module (graphdef); the float32 master params are shared
+    f32_graphdef, _ = abstract_model(config.replace(dtype="float32"))
+    for name, gdef in (("jaxrl4llm bf16->f32", graphdef), ("jaxrl4llm f32", f32_graphdef)):
+        fwd = lambda gdef=gdef: forward(gdef, params, tokens, positions=positions, attention_mask=mask).block_until_ready()
         f = _time(fwd, args.iters)
-        fb = _time(lambda: jax.block_until_ready(grad_fn(params)), args.iters) if cfg is config else None
+        fb = _time(lambda: jax.block_until_ready(grad_fn(params)), args.iters) if gdef is graphdef else None
         ours[name] = (f, fb)
         report(name, f, fb)
 

@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -168,14 +169,14 @@ class TransformersPeer:
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> generate(cpu_kernels=...)
 
 
-def ours_call(config, params, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
+def ours_call(graphdef, state, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
               cpu_kernels: bool | None = None):
     """A function that runs our `generate` once on these prompts and blocks until it is done."""
     options = dict(SAMPLED if sampled else dict(greedy=True), cpu_kernels=cpu_kernels)
     prompt_list = [row.tolist() for row in prompts]
 
     def call(seed=0):
-        rollout = generate(params, config, prompt_list, num_samples=samples, max_new_tokens=new_tokens,
+        rollout = generate(graphdef, state, prompt_list, num_samples=samples, max_new_tokens=new_tokens,
                            eos_token_ids=[], pad_token_id=0, rng=jax.random.key(seed), **options)
         jax.block_until_ready(rollout)
         assert rollout.response_tokens.shape == (len(prompt_list) * samples, new_tokens)
@@ -232,23 +233,24 @@ def main(argv=None):
             peer = None if args.skip_transformers else stack.enter_context(TransformersPeer(size, args.dtype, folder))
             if peer is None:
                 make_hf_model(size, args.dtype, folder)  # the same random weights, torch in this process
-            config, params = load_pretrained(folder, dtype=args.dtype, param_dtype=args.dtype)
+            model = load_pretrained(folder, dtype=args.dtype, param_dtype=args.dtype)
+            config, (graphdef, state) = model.config, nnx.split(model)
             prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len))
             # the machine is shared: keep the best peaks seen in this run (a conservative roofline)
             peaks = {"bandwidth": max(peaks["bandwidth"], measure_copy_bandwidth()),
                      "peak": max(peaks["peak"], measure_matmul_peak())}
             for mode in args.modes.split(","):
-                print(measure_mode(args, size, mode, config, params, prompts, peer, peaks), flush=True)
+                print(measure_mode(args, size, mode, config, graphdef, state, prompts, peer, peaks), flush=True)
         footer.append(f"{size}: roofline from copy bandwidth {peaks['bandwidth'] / 1e9:.1f} GB/s, "
                       f"matmul peak {peaks['peak'] / 1e12:.2f} TFLOP/s")
     print("\n".join(footer))
 
 
-def measure_mode(args, size, mode, config, params, prompts, peer, peaks) -> str:
+def measure_mode(args, size, mode, config, graphdef, state, prompts, peer, peaks) -> str:
     """One table row: ours and transformers (interleaved, equal numbers of timed calls, so both
     see the same machine load; best of each), the decode step time and its roofline use."""
     sampled = mode == "sampled"
-    call = ours_call(config, params, prompts, args.samples, args.new_tokens, sampled, CPU_KERNELS[args.cpu_kernels])
+    call = ours_call(graphdef, state, prompts, args.samples, args.new_tokens, sampled, CPU_KERNELS[args.cpu_kernels])
     first = best_time(call, 1)  # compile + first run
     ours, hf = float("inf"), float("inf")
     for _ in range(args.repeats):
@@ -256,7 +258,7 @@ def measure_mode(args, size, mode, config, params, prompts, peer, peaks) -> str:
         if peer is not None:
             hf = min(hf, peer.time_generate(prompts, args.samples, args.new_tokens, sampled))
     hf = float("nan") if peer is None else hf
-    prefill = ours_call(config, params, prompts, args.samples, 1, sampled, CPU_KERNELS[args.cpu_kernels])
+    prefill = ours_call(graphdef, state, prompts, args.samples, 1, sampled, CPU_KERNELS[args.cpu_kernels])
     prefill()
     prefill_only = best_time(prefill, args.repeats)
     step = (ours - prefill_only) / (args.new_tokens - 1)

@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm.core import LITE_PPO  # noqa: E402
-from jaxrl4llm.models import ModelConfig, init_params, token_logprobs  # noqa: E402
+from jaxrl4llm.models import ModelConfig, init_model, score_tokens  # noqa: E402
 from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_optimizer, make_update_fn  # noqa: E402
 
 SIZES = {
@@ -58,8 +58,9 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 
 def bench(name: str, rows: int, seq: int, micro: int, reps: int) -> dict:
     cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32", **SIZES[name])
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    logprob_fn = lambda p, x, y, pos, m: token_logprobs(p, cfg, x, y, positions=pos, attention_mask=m, chunk_size=min(seq, 256))
+    graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
+    logprob_fn = lambda p, x, y, pos, m: score_tokens(graphdef, p, x, y, positions=pos, attention_mask=m,
+                                                      chunk_size=min(seq, 256))
     rng = np.random.default_rng(0)
     tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, seq + 1)), jnp.int32)
     ones = jnp.ones((rows, seq), jnp.float32)

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (jaxrl4llm.kernels) against the XLA formulations they replace.
 
-decode attention: equal to models.decode._decode_attention (float32: to round-off; bfloat16: to
-the rounding of the probabilities); top-k: bit-identical to jax.lax.top_k, ties and IEEE total
+decode attention: equal to models.decode.xla_decode_attention (float32: to round-off; bfloat16: to
+the rounding of the probabilities), and what kernels.backend.CpuBackend(kernels=True) attends with; top-k: bit-identical to jax.lax.top_k, ties and IEEE total
 order included. Plus the build switch and its errors.
 """
 
@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from jaxrl4llm.kernels import KernelBuildError, decode_attention, load_kernels, require_kernels, top_k
 from jaxrl4llm.kernels import native
 from jaxrl4llm.kernels.matmul import matmul, pack_weight
-from jaxrl4llm.models.decode import _decode_attention, pair_keys, pair_values
+from jaxrl4llm.kernels.backend import CpuBackend, pair_keys, pair_values
+from jaxrl4llm.models.decode import xla_decode_attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 
@@ -43,7 +44,7 @@ def _attention_case(rng, *, prompts, g, kvh, hg, dh, t, blk, sealed, slot, dtype
 
 def _both(case, dtype):
     kernel = jax.jit(lambda c: decode_attention(**c))(case)
-    reference = jax.jit(lambda c: _decode_attention(**c, dtype=jnp.dtype(dtype)))(case)
+    reference = jax.jit(lambda c: xla_decode_attention(**c, dtype=jnp.dtype(dtype)))(case)
     return np.asarray(kernel), np.asarray(reference)
 
 
@@ -83,7 +84,7 @@ def test_decode_attention_pair_layout_equals_xla(data):
                  slot=data.draw(st.integers(0, blk - 1)))
     case = _attention_case(np.random.default_rng(data.draw(st.integers(0, 2**16))), dtype="bfloat16", **shape)
     kernel = np.asarray(jax.jit(lambda c: decode_attention(**c))(_to_pairs(case)))
-    reference = np.asarray(jax.jit(lambda c: _decode_attention(**c, dtype=jnp.bfloat16))(case))
+    reference = np.asarray(jax.jit(lambda c: xla_decode_attention(**c, dtype=jnp.bfloat16))(case))
     np.testing.assert_allclose(kernel, reference, rtol=2e-2, atol=2e-2)
 
 
@@ -95,6 +96,10 @@ def test_decode_attention_peaked_scores(dtype):
                            q_scale=40.0)
     kernel, reference = _both(case, dtype)
     np.testing.assert_allclose(kernel, reference, rtol=2e-2, atol=2e-2 if dtype == "bfloat16" else 1e-4)
+    # The sampler's hook: CpuBackend(kernels=True) attends with the kernel, kernels=False with the XLA ops.
+    attend = lambda backend: np.asarray(jax.jit(lambda c: backend.attend(**c, dtype=jnp.dtype(dtype)))(case))
+    np.testing.assert_array_equal(attend(CpuBackend(kernels=True)), kernel)
+    np.testing.assert_array_equal(attend(CpuBackend(kernels=False)), reference)
 
 
 def test_decode_attention_shape_errors():
@@ -205,7 +210,7 @@ def test_failed_build_falls_back_with_a_warning(tmp_path):
 _FALLBACK_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl4llm.kernels import bf16_pairs, decode_attention, require_kernels, top_k
-from jaxrl4llm.models.decode import _decode_attention
+from jaxrl4llm.models.decode import xla_decode_attention
 from tests.kernels.test_cpu_kernels import _attention_case, _top_k_rows
 
 require_kernels()
@@ -218,7 +223,7 @@ for n, v, k, kind in [(3, 1000, 37, "ties"), (2, 333, 100, "special"), (64, 3200
 for dtype in ("float32", "bfloat16"):
     case = _attention_case(rng, prompts=2, g=3, kvh=2, hg=5, dh=24, t=37, blk=20, sealed=2, slot=7, dtype=dtype)
     got = np.asarray(jax.jit(lambda c: decode_attention(**c))(case))
-    want = np.asarray(jax.jit(lambda c: _decode_attention(**c, dtype=jnp.dtype(dtype)))(case))
+    want = np.asarray(jax.jit(lambda c: xla_decode_attention(**c, dtype=jnp.dtype(dtype)))(case))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 if dtype == "bfloat16" else 1e-5)
 print("fallbacks ok")
 """

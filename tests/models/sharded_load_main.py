@@ -10,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm.models import (
@@ -19,7 +20,7 @@ from jaxrl4llm.models import (
     make_mesh,
     positions_from_mask,
     save_pretrained,
-    token_logprobs,
+    score_tokens,
 )
 from tests.models.hf_oracle import left_padded_batch, tiny_hf_model
 
@@ -28,12 +29,13 @@ def main(folder: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     tiny_hf_model("qwen3", tie_word_embeddings=False).save_pretrained(folder)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    config, sharded = load_pretrained(folder, dtype="float32", mesh=mesh)
-    _, single = load_pretrained(folder, dtype="float32")
-    assert sharded["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor", None)
-    assert sharded["embed_tokens"].sharding.spec == P("tensor", "fsdp")
-    assert sharded["lm_head"].sharding.spec == P("fsdp", "tensor")
-    assert len(single["embed_tokens"].devices()) == 1
+    graphdef, sharded = nnx.split(load_pretrained(folder, dtype="float32", mesh=mesh))
+    single_graphdef, single = nnx.split(load_pretrained(folder, dtype="float32"))
+    assert single_graphdef == graphdef  # placement lives in the state only
+    assert sharded["layers"]["attn"]["q_proj"]["kernel"].get_value().sharding.spec == P(None, "fsdp", "tensor", None)
+    assert sharded["embed_tokens"]["embedding"].get_value().sharding.spec == P("tensor", "fsdp")
+    assert sharded["lm_head"]["kernel"].get_value().sharding.spec == P("fsdp", "tensor")
+    assert len(single["embed_tokens"]["embedding"].get_value().devices()) == 1
 
     tokens, mask = left_padded_batch()
     tokens, mask = np.concatenate([tokens, tokens[:1]]), np.concatenate([mask, mask[:1]])  # 4 rows
@@ -43,25 +45,30 @@ def main(folder: str) -> None:
     place = lambda x: jax.device_put(x, batch_sharding(mesh, x.shape))
     assert place(tokens).sharding.spec == P(("data", "fsdp"), None)
 
-    ref = forward(single, config, tokens, positions=positions, attention_mask=mask)
-    out = forward(sharded, config, place(tokens), positions=place(positions), attention_mask=place(mask))
+    ref = forward(graphdef, single, tokens, positions=positions, attention_mask=mask)
+    out = forward(graphdef, sharded, place(tokens), positions=place(positions), attention_mask=place(mask))
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
-    def loss(params, tokens, positions, mask):
-        logp, _ = token_logprobs(params, config, tokens, targets, positions=positions, attention_mask=mask,
-                                 chunk_size=4)
+    def loss(state, tokens, positions, mask):
+        logp, _ = score_tokens(graphdef, state, tokens, targets, positions=positions, attention_mask=mask,
+                               chunk_size=4)
         return jnp.sum(logp * mask)
 
     ref_grads = jax.jit(jax.grad(loss))(single, tokens, positions, mask)
     grads = jax.jit(jax.grad(loss))(sharded, place(tokens), place(positions), place(mask))
-    assert grads["layers"]["gate_proj"].sharding.spec == sharded["layers"]["gate_proj"].sharding.spec
+    gate = lambda s: s["layers"]["mlp"]["gate_proj"]["kernel"].get_value().sharding.spec
+    assert gate(grads) == gate(sharded)
+    assert len(jax.tree.leaves(grads)) == len(jax.tree.leaves(ref_grads)) == len(jax.tree.leaves(sharded))
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
-    save_pretrained(config, sharded, folder + "/resaved", max_shard_size="100KB")
-    _, again = load_pretrained(folder + "/resaved", dtype="float32", mesh=mesh)
+    save_pretrained((graphdef, sharded), folder + "/resaved", max_shard_size="100KB")
+    _, again = nnx.split(load_pretrained(folder + "/resaved", dtype="float32", mesh=mesh))
+    assert len(jax.tree.leaves(again)) == len(jax.tree.leaves(single))
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(single)):
         np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(sharded)):  # reloaded onto the same placement
+        assert a.sharding == b.sharding
     print("OK")
 
 

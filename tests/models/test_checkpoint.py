@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from tests.models.hf_oracle import hf_logits_per_row, left_padded_batch, max_diff_vs_rows, tiny_hf_model
 from jaxrl4llm.models import (
+    CausalLM,
     CheckpointError,
     ConfigError,
     forward,
@@ -21,35 +23,50 @@ from jaxrl4llm.models import (
 )
 
 
-def _forward(config, params, tokens, mask):
+def _forward(model, tokens, mask):
+    graphdef, state = nnx.split(model)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-    return np.asarray(forward(params, config, tokens, positions=positions_from_mask(mask), attention_mask=mask))
+    return np.asarray(forward(graphdef, state, tokens, positions=positions_from_mask(mask), attention_mask=mask))
+
+
+def _flat(model) -> dict[str, np.ndarray]:
+    """{"layers/attn/q_proj/kernel": array, ...} of a model's parameters."""
+    return {"/".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _assert_same_params(a, b):
+    flat_a, flat_b = _flat(a), _flat(b)
+    assert sorted(flat_a) == sorted(flat_b)
+    for key, value in flat_a.items():
+        assert value.dtype == flat_b[key].dtype, key
+        np.testing.assert_array_equal(value, flat_b[key], err_msg=key)
 
 
 def test_float32_logits_match_transformers(hf_checkpoint):
     family, model, folder = hf_checkpoint
-    config, params = load_pretrained(folder, dtype="float32")
-    assert config.architecture == family
+    ours = load_pretrained(folder, dtype="float32")
+    assert isinstance(ours, CausalLM) and ours.config.architecture == family
     tokens, mask = left_padded_batch()
-    logits = _forward(config, params, tokens, mask)
+    logits = _forward(ours, tokens, mask)
     assert max_diff_vs_rows(logits, hf_logits_per_row(model, tokens, mask), mask) <= 1e-4
 
 
 def test_bfloat16_compute_stays_close_to_transformers(hf_checkpoint):
     _, model, folder = hf_checkpoint
-    config, params = load_pretrained(folder)  # default: bf16 compute, f32 params
-    assert config.dtype == "bfloat16" and params["embed_tokens"].dtype == jnp.float32
+    ours = load_pretrained(folder)  # default: bf16 compute, f32 params
+    assert ours.config.dtype == "bfloat16" and ours.config.param_dtype == "float32"
+    assert all(v.dtype == jnp.float32 for v in _flat(ours).values())
     tokens, mask = left_padded_batch()
     refs = hf_logits_per_row(model, tokens, mask)
     scale = max(np.abs(r).max() for r in refs)
-    assert max_diff_vs_rows(_forward(config, params, tokens, mask), refs, mask) <= 0.05 * scale
+    assert max_diff_vs_rows(_forward(ours, tokens, mask), refs, mask) <= 0.05 * scale
 
 
 def test_save_pretrained_round_trips_through_transformers(hf_checkpoint, tmp_path):
     family, model, folder = hf_checkpoint
-    config, params = load_pretrained(folder, dtype="float32")
+    ours = load_pretrained(folder, dtype="float32")
     # A tiny max_shard_size forces several files plus model.safetensors.index.json.
-    save_pretrained(config, params, tmp_path, max_shard_size="100KB")
+    save_pretrained(ours, tmp_path, max_shard_size="100KB")
     assert os.path.isfile(tmp_path / "model.safetensors.index.json")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert reloaded.config.model_type == family
@@ -60,29 +77,28 @@ def test_save_pretrained_round_trips_through_transformers(hf_checkpoint, tmp_pat
     # Logits of two torch instances with equal weights may differ in the last bit (sdpa kernel
     # choice), so they are compared to float32 round-off, not bitwise.
     tokens, mask = left_padded_batch()
-    ours = hf_logits_per_row(reloaded, tokens, mask)
-    for a, b in zip(ours, hf_logits_per_row(model, tokens, mask)):
+    ours_rows = hf_logits_per_row(reloaded, tokens, mask)
+    for a, b in zip(ours_rows, hf_logits_per_row(model, tokens, mask)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-    _, params_again = load_pretrained(tmp_path, dtype="float32")
-    for path in ("embed_tokens", "final_norm"):
-        np.testing.assert_array_equal(params[path], params_again[path])
-    np.testing.assert_array_equal(params["layers"]["q_proj"], params_again["layers"]["q_proj"])
+    again = load_pretrained(tmp_path, dtype="float32")
+    assert type(again) is type(ours) and again.config == ours.config
+    _assert_same_params(ours, again)
 
 
 def test_loads_bfloat16_safetensors(tmp_path):
     model = tiny_hf_model("qwen3", seed=1).to(torch.bfloat16)
     model.save_pretrained(tmp_path)
-    config, params = load_pretrained(tmp_path, dtype="float32", param_dtype="float32")
+    ours = load_pretrained(tmp_path, dtype="float32", param_dtype="float32")
     tokens, mask = left_padded_batch()
     # Reload in float32 (not model.float(): .to(bf16) also rounded the RoPE inv_freq buffer).
     oracle = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     refs = hf_logits_per_row(oracle, tokens, mask)
-    assert max_diff_vs_rows(_forward(config, params, tokens, mask), refs, mask) <= 1e-4
-    save_pretrained(config, params, tmp_path / "out", dtype="bfloat16")
+    assert max_diff_vs_rows(_forward(ours, tokens, mask), refs, mask) <= 1e-4
+    save_pretrained(nnx.split(ours), tmp_path / "out", dtype="bfloat16")  # the (graphdef, state) form
     header = json.load(open(tmp_path / "out" / "config.json"))
     assert header["torch_dtype"] == "bfloat16"
-    _, again = load_pretrained(tmp_path / "out", dtype="float32")
-    np.testing.assert_array_equal(params["layers"]["gate_proj"], again["layers"]["gate_proj"])
+    # The weights were bf16 values: saving them as bf16 loses nothing.
+    _assert_same_params(ours, load_pretrained(tmp_path / "out", dtype="float32"))
 
 
 # ---------------------------------------------------------------------------- errors

@@ -1,5 +1,6 @@
-"""Decode-path memory ops: the KV-block write changes one slot bit for bit; the embedding lookup
-never makes a float32 copy of a 16-bit table."""
+"""Decode-path memory ops of the CPU decode backend: the KV-block write changes one slot bit for
+bit; the embedding lookup never makes a float32 copy of a 16-bit table. The platform-neutral
+DecodeBackend ops are the reference."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl4llm.models.decode import embed_lookup, write_slot
+from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.models.decode import DecodeBackend
 from jaxrl4llm.models.layers.norm import rms_norm
+
+CPU = CpuBackend()  # kernels=False: the 16-bit moves only, no C++ kernel needed
+_cpu_write_slot = jax.jit(CPU.write_slot)
+_xla_write_slot = jax.jit(DecodeBackend().write_slot)
 
 
 @settings(max_examples=20, deadline=None)
@@ -18,11 +24,12 @@ def test_write_slot_equals_a_plain_dynamic_update_slice(slot, dtype):
     """16-bit floats go through their uint16 bits (XLA:CPU would widen a bf16 update to f32)."""
     cache = jax.random.normal(jax.random.key(1), (3, 2, 8, 4)).astype(dtype)
     new = jax.random.normal(jax.random.key(2), (3, 2, 1, 4), jnp.float32)
-    got = jax.jit(write_slot)(cache, new, jnp.int32(slot))
+    got = _cpu_write_slot(cache, new, jnp.int32(slot))
     expected = np.array(cache)
     expected[:, :, slot] = np.asarray(new.astype(dtype))[:, :, 0]
     assert got.dtype == cache.dtype
     np.testing.assert_array_equal(np.asarray(got), expected)
+    np.testing.assert_array_equal(np.asarray(_xla_write_slot(cache, new, jnp.int32(slot))), expected)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -31,12 +38,13 @@ def test_embed_lookup_gathers_rows_without_a_float32_copy_of_the_table(dtype):
     XLA:CPU would convert the whole loop-invariant table to float32 in front of the gather."""
     table = jax.random.normal(jax.random.key(0), (96, 64)).astype(dtype)
     tokens = jnp.array([3, 95, 0, 17, 3])
-    np.testing.assert_array_equal(np.asarray(embed_lookup(table, tokens)),
-                                  np.asarray(table.astype(jnp.float32))[np.asarray(tokens)])
+    expected = np.asarray(table.astype(jnp.float32))[np.asarray(tokens)]
+    np.testing.assert_array_equal(np.asarray(CPU.embed(table, tokens)), expected)
+    np.testing.assert_array_equal(np.asarray(DecodeBackend().embed(table, tokens)), expected)
 
     def loop(table, scale, tokens):
         def body(i, acc):
-            x = rms_norm(embed_lookup(table, (tokens + i) % 96), scale, 1e-6).astype(jnp.bfloat16)
+            x = rms_norm(CPU.embed(table, (tokens + i) % 96), scale, 1e-6).astype(jnp.bfloat16)
             return acc + x.astype(jnp.float32).sum()
         return jax.lax.fori_loop(0, 4, body, 0.0)
 

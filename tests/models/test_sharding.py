@@ -5,22 +5,43 @@ import subprocess
 import sys
 
 import jax
+from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl4llm.models import DEFAULT_RULES, ModelConfig, logical_to_spec, param_logical_axes, param_shapes
+from jaxrl4llm.models import (DEFAULT_RULES, ModelConfig, abstract_model, logical_axes, logical_to_spec, make_mesh,
+                              param_shardings)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _flat(state) -> dict:
+    return {"/".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
 
 
 def test_every_param_has_logical_axes_of_its_rank():
     config = ModelConfig(architecture="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, qk_norm=False)
-    axes, shapes = param_logical_axes(config), param_shapes(config)
-    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(shapes)
-    pairs = zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes))
-    assert all(len(a) == len(s.shape) for a, s in pairs)
-    names = {name for a in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)) for name in a}
+    _, shapes = abstract_model(config)
+    axes = _flat(logical_axes(shapes))
+    shapes = _flat(shapes)
+    # Qwen2: q/k/v biases, no q/k norm, no o_proj bias, untied head.
+    assert sorted(shapes) == sorted(
+        ["embed_tokens/embedding", "final_norm/scale", "lm_head/kernel", "layers/input_norm/scale",
+         "layers/post_attn_norm/scale", "layers/attn/o_proj/kernel", "layers/mlp/down_proj/kernel",
+         "layers/mlp/gate_proj/kernel", "layers/mlp/up_proj/kernel"]
+        + [f"layers/attn/{p}_proj/{w}" for p in "qkv" for w in ("kernel", "bias")])
+    assert sorted(axes) == sorted(shapes)
+    assert all(len(axes[k].get_value()) == len(shapes[k].shape) for k in shapes)
+    names = {name for a in axes.values() for name in a.get_value()}
     assert names <= set(dict(DEFAULT_RULES))
+    assert shapes["layers/attn/q_proj/kernel"].shape == (2, 64, 4, 16)
+    assert axes["layers/attn/k_proj/bias"].get_value() == ("layers", "kv_heads", "head_dim")
+    # param_shardings of the config is the same structure, one NamedSharding per parameter
+    shardings = _flat(param_shardings(config, make_mesh(1, 1, 1)))
+    assert sorted(shardings) == sorted(shapes)
+    assert all(isinstance(s.get_value(), NamedSharding) for s in shardings.values())
+    assert shardings["lm_head/kernel"].get_value().spec == P("fsdp", "tensor")
 
 
 def test_logical_to_spec_drops_axes_that_do_not_divide():

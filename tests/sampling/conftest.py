@@ -1,12 +1,15 @@
 """Fixtures of tests/sampling: tiny random Hugging Face checkpoints (transformers + torch oracles)."""
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
-from jaxrl4llm.models import load_pretrained
+from jaxrl4llm.models import abstract_model, load_pretrained
 
 VOCAB = 96
 PAD = 0
@@ -39,23 +42,40 @@ def random_prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
     return [rng.integers(1, VOCAB, n).tolist() for n in lengths]
 
 
+class Family(NamedTuple):
+    """A tiny checkpoint: the transformers model and ours as `nnx.split(load_pretrained(...))`."""
+
+    torch_model: object
+    config: object  # ModelConfig (float32 compute)
+    graphdef: nnx.GraphDef
+    state: nnx.State
+
+
+def with_dtype(config, dtype: str) -> nnx.GraphDef:
+    """The graphdef of the same model computing in `dtype` (the compute dtype is part of the
+    module, not of its state: the float32 state is reused as it is)."""
+    graphdef, _ = abstract_model(config.replace(dtype=dtype))
+    return graphdef
+
+
 _CACHE = {}
 
 
-def load_family(family: str, tmp_path_factory):
-    """(torch model, ModelConfig (float32 compute), params) of a tiny checkpoint saved by transformers."""
+def load_family(family: str, tmp_path_factory) -> Family:
+    """Family (torch model, ModelConfig, graphdef, state) of a tiny checkpoint saved by transformers."""
     if family not in _CACHE:
         model = tiny_hf_model(family)
         folder = tmp_path_factory.mktemp(f"hf_{family}")
         model.save_pretrained(folder)
-        config, params = load_pretrained(folder, dtype="float32", param_dtype="float32")
-        _CACHE[family] = (model, config, params)
+        ours = load_pretrained(folder, dtype="float32", param_dtype="float32")
+        graphdef, state = nnx.split(ours)
+        _CACHE[family] = Family(model, ours.config, graphdef, state)
     return _CACHE[family]
 
 
 @pytest.fixture(scope="session")
-def qwen3(tmp_path_factory):
-    """(torch model, config, params) of the tiny qwen3 checkpoint."""
+def qwen3(tmp_path_factory) -> Family:
+    """Family (torch model, config, graphdef, state) of the tiny qwen3 checkpoint."""
     return load_family("qwen3", tmp_path_factory)
 
 

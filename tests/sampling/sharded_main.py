@@ -8,7 +8,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl4llm.models import ModelConfig, init_params, make_mesh, param_shardings  # noqa: E402
+from jaxrl4llm.models import ModelConfig, init_model, make_mesh, param_shardings  # noqa: E402
 from jaxrl4llm.sampling import generate  # noqa: E402
 
 
@@ -16,15 +16,16 @@ def main():
     assert len(jax.devices()) == 8, jax.devices()
     config = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", max_position_embeddings=128)
-    params = init_params(config, jax.random.key(0), std=0.3)
+    graphdef, state = init_model(config, jax.random.key(0), std=0.3)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    sharded_params = jax.device_put(params, param_shardings(config, mesh))  # the train step's (FSDP) layout
+    sharded_state = jax.device_put(state, param_shardings(state, mesh))  # the train step's (FSDP) layout
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded_state)), "nothing got sharded"
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
     for options in (dict(temperature=0.9, top_k=10, top_p=0.9),):
         kwargs = dict(num_samples=2, max_new_tokens=12, eos_token_ids=[1], pad_token_id=0, rng=jax.random.key(3),
                       **options)
-        single = generate(params, config, prompts, **kwargs)
-        sharded = generate(sharded_params, config, prompts, mesh=mesh, **kwargs)
+        single = generate(graphdef, state, prompts, **kwargs)
+        sharded = generate(graphdef, sharded_state, prompts, mesh=mesh, **kwargs)
         np.testing.assert_array_equal(np.asarray(sharded.response_tokens), np.asarray(single.response_tokens))
         np.testing.assert_array_equal(np.asarray(sharded.lengths), np.asarray(single.lengths))
         np.testing.assert_allclose(np.asarray(sharded.logprobs), np.asarray(single.logprobs), atol=1e-5)

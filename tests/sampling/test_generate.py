@@ -8,8 +8,8 @@ import torch
 
 from jaxrl4llm.models import forward
 from jaxrl4llm.sampling import generate, response_token_lists
-from jaxrl4llm.sampling.decode_loop import sample_program
-from tests.sampling.conftest import PAD, load_family, random_prompts
+from jaxrl4llm.sampling.decode_loop import sample_program, weights_program
+from tests.sampling.conftest import PAD, load_family, random_prompts, with_dtype
 
 
 def hf_greedy(model, prompts, max_new_tokens, eos=None) -> list[list[int]]:
@@ -27,12 +27,12 @@ def hf_greedy(model, prompts, max_new_tokens, eos=None) -> list[list[int]]:
     return rows
 
 
-def teacher_forced_logprobs(params, config, rollout, temperature=1.0):
+def teacher_forced_logprobs(graphdef, state, rollout, temperature=1.0):
     """log softmax(logits / T)[y_t] from one forward pass over concat(prompt, response), positions cumsum(mask)-1."""
     tokens = jnp.concatenate([rollout.prompt_tokens, rollout.response_tokens], axis=1)
     mask = jnp.concatenate([rollout.prompt_mask, rollout.response_mask], axis=1)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
-    logits = forward(params, config, tokens, positions=positions, attention_mask=mask)
+    logits = forward(graphdef, state, tokens, positions=positions, attention_mask=mask)
     p = rollout.prompt_tokens.shape[1]
     logp = jax.nn.log_softmax(logits[:, p - 1:-1] / temperature, axis=-1)
     return jnp.take_along_axis(logp, rollout.response_tokens[..., None], axis=-1)[..., 0], logits[:, p - 1:-1]
@@ -40,9 +40,9 @@ def teacher_forced_logprobs(params, config, rollout, temperature=1.0):
 
 @pytest.mark.parametrize("family,max_new_tokens,block", [("qwen2", 24, None), ("qwen3", 33, 16), ("llama", 24, None)])
 def test_greedy_matches_transformers_token_for_token(family, max_new_tokens, block, tmp_path_factory, key):
-    model, config, params = load_family(family, tmp_path_factory)
+    model, _, graphdef, state = load_family(family, tmp_path_factory)
     prompts = random_prompts(1)
-    run = lambda eos: generate(params, config, prompts, num_samples=2, max_new_tokens=max_new_tokens, greedy=True,
+    run = lambda eos: generate(graphdef, state, prompts, num_samples=2, max_new_tokens=max_new_tokens, greedy=True,
                                eos_token_ids=[] if eos is None else [eos], pad_token_id=PAD, rng=key,
                                kv_block_size=block)
     expected = hf_greedy(model, prompts, max_new_tokens)
@@ -70,11 +70,11 @@ def test_greedy_matches_transformers_token_for_token(family, max_new_tokens, blo
 
 
 def test_logprobs_equal_teacher_forced_forward(qwen3, key):
-    _, config, params = qwen3
+    _, _, graphdef, state = qwen3
     temperature = 0.7
-    rollout = generate(params, config, random_prompts(2), num_samples=3, max_new_tokens=33, temperature=temperature,
+    rollout = generate(graphdef, state, random_prompts(2), num_samples=3, max_new_tokens=33, temperature=temperature,
                        eos_token_ids=[5], pad_token_id=PAD, rng=key, kv_block_size=16)
-    expected, _ = teacher_forced_logprobs(params, config, rollout, temperature)
+    expected, _ = teacher_forced_logprobs(graphdef, state, rollout, temperature)
     mask = np.asarray(rollout.response_mask)
     assert mask.sum() > 100
     np.testing.assert_allclose(np.asarray(rollout.logprobs_untruncated) * mask, np.asarray(expected) * mask, atol=1e-4)
@@ -83,11 +83,11 @@ def test_logprobs_equal_teacher_forced_forward(qwen3, key):
 
 
 def test_top_k_top_p_stay_in_their_set_and_renormalise(qwen3, key):
-    _, config, params = qwen3
+    _, _, graphdef, state = qwen3
     top_k, top_p, temperature = 7, 0.6, 1.3
-    rollout = generate(params, config, random_prompts(3), num_samples=4, max_new_tokens=24, temperature=temperature,
+    rollout = generate(graphdef, state, random_prompts(3), num_samples=4, max_new_tokens=24, temperature=temperature,
                        top_k=top_k, top_p=top_p, eos_token_ids=[], pad_token_id=PAD, rng=key)
-    _, logits = teacher_forced_logprobs(params, config, rollout, temperature)
+    _, logits = teacher_forced_logprobs(graphdef, state, rollout, temperature)
     z = np.asarray(logits, np.float64) / temperature  # [N, R, V]
     tokens = np.asarray(rollout.response_tokens)
     order = np.argsort(-z, axis=-1)
@@ -105,31 +105,32 @@ def test_top_k_top_p_stay_in_their_set_and_renormalise(qwen3, key):
 
 
 def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
-    _, config, params = qwen3
+    _, _, graphdef, state = qwen3
     kwargs = dict(num_samples=3, max_new_tokens=33, temperature=0.7, eos_token_ids=[5], pad_token_id=PAD,
                   kv_block_size=16)
-    first = generate(params, config, random_prompts(2), rng=jax.random.key(7), **kwargs)
-    compiled = sample_program._cache_size()
-    again = generate(params, config, random_prompts(2), rng=jax.random.key(7), **kwargs)
+    first = generate(graphdef, state, random_prompts(2), rng=jax.random.key(7), **kwargs)
+    compiled = sample_program._cache_size(), weights_program._cache_size()
+    again = generate(graphdef, state, random_prompts(2), rng=jax.random.key(7), **kwargs)
     for a, b in zip(first, again):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    other_seed = generate(params, config, random_prompts(2), rng=jax.random.key(8), **kwargs)
+    other_seed = generate(graphdef, state, random_prompts(2), rng=jax.random.key(8), **kwargs)
     assert not np.array_equal(np.asarray(first.response_tokens), np.asarray(other_seed.response_tokens))
     # new prompts: 3 prompts of other lengths land in the same (16-token, 4-prompt) bucket
-    new = generate(params, config, random_prompts(9, lengths=(12, 2, 16)), rng=jax.random.key(7), **kwargs)
+    new = generate(graphdef, state, random_prompts(9, lengths=(12, 2, 16)), rng=jax.random.key(7), **kwargs)
     assert new.response_tokens.shape == (9, 33)
-    assert sample_program._cache_size() == compiled, "a known bucket recompiled the sampler"
+    assert (sample_program._cache_size(), weights_program._cache_size()) == compiled, \
+        "a known bucket recompiled the sampler"
 
 
 def test_first_token_frequencies_match_the_tempered_softmax(qwen3, key):
-    _, config, params = qwen3
+    _, config, graphdef, state = qwen3
     from tests.sampling.test_filters import chi_square_pvalue
 
     prompt = random_prompts(4, lengths=(7,))
     temperature = 0.8
-    rollout = generate(params, config, prompt, num_samples=4000, max_new_tokens=1, temperature=temperature,
+    rollout = generate(graphdef, state, prompt, num_samples=4000, max_new_tokens=1, temperature=temperature,
                        eos_token_ids=[], pad_token_id=PAD, rng=key)
-    _, logits = teacher_forced_logprobs(params, config, jax.tree.map(lambda a: a[:1], rollout), temperature)
+    _, logits = teacher_forced_logprobs(graphdef, state, jax.tree.map(lambda a: a[:1], rollout), temperature)
     probs = np.asarray(jax.nn.softmax(logits[0, 0] / temperature))
     counts = np.bincount(np.asarray(rollout.response_tokens[:, 0]), minlength=config.vocab_size)
     assert chi_square_pvalue(counts, probs) > 1e-3
@@ -138,11 +139,11 @@ def test_first_token_frequencies_match_the_tempered_softmax(qwen3, key):
 def test_bf16_rollout_matches_a_bf16_teacher_forced_forward(qwen3, key):
     """The bf16 decode path (fused output-major weights, bf16 KV blocks written through their bit
     pattern) computes what the bf16 training forward computes over the same tokens."""
-    _, config, params = qwen3
-    config = config.replace(dtype="bfloat16")
-    rollout = generate(params, config, random_prompts(3), num_samples=2, max_new_tokens=40, temperature=1.0,
+    _, config, _, state = qwen3
+    graphdef = with_dtype(config, "bfloat16")
+    rollout = generate(graphdef, state, random_prompts(3), num_samples=2, max_new_tokens=40, temperature=1.0,
                        eos_token_ids=[], pad_token_id=PAD, rng=key, kv_block_size=16)
-    expected, logits = teacher_forced_logprobs(params, config, rollout)
+    expected, logits = teacher_forced_logprobs(graphdef, state, rollout)
     got = np.asarray(rollout.logprobs_untruncated)
     assert got.shape == (8, 40) and float(np.asarray(rollout.response_mask).min()) == 1.0
     # bf16 matmul inputs: both sides round the same activations, so they agree far inside bf16's 2^-8
@@ -154,9 +155,9 @@ def test_bf16_rollout_matches_a_bf16_teacher_forced_forward(qwen3, key):
 def test_cpu_kernels_and_xla_ops_give_the_same_rollout(qwen3, key, dtype):
     """The sampler with its C++ CPU kernels (decode attention, top-k) against its XLA ops alone:
     the same tokens for the same seed, log-probs equal to round-off (float32) or bf16 rounding."""
-    _, config, params = qwen3
-    config = config.replace(dtype=dtype)
-    run = lambda kernels: generate(params, config, random_prompts(5), num_samples=3, max_new_tokens=40,
+    _, config, _, state = qwen3
+    graphdef = with_dtype(config, dtype)
+    run = lambda kernels: generate(graphdef, state, random_prompts(5), num_samples=3, max_new_tokens=40,
                                    temperature=0.9, top_k=9, top_p=0.95, eos_token_ids=[], pad_token_id=PAD,
                                    rng=key, kv_block_size=16, cpu_kernels=kernels)
     with_kernels, xla_only = run(True), run(False)
@@ -174,10 +175,10 @@ def test_cpu_kernels_and_xla_ops_give_the_same_rollout(qwen3, key, dtype):
 
 
 def test_cpu_kernels_required_but_switched_off(qwen3, key, monkeypatch):
-    _, config, params = qwen3
+    _, _, graphdef, state = qwen3
     from jaxrl4llm.kernels import KernelBuildError
 
     monkeypatch.setenv("JAXRL4LLM_CPU_KERNELS", "0")
     with pytest.raises(KernelBuildError, match="JAXRL4LLM_CPU_KERNELS=0"):
-        generate(params, config, random_prompts(1), num_samples=1, max_new_tokens=2, eos_token_ids=[],
+        generate(graphdef, state, random_prompts(1), num_samples=1, max_new_tokens=2, eos_token_ids=[],
                  pad_token_id=PAD, rng=key, cpu_kernels=True)

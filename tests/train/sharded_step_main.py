@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm.core import DAPO, compute_advantages  # noqa: E402
-from jaxrl4llm.models import ModelConfig, batch_sharding, init_params, make_mesh, param_shardings, token_logprobs  # noqa: E402
+from jaxrl4llm.models import ModelConfig, batch_sharding, init_model, make_mesh, param_shardings, score_tokens  # noqa: E402
 from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_optimizer, make_update_fn  # noqa: E402
 
 
@@ -22,8 +22,8 @@ def main() -> int:
     assert jax.device_count() == 8, jax.devices()
     cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, dtype="float32")
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    logprob_fn = lambda p, x, y, pos, m: token_logprobs(p, cfg, x, y, positions=pos, attention_mask=m, chunk_size=8)
+    graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
+    logprob_fn = lambda p, x, y, pos, m: score_tokens(graphdef, p, x, y, positions=pos, attention_mask=m, chunk_size=8)
     B, L, G = 16, 12, 4
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (B, L + 1)).astype(np.int32)
@@ -45,7 +45,7 @@ def main() -> int:
     single = jax.jit(make())(init_train_state(params, opt), batch)
 
     mesh = make_mesh(2, 2, 2)
-    sharded_params = jax.device_put(params, param_shardings(cfg, mesh))
+    sharded_params = jax.device_put(params, param_shardings(params, mesh))
     state = jax.jit(lambda p: init_train_state(p, opt))(sharded_params)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     sharded_batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, x.shape)), batch)

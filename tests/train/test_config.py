@@ -89,7 +89,7 @@ def test_rollout_cpu_kernels_switch_reaches_the_sampler():
     with pytest.raises(ConfigError, match="rollout.cpu_kernels='fast' is not allowed; use 'auto' or bool"):
         load_config(None, ["rollout.cpu_kernels=fast"])
     seen = {}
-    policy = Policy(config=None, params=None, tokenizer=None, mesh=None, eos_token_ids=(1,), pad_token_id=0,
+    policy = Policy(config=None, graphdef=None, params=None, tokenizer=None, mesh=None, eos_token_ids=(1,), pad_token_id=0,
                     temperature=1.0, chunk_size=0, cpu_kernels=False)
     import jaxrl4llm.sampling as sampling
 

@@ -28,7 +28,8 @@ def _array_paths(tree, prefix=""):
 
 def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(demo_assets, tmp_path):
     run = lambda out, steps, **kw: train(load_config(None, tiny_overrides(demo_assets, out, **{
-        "model.lora": LORA, "trainer.steps": steps, "trainer.checkpoint_every": 1, **kw})), log=lambda s: None)
+        "model.lora": LORA, "algorithm.preset": "grpo", "trainer.steps": steps, "trainer.checkpoint_every": 1,
+        **kw})), log=lambda s: None)  # grpo: a KL term against the reference, which is the adapters at init
     straight = run(tmp_path / "a", 2, **{"trainer.export_hf": True})
     params = straight["state"].params
     assert all("lora_" in "/".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
@@ -40,12 +41,14 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(demo_assets, tmp
 
     run(tmp_path / "b", 1)
     resumed = train(load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **{
-        "model.lora": LORA, "trainer.steps": 2, "trainer.checkpoint_every": 1})), resume=True, log=lambda s: None)
+        "model.lora": LORA, "algorithm.preset": "grpo", "trainer.steps": 2, "trainer.checkpoint_every": 1})),
+        resume=True, log=lambda s: None)
     for a, b in zip(jax.tree.leaves(straight["state"].params), jax.tree.leaves(resumed["state"].params)):
         np.testing.assert_allclose(a, b, atol=1e-6)
     a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert a[-1]["loss"] == pytest.approx(b[-1]["loss"], abs=1e-6)
+    assert np.isfinite(a[-1]["kl"]) and a[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy = reference
 
     exported = load_pretrained(straight["export_dir"], dtype="float32")
     assert exported.lora_settings is None  # a plain HF folder: adapters merged

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.core import AGGREGATION_MODES, DAPO, LITE_PPO, policy_loss
-from jaxrl4llm.train.step import UpdateSettings, batch_loss_terms, init_train_state, make_optimizer, make_update_fn
+from jaxrl4llm.train.step import (UpdateSettings, batch_loss_terms, init_train_state, join_params, make_optimizer,
+                                  make_update_fn)
 
 from tests.train.toy_model import toy_batch, toy_logprob_fn, toy_params
 
 
-def _run(recipe, settings, batch, lr=1e-2):
+def _run(recipe, settings, batch, lr=1e-2, params=None, frozen=None, logprob_fn=toy_logprob_fn):
     opt, sched = make_optimizer(lr=lr, max_grad_norm=None)
-    update = jax.jit(make_update_fn(logprob_fn=toy_logprob_fn, recipe=recipe, optimizer=opt, schedule=sched, settings=settings))
-    state = init_train_state(toy_params(), opt)
+    update = jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=opt, schedule=sched, settings=settings))
+    state = init_train_state(toy_params() if params is None else params, opt, frozen)
     return update(state, batch)
 
 
@@ -62,3 +63,32 @@ def test_indivisible_batch_is_a_clear_error():
     batch = toy_batch(B=12, G=4)
     with pytest.raises(ValueError, match="not divisible by mini_batches"):
         _run(LITE_PPO, UpdateSettings(mini_batches=1, micro_batches=8), batch)
+
+
+def test_frozen_part_is_read_but_never_trained():
+    """LoRA's split: TrainState.frozen reaches logprob_fn through join_params, gets no optimizer
+    state and no update; the trainable part moves exactly as it does when everything trains
+    (one AdamW step, no clipping: each coordinate's update depends on its own gradient only)."""
+    batch = toy_batch()
+    params = toy_params()
+    seen = []
+
+    def joined_logprob_fn(p, *args):
+        trainable, frozen = p  # join_params(trainable, frozen)
+        seen.append(sorted(frozen))
+        return toy_logprob_fn({**trainable, **frozen}, *args)
+
+    assert join_params(params, None) is params
+    settings = UpdateSettings(micro_batches=2)
+    full, m_full, _ = _run(LITE_PPO, settings, batch)
+    state, metrics, _ = _run(LITE_PPO, settings, batch, params={"unembed": params["unembed"]},
+                             frozen={"embed": params["embed"]}, logprob_fn=joined_logprob_fn)
+    assert seen and all(keys == ["embed"] for keys in seen)
+    assert int(state.step) == 1 and list(state.params) == ["unembed"]
+    np.testing.assert_array_equal(state.frozen["embed"], params["embed"])
+    assert not np.allclose(full.params["embed"], params["embed"])  # (it would have moved if trained)
+    expected_opt = make_optimizer(lr=1e-2, max_grad_norm=None)[0].init({"unembed": params["unembed"]})
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(expected_opt), \
+        "the optimizer state covers more than the trainable part"
+    np.testing.assert_allclose(state.params["unembed"], full.params["unembed"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["loss"], m_full["loss"], rtol=1e-6)
