@@ -84,7 +84,7 @@ def test_merged_export_equals_the_adapted_model_in_transformers(base, tmp_path):
     save_pretrained((lora_def, state), tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
     with torch.no_grad():
-        theirs = hf(torch.from_numpy(np.asarray(tokens))).logits.numpy()
+        theirs = hf(torch.from_numpy(np.array(tokens))).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
     assert not any("lora" in k for k in hf.state_dict())
 
