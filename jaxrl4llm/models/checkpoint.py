@@ -133,7 +133,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
             return tm.to_ours(hf).astype(target, copy=False)
 
         maps = {tm.ours: tm for tm in tensor_maps(config)}
-        assert set(maps) == set(expected), (sorted(set(maps) ^ set(expected)))  # the HF table covers the module
+        if set(maps) != set(expected):  # the HF table must cover the module exactly (a bug here, not in the folder)
+            raise RuntimeError(f"hf_layout and the {config.architecture} module disagree on "
+                               f"{sorted(set(maps) ^ set(expected))}")
         for tm in maps.values():  # validate everything before allocating anything
             for i in range(config.num_layers if tm.stacked else 1):
                 check(tm, tm.hf.format(i=i))

@@ -63,14 +63,19 @@ def merge_lora(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
 
     `state` is the adapted model's state (or a tuple (adapters, base)). Returns (graphdef,
     state) of the un-adapted model of the same config; unchanged when there are no adapters.
-    Pure: jit it (the sampler's weight program and the HF export call it).
+    Pure (the merged module is only read): jit it (the sampler's weight program and the HF
+    export call it).
     """
     model = merge(graphdef, state)
     if not isinstance(model, CausalLM) or model.lora_settings is None:
         return graphdef, nnx.state(model)
-    for _, node in nnx.iter_graph(model):
+    merged = {}  # state path of an adapted kernel -> W + delta
+    for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear) and node.lora is not None:
-            node.kernel[...] = (node.kernel[...].astype(jnp.float32) + _delta(node)).astype(node.kernel.dtype)
-    plain_graphdef, _ = abstract_model(model.config)
+            kernel = node.kernel[...]
+            merged[(*path, "kernel")] = (kernel.astype(jnp.float32) + _delta(node)).astype(kernel.dtype)
     base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-    return plain_graphdef, base
+    flat = [(path, v.replace(merged[path]) if path in merged else v) for path, v in nnx.to_flat_state(base)]
+    assert len(merged) == sum(path in merged for path, _ in flat), "every adapted kernel is in the base state"
+    plain_graphdef, _ = abstract_model(model.config)
+    return plain_graphdef, nnx.from_flat_state(flat)

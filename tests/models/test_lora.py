@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxrl4llm.core import LITE_PPO
 from jaxrl4llm.models import (LoraSettings, add_lora, forward, load_pretrained, merge_lora, save_pretrained,
-                              score_tokens)
+                              score_tokens, split_trainable)
 from jaxrl4llm.sampling import generate, response_token_lists
 from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_update_fn
 from tests.models.hf_oracle import tiny_hf_model
@@ -93,6 +93,9 @@ def test_merged_export_equals_the_adapted_model_in_transformers(base, tmp_path):
     rollout = generate(lora_def, state, prompts, num_samples=1, max_new_tokens=6, greedy=True, eos_token_ids=[],
                        pad_token_id=0, rng=jax.random.key(0))
     plain_def, plain = merge_lora(lora_def, state)
+    adapters, base_again = split_trainable(nnx.state(nnx.merge(lora_def, *state)))
+    assert jax.tree.structure(adapters) == jax.tree.structure(trained.params)
+    assert jax.tree.structure(base_again) == jax.tree.structure(frozen)
     for prompt, row in zip(prompts, response_token_lists(rollout)):
         ids = jnp.asarray([prompt + row])
         z = forward(plain_def, plain, ids, positions=jnp.arange(ids.shape[1])[None], attention_mask=jnp.ones_like(ids))
