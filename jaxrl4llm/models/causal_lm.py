@@ -33,6 +33,7 @@ from jaxrl4llm.models.layers.linear import (Linear, LoraSettings, current_dropou
                                             normal_init, param)
 from jaxrl4llm.models.layers.norm import RMSNorm
 from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.models.sharding import ACTIVATION_AXES, LOGITS_AXES, constrain
 
 
 def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -94,7 +95,10 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                       attention_mask: Int[Array, "B T"]) -> Float[Array, "B T D"]:
-        """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real)."""
+        """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real).
+
+        Under a mesh context (`jax.set_mesh`), the residual stream is constrained at every
+        layer boundary to rows split over (data, fsdp) (`sharding.constrain`)."""
         c = self.config
         cos, sin = rope_tables(c, positions)
         mask = causal_padding_mask(attention_mask)
@@ -109,11 +113,11 @@ class CausalLM(nnx.Module):
             one_layer, key = xs
             with lora_dropout(key):
                 x, _ = nnx.merge(layer_def, one_layer)(x, cos, sin, attend)
-            return x, None
+            return constrain(x, ACTIVATION_AXES), None
 
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, self.embed_tokens(tokens), (layer_state, keys))
+        x, _ = jax.lax.scan(body, constrain(self.embed_tokens(tokens), ACTIVATION_AXES), (layer_state, keys))
         return self.final_norm(x)
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
@@ -214,7 +218,7 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     if hasattr(model, "hidden_states") and hasattr(model, "logits"):
         h = model.hidden_states(tokens, positions, attention_mask)
-        head = lambda hc: model.logits(hc) * inv_temperature
+        head = lambda hc: constrain(model.logits(hc), LOGITS_AXES) * inv_temperature
     else:
         h = model(tokens, positions, attention_mask)
         head = lambda zc: zc * inv_temperature

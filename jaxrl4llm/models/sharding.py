@@ -68,6 +68,25 @@ def logical_to_spec(axes: tuple[str | None, ...], rules=DEFAULT_RULES, *, shape:
     return PartitionSpec(*spec)
 
 
+def constrain(x: jax.Array, axes: tuple[str | None, ...], rules=DEFAULT_RULES) -> jax.Array:
+    """with_sharding_constraint(x, spec of logical `axes`) on the mesh of the current context
+    (`jax.set_mesh(mesh)`); the identity when no mesh is set (one device, or callers that place
+    everything themselves). Mesh axes that do not divide a dimension are dropped.
+
+    Activations need it under FSDP: without a constraint GSPMD may keep a [B, T, D] activation
+    whole on every chip (the batch not split over the fsdp axis), so each chip computes the
+    whole batch.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules, shape=x.shape, mesh=mesh))
+
+
+ACTIVATION_AXES = ("batch", "seq", None)  # the residual stream [B, T, D]: rows split, hidden whole
+LOGITS_AXES = ("batch", "seq", "vocab")  # logits [B, T, V]: rows split, vocabulary over tensor
+
+
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 

@@ -32,11 +32,13 @@ from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.step import (
     UpdateSettings,
+    batch_shardings,
     init_train_state,
     join_params,
     make_logprob_pass,
     make_optimizer,
     make_update_fn,
+    train_state_shardings,
 )
 
 
@@ -101,7 +103,17 @@ def _mesh(cfg: RunConfig):
     return make_mesh(*dims)
 
 
-def _rows_per_micro(cfg: RunConfig, rows: int) -> int:
+def _in_mesh(fn: Callable, mesh) -> Callable:
+    """fn(*args) traced and run under `jax.set_mesh(mesh)` (what `models.sharding.constrain` reads)."""
+    def run(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+    return run
+
+
+def _rows_per_micro(cfg: RunConfig, rows: int, data_parallel: int = 1) -> int:
+    """Micro-batches per mini-batch; each micro-batch's rows must split evenly over the
+    `data_parallel` = mesh.data * mesh.fsdp devices (else chips would sit idle or hold copies)."""
     minis = cfg.trainer.mini_batches
     if rows % minis:
         raise ConfigError(f"{rows} rollout rows are not divisible by trainer.mini_batches={minis}.")
@@ -109,6 +121,11 @@ def _rows_per_micro(cfg: RunConfig, rows: int) -> int:
     mbs = cfg.trainer.micro_batch_size or per_mini
     if per_mini % mbs:
         raise ConfigError(f"a mini-batch of {per_mini} rows is not divisible by trainer.micro_batch_size={mbs}.")
+    if mbs % data_parallel:
+        raise ConfigError(
+            f"trainer.micro_batch_size={mbs} rows do not split over the {data_parallel} data-parallel devices "
+            f"(mesh.data x mesh.fsdp): use a multiple of {data_parallel}, or fewer data/fsdp devices "
+            f"(more mesh.tensor).")
     return per_mini // mbs
 
 
@@ -211,11 +228,11 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
 
     mesh = _mesh(cfg)
-    policy = load_policy(cfg, mesh)
-    train_set, eval_sets = load_prompt_sets(cfg, policy.tokenizer)
     G = cfg.rollout.samples_per_prompt
     rows = cfg.rollout.prompts_per_step * G
-    micro = _rows_per_micro(cfg, rows)
+    micro = _rows_per_micro(cfg, rows, mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1)
+    policy = load_policy(cfg, mesh)
+    train_set, eval_sets = load_prompt_sets(cfg, policy.tokenizer)
 
     optimizer, schedule = make_optimizer(
         lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
@@ -224,17 +241,25 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
     )
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro)
-    # The optimizer state is created under jit from the (possibly sharded) params, so its
-    # moments inherit the parameter shardings; the update keeps every leaf where it is.
-    state = jax.jit(lambda p, f: init_train_state(p, optimizer, f))(policy.params, policy.frozen)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
+    # the update keeps every leaf where it is.
+    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    state_shardings = train_state_shardings(sharding_of(policy.params), optimizer, policy.params, mesh,
+                                            sharding_of(policy.frozen))
+    state = jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings)(
+        policy.params, policy.frozen)
+    batch_in = batch_shardings(mesh)
     update = jax.jit(
         make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                        settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None),
+        in_shardings=(state_shardings, batch_in),
         out_shardings=(state_shardings, None, None),
         donate_argnums=(0,),
     )
-    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro))
+    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro),
+                           in_shardings=(sharding_of(policy.state), batch_in))
+    # under the mesh context the model constrains its activations (rows over data x fsdp)
+    update, logprob_pass = _in_mesh(update, mesh), _in_mesh(logprob_pass, mesh)
     advantages_fn = jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l))
 
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0

@@ -23,6 +23,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, policy_loss
 
@@ -103,6 +104,25 @@ def make_optimizer(
 def init_train_state(params, optimizer: optax.GradientTransformation, frozen=None) -> TrainState:
     """Step 0; the optimizer state covers `params` only (never `frozen`)."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), frozen=frozen)
+
+
+def train_state_shardings(params_shardings, optimizer: optax.GradientTransformation, abstract_params, mesh,
+                          frozen_shardings=None) -> TrainState:
+    """TrainState of shardings: params and frozen as given, every optimizer-state leaf that
+    mirrors a parameter (Adam's mu, nu) pinned to that parameter's sharding, the rest (step
+    counts) replicated. Left to propagation, an optimizer state built with `eval_shape` or by a
+    jit without out_shardings loses the parameter layout."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt, params_shardings,
+                                transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=params_shardings, opt_state=opt, frozen=frozen_shardings)
+
+
+def batch_shardings(mesh, data_axes=("data", "fsdp")) -> TrainBatch:
+    """TrainBatch of shardings: every array's rows split over the data-parallel mesh axes."""
+    rows = NamedSharding(mesh, PartitionSpec(tuple(a for a in data_axes if a in mesh.axis_names)))
+    return TrainBatch(*([rows] * len(TrainBatch._fields)))
 
 
 def _split(x: chex.Array, n: int) -> chex.Array:
