@@ -110,6 +110,15 @@ def cmd_bin_difficulty(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from jaxrl4llm.train.plan import format_plan, plan_run, plan_to_dict
+
+    cfg = _load(args)
+    plan = plan_run(cfg, args.topology)
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def cmd_demo(args) -> int:
     from jaxrl4llm.train.demo import run_demo
 
@@ -158,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("plan", help="compile a run's programs for a TPU topology and report memory per chip",
+                       description="AOT-compiles the sampler, log-prob pass and update of the configured run with "
+                       "XLA's TPU compiler (on this machine, no TPU needed: pip install -e .[tpu]) for --topology, "
+                       "and prints bytes per chip (XLA's and our analytic count), HBM use and what to change when "
+                       "a program does not fit (exit status 1). docs/scaling.md.")
+    _add_config_args(p)
+    p.add_argument("--topology", default=None,
+                   help="TPU slice, e.g. v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4 (default: the config's mesh.topology)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("bin-difficulty", help="bin problems into easy/medium/hard by correct answers in k rollouts",
                        description="The study's binning: sample --rollouts responses per problem with the JAX sampler, "

@@ -47,7 +47,10 @@ class ModelConfigSection:
     """Which model to train. `path` is a local HF folder (config.json + safetensors + tokenizer);
     without it, a random model of the given size is built (tests, demo) with `tokenizer`.
     `lora`: train LoRA adapters only (LoraConfig). `module`: "package.module:factory", your own
-    NNX causal LM, factory(vocab_size=..., rngs=nnx.Rngs) -> nnx.Module (docs/models.md)."""
+    NNX causal LM, factory(vocab_size=..., rngs=nnx.Rngs) -> nnx.Module (docs/models.md).
+    `vocab_size`, `tie_word_embeddings`, `max_position_embeddings` and the size fields describe
+    the model for `jaxrl4llm plan` when there is no checkpoint; a random model takes its
+    vocabulary from the tokenizer; a checkpoint's config.json overrides them all."""
 
     path: str | None = None
     tokenizer: str | None = None
@@ -64,6 +67,9 @@ class ModelConfigSection:
     logprob_chunk_size: int = 256
     lora: LoraConfig | None = None
     module: str | None = None
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 4096
 
 
 @dataclasses.dataclass
@@ -165,6 +171,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    topology: str | None = None  # the TPU slice the mesh is sized for (`jaxrl4llm plan`'s default)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,398 @@
+"""`jaxrl4llm plan`: compile a run's programs for a TPU topology, on any machine, and report per chip.
+
+    jaxrl4llm plan -c configs/models/qwen3_8b_base.yaml -c configs/lite_ppo.yaml --topology v5p:4x4x4
+
+XLA's TPU compiler (libtpu, `pip install -e .[tpu]`) runs on a CPU host: `get_topology_desc`
+gives the devices of a named slice, and `jax.jit(f).lower(<ShapeDtypeStructs with shardings>)
+.compile()` compiles for them without a chip (MaxText's `train_compile` does the same). Each
+program of a step is compiled at the run's shapes and shardings:
+
+    sampler/weights   the decode layout of the weights (once per rollout)
+    sampler/decode    prefill + the decode while_loop for prompts_per_step x samples_per_prompt rows
+    logprob pass      old (and reference) log-probs of the rollout batch
+    update            the optimizer steps of one rollout batch (mini-batches x micro-batches)
+
+and reported with XLA's bytes per chip (arguments, outputs, temporaries), the share of the
+chip's HBM, and beside them our own analytic count of the same categories (parameters,
+optimizer state, gradient accumulator, batch, KV cache, activations), so a config can be
+sized before a pod is rented. A program that does not fit is reported with what XLA needed
+and what to change; `plan` then exits 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxrl4llm.train.config import ConfigError, RunConfig
+
+GiB = 2**30
+
+
+class ChipSpec(NamedTuple):
+    """HBM bytes, peak dense bf16 FLOP/s and HBM bytes/s of one chip (public spec sheets; HBM as
+    XLA reports it in RESOURCE_EXHAUSTED messages for v5p)."""
+
+    hbm: float
+    peak_flops: float
+    hbm_bandwidth: float
+
+
+CHIPS = {
+    "v4": ChipSpec(32 * GiB, 275e12, 1.2e12),
+    "v5e": ChipSpec(16 * GiB, 197e12, 0.82e12),
+    "v5p": ChipSpec(95.74 * GiB, 459e12, 2.76e12),
+    "v6e": ChipSpec(32 * GiB, 918e12, 1.64e12),
+}
+
+
+def chip_spec(topology: str) -> ChipSpec:
+    generation = topology.split(":")[0].lower()
+    if generation not in CHIPS:
+        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {generation!r}; "
+                          f"known: {', '.join(CHIPS)} (e.g. v5p:4x4x4, v5e:2x2)")
+    return CHIPS[generation]
+
+
+def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over the devices of a named TPU topology (no chip needed).
+
+    One of data / fsdp / tensor may be -1 (the rest of the devices). `jax.make_mesh` refuses
+    these devices, so the mesh is built from the device array directly.
+    """
+    # Compiling takes no chip: let several processes (tests, a plan beside a run) load libtpu at
+    # once instead of the first one holding its lockfile; no TPU host worker list to discover.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    try:
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown topology name
+        raise ConfigError(f"cannot build TPU topology {topology!r} ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                          f"Install XLA's TPU compiler with `pip install -e .[tpu]` (libtpu), and name a topology "
+                          f"like v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4") from None
+    dims = [data, fsdp, tensor]
+    n = len(devices)
+    if dims.count(-1) > 1:
+        raise ConfigError("At most one of mesh.data / mesh.fsdp / mesh.tensor may be -1.")
+    fixed = math.prod(d for d in dims if d != -1)
+    if -1 in dims:
+        if n % fixed:
+            raise ConfigError(f"mesh {dims}: the {n} chips of {topology} are not divisible by {fixed}.")
+        dims[dims.index(-1)] = n // fixed
+    if math.prod(dims) != n:
+        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {math.prod(dims)}, but {topology} has {n} chips; "
+                          f"set mesh.data/fsdp/tensor to multiply to {n} (one of them may be -1).")
+    return Mesh(np.array(devices).reshape(dims), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+
+
+def plan_model_config(cfg: RunConfig):
+    """The ModelConfig a run would train: `model.path`'s config.json when it exists, else the
+    size fields of the `model` section (the shipped model configs carry them, so a plan needs
+    no checkpoint)."""
+    from pathlib import Path
+
+    from jaxrl4llm.models import ModelConfig
+
+    m = cfg.model
+    if m.path and (Path(m.path) / "config.json").is_file():
+        return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    if m.vocab_size is None:
+        raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
+                          "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
+    return ModelConfig(
+        architecture=m.architecture, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+        attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
+        max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
+        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+
+
+# ---------------------------------------------------------------------------- per-chip bytes
+def tpu_tiled_bytes(shape: tuple[int, ...], dtype) -> int:
+    """Bytes of an array in TPU HBM as XLA lays it out: the minor (lane) dimension is padded to
+    128, and XLA picks as minor a dimension that needs no padding when there is one (measured
+    on v5e with libtpu 0.0.42: [128, 32] takes 16 KiB, [2, 32, 4, 32] four times its size, a
+    [4, 95] int32 2 KiB); every buffer takes at least 512 bytes. So a shard none of whose dims
+    is a multiple of 128 (e.g. a 4096-wide dim split 64 ways next to small dims) costs more."""
+    itemsize = jnp.dtype(dtype).itemsize
+    n = math.prod(shape) * itemsize
+    if shape and not any(d % 128 == 0 for d in shape):
+        widest = max(shape)
+        n = n // widest * (-(-widest // 128) * 128)
+    return max(n, 512)
+
+
+def per_chip_bytes(tree, *, tiled: bool = True) -> int:
+    """Bytes one chip holds of a pytree of ShapeDtypeStructs with shardings (its shard of each
+    leaf, TPU-tiled unless `tiled=False`)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += tpu_tiled_bytes(shape, leaf.dtype) if tiled else math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _with_shardings(abstract, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+@dataclasses.dataclass
+class ProgramPlan:
+    """One compiled program: XLA's figures per chip, our analytic ones, or why it does not compile."""
+
+    name: str
+    fits: bool
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    needed_bytes: int | None = None  # from RESOURCE_EXHAUSTED when it does not fit
+    xla_flops: float = 0.0  # XLA's cost analysis (loop bodies counted once)
+    xla_seconds: float = 0.0  # XLA's own time estimate (loop bodies counted once)
+    model_flops: float = 0.0  # ours: the program's matmul FLOPs per chip, loops unrolled
+    analytic: dict = dataclasses.field(default_factory=dict)  # category -> bytes per chip
+    error: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak bytes per chip: live arguments + outputs (minus donated aliases) + temporaries."""
+        if self.needed_bytes is not None:
+            return self.needed_bytes
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def analytic_total(self) -> int:
+        return sum(self.analytic.values())
+
+
+_EXHAUSTED = re.compile(r"(?:temporaries|memory)\D*\(([\d.]+)([KMGT])\).*?available HBM\s*\(([\d.]+)([KMGT])\)", re.S)
+
+
+def _compile(name: str, lowered_fn, analytic: dict, model_flops: float) -> tuple[ProgramPlan, Any]:
+    try:
+        compiled = lowered_fn().compile()
+    except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError / JaxRuntimeError
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        match = _EXHAUSTED.search(text)
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        needed = int(float(match.group(1)) * scale[match.group(2)]) if match else None
+        return ProgramPlan(name, False, needed_bytes=needed, analytic=analytic, model_flops=model_flops,
+                           error=text.splitlines()[0][:300]), None
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return ProgramPlan(name, True, argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                       alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                       xla_flops=float(cost.get("flops", 0.0)), xla_seconds=float(cost.get("optimal_seconds", 0.0)),
+                       analytic=analytic, model_flops=model_flops), compiled
+
+
+# ---------------------------------------------------------------------------- the programs
+@dataclasses.dataclass
+class RunPlan:
+    topology: str
+    mesh: dict
+    chip: ChipSpec
+    model: Any  # ModelConfig
+    rows: int
+    prompt_len: int
+    response_len: int
+    programs: list[ProgramPlan]
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits and p.total_bytes <= 0.9 * self.chip.hbm for p in self.programs)
+
+
+def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
+    """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
+    config's `mesh.topology`; see the module docstring)."""
+    from jaxrl4llm.core import policy_loss
+    from jaxrl4llm.models import abstract_model, param_shardings
+    from jaxrl4llm.models.decode import DecodeBackend
+    from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
+    from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, weights_program
+    from jaxrl4llm.train.loop import _rows_per_micro
+    from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,
+                                      make_logprob_pass, make_optimizer, make_update_fn, train_state_shardings)
+
+    topology = topology or cfg.mesh.topology
+    if not topology:
+        raise ConfigError("plan needs a TPU topology: pass --topology (e.g. v5p:4x4x4) or set mesh.topology.")
+    chip = chip_spec(topology)
+    mesh = topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    config = plan_model_config(cfg)
+    g_samples = cfg.rollout.samples_per_prompt
+    prompts = cfg.rollout.prompts_per_step
+    rows = prompts * g_samples
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = _rows_per_micro(cfg, rows, dp)
+    prompt_len = bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS)
+    response_len = cfg.rollout.max_new_tokens
+    seq = prompt_len + response_len - 1
+    recipe = cfg.recipe()
+
+    graphdef, abstract = abstract_model(config)
+    p_shard = param_shardings(abstract, mesh)
+    params = _with_shardings(abstract, p_shard)
+    param_bytes = per_chip_bytes(params)
+    programs = []
+
+    # -- sampler
+    backend = DecodeBackend(mesh=mesh)
+    num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=dp)
+    block = block_size_for(response_len, config.num_kv_heads * config.head_dim)
+    with jax.set_mesh(mesh):
+        weights_abstract = jax.eval_shape(lambda s: weights_program(graphdef, s, config=config, backend=backend), params)
+    kv_rows = num_prompts * g_samples
+    tp = mesh.shape["tensor"] if config.num_kv_heads % mesh.shape["tensor"] == 0 else 1
+    cache_bytes = jnp.dtype(config.dtype).itemsize
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * cache_bytes * (
+        num_prompts * prompt_len + kv_rows * (-(-(response_len - 1) // block) * block)) // (dp * tp)
+    decode_weight_bytes = config.num_params * jnp.dtype(config.dtype).itemsize // tp
+    plan_w, compiled_w = _compile("sampler/weights", lambda: jax.jit(
+        lambda s: weights_program(graphdef, s, config=config, backend=backend)).lower(params),
+        {"parameters": param_bytes, "decode weights": decode_weight_bytes}, 0.0)
+    programs.append(plan_w)
+    if compiled_w is not None:
+        weights = _with_shardings(weights_abstract, compiled_w.output_shardings)
+        rows_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+        tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
+        valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+        eos = jax.ShapeDtypeStruct((1,), jnp.int32)
+        key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+        decode_flops = 2 * config.num_params * kv_rows * response_len / mesh.size
+        plan_s, _ = _compile("sampler/decode", lambda: sample_program.lower(
+            weights, tok, tok, valid, key, scalar(jnp.float32), scalar(jnp.float32), eos, scalar(jnp.int32),
+            config=config, num_samples=g_samples, max_new_tokens=response_len, top_k=int(cfg.rollout.top_k),
+            use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block, backend=backend, use_kernels=False),
+            {"decode weights": decode_weight_bytes, "KV cache": kv,
+             "tokens, log-probs, rotary tables": kv_rows * response_len * (4 * 3 + 8 * config.head_dim) // dp},
+            decode_flops)
+        programs.append(plan_s)
+
+    # -- trainer programs
+    optimizer, schedule = make_optimizer(lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm)
+    state_sh = train_state_shardings(p_shard, optimizer, abstract, mesh)
+    train_state = _with_shardings(jax.eval_shape(lambda p: init_train_state(p, optimizer), abstract), state_sh)
+    b_sh = batch_shardings(mesh)
+    shapes = dict(input_tokens=((rows, seq), jnp.int32), targets=((rows, seq), jnp.int32),
+                  positions=((rows, seq), jnp.int32), attention_mask=((rows, seq), jnp.int32),
+                  loss_mask=((rows, seq), jnp.float32), old_logp=((rows, seq), jnp.float32),
+                  ref_logp=((rows, seq), jnp.float32), sampler_logp=((rows, seq), jnp.float32),
+                  advantages=((rows,), jnp.float32), row_weights=((rows,), jnp.float32),
+                  denominator_weights=((rows,), jnp.float32))
+    batch = TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()})
+    from jaxrl4llm.models import score_tokens
+
+    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+    logprob_fn = lambda p, x, y, pos, m, rng=None: score_tokens(
+        graphdef, p, x, y, positions=pos, attention_mask=m, temperature=temperature,
+        chunk_size=cfg.model.logprob_chunk_size, dropout_rng=rng)
+    micro_rows = rows // cfg.trainer.mini_batches // micro
+    per_chip_rows = micro_rows / dp
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    chunk = min(cfg.model.logprob_chunk_size, seq)
+    residuals = config.num_layers * per_chip_rows * seq * d * 4  # the scan's saved residual stream (remat)
+    layer_work = per_chip_rows * seq * (6 * d + 3 * f // mesh.shape["tensor"]) * 4
+    head_work = per_chip_rows * chunk * v // mesh.shape["tensor"] * 4 * 3
+    heads = config.num_heads // mesh.shape["tensor"] if config.num_heads % mesh.shape["tensor"] == 0 else config.num_heads
+    query_block = min(seq, config.attention_query_chunk or seq)
+    attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
+    batch_bytes = per_chip_bytes(batch)
+    tokens = rows * seq
+    plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro)).lower(params, batch),
+                         {"parameters": param_bytes, "batch": batch_bytes,
+                          "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
+                         2 * config.num_params * tokens / mesh.size)
+    programs.append(plan_l)
+    settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
+                              micro_batches=micro)
+    update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
+                            settings=settings, loss_fn=policy_loss)
+    state_bytes = per_chip_bytes(train_state)
+    plan_u, _ = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
+                                                    out_shardings=(state_sh, None, None),
+                                                    donate_argnums=(0,)).lower(train_state, batch),
+                         {"parameters": param_bytes, "optimizer state": state_bytes - param_bytes,
+                          "gradients": 2 * param_bytes,  # a micro-batch's gradients and their accumulator
+                          "batch": batch_bytes,
+                          "activations": (residuals if config.remat else 3 * residuals) + 2 * layer_work + head_work
+                          + 2 * attention_work},
+                         6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size)
+    programs.append(plan_u)
+    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs)
+
+
+# ---------------------------------------------------------------------------- report
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def advice(plan: RunPlan) -> list[str]:
+    """What to change for each program that does not fit (or is over 90% of HBM)."""
+    out = []
+    for p in plan.programs:
+        if p.fits and p.total_bytes <= 0.9 * plan.chip.hbm:
+            continue
+        what = {
+            "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
+                      "trainer.micro_batch_size (activations), or keep model.remat=true",
+            "logprob pass": "lower trainer.micro_batch_size or model.logprob_chunk_size",
+            "sampler/decode": "lower rollout.prompts_per_step or rollout.max_new_tokens (the KV cache holds every "
+                              "row's prompt and response at once), or raise mesh.tensor (splits KV heads)",
+            "sampler/weights": "raise mesh.tensor (the decode weights are replicated over data x fsdp)",
+        }[p.name]
+        out.append(f"{p.name}: needs {_gib(p.total_bytes)} GiB of {_gib(plan.chip.hbm)} GiB per chip: {what}")
+    return out
+
+
+def format_plan(plan: RunPlan) -> str:
+    c = plan.model
+    lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params on {plan.topology} "
+             f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
+             f"{plan.prompt_len} prompt + {plan.response_len} response tokens", ""]
+    header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'HBM %':>6} {'args':>7} {'temp':>7} " \
+             f"{'ours GiB':>8} {'ours/XLA':>8} {'roofline s':>10}"
+    lines += [header, "-" * len(header)]
+    for p in plan.programs:
+        ratio = p.analytic_total / p.total_bytes if p.total_bytes else float("nan")
+        roofline = p.model_flops / plan.chip.peak_flops if p.model_flops else 0.0
+        lines.append(f"{p.name:<16} {'yes' if p.fits else 'NO':>4} {_gib(p.total_bytes):>12} "
+                     f"{100 * p.total_bytes / plan.chip.hbm:>6.1f} {_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} "
+                     f"{_gib(p.analytic_total):>8} {ratio:>8.2f} {roofline:>10.3f}")
+    lines.append("")
+    for p in plan.programs:
+        parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.analytic.items())
+        lines.append(f"  {p.name}: ours per chip (GiB): {parts}")
+    lines.append("")
+    lines.append("roofline s: the program's matmul FLOPs per chip / peak bf16 FLOP/s (a lower bound on its time; "
+                 "XLA's own cost analysis counts loop bodies once, so it is not used for time).")
+    problems = advice(plan)
+    lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else ["every program fits (< 90% HBM)"])
+    return "\n".join(lines)
+
+
+def plan_to_dict(plan: RunPlan) -> dict:
+    return {
+        "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
+        "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
+        "response_len": plan.response_len,
+        "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total)
+                     for p in plan.programs],
+        "advice": advice(plan),
+    }

@@ -1,0 +1,95 @@
+"""`jaxrl4llm plan`: a small model's programs compiled by XLA's TPU compiler for a small topology,
+our analytic bytes against XLA's, errors that name the keys, and sharding that holds under FSDP."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl4llm.cli import main as cli_main
+from jaxrl4llm.models import ModelConfig, abstract_model, param_shardings, score_tokens
+from jaxrl4llm.train.config import ConfigError, load_config
+from jaxrl4llm.train.plan import per_chip_bytes, plan_run, topology_mesh
+
+TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.intermediate_size=256", "model.num_layers=2",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=32", "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=64", "data.max_prompt_tokens=32",
+        "trainer.mini_batches=2", "trainer.micro_batch_size=4", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1"]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return plan_run(load_config(None, TINY), "v5e:2x2")
+
+
+def test_every_program_compiles_for_the_topology_and_fits(plan):
+    assert [p.name for p in plan.programs] == ["sampler/weights", "sampler/decode", "logprob pass", "update"]
+    assert plan.fits and plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    for p in plan.programs:
+        assert p.fits and p.argument_bytes > 0 and p.total_bytes < plan.chip.hbm
+
+
+def test_analytic_arguments_equal_xla_arguments(plan):
+    """The bytes a program takes in are known exactly from the shardings: ours must match XLA's."""
+    update = next(p for p in plan.programs if p.name == "update")
+    ours = update.analytic["parameters"] + update.analytic["optimizer state"] + update.analytic["batch"]
+    assert ours == pytest.approx(update.argument_bytes, rel=0.05)
+    logprob = next(p for p in plan.programs if p.name == "logprob pass")
+    assert logprob.analytic["parameters"] + logprob.analytic["batch"] == pytest.approx(logprob.argument_bytes, rel=0.05)
+    # FSDP over 4 chips: a chip holds at least a quarter of the float32 parameters (more: tile padding)
+    assert update.analytic["parameters"] >= plan.model.num_params * 4 / 4
+
+
+def test_a_run_that_does_not_fit_exits_1_and_says_what_to_change(capsys):
+    # 16 rows a chip of 32k-token sequences: attention scores far beyond a 16 GiB v5e chip
+    code = cli_main(["plan", "--topology", "v5e:2x2", "--json", *TINY, "rollout.prompts_per_step=128",
+                     "rollout.max_new_tokens=32768", "trainer.micro_batch_size=64"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out["fits"]
+    update = next(p for p in out["programs"] if p["name"] == "update")
+    assert not update["fits"] and update["needed_bytes"] > 16 * 2**30
+    assert any(a.startswith("update: needs") and "trainer.micro_batch_size" in a for a in out["advice"])
+
+
+def test_mesh_and_micro_batch_errors_name_the_keys():
+    with pytest.raises(ConfigError, match=r"mesh.data/fsdp/tensor.*4"):
+        topology_mesh("v5e:2x2", 1, 8, 1)
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=2.*4 data-parallel.*mesh.data x mesh.fsdp"):
+        plan_run(load_config(None, TINY + ["trainer.micro_batch_size=2"]), "v5e:2x2")
+    with pytest.raises(ConfigError, match=r"unknown TPU generation"):
+        plan_run(load_config(None, TINY), "h100:8")
+
+
+def test_fsdp_activations_stay_split_over_the_batch():
+    """Per-chip temporaries of the scoring pass under FSDP within 1.5x of pure data parallelism
+    at equal rows per chip (the layer-boundary constraints; unconstrained GSPMD kept whole-batch
+    activations on every chip)."""
+    config = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, remat=True)
+    graphdef, abstract = abstract_model(config)
+
+    def temp(data, fsdp, constrained=True):
+        mesh = topology_mesh("v5e:2x2", data, fsdp, 1)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                              param_shardings(abstract, mesh))
+        tokens = jax.ShapeDtypeStruct((16, 256), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+        fn = jax.jit(lambda s, x: score_tokens(graphdef, s, x, x, positions=x, attention_mask=x, chunk_size=256))
+        if constrained:
+            with jax.set_mesh(mesh):
+                return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+        return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    data_parallel, fsdp = temp(4, 1), temp(1, 4)
+    assert fsdp <= 1.5 * data_parallel, (fsdp, data_parallel)
+
+
+def test_per_chip_bytes_counts_the_largest_shard():
+    mesh = topology_mesh("v5e:2x2", 1, 4, 1)
+    a = jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    b = jax.ShapeDtypeStruct((3,), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    assert per_chip_bytes([a, b], tiled=False) == 2 * 6 * 4 + 3 * 2
+    assert per_chip_bytes([a]) == 2 * 128 * 4  # the 6-wide minor dim padded to 128 lanes
+    assert np.isfinite(per_chip_bytes([a]))
