@@ -67,7 +67,7 @@ def test_fsdp_activations_stay_split_over_the_batch():
     """Per-chip temporaries of the scoring pass under FSDP within 1.5x of pure data parallelism
     at equal rows per chip (the layer-boundary constraints; unconstrained GSPMD kept whole-batch
     activations on every chip)."""
-    config = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+    config = ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=64, remat=True)
     graphdef, abstract = abstract_model(config)
 
@@ -75,15 +75,16 @@ def test_fsdp_activations_stay_split_over_the_batch():
         mesh = topology_mesh("v5e:2x2", data, fsdp, 1)
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                               param_shardings(abstract, mesh))
-        tokens = jax.ShapeDtypeStruct((16, 256), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
-        fn = jax.jit(lambda s, x: score_tokens(graphdef, s, x, x, positions=x, attention_mask=x, chunk_size=256))
+        tokens = jax.ShapeDtypeStruct((16, 1024), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+        fn = jax.jit(lambda s, x: score_tokens(graphdef, s, x, x, positions=x, attention_mask=x, chunk_size=512))
         if constrained:
             with jax.set_mesh(mesh):
                 return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
         return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
 
     data_parallel, fsdp = temp(4, 1), temp(1, 4)
-    assert fsdp <= 1.5 * data_parallel, (fsdp, data_parallel)
+    assert 0 < fsdp <= 1.5 * data_parallel, (fsdp, data_parallel)  # measured: 552 MB against 576 MB
+    assert temp(1, 4, constrained=False) > 1.5 * data_parallel  # measured 1358 MB: what the constraints fix
 
 
 def test_per_chip_bytes_counts_the_largest_shard():
