@@ -175,13 +175,27 @@ class ProgramPlan:
     def analytic_total(self) -> int:
         return sum(self.analytic.values())
 
+    def xla_mfu(self, chip: ChipSpec) -> float:
+        """XLA's own FLOPs-per-second estimate as a fraction of the chip's peak: flops /
+        (optimal_seconds x peak). Both count a loop body once, so their ratio holds for the
+        whole program even though each alone does not."""
+        return self.xla_flops / (self.xla_seconds * chip.peak_flops) if self.xla_seconds > 0 else 0.0
+
+    def estimated_seconds(self, chip: ChipSpec) -> float:
+        """The program's time at XLA's estimated MFU: model FLOPs per chip / (MFU x peak)."""
+        mfu = self.xla_mfu(chip)
+        return self.model_flops / (mfu * chip.peak_flops) if mfu > 0 and self.model_flops else 0.0
+
 
 _EXHAUSTED = re.compile(r"(?:temporaries|memory)\D*\(([\d.]+)([KMGT])\).*?available HBM\s*\(([\d.]+)([KMGT])\)", re.S)
 
 
-def _compile(name: str, lowered_fn, analytic: dict, model_flops: float) -> tuple[ProgramPlan, Any]:
+def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Mesh) -> tuple[ProgramPlan, Any]:
+    """Lower and compile under the mesh context (as the loop runs them: the model's activation
+    constraints read it); a RESOURCE_EXHAUSTED becomes a plan that does not fit."""
     try:
-        compiled = lowered_fn().compile()
+        with jax.set_mesh(mesh):
+            compiled = lowered_fn().compile()
     except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError / JaxRuntimeError
         text = str(e)
         if "RESOURCE_EXHAUSTED" not in text:
@@ -265,7 +279,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     decode_weight_bytes = config.num_params * jnp.dtype(config.dtype).itemsize // tp
     plan_w, compiled_w = _compile("sampler/weights", lambda: jax.jit(
         lambda s: weights_program(graphdef, s, config=config, backend=backend)).lower(params),
-        {"parameters": param_bytes, "decode weights": decode_weight_bytes}, 0.0)
+        {"parameters": param_bytes, "decode weights": decode_weight_bytes}, 0.0, mesh)
     programs.append(plan_w)
     if compiled_w is not None:
         weights = _with_shardings(weights_abstract, compiled_w.output_shardings)
@@ -282,7 +296,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
             use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block, backend=backend, use_kernels=False),
             {"decode weights": decode_weight_bytes, "KV cache": kv,
              "tokens, log-probs, rotary tables": kv_rows * response_len * (4 * 3 + 8 * config.head_dim) // dp},
-            decode_flops)
+            decode_flops, mesh)
         programs.append(plan_s)
 
     # -- trainer programs
@@ -318,7 +332,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro)).lower(params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
-                         2 * config.num_params * tokens / mesh.size)
+                         2 * config.num_params * tokens / mesh.size, mesh)
     programs.append(plan_l)
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
                               micro_batches=micro)
@@ -333,7 +347,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
                           "batch": batch_bytes,
                           "activations": (residuals if config.remat else 3 * residuals) + 2 * layer_work + head_work
                           + 2 * attention_work},
-                         6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size)
+                         6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh)
     programs.append(plan_u)
     return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs)
 
@@ -367,21 +381,22 @@ def format_plan(plan: RunPlan) -> str:
              f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
              f"{plan.prompt_len} prompt + {plan.response_len} response tokens", ""]
     header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'HBM %':>6} {'args':>7} {'temp':>7} " \
-             f"{'ours GiB':>8} {'ours/XLA':>8} {'roofline s':>10}"
+             f"{'ours GiB':>8} {'ours/XLA':>8} {'XLA MFU':>7} {'est. s':>8}"
     lines += [header, "-" * len(header)]
     for p in plan.programs:
         ratio = p.analytic_total / p.total_bytes if p.total_bytes else float("nan")
-        roofline = p.model_flops / plan.chip.peak_flops if p.model_flops else 0.0
         lines.append(f"{p.name:<16} {'yes' if p.fits else 'NO':>4} {_gib(p.total_bytes):>12} "
                      f"{100 * p.total_bytes / plan.chip.hbm:>6.1f} {_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} "
-                     f"{_gib(p.analytic_total):>8} {ratio:>8.2f} {roofline:>10.3f}")
+                     f"{_gib(p.analytic_total):>8} {ratio:>8.2f} {100 * p.xla_mfu(plan.chip):>6.1f}% "
+                     f"{p.estimated_seconds(plan.chip):>8.2f}")
     lines.append("")
     for p in plan.programs:
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.analytic.items())
         lines.append(f"  {p.name}: ours per chip (GiB): {parts}")
     lines.append("")
-    lines.append("roofline s: the program's matmul FLOPs per chip / peak bf16 FLOP/s (a lower bound on its time; "
-                 "XLA's own cost analysis counts loop bodies once, so it is not used for time).")
+    lines.append("XLA MFU: XLA's cost model, flops / (its time estimate x peak bf16 FLOP/s); est. s: the program's "
+                 "matmul FLOPs per chip (ours, loops unrolled) at that MFU. XLA's flops and time alone count a loop "
+                 "body once.")
     problems = advice(plan)
     lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else ["every program fits (< 90% HBM)"])
     return "\n".join(lines)
@@ -392,7 +407,8 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
         "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
         "response_len": plan.response_len,
-        "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total)
+        "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total,
+                          xla_mfu=p.xla_mfu(plan.chip), estimated_seconds=p.estimated_seconds(plan.chip))
                      for p in plan.programs],
         "advice": advice(plan),
     }
