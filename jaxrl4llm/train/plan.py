@@ -163,6 +163,7 @@ class ProgramPlan:
     model_flops: float = 0.0  # ours: the program's matmul FLOPs per chip, loops unrolled
     analytic: dict = dataclasses.field(default_factory=dict)  # category -> bytes per chip
     error: str = ""
+    hbm_read_bytes: float = 0.0  # ours: bytes a chip must read from HBM over the program (decode: every step)
 
     @property
     def total_bytes(self) -> int:
@@ -180,6 +181,10 @@ class ProgramPlan:
         (optimal_seconds x peak). Both count a loop body once, so their ratio holds for the
         whole program even though each alone does not."""
         return self.xla_flops / (self.xla_seconds * chip.peak_flops) if self.xla_seconds > 0 else 0.0
+
+    def hbm_bound_seconds(self, chip: ChipSpec) -> float:
+        """Lower bound from HBM bandwidth: bytes read / bytes per second (decode's real limit)."""
+        return self.hbm_read_bytes / chip.hbm_bandwidth
 
     def estimated_seconds(self, chip: ChipSpec) -> float:
         """The program's time at XLA's estimated MFU: model FLOPs per chip / (MFU x peak)."""
@@ -297,6 +302,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
             {"decode weights": decode_weight_bytes, "KV cache": kv,
              "tokens, log-probs, rotary tables": kv_rows * response_len * (4 * 3 + 8 * config.head_dim) // dp},
             decode_flops, mesh)
+        # every decode step reads the decode weights and, on average, half the final KV cache
+        plan_s.hbm_read_bytes = response_len * (decode_weight_bytes + kv / 2)
         programs.append(plan_s)
 
     # -- trainer programs
@@ -393,6 +400,10 @@ def format_plan(plan: RunPlan) -> str:
     for p in plan.programs:
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.analytic.items())
         lines.append(f"  {p.name}: ours per chip (GiB): {parts}")
+    for p in plan.programs:
+        if p.hbm_read_bytes:
+            lines.append(f"  {p.name}: HBM-bandwidth bound {p.hbm_bound_seconds(plan.chip):.1f} s "
+                         f"({p.hbm_read_bytes / GiB:.0f} GiB read per chip at {plan.chip.hbm_bandwidth / 1e12:.2f} TB/s)")
     lines.append("")
     lines.append("XLA MFU: XLA's cost model, flops / (its time estimate x peak bf16 FLOP/s); est. s: the program's "
                  "matmul FLOPs per chip (ours, loops unrolled) at that MFU. XLA's flops and time alone count a loop "
@@ -408,7 +419,8 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
         "response_len": plan.response_len,
         "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total,
-                          xla_mfu=p.xla_mfu(plan.chip), estimated_seconds=p.estimated_seconds(plan.chip))
+                          xla_mfu=p.xla_mfu(plan.chip), estimated_seconds=p.estimated_seconds(plan.chip),
+                          hbm_bound_seconds=p.hbm_bound_seconds(plan.chip))
                      for p in plan.programs],
         "advice": advice(plan),
     }
