@@ -66,6 +66,7 @@ class CpuBackend(DecodeBackend):
     kernels: bool = False
     packed: bool = False
     pairs: bool = False
+    fused_projections: bool = True  # XLA:CPU: four wide matmuls per layer beat seven narrow ones
 
     def prepare_weight(self, w):
         return pack_weight(w) if self.packed and packable(w) else w

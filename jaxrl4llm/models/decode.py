@@ -82,6 +82,12 @@ class DecodeBackend:
 
     mesh: Mesh | None = None
     rules: tuple = DECODE_RULES
+    # One qkv matmul (per kv head: its query heads, key, value) and gate/up rows interleaved, or
+    # separate q / k / v and a stacked [2, F, D] gate/up. XLA:CPU runs fewer, wider matmuls
+    # faster at decode sizes; XLA:TPU copies such fused weights to another layout before its
+    # dots (seen in the compiled decode program: a copy of every gate_up and qkv weight, about
+    # the decode weights' size in temporaries), so the neutral layout keeps them apart.
+    fused_projections: bool = False
 
     def constrain(self, x: jax.Array, axes: tuple) -> jax.Array:
         if self.mesh is None:
@@ -179,8 +185,11 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
     ([out, in]), then handed to `backend.prepare_weight`, one pass over the weights per rollout:
 
         qkv_t     [KVH * (H/KVH + 2) * Dh, D]  per kv head: its H/KVH query heads, its key, its value
+                                               (backend.fused_projections; else q_t [H * Dh, D],
+                                               k_t, v_t [KVH * Dh, D])
         o_t       [D, H * Dh]
         gate_up_t [2F, D]                      W_gate^T and W_up^T rows interleaved
+                                               (fused_projections; else gate_up [2, F, D])
 
         down_t    [D, F]
 
@@ -201,11 +210,18 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
         w = lambda path: flat["layers/" + path + "/kernel"][i].astype(dtype)
         q, k, v = w("attn/q_proj"), w("attn/k_proj"), w("attn/v_proj")
         d = q.shape[0]
-        qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
-        layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, ("kv_heads", "embed")))
+        if b.fused_projections:
+            qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
+            layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, ("kv_heads", "embed")))
+            gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
+            layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), ("mlp", "embed")))
+        else:
+            layer["q_t"] = b.prepare_weight(b.constrain(q.reshape(d, -1).T, ("heads", "embed")))
+            layer["k_t"] = b.prepare_weight(b.constrain(k.reshape(d, -1).T, ("kv_heads", "embed")))
+            layer["v_t"] = b.prepare_weight(b.constrain(v.reshape(d, -1).T, ("kv_heads", "embed")))
+            gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T])  # [2, F, D]
+            layer["gate_up"] = b.constrain(gate_up, (None, "mlp", "embed"))
         layer["o_t"] = b.prepare_weight(b.constrain(w("attn/o_proj").reshape(-1, d).T, ("embed", "heads")))
-        gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
-        layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), ("mlp", "embed")))
         layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, ("embed", "mlp")))
         layers.append(layer)
     embed = flat["embed_tokens/embedding"]
@@ -219,7 +235,7 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
 
 
 class FusedLayer:
-    """`layers.decoder.LayerWeights` over one layer of `decode_weights` (four fused matmuls)."""
+    """`layers.decoder.LayerWeights` over one layer of `decode_weights` (fused or separate projections)."""
 
     def __init__(self, weights: dict, config: ModelConfig, backend: DecodeBackend):
         self.w, self.c, self.backend = weights, config, backend
@@ -240,9 +256,14 @@ class FusedLayer:
         c = self.c
         b, t = h.shape[:2]
         hg = c.num_heads // c.num_kv_heads
-        qkv = self._project(h, "qkv_t").reshape(b, t, c.num_kv_heads, hg + 2, c.head_dim)
-        q = qkv[:, :, :, :hg].reshape(b, t, c.num_heads, c.head_dim)
-        k, v = qkv[:, :, :, hg], qkv[:, :, :, hg + 1]
+        if "qkv_t" in self.w:
+            qkv = self._project(h, "qkv_t").reshape(b, t, c.num_kv_heads, hg + 2, c.head_dim)
+            q = qkv[:, :, :, :hg].reshape(b, t, c.num_heads, c.head_dim)
+            k, v = qkv[:, :, :, hg], qkv[:, :, :, hg + 1]
+        else:
+            q = self._project(h, "q_t").reshape(b, t, c.num_heads, c.head_dim)
+            k = self._project(h, "k_t").reshape(b, t, c.num_kv_heads, c.head_dim)
+            v = self._project(h, "v_t").reshape(b, t, c.num_kv_heads, c.head_dim)
         if "q_bias" in self.w:
             q = q + self.w["q_bias"].astype(jnp.float32)
             k = k + self.w["k_bias"].astype(jnp.float32)
@@ -262,8 +283,11 @@ class FusedLayer:
 
     def gate_up(self, h):
         b, t = h.shape[:2]
-        gu = self._project(h, "gate_up_t").reshape(b, t, -1, 2)  # unit f's gate at 2f, its up at 2f + 1
-        return gu[..., 0], gu[..., 1]
+        if "gate_up_t" in self.w:
+            gu = self._project(h, "gate_up_t").reshape(b, t, -1, 2)  # unit f's gate at 2f, its up at 2f + 1
+            return gu[..., 0], gu[..., 1]
+        gu = einsum("mk,gnk->gmn", h.reshape(b * t, -1), self.w["gate_up"], self.dtype).reshape(2, b, t, -1)
+        return gu[0], gu[1]
 
     def down(self, a):
         return self._project(a, "down_t")
