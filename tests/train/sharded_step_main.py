@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 
 from jaxrl4llm.core import DAPO, compute_advantages  # noqa: E402
 from jaxrl4llm.models import ModelConfig, batch_sharding, init_model, make_mesh, param_shardings, score_tokens  # noqa: E402
-from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_optimizer, make_update_fn  # noqa: E402
+from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,  # noqa: E402
+                                  make_optimizer, make_update_fn, train_state_shardings)
 
 
 def main() -> int:
@@ -58,6 +59,23 @@ def main() -> int:
     for a, b in zip(jax.tree.leaves(single[0].params), jax.tree.leaves(multi[0].params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)  # lr 1e-2: 0.2% of a step
     np.testing.assert_array_equal(np.asarray(single[2]), np.asarray(multi[2]))
+
+    # as the loop runs it: optimizer state pinned to the parameter shardings, the batch placed by
+    # in_shardings, the model's activation constraints active under the mesh context
+    pinned = train_state_shardings(param_shardings(params, mesh), opt, params, mesh)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda p: init_train_state(p, opt), out_shardings=pinned)(sharded_params)
+        looped = jax.jit(make(), in_shardings=(pinned, batch_shardings(mesh)), out_shardings=(pinned, None, None))(
+            state, batch)
+    for k in ("loss", "grad_norm", "clip_frac", "entropy"):
+        np.testing.assert_allclose(single[1][k], looped[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(single[0].params), jax.tree.leaves(looped[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+    # Adam's moments sit where their parameters do (pinned), not where propagation left them
+    param_specs = {(x.shape, x.sharding.spec) for x in jax.tree.leaves(looped[0].params)}
+    moments = [x for x in jax.tree.leaves(looped[0].opt_state) if x.ndim >= 1]
+    assert moments and all((x.shape, x.sharding.spec) in param_specs for x in moments)
+    assert any(not x.sharding.is_fully_replicated for x in moments), "optimizer state fully replicated"
     print(f"OK sharded params: {n_sharded}, loss {float(single[1]['loss']):.6f} vs {float(multi[1]['loss']):.6f}")
     return 0
 
