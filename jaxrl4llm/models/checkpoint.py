@@ -24,11 +24,11 @@ from safetensors.numpy import save_file
 
 from flax import nnx
 
-from jaxrl4llm.models.causal_lm import CausalLM, abstract_model
+from jaxrl4llm.models.causal_lm import CausalLM, abstract_model, merge
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.hf_layout import TensorMap, tensor_maps
 from jaxrl4llm.models.lora import merge_lora
-from jaxrl4llm.models.sharding import DEFAULT_RULES, param_shardings
+from jaxrl4llm.models.sharding import DEFAULT_RULES, flat_state, param_shardings
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,11 +39,6 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------- helpers
-def _flat(state: nnx.State) -> dict[str, nnx.Variable]:
-    """{"layers/attn/q_proj/kernel": Variable, ...} of a model state."""
-    return {"/".join(str(k) for k in path): v for path, v in nnx.to_flat_state(state)}
-
-
 def _weight_files(path: str) -> dict[str, str]:
     """HF tensor name -> safetensors file (absolute path) for a single or sharded checkpoint."""
     index = os.path.join(path, INDEX_FILE)
@@ -105,13 +100,13 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
     files = _weight_files(path)
     graphdef, abstract = abstract_model(config)
     if mesh is not None:
-        shardings = _flat(param_shardings(abstract, mesh, rules or DEFAULT_RULES))
+        shardings = flat_state(param_shardings(abstract, mesh, rules or DEFAULT_RULES))
     else:
         device = SingleDeviceSharding(jax.devices()[0])
-        shardings = {key: v.replace(device) for key, v in _flat(abstract).items()}
+        shardings = {key: v.replace(device) for key, v in flat_state(abstract).items()}
     target = np.dtype(jnp.dtype(config.param_dtype))
     cpu = jax.devices("cpu")[0]
-    expected = _flat(abstract)
+    expected = flat_state(abstract)
 
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in sorted(set(files.values()))}
@@ -177,20 +172,20 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_siz
     In multi-process runs every process must call this; process 0 writes.
     """
     if isinstance(model, tuple):
-        model = nnx.merge(model[0], *(model[1] if isinstance(model[1], tuple) else (model[1],)))
+        model = merge(*model)
     if not isinstance(model, CausalLM):
         raise TypeError(f"save_pretrained writes jaxrl4llm CausalLM models, got {type(model).__name__}")
     config = model.config
     graphdef, state = nnx.split(model)
     if model.lora_settings is not None:
         graphdef, state = jax.jit(merge_lora, static_argnums=0)(graphdef, state)
-    params = _flat(state)
+    params = flat_state(state)
     path = os.fspath(path)
     dtype = jnp.dtype(dtype or config.param_dtype).name
     np_dtype = np.dtype(jnp.dtype(dtype))
     limit = _parse_size(max_shard_size)
     maps = tensor_maps(config)
-    expected = _flat(abstract_model(config)[1])
+    expected = flat_state(abstract_model(config)[1])
 
     entries = []  # (hf name, TensorMap, layer or None, nbytes)
     for tm in maps:

@@ -34,7 +34,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.models.config import ModelConfig
@@ -43,7 +42,7 @@ from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.linear import einsum
 from jaxrl4llm.models.layers.norm import rms_norm
 from jaxrl4llm.models.layers.rope import rope_tables
-from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_axes, logical_to_spec
+from jaxrl4llm.models.sharding import DEFAULT_RULES, flat_state, logical_axes, logical_to_spec
 
 _MASKED = -1e30
 
@@ -165,10 +164,6 @@ def xla_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k: list, done_
 
 
 # ---------------------------------------------------------------------------- weights
-def _flat_values(state) -> dict[str, jax.Array]:
-    return {"/".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(state)}
-
-
 _NORMS_AND_BIASES = {  # decode-layout name -> state path (under layers/)
     "input_norm": "input_norm/scale", "post_attn_norm": "post_attn_norm/scale",
     "q_norm": "attn/q_norm/scale", "k_norm": "attn/k_norm/scale",
@@ -198,9 +193,8 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
     constrained to the backend's decode sharding.
     """
     dtype = jnp.dtype(config.dtype)
-    flat = _flat_values(state)
-    axes = {key: tuple(v.get_value()) for key, v in
-            (("/".join(map(str, p)), v) for p, v in nnx.to_flat_state(logical_axes(state)))}
+    flat = {key: v.get_value() for key, v in flat_state(state).items()}
+    axes = {key: tuple(v.get_value()) for key, v in flat_state(logical_axes(state)).items()}
     kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     b = backend
     layers = []

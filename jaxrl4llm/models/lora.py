@@ -47,17 +47,6 @@ def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State]:
     return adapters, base
 
 
-def _delta(linear: Linear) -> jax.Array:
-    """(alpha / r) A B in W's shape (with W's leading stacked-layer axes), float32."""
-    lora = linear.lora
-    a, b = lora.lora_a[...].astype(jnp.float32), lora.lora_b[...].astype(jnp.float32)
-    stacked = a.ndim + b.ndim - 2 - linear.kernel[...].ndim  # leading axes A and B share with W (layers)
-    product = lambda a, b: jnp.tensordot(a, b, axes=1)
-    for _ in range(stacked):
-        product = jax.vmap(product)
-    return lora.scale * product(a, b)
-
-
 def merge_lora(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
     """A model with adapters -> the plain model (no adapters) with W <- W + (alpha / r) A B.
 
@@ -73,7 +62,8 @@ def merge_lora(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear) and node.lora is not None:
             kernel = node.kernel[...]
-            merged[(*path, "kernel")] = (kernel.astype(jnp.float32) + _delta(node)).astype(kernel.dtype)
+            merged[(*path, "kernel")] = (kernel.astype(jnp.float32) + node.lora.delta_kernel(kernel.ndim)
+                                         ).astype(kernel.dtype)
     base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     flat = [(path, v.replace(merged[path]) if path in merged else v) for path, v in nnx.to_flat_state(base)]
     assert len(merged) == sum(path in merged for path, _ in flat), "every adapted kernel is in the base state"

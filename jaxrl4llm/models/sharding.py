@@ -105,6 +105,11 @@ def _names(v: nnx.Variable) -> tuple:
     return tuple(names) if names is not None else (None,) * len(v.shape)
 
 
+def flat_state(state) -> dict[str, nnx.Variable]:
+    """{"layers/attn/q_proj/kernel": Variable, ...}: a model state by parameter path."""
+    return {"/".join(str(k) for k in path): v for path, v in nnx.to_flat_state(state)}
+
+
 def logical_axes(state) -> nnx.State:
     """The state with each parameter's value replaced by its logical axis names (a tuple, one
     name or None per dim), read from the variable's `out_sharding` metadata."""

@@ -86,21 +86,26 @@ class PromptStream:
         return out
 
 
-def _mesh(cfg: RunConfig):
-    from jaxrl4llm.models import make_mesh
-
-    n = jax.device_count()
-    dims = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+def mesh_dims(data: int, fsdp: int, tensor: int, n: int, where: str = "devices") -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of `mesh.*` over n devices; one of them may be -1 (the rest)."""
+    dims = [data, fsdp, tensor]
     if dims.count(-1) > 1:
         raise ConfigError("At most one of mesh.data / mesh.fsdp / mesh.tensor may be -1.")
     fixed = int(np.prod([d for d in dims if d != -1]))
     if -1 in dims:
         if n % fixed:
-            raise ConfigError(f"mesh {dims}: {n} devices are not divisible by {fixed}.")
+            raise ConfigError(f"mesh {dims}: the {n} {where} are not divisible by {fixed}.")
         dims[dims.index(-1)] = n // fixed
     if int(np.prod(dims)) != n:
-        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {int(np.prod(dims))} but there are {n} devices.")
-    return make_mesh(*dims)
+        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {int(np.prod(dims))}, but there are {n} {where}; "
+                          f"set mesh.data/fsdp/tensor to multiply to {n} (one of them may be -1).")
+    return tuple(dims)
+
+
+def _mesh(cfg: RunConfig):
+    from jaxrl4llm.models import make_mesh
+
+    return make_mesh(*mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, jax.device_count()))
 
 
 def _in_mesh(fn: Callable, mesh) -> Callable:

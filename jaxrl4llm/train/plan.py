@@ -80,18 +80,9 @@ def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
         raise ConfigError(f"cannot build TPU topology {topology!r} ({type(e).__name__}: {str(e).splitlines()[0]}). "
                           f"Install XLA's TPU compiler with `pip install -e .[tpu]` (libtpu), and name a topology "
                           f"like v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4") from None
-    dims = [data, fsdp, tensor]
-    n = len(devices)
-    if dims.count(-1) > 1:
-        raise ConfigError("At most one of mesh.data / mesh.fsdp / mesh.tensor may be -1.")
-    fixed = math.prod(d for d in dims if d != -1)
-    if -1 in dims:
-        if n % fixed:
-            raise ConfigError(f"mesh {dims}: the {n} chips of {topology} are not divisible by {fixed}.")
-        dims[dims.index(-1)] = n // fixed
-    if math.prod(dims) != n:
-        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {math.prod(dims)}, but {topology} has {n} chips; "
-                          f"set mesh.data/fsdp/tensor to multiply to {n} (one of them may be -1).")
+    from jaxrl4llm.train.loop import mesh_dims
+
+    dims = mesh_dims(data, fsdp, tensor, len(devices), f"chips of {topology}")
     return Mesh(np.array(devices).reshape(dims), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 
 
@@ -318,12 +309,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
                   advantages=((rows,), jnp.float32), row_weights=((rows,), jnp.float32),
                   denominator_weights=((rows,), jnp.float32))
     batch = TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()})
-    from jaxrl4llm.models import score_tokens
+    from jaxrl4llm.train.policy import make_logprob_fn
 
-    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    logprob_fn = lambda p, x, y, pos, m, rng=None: score_tokens(
-        graphdef, p, x, y, positions=pos, attention_mask=m, temperature=temperature,
-        chunk_size=cfg.model.logprob_chunk_size, dropout_rng=rng)
+    logprob_fn = make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
     micro_rows = rows // cfg.trainer.mini_batches // micro
     per_chip_rows = micro_rows / dp
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size

@@ -7,7 +7,6 @@ sampler reads them as they are, with no host round trip or format conversion.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ class Policy:
     chunk_size: int
     cpu_kernels: bool | None = None  # generate(cpu_kernels=): None = auto
     frozen: Any = None  # frozen nnx.State (the LoRA base), or None
-    dropout: bool = False  # the model has LoRA dropout: updates pass a dropout key
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -47,13 +45,19 @@ class Policy:
         return join_params(self.params, self.frozen)
 
     @property
+    def dropout(self) -> bool:
+        """The model has LoRA adapters with dropout: updates pass a dropout key."""
+        from jaxrl4llm.models import merge
+
+        settings = getattr(merge(self.graphdef, self.state), "lora_settings", None)
+        return settings is not None and settings.dropout > 0
+
+    @property
     def logprob_fn(self):
         """(state, inputs, targets, positions, attention_mask, rng=None) -> (logp, entropy) [B, L], at
         the rollout temperature (the distribution the sampler drew from, before top-k/top-p);
         `rng` keys LoRA dropout (the update passes it, scoring passes none)."""
-        from jaxrl4llm.models import score_tokens
-
-        return functools.partial(_logprobs, score_tokens, self.graphdef, self.temperature, self.chunk_size)
+        return make_logprob_fn(self.graphdef, self.temperature, self.chunk_size)
 
     def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False):
         from jaxrl4llm.sampling import generate
@@ -87,10 +91,16 @@ class Policy:
         return path
 
 
-def _logprobs(score_tokens, graphdef, temperature, chunk_size, state, inputs, targets, positions, attention_mask,
-              rng=None):
-    return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
-                        temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size, dropout_rng=rng)
+def make_logprob_fn(graphdef, temperature: float, chunk_size: int):
+    """The train step's logprob_fn for an NNX model: (state, inputs, targets, positions,
+    attention_mask, rng=None) -> (logp, entropy) at `temperature` (0 = greedy: scored at 1)."""
+    from jaxrl4llm.models import score_tokens
+
+    def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None):
+        return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
+                            temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                            dropout_rng=rng)
+    return logprob_fn
 
 
 def _eos_ids(tokenizer, model_config) -> tuple[int, ...]:
@@ -131,7 +141,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     configured size + `model.tokenizer`; with `model.lora`, adapters on a frozen base."""
     from flax import nnx
 
-    from jaxrl4llm.models import ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, param_shardings
+    from jaxrl4llm.models import (ModelConfig, abstract_model, add_lora, init_model, load_pretrained, load_tokenizer,
+                                  param_shardings)
 
     m = cfg.model
     rng = jax.random.PRNGKey(cfg.trainer.seed)
@@ -163,28 +174,18 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
             state = jax.device_put(state, param_shardings(state, mesh))
     if m.remat and model_config is not None and not model_config.remat:
         model_config = model_config.replace(remat=True)
-        graphdef, state = nnx.split(_with_config(nnx.merge(graphdef, state), model_config))
-    frozen, dropout = None, False
+        graphdef, _ = abstract_model(model_config)  # the same tree under the new config: the state fits it
+    frozen = None
     if m.lora is not None and model_config is not None:
         graphdef, adapters = add_lora(model_config, m.lora.settings(), jax.random.fold_in(rng, 1))
         if mesh is not None:
             adapters = jax.device_put(adapters, param_shardings(adapters, mesh))
         state, frozen = adapters, state
-        dropout = m.lora.dropout > 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Policy(
-        config=model_config, graphdef=graphdef, params=state, frozen=frozen, dropout=dropout, tokenizer=tokenizer, mesh=mesh,
+        config=model_config, graphdef=graphdef, params=state, frozen=frozen, tokenizer=tokenizer, mesh=mesh,
         eos_token_ids=_eos_ids(tokenizer, model_config), pad_token_id=int(pad), temperature=cfg.rollout.temperature,
         chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
     )
 
-
-def _with_config(model, config):
-    """The same module tree and arrays under another ModelConfig (e.g. remat switched on)."""
-    from jaxrl4llm.models import abstract_model
-
-    graphdef, _ = abstract_model(config)
-    from flax import nnx
-
-    return nnx.merge(graphdef, nnx.state(model))

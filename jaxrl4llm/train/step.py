@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, policy_loss
+from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
 LogprobFn = Callable[..., tuple[chex.Array, chex.Array]]
 
@@ -119,9 +120,9 @@ def train_state_shardings(params_shardings, optimizer: optax.GradientTransformat
     return TrainState(step=replicated, params=params_shardings, opt_state=opt, frozen=frozen_shardings)
 
 
-def batch_shardings(mesh, data_axes=("data", "fsdp")) -> TrainBatch:
-    """TrainBatch of shardings: every array's rows split over the data-parallel mesh axes."""
-    rows = NamedSharding(mesh, PartitionSpec(tuple(a for a in data_axes if a in mesh.axis_names)))
+def batch_shardings(mesh, rules=DEFAULT_RULES) -> TrainBatch:
+    """TrainBatch of shardings: every array's rows split as the rules' "batch" axis says."""
+    rows = NamedSharding(mesh, logical_to_spec(("batch",), rules))
     return TrainBatch(*([rows] * len(TrainBatch._fields)))
 
 

@@ -188,7 +188,11 @@ class LoraAdapter(nnx.Module):
         h = einsum(self.down_spec, x, self.lora_a[...], self.dtype)
         return self.scale * einsum(self.up_spec, h, self.lora_b[...], self.dtype)
 
-    def delta_kernel(self) -> jax.Array:
-        """(alpha / r) A B: the change of W that merging the adapter makes, W's shape, float32."""
+    def delta_kernel(self, kernel_ndim: int) -> jax.Array:
+        """(alpha / r) A B in W's shape (W of rank `kernel_ndim`, with any leading stacked-layer
+        axes A and B share), float32: the change of W that merging the adapter makes."""
         a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
-        return self.scale * jnp.tensordot(a, b, axes=1)
+        product = lambda a, b: jnp.tensordot(a, b, axes=1)
+        for _ in range(a.ndim + b.ndim - 2 - kernel_ndim):  # the stacked axes
+            product = jax.vmap(product)
+        return self.scale * product(a, b)
