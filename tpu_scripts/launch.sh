@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Start `jaxrl4llm train ARGS...` on every host at once (multi-host jax.distributed).
+# Start `jaxrl4llm train ARGS...` on every worker, detached from ssh, logging to ~/$RUN_LOG.
 set -euo pipefail
-args=$(printf '%q ' "$@")
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project "$TPU_PROJECT" --zone "$TPU_ZONE" --worker=all --command "
-  cd jaxrl4llm && JAXRL4LLM_DISTRIBUTED=1 nohup .venv/bin/jaxrl4llm train $args > train.log 2>&1 &
-"
-echo "launched on all hosts; follow with: gcloud compute tpus tpu-vm ssh $TPU_NAME --zone $TPU_ZONE --worker=0 --command 'tail -f jaxrl4llm/train.log'"
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+if [[ $# == 0 ]]; then
+  echo "usage: $0 [--resume] -c CONFIG.yaml ... KEY=VALUE ...  (the arguments of jaxrl4llm train)" >&2
+  exit 2
+fi
+args=$(printf ' %q' "$@")
+on_workers all "cd $REMOTE_DIR && JAXRL4LLM_DISTRIBUTED=1 setsid nohup .venv/bin/jaxrl4llm train$args >> $REMOTE_LOG 2>&1 < /dev/null &"
+echo "started on every worker of $TPU_NAME; follow worker 0 with tpu_scripts/logs.sh" >&2
