@@ -11,6 +11,7 @@ from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS
 from jaxrl4llm.sampling.buckets import bucket
 from jaxrl4llm.sampling.buckets import left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import sample_program
+from jaxrl4llm.sampling.decode_mesh import decode_mesh
 from jaxrl4llm.sampling.filters import TokenSample
 from jaxrl4llm.sampling.filters import allowed_tokens
 from jaxrl4llm.sampling.filters import sample_tokens

@@ -27,7 +27,7 @@ from jaxrl4llm.models.decode import DECODE_RULES, DecodeBackend, decode_step, de
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import logical_to_spec
-from jaxrl4llm.sampling.filters import open_uniform, sample_tokens
+from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 
 
 class DecodeState(NamedTuple):
@@ -132,7 +132,7 @@ def weights_program(graphdef: nnx.GraphDef, state, *, config: ModelConfig, backe
     static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "backend",
                      "use_kernels"),
 )
-def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids, pad_id, *,
+def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids, pad_id, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
                    greedy: bool, block_size: int, backend: DecodeBackend,
                    use_kernels: bool = False) -> ProgramOutput:
@@ -141,7 +141,9 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
     Args:
       weights: `weights_program(...)`: the decode weights (cast, fused, output-major, resharded).
       prompt_tokens, prompt_mask [P, T] int32 (left-padded; mask 1 = real); row_valid [P] bool.
-      rng: PRNG key; the uniforms of all rows and steps are one draw U(0, 1] [N, R] from it.
+      rng: PRNG key; row n draws its R uniforms U(0, 1] from fold_in(rng, first_row + n)
+        (`filters.row_uniforms`), so chunks of rows sample what one call over all rows does.
+      first_row: int32 scalar, the global index of this call's first row.
       temperature, top_p: float32 scalars.
       eos_ids [E] int32; pad_id int32 scalar.
       backend: the decode backend (`decode_backend`; the same one `weights_program` used).
@@ -168,9 +170,9 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, temperat
         logprobs=zeros(jnp.float32),
         logprobs_untruncated=zeros(jnp.float32),
     )
-    # Every step's row uniforms in one draw up front (u[n, t] in (0, 1]): no PRNG work in the loop.
+    # Every step's row uniforms drawn up front (u[n, t] in (0, 1]): no PRNG work in the loop.
     column = lambda a, t: jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1)  # [N, R, ...] -> step t's [N, 1, ...]
-    uniforms = None if greedy else _row_constraint(open_uniform(rng, (num_rows, r)), mesh)
+    uniforms = None if greedy else _row_constraint(row_uniforms(rng, first_row, num_rows, r), mesh)
     step_uniform = lambda t: None if greedy else column(uniforms, t)
     first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
     state = _record(state, first, eos_ids, pad_id, num_rows)

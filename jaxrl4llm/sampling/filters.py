@@ -72,6 +72,16 @@ def open_uniform(key: jax.Array, shape) -> jax.Array:
     return 1.0 - jax.random.uniform(key, shape, jnp.float32)
 
 
+def row_uniforms(key: jax.Array, first_row, num_rows: int, num_steps: int) -> jax.Array:
+    """u[n, t] ~ U(0, 1], [num_rows, num_steps]: row n's draws come from fold_in(key, first_row + n).
+
+    A row's uniforms depend on its global index only, so sampling the rows in chunks
+    (`generate(prompts_per_chunk=...)`) draws what one call over all rows draws.
+    """
+    rows = jnp.asarray(first_row, jnp.int32) + jnp.arange(num_rows, dtype=jnp.int32)
+    return jax.vmap(lambda r: open_uniform(jax.random.fold_in(key, r), (num_steps,)))(rows)
+
+
 def block_size_for_vocab(vocab: int) -> int:
     """c = the power of two >= sqrt(V) (at least 8): [N, V] is viewed as [N, ceil(V / c), c]."""
     return max(8, 1 << int(np.ceil(np.log2(np.sqrt(vocab)))))

@@ -63,7 +63,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
              max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
              batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
-             cpu_kernels: bool | None = None) -> Rollout:
+             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
 
     Args:
@@ -78,7 +78,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       pad_token_id: fills the left of prompts and the right of finished responses.
       rng: PRNG key; same key + same inputs -> same rollout.
       mesh: optional ("data", "fsdp", "tensor") mesh: rows split over data x fsdp, weights and
-        KV heads over tensor.
+        KV heads over tensor (`sampling.decode_mesh` regroups a training mesh for decoding).
       max_prompt_length: optional prompt budget; a longer prompt is an error (default: no
         budget, the longest prompt picks the bucket).
       prompt_buckets, batch_buckets: padded prompt lengths / prompt counts (one compile each).
@@ -86,6 +86,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       cpu_kernels: matmuls, decode attention and top-k with the C++ CPU kernels (`jaxrl4llm.kernels`).
         None (default): when the program runs on one CPU device and the kernels build;
         True: require them (an error names what is missing); False: XLA ops only. Our models only.
+      prompts_per_chunk: sample the prompts this many at a time (one compiled program, run
+        ceil(P / chunk) times; the KV cache holds one chunk's rows). None: all at once. Row n
+        draws the same uniforms either way (`filters.row_uniforms`), so the rows are the same.
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """
     model = merge(graphdef, state)  # Python objects over the same arrays: no copy
@@ -121,33 +124,39 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     if max_positions is not None and prompt_len + max_new_tokens > max_positions:
         raise ValueError(f"prompt bucket {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={max_positions}; lower max_new_tokens or shorten the prompts")
-    num_rows = bucket(num_prompts, batch_buckets, multiple_of=_data_parallel_size(mesh))
-    padded = left_pad_prompts(prompts, pad_token_id=pad_token_id, length=prompt_len, num_rows=num_rows)
     for i, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= vocab_size:
             raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size})")
-
-    arrays = (padded.tokens, padded.mask, padded.row_valid)
-    if mesh is not None:
-        put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
-            ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
-        arrays = tuple(put(a) for a in arrays)
+    if prompts_per_chunk is not None and prompts_per_chunk < 1:
+        raise ValueError(f"prompts_per_chunk must be >= 1 (or None: all prompts at once), got {prompts_per_chunk}")
+    chunk = min(prompts_per_chunk or num_prompts, num_prompts)
+    num_rows = bucket(chunk, batch_buckets, multiple_of=_data_parallel_size(mesh))
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
-    scalars = (rng, np.float32(temperature), np.float32(top_p), eos, np.int32(pad_token_id))
     sampling = dict(num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
                     use_top_p=bool(top_p < 1.0), greedy=bool(greedy))
     if config is None:
         if cpu_kernels:
             raise ValueError("cpu_kernels=True: the CPU kernels run jaxrl4llm models only; pass cpu_kernels=None")
-        out = generic_sample_program(graphdef, state, *arrays, *scalars, mesh=mesh, **sampling)
+        run = lambda *args: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling)
     else:
         use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
         block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
-        weights = weights_program(graphdef, state, config=config, backend=backend)
-        out = sample_program(weights, *arrays, *scalars, config=config, block_size=block_size, backend=backend,
-                             use_kernels=use_kernels, **sampling)
-    n = num_prompts * num_samples
-    if num_rows != num_prompts:
-        out = jax.tree.map(lambda a: a[:n], out)
+        weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
+        run = lambda *args: sample_program(weights, *args, config=config, block_size=block_size, backend=backend,
+                                           use_kernels=use_kernels, **sampling)
+    outs = []
+    for start in range(0, num_prompts, chunk):
+        part = prompts[start:start + chunk]
+        padded = left_pad_prompts(part, pad_token_id=pad_token_id, length=prompt_len, num_rows=num_rows)
+        arrays = (padded.tokens, padded.mask, padded.row_valid)
+        if mesh is not None:
+            put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
+                ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
+            arrays = tuple(put(a) for a in arrays)
+        out = run(*arrays, rng, np.int32(start * num_samples), np.float32(temperature), np.float32(top_p), eos,
+                  np.int32(pad_token_id))
+        n = len(part) * num_samples
+        outs.append(out if num_rows == len(part) else jax.tree.map(lambda a: a[:n], out))
+    out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)
     return Rollout(*out)

@@ -20,12 +20,12 @@ from jax.sharding import Mesh
 
 from jaxrl4llm.models.causal_lm import merge, positions_from_mask
 from jaxrl4llm.sampling.decode_loop import DecodeState, ProgramOutput, _record, _row_constraint
-from jaxrl4llm.sampling.filters import open_uniform, sample_tokens
+from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens", "top_k", "use_top_p",
                                              "greedy", "mesh"))
-def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_valid, rng, temperature, top_p, eos_ids,
+def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
                            pad_id, *, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool,
                            mesh: Mesh | None) -> ProgramOutput:
     """`decode_loop.sample_program` for a model known only by its `__call__` (shapes there).
@@ -42,7 +42,7 @@ def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_vali
     mask = jnp.concatenate([rows(prompt_mask.astype(jnp.int32)), jnp.zeros((num_rows, r), jnp.int32)], axis=1)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy)
-    uniforms = None if greedy else _row_constraint(open_uniform(rng, (num_rows, r)), mesh)
+    uniforms = None if greedy else _row_constraint(row_uniforms(rng, first_row, num_rows, r), mesh)
     zeros = lambda dtype: _row_constraint(jnp.zeros((num_rows, r), dtype), mesh)
     state0 = DecodeState(
         t=jnp.zeros((), jnp.int32), token=jnp.zeros((num_rows,), jnp.int32),

@@ -9,7 +9,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm.models import ModelConfig, init_model, make_mesh, param_shardings  # noqa: E402
-from jaxrl4llm.sampling import generate  # noqa: E402
+from jaxrl4llm.sampling import decode_mesh, generate  # noqa: E402
 
 
 def main():
@@ -30,6 +30,19 @@ def main():
         np.testing.assert_array_equal(np.asarray(sharded.lengths), np.asarray(single.lengths))
         np.testing.assert_allclose(np.asarray(sharded.logprobs), np.asarray(single.logprobs), atol=1e-5)
         assert sharded.response_tokens.shape == (6, 12)
+        # the sampler's own mesh: 2-way tensor parallel (4 x 1 x 2), in chunks of 2 prompts; and 2 x 1 x 4
+        # (each chip one of 2 kv heads is impossible: tp must divide the kv heads, so 4 fails clearly)
+        for tp, chunk in ((2, 2), (1, None)):
+            regrouped = decode_mesh(mesh, tp, num_kv_heads=config.num_kv_heads)
+            assert dict(regrouped.shape) == {"data": 8 // tp, "fsdp": 1, "tensor": tp}
+            got = generate(graphdef, sharded_state, prompts, mesh=regrouped, prompts_per_chunk=chunk, **kwargs)
+            np.testing.assert_array_equal(np.asarray(got.response_tokens), np.asarray(single.response_tokens))
+            np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+        try:
+            decode_mesh(mesh, 4, num_kv_heads=config.num_kv_heads)
+            raise AssertionError("tensor_parallel=4 over 2 kv heads was accepted")
+        except ValueError as e:
+            assert "KV heads" in str(e), e
     print("OK")
 
 

@@ -22,7 +22,7 @@ def test_neutral_and_cpu_layouts_sample_the_same_rows(family, tmp_path_factory):
     for backend in (DecodeBackend(), CpuBackend()):
         weights = weights_program(graphdef, state, config=config, backend=backend)
         assert ("qkv_t" in weights["layers"][0]) == backend.fused_projections
-        out = sample_program(weights, padded.tokens, padded.mask, padded.row_valid, jax.random.key(3),
+        out = sample_program(weights, padded.tokens, padded.mask, padded.row_valid, jax.random.key(3), np.int32(0),
                              np.float32(1.0), np.float32(1.0), np.asarray([-1], np.int32), np.int32(PAD),
                              config=config, num_samples=2, max_new_tokens=12, top_k=0, use_top_p=False,
                              greedy=False, block_size=8, backend=backend)

@@ -182,3 +182,21 @@ def test_cpu_kernels_required_but_switched_off(qwen3, key, monkeypatch):
     with pytest.raises(KernelBuildError, match="JAXRL4LLM_CPU_KERNELS=0"):
         generate(graphdef, state, random_prompts(1), num_samples=1, max_new_tokens=2, eos_token_ids=[],
                  pad_token_id=PAD, rng=key, cpu_kernels=True)
+
+
+def test_chunked_rollout_equals_one_call(qwen3):
+    """prompts_per_chunk: the same rows (tokens, log-probs) as one call over all prompts; row n's
+    uniforms depend on its global index only. Bad chunk sizes are refused."""
+    _, _, graphdef, state = qwen3
+    prompts = random_prompts(5, lengths=(7, 3, 12, 5, 9))
+    kwargs = dict(num_samples=2, max_new_tokens=10, temperature=0.9, top_k=20, eos_token_ids=[5], pad_token_id=PAD,
+                  rng=jax.random.key(11), kv_block_size=16)
+    whole = generate(graphdef, state, prompts, **kwargs)
+    for chunk in (2, 4):  # 3 chunks of 2 (the last one padded) and 4 + 1
+        parts = generate(graphdef, state, prompts, prompts_per_chunk=chunk, **kwargs)
+        assert parts.response_tokens.shape == whole.response_tokens.shape == (10, 10)
+        np.testing.assert_array_equal(np.asarray(parts.response_tokens), np.asarray(whole.response_tokens))
+        np.testing.assert_array_equal(np.asarray(parts.prompt_tokens), np.asarray(whole.prompt_tokens))
+        np.testing.assert_allclose(np.asarray(parts.logprobs), np.asarray(whole.logprobs), atol=1e-5)
+    with pytest.raises(ValueError, match="prompts_per_chunk"):
+        generate(graphdef, state, prompts, prompts_per_chunk=0, **kwargs)
