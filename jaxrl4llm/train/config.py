@@ -101,6 +101,13 @@ class RolloutConfig:
     # the sampler's C++ CPU kernels (docs/sampling.md): auto = on one CPU device when they build;
     # true = required (an error says why they are unavailable); false = XLA ops only
     cpu_kernels: Literal["auto"] | bool = "auto"
+    # The sampler's tensor parallelism (docs/scaling.md): the mesh's devices regrouped as
+    # (n / tp, 1, tp) for decoding, weights and KV heads split tp ways; 0 = the training mesh
+    # as it is (weights replicated over data x fsdp). tp must divide the model's KV heads.
+    tensor_parallel: int = 0
+    # Prompts sampled per chunk (the KV cache holds one chunk's rows): 0 = all at once; auto =
+    # the largest chunk whose decode memory (sampling.memory) fits 85% of a device's memory.
+    prompts_per_chunk: Literal["auto"] | int = 0
 
 
 @dataclasses.dataclass

@@ -155,6 +155,7 @@ class ProgramPlan:
     analytic: dict = dataclasses.field(default_factory=dict)  # category -> bytes per chip
     error: str = ""
     hbm_read_bytes: float = 0.0  # ours: bytes a chip must read from HBM over the program (decode: every step)
+    resident_bytes: int = 0  # the train state's bytes that stay in HBM beside the program (not its arguments)
 
     @property
     def total_bytes(self) -> int:
@@ -221,10 +222,11 @@ class RunPlan:
     prompt_len: int
     response_len: int
     programs: list[ProgramPlan]
+    sampler: dict = dataclasses.field(default_factory=dict)  # decode mesh and chunking
 
     @property
     def fits(self) -> bool:
-        return all(p.fits and p.total_bytes <= 0.9 * self.chip.hbm for p in self.programs)
+        return all(p.fits and p.total_bytes + p.resident_bytes <= 0.9 * self.chip.hbm for p in self.programs)
 
 
 def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
@@ -260,47 +262,64 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     params = _with_shardings(abstract, p_shard)
     param_bytes = per_chip_bytes(params)
     programs = []
+    optimizer, schedule = make_optimizer(lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm)
+    state_sh = train_state_shardings(p_shard, optimizer, abstract, mesh)
+    train_state = _with_shardings(jax.eval_shape(lambda p: init_train_state(p, optimizer), abstract), state_sh)
+    state_bytes = per_chip_bytes(train_state)  # stays in HBM while the sampler runs
 
-    # -- sampler
-    backend = DecodeBackend(mesh=mesh)
-    num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=dp)
+    # -- sampler: on its own mesh (rollout.tensor_parallel), one chunk of prompts at a time
+    from jaxrl4llm.sampling.decode_mesh import decode_mesh
+    from jaxrl4llm.sampling.memory import decode_memory, prompts_per_chunk, weights_program_memory
+
+    try:
+        dmesh = decode_mesh(mesh, cfg.rollout.tensor_parallel, num_kv_heads=config.num_kv_heads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    backend = DecodeBackend(mesh=dmesh)
+    ddp, dtp = dmesh.shape["data"] * dmesh.shape["fsdp"], dmesh.shape["tensor"]
+    if config.num_kv_heads % dtp:
+        raise ConfigError(f"the decode mesh's tensor axis ({dtp}) does not divide the model's {config.num_kv_heads} "
+                          f"KV heads; set rollout.tensor_parallel to a divisor of {config.num_kv_heads}.")
     block = block_size_for(response_len, config.num_kv_heads * config.head_dim)
+    embed_dtype = config.param_dtype
+    sizing = dict(samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len, block_size=block,
+                  data_parallel=ddp, tensor_parallel=dtp, embed_dtype=embed_dtype)
+    chunk = cfg.rollout.prompts_per_chunk
+    if chunk == "auto":
+        chunk = prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing)
+    chunk = min(chunk or prompts, prompts)
+    num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=ddp)
     with jax.set_mesh(mesh):
         weights_abstract = jax.eval_shape(lambda s: weights_program(graphdef, s, config=config, backend=backend), params)
     kv_rows = num_prompts * g_samples
-    tp = mesh.shape["tensor"] if config.num_kv_heads % mesh.shape["tensor"] == 0 else 1
-    cache_bytes = jnp.dtype(config.dtype).itemsize
-    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * cache_bytes * (
-        num_prompts * prompt_len + kv_rows * (-(-(response_len - 1) // block) * block)) // (dp * tp)
-    decode_weight_bytes = config.num_params * jnp.dtype(config.dtype).itemsize // tp
     plan_w, compiled_w = _compile("sampler/weights", lambda: jax.jit(
         lambda s: weights_program(graphdef, s, config=config, backend=backend)).lower(params),
-        {"parameters": param_bytes, "decode weights": decode_weight_bytes}, 0.0, mesh)
+        weights_program_memory(config, param_bytes=param_bytes, tensor_parallel=dtp, embed_dtype=embed_dtype),
+        0.0, mesh)
     programs.append(plan_w)
     if compiled_w is not None:
         weights = _with_shardings(weights_abstract, compiled_w.output_shardings)
-        rows_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+        rows_sharding = NamedSharding(dmesh, PartitionSpec(("data", "fsdp")))
         tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
         valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
         scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
         eos = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-        decode_flops = 2 * config.num_params * kv_rows * response_len / mesh.size
+        chunks = -(-prompts // chunk)
+        decode_flops = 2 * config.num_params * kv_rows * response_len * chunks / mesh.size
+        analytic = decode_memory(config, prompts=num_prompts, **sizing)
         plan_s, _ = _compile("sampler/decode", lambda: sample_program.lower(
-            weights, tok, tok, valid, key, scalar(jnp.float32), scalar(jnp.float32), eos, scalar(jnp.int32),
-            config=config, num_samples=g_samples, max_new_tokens=response_len, top_k=int(cfg.rollout.top_k),
-            use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block, backend=backend, use_kernels=False),
-            {"decode weights": decode_weight_bytes, "KV cache": kv,
-             "tokens, log-probs, rotary tables": kv_rows * response_len * (4 * 3 + 8 * config.head_dim) // dp},
-            decode_flops, mesh)
+            weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
+            scalar(jnp.int32), config=config, num_samples=g_samples, max_new_tokens=response_len,
+            top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block,
+            backend=backend, use_kernels=False), analytic, decode_flops, dmesh)
         # every decode step reads the decode weights and, on average, half the final KV cache
-        plan_s.hbm_read_bytes = response_len * (decode_weight_bytes + kv / 2)
+        plan_s.hbm_read_bytes = chunks * response_len * (analytic["decode weights"] + analytic["KV cache"] / 2)
         programs.append(plan_s)
+    sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
+                   fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
 
     # -- trainer programs
-    optimizer, schedule = make_optimizer(lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm)
-    state_sh = train_state_shardings(p_shard, optimizer, abstract, mesh)
-    train_state = _with_shardings(jax.eval_shape(lambda p: init_train_state(p, optimizer), abstract), state_sh)
     b_sh = batch_shardings(mesh)
     shapes = dict(input_tokens=((rows, seq), jnp.int32), targets=((rows, seq), jnp.int32),
                   positions=((rows, seq), jnp.int32), attention_mask=((rows, seq), jnp.int32),
@@ -333,7 +352,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
                               micro_batches=micro)
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                             settings=settings, loss_fn=policy_loss)
-    state_bytes = per_chip_bytes(train_state)
     plan_u, _ = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
                                                     out_shardings=(state_sh, None, None),
                                                     donate_argnums=(0,)).lower(train_state, batch),
@@ -344,7 +362,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
                           + 2 * attention_work},
                          6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh)
     programs.append(plan_u)
-    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs)
+    for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
+        p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
+    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler)
 
 
 # ---------------------------------------------------------------------------- report
@@ -356,17 +376,20 @@ def advice(plan: RunPlan) -> list[str]:
     """What to change for each program that does not fit (or is over 90% of HBM)."""
     out = []
     for p in plan.programs:
-        if p.fits and p.total_bytes <= 0.9 * plan.chip.hbm:
+        if p.fits and p.total_bytes + p.resident_bytes <= 0.9 * plan.chip.hbm:
             continue
         what = {
             "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
                       "trainer.micro_batch_size (activations), or keep model.remat=true",
             "logprob pass": "lower trainer.micro_batch_size or model.logprob_chunk_size",
-            "sampler/decode": "lower rollout.prompts_per_step or rollout.max_new_tokens (the KV cache holds every "
-                              "row's prompt and response at once), or raise mesh.tensor (splits KV heads)",
-            "sampler/weights": "raise mesh.tensor (the decode weights are replicated over data x fsdp)",
+            "sampler/decode": f"set rollout.prompts_per_chunk={plan.sampler.get('fitting_chunk')} (the largest "
+                              f"chunk of prompts that fits 85% of HBM by our count; or auto), or raise "
+                              f"rollout.tensor_parallel (splits the decode weights and KV heads)",
+            "sampler/weights": "raise rollout.tensor_parallel (the decode weights are replicated over the "
+                               "sampler's data-parallel chips, split only over its tensor axis)",
         }[p.name]
-        out.append(f"{p.name}: needs {_gib(p.total_bytes)} GiB of {_gib(plan.chip.hbm)} GiB per chip: {what}")
+        out.append(f"{p.name}: needs {_gib(p.total_bytes + p.resident_bytes)} GiB of {_gib(plan.chip.hbm)} GiB per chip "
+                   f"(with the train state that stays beside it): {what}")
     return out
 
 
@@ -374,14 +397,20 @@ def format_plan(plan: RunPlan) -> str:
     c = plan.model
     lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params on {plan.topology} "
              f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
-             f"{plan.prompt_len} prompt + {plan.response_len} response tokens", ""]
-    header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'HBM %':>6} {'args':>7} {'temp':>7} " \
+             f"{plan.prompt_len} prompt + {plan.response_len} response tokens"]
+    sm = plan.sampler
+    if sm:
+        lines.append(f"sampler: decode mesh data {sm['data_parallel']} x tensor {sm['tensor_parallel']} "
+                     f"(rollout.tensor_parallel), {sm['prompts_per_chunk']} prompts per chunk x {sm['chunks']} "
+                     f"(rollout.prompts_per_chunk; the largest that fits by our count: {sm['fitting_chunk']})")
+    lines.append("")
+    header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'+state':>7} {'HBM %':>6} {'args':>7} {'temp':>7} " \
              f"{'ours GiB':>8} {'ours/XLA':>8} {'XLA MFU':>7} {'est. s':>8}"
     lines += [header, "-" * len(header)]
     for p in plan.programs:
         ratio = p.analytic_total / p.total_bytes if p.total_bytes else float("nan")
         lines.append(f"{p.name:<16} {'yes' if p.fits else 'NO':>4} {_gib(p.total_bytes):>12} "
-                     f"{100 * p.total_bytes / plan.chip.hbm:>6.1f} {_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} "
+                     f"{_gib(p.resident_bytes):>7} {100 * (p.total_bytes + p.resident_bytes) / plan.chip.hbm:>6.1f} {_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} "
                      f"{_gib(p.analytic_total):>8} {ratio:>8.2f} {100 * p.xla_mfu(plan.chip):>6.1f}% "
                      f"{p.estimated_seconds(plan.chip):>8.2f}")
     lines.append("")
@@ -393,6 +422,8 @@ def format_plan(plan: RunPlan) -> str:
             lines.append(f"  {p.name}: HBM-bandwidth bound {p.hbm_bound_seconds(plan.chip):.1f} s "
                          f"({p.hbm_read_bytes / GiB:.0f} GiB read per chip at {plan.chip.hbm_bandwidth / 1e12:.2f} TB/s)")
     lines.append("")
+    lines.append("+state: the train state's bytes (parameters, optimizer state) that stay in HBM beside the program "
+                 "and are not among its arguments; HBM % counts them.")
     lines.append("XLA MFU: XLA's cost model, flops / (its time estimate x peak bf16 FLOP/s); est. s: the program's "
                  "matmul FLOPs per chip (ours, loops unrolled) at that MFU. XLA's flops and time alone count a loop "
                  "body once.")
@@ -405,7 +436,7 @@ def plan_to_dict(plan: RunPlan) -> dict:
     return {
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
         "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
-        "response_len": plan.response_len,
+        "response_len": plan.response_len, "sampler": plan.sampler,
         "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total,
                           xla_mfu=p.xla_mfu(plan.chip), estimated_seconds=p.estimated_seconds(plan.chip),
                           hbm_bound_seconds=p.hbm_bound_seconds(plan.chip))

@@ -30,6 +30,8 @@ class Policy:
     chunk_size: int
     cpu_kernels: bool | None = None  # generate(cpu_kernels=): None = auto
     frozen: Any = None  # frozen nnx.State (the LoRA base), or None
+    decode_mesh: Mesh | None = None  # the sampler's mesh (`sampling.decode_mesh`); None: `mesh`
+    prompts_per_chunk: int | str = 0  # rollout.prompts_per_chunk: 0 = all at once, or "auto"
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -65,9 +67,38 @@ class Policy:
         return generate(
             self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
-            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.mesh,
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
             greedy=greedy or temperature <= 0, cpu_kernels=self.cpu_kernels,
+            prompts_per_chunk=self.chunk_for(len(prompts), num_samples, max(map(len, prompts)), max_new_tokens),
         )
+
+    @property
+    def sampler_mesh(self) -> Mesh | None:
+        return self.decode_mesh if self.decode_mesh is not None else self.mesh
+
+    def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
+        """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose
+        decode memory (`sampling.memory`) fits 85% of the free memory of a device that reports
+        it (TPU, GPU); None (all at once) otherwise."""
+        if self.prompts_per_chunk != "auto":
+            return self.prompts_per_chunk or None
+        stats = self.sampler_mesh.devices.flat[0].memory_stats() if self.sampler_mesh is not None else \
+            jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats or self.config is None:
+            return None
+        from jaxrl4llm.sampling import PROMPT_BUCKETS, bucket
+        from jaxrl4llm.sampling.decode_loop import block_size_for
+        from jaxrl4llm.sampling.memory import prompts_per_chunk
+
+        mesh = self.sampler_mesh
+        dp = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        tp = 1 if mesh is None else mesh.shape["tensor"]
+        budget = 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        c = self.config
+        return prompts_per_chunk(c, budget, prompts=num_prompts, samples=num_samples,
+                                 prompt_len=bucket(prompt_len, PROMPT_BUCKETS), max_new_tokens=max_new_tokens,
+                                 block_size=block_size_for(max_new_tokens, c.num_kv_heads * c.head_dim),
+                                 data_parallel=dp, tensor_parallel=tp, embed_dtype=c.param_dtype)
 
     def decode(self, rollout) -> list[str]:
         from jaxrl4llm.sampling import decode_responses
@@ -187,5 +218,23 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         eos_token_ids=_eos_ids(tokenizer, model_config), pad_token_id=int(pad), temperature=cfg.rollout.temperature,
         chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
+        decode_mesh=_decode_mesh(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
     )
+
+
+def _decode_mesh(cfg: RunConfig, mesh: Mesh | None, model_config) -> Mesh | None:
+    from jaxrl4llm.sampling.decode_mesh import decode_mesh
+
+    tp = cfg.rollout.tensor_parallel
+    if tp and model_config is None:
+        raise ConfigError("rollout.tensor_parallel needs one of our models (model.path or a random model); a "
+                          "model.module is sampled on the training mesh (set rollout.tensor_parallel=0).")
+    if mesh is None:
+        if tp > 1:
+            raise ConfigError(f"rollout.tensor_parallel={tp} needs a device mesh; this run has one device.")
+        return None
+    try:
+        return decode_mesh(mesh, tp, num_kv_heads=model_config.num_kv_heads if model_config else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 

@@ -94,3 +94,37 @@ def test_per_chip_bytes_counts_the_largest_shard():
     assert per_chip_bytes([a, b], tiled=False) == 2 * 6 * 4 + 3 * 2
     assert per_chip_bytes([a]) == 2 * 128 * 4  # the 6-wide minor dim padded to 128 lanes
     assert np.isfinite(per_chip_bytes([a]))
+
+
+def test_decode_tensor_parallel_splits_the_decode_weights():
+    """rollout.tensor_parallel=2: the sampler's mesh is (2, 1, 2); each chip holds half the decode
+    weights (XLA's argument bytes of the decode program), our count says the same."""
+    plans = {tp: plan_run(load_config(None, TINY + [f"rollout.tensor_parallel={tp}", "model.vocab_size=32768",
+                                                    "model.hidden_size=512", "model.intermediate_size=1024"]),
+                          "v5e:2x2") for tp in (0, 2)}
+    decode = {tp: next(p for p in plan.programs if p.name == "sampler/decode") for tp, plan in plans.items()}
+    assert plans[2].sampler["tensor_parallel"] == 2 and plans[2].sampler["data_parallel"] == 2
+    assert decode[2].argument_bytes == pytest.approx(decode[0].argument_bytes / 2, rel=0.1)
+    assert decode[2].analytic["decode weights"] == pytest.approx(decode[2].argument_bytes, rel=0.1)
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel=3"):
+        plan_run(load_config(None, TINY + ["rollout.tensor_parallel=3"]), "v5e:2x2")
+
+
+def test_auto_chunk_fits_a_rollout_that_does_not_fit_at_once():
+    """64 prompts x 8 rows of 16k tokens: the KV cache (64 GiB over 4 chips) does not fit a 16 GiB
+    v5e chip at once; rollout.prompts_per_chunk=auto samples them in chunks that do. Our count
+    never under-counts XLA's (so a chunk it picks fits): with HBM to spare XLA keeps about two
+    KV blocks beyond the cache (docs/scaling.md); short of it, as here, it keeps none, and the
+    rest of our count is within 5%."""
+    wide = TINY + ["model.hidden_size=1024", "model.intermediate_size=2048", "model.num_heads=8", "model.num_kv_heads=8",
+                   "model.head_dim=128", "rollout.prompts_per_step=64", "rollout.samples_per_prompt=8",
+                   "rollout.max_new_tokens=16384", "trainer.micro_batch_size=4", "trainer.mini_batches=128"]
+    plan = plan_run(load_config(None, wide + ["rollout.prompts_per_chunk=auto"]), "v5e:2x2")
+    chunk = plan.sampler["prompts_per_chunk"]
+    assert 4 <= chunk < 64 and plan.sampler["chunks"] == -(-64 // chunk)
+    decode = next(p for p in plan.programs if p.name == "sampler/decode")
+    assert decode.fits and decode.total_bytes + decode.resident_bytes <= 0.9 * plan.chip.hbm
+    assert decode.total_bytes <= decode.analytic_total
+    without_blocks = decode.analytic_total - decode.analytic["blocks in flight"]
+    assert without_blocks == pytest.approx(decode.total_bytes, rel=0.05)
+    assert plan.sampler["fitting_chunk"] == chunk

@@ -1,0 +1,93 @@
+"""What a rollout holds per chip, counted from the shapes (no compile), and the chunk that fits.
+
+    decode bytes per chip = decode weights / tp + KV cache(chunk) / (dp * tp) + per-row tables(chunk) / dp
+
+`jaxrl4llm plan` prints these beside XLA's figures for the same programs (docs/scaling.md:
+within 15% on the shipped configs), and `rollout.prompts_per_chunk: auto` sizes the chunk of
+prompts sampled at once from them: the largest chunk whose decode program fits the budget.
+
+Shapes (N = prompts * G rows, T the prompt bucket, R = max_new_tokens, L layers, KVH kv
+heads, Dh head dim, dp = the decode mesh's data x fsdp, tp its tensor axis):
+    decode weights   L (D (H + 2 KVH) Dh + H Dh D + 3 D F) + V D (head) in the compute dtype, the
+                     embedding table (V x D, kept in the state's dtype) and norms
+    prompt KV        2 L P T KVH Dh                      (shared by the G samples of a prompt)
+    generated KV     2 L N (blocks x blk) KVH Dh         (blocks of `block_size_for` slots)
+    blocks in flight 2 x 2 L N blk KVH Dh                (XLA holds about two blocks beyond the cache:
+                                                          the block the loop fills is copied into the
+                                                          loop's carry, and sealed into another layout;
+                                                          measured 1.8-1.9 blocks on v5p, Qwen3-8B shapes)
+    per-row tables   N R (2 Dh (rotary cos, sin) + 4 (uniforms, tokens, 2 log-probs)) float32
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jaxrl4llm.models.config import ModelConfig
+
+
+def decode_weight_bytes(config: ModelConfig, *, tensor_parallel: int = 1, embed_dtype="float32") -> int:
+    """Bytes per chip of `models.decode.decode_weights`: matmul weights (and an untied or tied
+    head copy) in the compute dtype, split tp ways; the lookup embedding in `embed_dtype`."""
+    c = config
+    d, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    per_layer = d * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * d + 3 * d * f
+    matmul = (c.num_layers * per_layer + v * d) * jnp.dtype(c.dtype).itemsize
+    embed = v * d * jnp.dtype(embed_dtype).itemsize
+    return (matmul + embed) // tensor_parallel
+
+
+def decode_memory(config: ModelConfig, *, prompts: int, samples: int, prompt_len: int, max_new_tokens: int,
+                  block_size: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32") -> dict:
+    """Per-chip bytes of the sampler's decode program by category (see the module docstring).
+
+    prompts: prompts sampled at once (one chunk, padded to a multiple of data_parallel).
+    """
+    c = config
+    rows = prompts * samples
+    width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
+    blocks = -(-(max_new_tokens - 1) // block_size)
+    split = data_parallel * tensor_parallel
+    return {
+        "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),
+        "KV cache": width * (prompts * prompt_len + rows * blocks * block_size) // split,
+        "blocks in flight": 2 * width * rows * block_size // split,
+        "per-row tables": rows * max_new_tokens * (2 * c.head_dim + 4) * 4 // data_parallel,
+    }
+
+
+def weights_program_memory(config: ModelConfig, *, param_bytes: int, tensor_parallel: int = 1,
+                           embed_dtype="float32") -> dict:
+    """Per-chip bytes of the program that builds the decode weights from the training state: the
+    state's shard (its argument), the decode weights (its output) and one more copy of them
+    while XLA gathers, casts and stacks each weight (seen in its temporaries on TPU)."""
+    w = decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype)
+    return {"parameters": param_bytes, "decode weights": w, "gathering them": w}
+
+
+def prompts_per_chunk(config: ModelConfig, budget_bytes: float, *, prompts: int, samples: int, prompt_len: int,
+                      max_new_tokens: int, block_size: int, data_parallel: int, tensor_parallel: int = 1,
+                      embed_dtype="float32") -> int:
+    """The largest chunk of prompts (all of them, or a multiple of data_parallel) whose decode
+    memory fits `budget_bytes` per chip; data_parallel when even that does not fit (the plan
+    then reports the program as not fitting)."""
+    def fits(chunk: int) -> bool:
+        used = decode_memory(config, prompts=chunk, samples=samples, prompt_len=prompt_len,
+                             max_new_tokens=max_new_tokens, block_size=block_size, data_parallel=data_parallel,
+                             tensor_parallel=tensor_parallel, embed_dtype=embed_dtype)
+        return sum(used.values()) <= budget_bytes
+
+    padded = math.ceil(prompts / data_parallel) * data_parallel
+    if fits(padded):
+        return prompts
+    best = data_parallel
+    lo, hi = 1, padded // data_parallel  # chunk = k * data_parallel; memory grows with k
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(mid * data_parallel):
+            best, lo = mid * data_parallel, mid + 1
+        else:
+            hi = mid - 1
+    return best
