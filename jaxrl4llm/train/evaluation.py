@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import RunConfig
+from jaxrl4llm.train.scoring import score_rows
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -40,11 +42,11 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng) -> dict:
                 top_k=cfg.rollout.top_k if not greedy else 0,
                 rng=jax.random.fold_in(rng, s_idx * 100003 + start), greedy=greedy,
             )
-            texts = policy.decode(rollout)[: len(ids) * k]
             golds = [ps.answers[i] for i in ids for _ in range(k)]
-            rewards = np.asarray(reward_fn(texts, golds), np.float32).reshape(len(ids), k)
+            golds += [golds[-1]] * (rollout.num_rows - len(golds))  # the repeats' rows, scored and dropped
+            rewards = score_rows(policy, rollout, golds, reward_fn)[: len(ids) * k].reshape(len(ids), k)
             correct[ids] = rewards > 0.5
-            lengths.extend(np.asarray(rollout.lengths)[: len(ids) * k].tolist())
+            lengths.extend(hosts.fetch(rollout.lengths)[: len(ids) * k].tolist())
         n = ps.name
         out[f"{n}/accuracy"] = float(correct.mean())
         out[f"{n}/pass@{k}"] = float(np.mean([pass_at_k(k, int(c.sum()), k) for c in correct]))

@@ -10,6 +10,7 @@ steps equals 4 steps.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss
+from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import rollout_to_batch
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
@@ -30,6 +32,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
+from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.step import (
     UpdateSettings,
     batch_shardings,
@@ -134,11 +137,11 @@ def _rows_per_micro(cfg: RunConfig, rows: int, data_parallel: int = 1) -> int:
     return per_mini // mbs
 
 
-def _sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe):
+def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe):
     """Samples until P groups with differing rewards are found (dynamic sampling) or the draw cap
-    is reached; returns (rollout rows of P groups, rewards, golds, responses, stats)."""
+    is reached; returns (rollout rows of P groups, rewards [P*G] on the host, stats)."""
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-    kept: list[tuple] = []  # (rollout, index in it, rewards, responses, prompt id)
+    kept: list[tuple] = []  # (rollout, index in it, rewards, prompt id)
     spare: list[tuple] = []
     draws = 0
     t_sample = t_reward = 0.0
@@ -153,16 +156,14 @@ def _sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg
                                   rng=jax.random.fold_in(rng, draws))
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
-        responses = policy.decode(rollout)
-        golds = [prompts.answers[i] for i in ids for _ in range(G)]
-        rewards = np.asarray(reward_fn(responses, golds), np.float32)
+        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in ids for _ in range(G)], reward_fn)
         t2 = time.perf_counter()
         t_sample += t1 - t0
         t_reward += t2 - t1
         all_rewards.append(rewards)
         for g, pid in enumerate(ids):
             rows = slice(g * G, (g + 1) * G)
-            entry = (rollout, g, rewards[rows], responses[rows], pid)
+            entry = (rollout, g, rewards[rows], pid)
             varied = rewards[rows].max() != rewards[rows].min()
             if varied or not recipe.dynamic_sampling:
                 if len(kept) < P:
@@ -186,9 +187,7 @@ def _sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
     }
-    rewards = np.concatenate([e[2] for e in kept])
-    responses = [s for e in kept for s in e[3]]
-    return merged, rewards, responses, stats
+    return merged, np.concatenate([e[2] for e in kept]), stats
 
 
 def _left_pad_prompt(rollout, width: int, pad_id: int):
@@ -224,21 +223,32 @@ def prepare_out_dir(cfg: RunConfig, resume: bool, log: Callable[[str], None] = p
     return out
 
 
-def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
-    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths)."""
+@dataclasses.dataclass
+class Run:
+    """What every step of a run uses, built once by `setup_run`."""
+
+    cfg: RunConfig
+    recipe: Any
+    policy: Policy
+    train_set: PromptSet
+    eval_sets: list
+    reward_fn: Callable
+    update: Callable  # (state, batch) -> (state, metrics, clipped)
+    logprob_pass: Callable  # (state, batch) -> (logp, entropy)
+    advantages_fn: Callable  # (rewards, truncated, lengths) -> Advantages
+    ref_params: Any  # the reference policy's params (KL / reference log-probs), or None
+    base_key: jax.Array
+
+
+def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, Any]:
+    """The policy, data and the jitted update / log-prob programs of `cfg` on `mesh`; returns
+    (run, initial train state)."""
     recipe = cfg.recipe()
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
-    reward_fn = make_reward_fn(cfg)
-    out = prepare_out_dir(cfg, resume, log)
-    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-
-    mesh = _mesh(cfg)
     G = cfg.rollout.samples_per_prompt
-    rows = cfg.rollout.prompts_per_step * G
-    micro = _rows_per_micro(cfg, rows, mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1)
+    micro = _rows_per_micro(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])
     policy = load_policy(cfg, mesh)
     train_set, eval_sets = load_prompt_sets(cfg, policy.tokenizer)
-
     optimizer, schedule = make_optimizer(
         lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
         total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
@@ -263,13 +273,77 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     )
     logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro),
                            in_shardings=(sharding_of(policy.state), batch_in))
-    # under the mesh context the model constrains its activations (rows over data x fsdp)
-    update, logprob_pass = _in_mesh(update, mesh), _in_mesh(logprob_pass, mesh)
-    advantages_fn = jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l))
-
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
-    ref_params = jax.tree.map(jnp.copy, policy.params) if need_ref else None  # LoRA: the adapters at init
+    run = Run(
+        cfg=cfg, recipe=recipe, policy=policy, train_set=train_set, eval_sets=eval_sets,
+        reward_fn=make_reward_fn(cfg),
+        # under the mesh context the model constrains its activations (rows over data x fsdp)
+        update=_in_mesh(update, mesh), logprob_pass=_in_mesh(logprob_pass, mesh),
+        advantages_fn=jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l)),
+        ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
+        base_key=jax.random.PRNGKey(cfg.trainer.seed),
+    )
+    return run, state
 
+
+def build_batch(run: Run, state, rollout, rewards: np.ndarray):
+    """Advantages of the rows and the train batch, with the current policy's log-probs as
+    old_logp (`trainer.old_logp_source: recompute`) and the reference's when needed."""
+    adv = run.advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
+    batch = rollout_to_batch(rollout, adv)
+    if run.cfg.trainer.old_logp_source == "recompute":
+        old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
+        batch = batch._replace(old_logp=old_logp * batch.loss_mask)
+    if run.ref_params is not None:
+        ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch)
+        batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
+    return batch, adv
+
+
+def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dict, clipped, step: int) -> dict:
+    """The step's metrics (the same on every process: global arrays are gathered first)."""
+    lengths = hosts.fetch(rollout.lengths)
+    truncated = hosts.fetch(rollout.truncated)
+    gap = jnp.abs(batch.old_logp - batch.sampler_logp) * batch.loss_mask
+    record = {
+        **{k: float(v) for k, v in jax.device_get(metrics).items()},
+        "reward": float(np.mean(rewards)),
+        "accuracy": float(np.mean(rewards > 0.5)),
+        "advantage_mean": float(jnp.mean(adv.advantages)),
+        "advantage_std": float(jnp.std(adv.advantages)),
+        "advantage_abs_max": float(jnp.max(jnp.abs(adv.advantages))),
+        "rows_in_loss": float(jnp.mean(adv.row_weights)),
+        "response_length": float(lengths.mean()),
+        "response_length_max": int(lengths.max()),
+        "truncation_rate": float(truncated.mean()),
+        "sampler_trainer_logp_gap": float(jnp.sum(gap) / jnp.maximum(jnp.sum(batch.loss_mask), 1.0)),
+        "prompt_tokens": float(jnp.sum(rollout.prompt_mask)),
+    }
+    if truncated.any():
+        tokens = hosts.fetch(rollout.response_tokens)
+        record["truncated_repeat_ratio"] = truncated_repeat_ratio(
+            [tokens[i, : lengths[i]].tolist() for i in range(len(lengths))], truncated)
+    else:
+        record["truncated_repeat_ratio"] = 0.0
+    if run.ref_params is None:
+        record.pop("kl", None)
+    every = run.cfg.trainer.clipped_tokens_every
+    if every and (step + 1) % every == 0:
+        top = most_clipped_tokens(hosts.fetch(batch.targets), hosts.fetch(clipped), run.policy.decode_ids)
+        record["most_clipped_tokens"] = [[t, c] for t, c in top]
+    return record
+
+
+def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths).
+
+    Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    if hosts.is_main():
+        out = prepare_out_dir(cfg, resume, log)
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    hosts.barrier("out_dir ready")
+    out = Path(cfg.trainer.out_dir)
+    run, state = setup_run(cfg, _mesh(cfg), log)
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
     start_step, cursor = 0, 0
     if resume:
@@ -277,92 +351,48 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
-    stream = PromptStream(len(train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor)
-    writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar, start_step=start_step)
+    stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor)
+    writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
+                           start_step=start_step, enabled=hosts.is_main())
     writer.truncate_after(start_step)
-    base_key = jax.random.PRNGKey(cfg.trainer.seed)
+    evaluate_at = lambda step, st: evaluate(run.policy.with_state(st), run.eval_sets, cfg, run.reward_fn,
+                                            jax.random.fold_in(run.base_key, 10**9 + step))
 
     eval_before = None
-    if eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
-        eval_before = evaluate(policy.with_state(state), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9))
+    if run.eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
+        eval_before = evaluate_at(0, state)
         writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
 
     history = []
     for step in range(start_step, cfg.trainer.steps):
         t_step = time.perf_counter()
-        key = jax.random.fold_in(base_key, step)
-        current = policy.with_state(state)
-        rollout, rewards, responses, sample_stats = _sample_groups(current, train_set, stream, cfg, key, reward_fn, recipe)
-        adv = advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
-        batch = rollout_to_batch(rollout, adv)
+        rollout, rewards, sample_stats = sample_groups(run.policy.with_state(state), run.train_set, stream, cfg,
+                                                       jax.random.fold_in(run.base_key, step), run.reward_fn, run.recipe)
         t_update = time.perf_counter()
-        if cfg.trainer.old_logp_source == "recompute":
-            old_logp, _ = logprob_pass(join_params(state.params, state.frozen), batch)
-            old_logp = old_logp * batch.loss_mask
-            batch = batch._replace(old_logp=old_logp)
-        if ref_params is not None:
-            ref_logp, _ = logprob_pass(join_params(ref_params, state.frozen), batch)
-            batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
-        gap = jnp.abs(batch.old_logp - batch.sampler_logp) * batch.loss_mask
-        n_tok = jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
-        state, metrics, clipped = update(state, batch)
-        metrics = jax.device_get(metrics)
+        batch, adv = build_batch(run, state, rollout, rewards)
+        state, metrics, clipped = run.update(state, batch)
+        record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
         t_end = time.perf_counter()
-
-        lengths = np.asarray(rollout.lengths)
-        truncated = np.asarray(rollout.truncated)
-        response_ids = [np.asarray(rollout.response_tokens)[i, : lengths[i]].tolist() for i in range(len(lengths))]
-        record = {
-            **{k: float(v) for k, v in metrics.items()},
-            "reward": float(np.mean(rewards)),
-            "accuracy": float(np.mean(rewards > 0.5)),
-            "advantage_mean": float(jnp.mean(adv.advantages)),
-            "advantage_std": float(jnp.std(adv.advantages)),
-            "advantage_abs_max": float(jnp.max(jnp.abs(adv.advantages))),
-            "rows_in_loss": float(jnp.mean(adv.row_weights)),
-            "response_length": float(lengths.mean()),
-            "response_length_max": int(lengths.max()),
-            "truncation_rate": float(truncated.mean()),
-            "truncated_repeat_ratio": truncated_repeat_ratio(response_ids, truncated),
-            "sampler_trainer_logp_gap": float(jnp.sum(gap) / n_tok),
-            "time_update": t_end - t_update,
-            "time_step": t_end - t_step,
-            "tokens_per_second": float(np.sum(lengths) + rollout.prompt_mask.sum()) / (t_end - t_step),
-            **sample_stats,
-        }
-        if ref_params is None:
-            record.pop("kl", None)
-        if cfg.trainer.clipped_tokens_every and (step + 1) % cfg.trainer.clipped_tokens_every == 0:
-            top = most_clipped_tokens(np.asarray(batch.targets), np.asarray(clipped), policy.decode_ids)
-            record["most_clipped_tokens"] = [[t, c] for t, c in top]
-        if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and eval_sets:
-            ev = evaluate(policy.with_state(state), eval_sets, cfg, reward_fn, jax.random.fold_in(base_key, 10**9 + step + 1))
-            record.update({f"eval/{k}": v for k, v in ev.items()})
+        record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats,
+                      tokens_per_second=(record["response_length"] * rollout.num_rows + record.pop("prompt_tokens"))
+                      / (t_end - t_step))
+        if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
+            record.update({f"eval/{k}": v for k, v in evaluate_at(step + 1, state).items()})
         writer.write(step + 1, record)
         history.append(record)
         if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
-            ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1})
+            ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed,
+                                                             "step": step + 1})
 
     eval_after = None
-    if eval_sets and cfg.trainer.eval_every >= 0:
+    if run.eval_sets and cfg.trainer.eval_every >= 0:
         if history and any(k.startswith("eval/") for k in history[-1]):
             eval_after = {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
         else:
-            eval_after = evaluate(policy.with_state(state), eval_sets, cfg, reward_fn,
-                                  jax.random.fold_in(base_key, 10**9 + cfg.trainer.steps))
+            eval_after = evaluate_at(cfg.trainer.steps, state)
             writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
     writer.close()
-    export_dir = None
-    if cfg.trainer.export_hf:
-        export_dir = policy.with_state(state).export(out / "hf_export")
+    export_dir = run.policy.with_state(state).export(out / "hf_export") if cfg.trainer.export_hf else None
     ckpt.close()
-    return {
-        "history": history,
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-        "state": state,
-        "out_dir": str(out),
-        "export_dir": None if export_dir is None else str(export_dir),
-    }
-
-
+    return {"history": history, "eval_before": eval_before, "eval_after": eval_after, "state": state,
+            "out_dir": str(out), "export_dir": None if export_dir is None else str(export_dir)}

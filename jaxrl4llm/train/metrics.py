@@ -39,9 +39,16 @@ def most_clipped_tokens(tokens: np.ndarray, clipped: np.ndarray, decode, k: int 
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to OUT/metrics.jsonl and scalars to TensorBoard (OUT/tb)."""
+    """Appends one JSON object per step to OUT/metrics.jsonl and scalars to TensorBoard (OUT/tb).
 
-    def __init__(self, out_dir: str | Path, *, total_steps: int, progress_bar: bool = True, start_step: int = 0):
+    enabled=False (every process but the first of a multi-host run): writes nothing."""
+
+    def __init__(self, out_dir: str | Path, *, total_steps: int, progress_bar: bool = True, start_step: int = 0,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self._tb = self._bar = None
+        if not enabled:
+            return
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
@@ -60,12 +67,14 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps > step written after the last checkpoint."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return
         keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, step: int, metrics: dict, *, advance: bool = True) -> None:
+        if not self.enabled:
+            return
         clean = {k: _plain(v) for k, v in metrics.items()}
         clean["step"] = step
         clean["time"] = time.time()

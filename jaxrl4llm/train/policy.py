@@ -105,6 +105,10 @@ class Policy:
 
         return decode_responses(rollout, self.tokenizer)
 
+    def decode_rows(self, token_lists) -> list[str]:
+        """Response texts of token-id lists (special tokens skipped, as `decode`)."""
+        return list(self.tokenizer.batch_decode(token_lists, skip_special_tokens=True))
+
     def decode_ids(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
