@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if os.environ.get("JAXRL4LLM_DISTRIBUTED"):
-        import jax
+        from jaxrl4llm.train import hosts
 
-        jax.distributed.initialize()  # multi-host (TPU pod): must run before any device use
+        hosts.initialize()  # many hosts (docs/scaling.md): must run before any device use
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -172,6 +172,12 @@ _NORMS_AND_BIASES = {  # decode-layout name -> state path (under layers/)
 }
 
 
+# logical axes of the decode layout's matmul weights (output-major [out, in])
+MATMUL_AXES = {"qkv_t": ("kv_heads", "embed"), "q_t": ("heads", "embed"), "k_t": ("kv_heads", "embed"),
+               "v_t": ("kv_heads", "embed"), "gate_up_t": ("mlp", "embed"), "gate_up": (None, "mlp", "embed"),
+               "o_t": ("embed", "heads"), "down_t": ("embed", "mlp"), "lm_head": ("vocab", "embed")}
+
+
 def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBackend()) -> dict:
     """State of a `CausalLM` without adapters (`lora.merge_lora` first) -> the decode layout:
     {"embed", "lm_head" [V, D], "final_norm", "layers": [L dicts]}.
@@ -206,25 +212,50 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
         d = q.shape[0]
         if b.fused_projections:
             qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
-            layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, ("kv_heads", "embed")))
+            layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, MATMUL_AXES["qkv_t"]))
             gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
-            layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), ("mlp", "embed")))
+            layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), MATMUL_AXES["gate_up_t"]))
         else:
-            layer["q_t"] = b.prepare_weight(b.constrain(q.reshape(d, -1).T, ("heads", "embed")))
-            layer["k_t"] = b.prepare_weight(b.constrain(k.reshape(d, -1).T, ("kv_heads", "embed")))
-            layer["v_t"] = b.prepare_weight(b.constrain(v.reshape(d, -1).T, ("kv_heads", "embed")))
+            layer["q_t"] = b.prepare_weight(b.constrain(q.reshape(d, -1).T, MATMUL_AXES["q_t"]))
+            layer["k_t"] = b.prepare_weight(b.constrain(k.reshape(d, -1).T, MATMUL_AXES["k_t"]))
+            layer["v_t"] = b.prepare_weight(b.constrain(v.reshape(d, -1).T, MATMUL_AXES["v_t"]))
             gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T])  # [2, F, D]
-            layer["gate_up"] = b.constrain(gate_up, (None, "mlp", "embed"))
-        layer["o_t"] = b.prepare_weight(b.constrain(w("attn/o_proj").reshape(-1, d).T, ("embed", "heads")))
-        layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, ("embed", "mlp")))
+            layer["gate_up"] = b.constrain(gate_up, MATMUL_AXES["gate_up"])
+        layer["o_t"] = b.prepare_weight(b.constrain(w("attn/o_proj").reshape(-1, d).T, MATMUL_AXES["o_t"]))
+        layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, MATMUL_AXES["down_t"]))
         layers.append(layer)
     embed = flat["embed_tokens/embedding"]
     head = embed if config.tie_word_embeddings else flat["lm_head/kernel"].T
     return {
         "embed": b.constrain(embed, axes["embed_tokens/embedding"]),
-        "lm_head": b.prepare_weight(b.constrain(head.astype(dtype), ("vocab", "embed"))),
-        "final_norm": flat["final_norm/scale"],
+        "lm_head": b.prepare_weight(b.constrain(head.astype(dtype), MATMUL_AXES["lm_head"])),
+        "final_norm": b.constrain(flat["final_norm/scale"], axes["final_norm/scale"]),
         "layers": layers,
+    }
+
+
+def decode_weight_shardings(state, config: ModelConfig, backend: DecodeBackend):
+    """NamedShardings of `decode_weights(state, config, backend)` on `backend.mesh` (same tree),
+    or None without a mesh. A jit that builds the decode weights passes them as out_shardings:
+    a sharding constraint on another mesh than its arguments' (the sampler's own mesh,
+    `sampling.decode_mesh`) does not carry over to the outputs (seen on v5p: replicated).
+
+    state: the plain model state (no adapters; arrays or ShapeDtypeStructs)."""
+    if backend.mesh is None:
+        return None
+    shapes = jax.eval_shape(lambda s: decode_weights(s, config, backend), state)
+    axes = {key: tuple(v.get_value()) for key, v in flat_state(logical_axes(state)).items()}
+    named = lambda leaf, names: NamedSharding(backend.mesh, logical_to_spec(names, backend.rules, shape=leaf.shape,
+                                                                            mesh=backend.mesh))
+
+    def layer_axes(name: str) -> tuple:
+        return MATMUL_AXES[name] if name in MATMUL_AXES else axes["layers/" + _NORMS_AND_BIASES[name]][1:]
+
+    return {
+        "embed": named(shapes["embed"], axes["embed_tokens/embedding"]),
+        "lm_head": named(shapes["lm_head"], MATMUL_AXES["lm_head"]),
+        "final_norm": named(shapes["final_norm"], axes["final_norm/scale"]),
+        "layers": [{name: named(leaf, layer_axes(name)) for name, leaf in layer.items()} for layer in shapes["layers"]],
     }
 
 

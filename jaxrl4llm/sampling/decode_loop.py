@@ -23,7 +23,8 @@ from flax import nnx
 from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.native import bf16_pairs as kernel_bf16_pairs
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decode import DECODE_RULES, DecodeBackend, decode_step, decode_weights, empty_block, prefill
+from jaxrl4llm.models.decode import (DECODE_RULES, DecodeBackend, decode_step, decode_weight_shardings, decode_weights,
+                                     empty_block, prefill)
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import logical_to_spec
@@ -114,17 +115,40 @@ def decode_backend(config: ModelConfig, *, mesh: Mesh | None, use_kernels: bool,
     return CpuBackend(mesh=mesh, kernels=use_kernels, packed=packed, pairs=pairs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config", "backend"))
 def weights_program(graphdef: nnx.GraphDef, state, *, config: ModelConfig, backend: DecodeBackend):
     """The model state (any dtype/sharding, LoRA adapters merged in) -> the decode weights
-    (`models.decode.decode_weights` in the backend's layout).
+    (`models.decode.decode_weights` in the backend's layout, on the backend's mesh).
 
     A separate program so that its outputs reach `sample_program` as row-major buffers in the
     output-major layout it chose. Inside one program XLA folds the transposes back into the
     dots (the loop then multiplies by input-major weights, measured slower on CPU).
+    One jitted program per (graphdef, config, backend, state tree), in `WEIGHTS_PROGRAMS`.
     """
-    _, plain = merge_lora(graphdef, state)
-    return decode_weights(plain, config, backend)
+    return weights_jit(graphdef, state, config=config, backend=backend)(state)
+
+
+WEIGHTS_PROGRAMS: dict = {}
+
+
+def weights_jit(graphdef: nnx.GraphDef, state, *, config: ModelConfig, backend: DecodeBackend):
+    """`weights_program`'s jitted function for this state's tree (`.lower(state)` compiles it
+    ahead of time), with out_shardings on the backend's mesh (`models.decode.decode_weight_shardings`)."""
+    key = (graphdef, config, backend, jax.tree.structure(state))
+    if key not in WEIGHTS_PROGRAMS:
+        WEIGHTS_PROGRAMS[key] = _build_weights_jit(graphdef, state, config, backend)
+    return WEIGHTS_PROGRAMS[key]
+
+
+def _build_weights_jit(graphdef: nnx.GraphDef, state, config: ModelConfig, backend: DecodeBackend):
+    def build(state):
+        _, plain = merge_lora(graphdef, state)
+        return decode_weights(plain, config, backend)
+
+    out_shardings = None
+    if backend.mesh is not None:
+        plain = jax.eval_shape(lambda s: merge_lora(graphdef, s)[1], state)
+        out_shardings = decode_weight_shardings(plain, config, backend)
+    return jax.jit(build, out_shardings=out_shardings)
 
 
 @functools.partial(

@@ -238,6 +238,7 @@ class Run:
     advantages_fn: Callable  # (rewards, truncated, lengths) -> Advantages
     ref_params: Any  # the reference policy's params (KL / reference log-probs), or None
     base_key: jax.Array
+    batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
 
 
 def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, Any]:
@@ -282,6 +283,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         advantages_fn=jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l)),
         ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
+        batch_shardings=batch_in,
     )
     return run, state
 
@@ -290,7 +292,8 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     """Advantages of the rows and the train batch, with the current policy's log-probs as
     old_logp (`trainer.old_logp_source: recompute`) and the reference's when needed."""
     adv = run.advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
-    batch = rollout_to_batch(rollout, adv)
+    # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch moves to the trainer's
+    batch = jax.device_put(rollout_to_batch(rollout, adv), run.batch_shardings)
     if run.cfg.trainer.old_logp_source == "recompute":
         old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
         batch = batch._replace(old_logp=old_logp * batch.loss_mask)

@@ -236,7 +236,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
     from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
-    from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, weights_program
+    from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, weights_jit
     from jaxrl4llm.train.loop import _rows_per_micro
     from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,
                                       make_logprob_pass, make_optimizer, make_update_fn, train_state_shardings)
@@ -289,11 +289,11 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
         chunk = prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing)
     chunk = min(chunk or prompts, prompts)
     num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=ddp)
+    build_weights = weights_jit(graphdef, params, config=config, backend=backend)
     with jax.set_mesh(mesh):
-        weights_abstract = jax.eval_shape(lambda s: weights_program(graphdef, s, config=config, backend=backend), params)
+        weights_abstract = jax.eval_shape(build_weights, params)
     kv_rows = num_prompts * g_samples
-    plan_w, compiled_w = _compile("sampler/weights", lambda: jax.jit(
-        lambda s: weights_program(graphdef, s, config=config, backend=backend)).lower(params),
+    plan_w, compiled_w = _compile("sampler/weights", lambda: build_weights.lower(params),
         weights_program_memory(config, param_bytes=param_bytes, tensor_parallel=dtp, embed_dtype=embed_dtype),
         0.0, mesh)
     programs.append(plan_w)

@@ -8,7 +8,7 @@ import torch
 
 from jaxrl4llm.models import forward
 from jaxrl4llm.sampling import generate, response_token_lists
-from jaxrl4llm.sampling.decode_loop import sample_program, weights_program
+from jaxrl4llm.sampling.decode_loop import WEIGHTS_PROGRAMS, sample_program
 from tests.sampling.conftest import PAD, load_family, random_prompts, with_dtype
 
 
@@ -109,7 +109,7 @@ def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
     kwargs = dict(num_samples=3, max_new_tokens=33, temperature=0.7, eos_token_ids=[5], pad_token_id=PAD,
                   kv_block_size=16)
     first = generate(graphdef, state, random_prompts(2), rng=jax.random.key(7), **kwargs)
-    compiled = sample_program._cache_size(), weights_program._cache_size()
+    compiled = sample_program._cache_size(), sum(f._cache_size() for f in WEIGHTS_PROGRAMS.values())
     again = generate(graphdef, state, random_prompts(2), rng=jax.random.key(7), **kwargs)
     for a, b in zip(first, again):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -118,7 +118,7 @@ def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
     # new prompts: 3 prompts of other lengths land in the same (16-token, 4-prompt) bucket
     new = generate(graphdef, state, random_prompts(9, lengths=(12, 2, 16)), rng=jax.random.key(7), **kwargs)
     assert new.response_tokens.shape == (9, 33)
-    assert (sample_program._cache_size(), weights_program._cache_size()) == compiled, \
+    assert (sample_program._cache_size(), sum(f._cache_size() for f in WEIGHTS_PROGRAMS.values())) == compiled, \
         "a known bucket recompiled the sampler"
 
 

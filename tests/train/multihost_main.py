@@ -1,0 +1,67 @@
+"""One process of a (simulated) multi-host run: `train` on CPU devices, joined by jax.distributed.
+
+    python -m tests.train.multihost_main SPEC_JSON
+
+SPEC_JSON: {"process_id", "num_processes", "port", "devices" (per process), "assets" (the
+demo_assets paths), "out_dir", "steps", "resume", "result" (where process 0 writes the
+history and final parameters), "hold" (seconds to sleep after each step: the kill test)}.
+"""
+
+import json
+import os
+import sys
+
+spec = json.loads(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+if spec["num_processes"] > 1:
+    os.environ.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{spec['port']}", JAX_NUM_PROCESSES=str(spec["num_processes"]),
+                      JAX_PROCESS_ID=str(spec["process_id"]), JAXRL4LLM_HEARTBEAT_SECONDS="10")
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrl4llm.train import hosts  # noqa: E402
+
+if spec["num_processes"] > 1:
+    hosts.initialize()
+
+from jaxrl4llm.train import loop  # noqa: E402
+from jaxrl4llm.train.config import load_config  # noqa: E402
+from tests.train.conftest import tiny_overrides  # noqa: E402
+
+
+def overrides() -> list[str]:
+    return tiny_overrides(spec["assets"], spec["out_dir"], **{
+        "model.num_heads": 2, "model.num_kv_heads": 2, "rollout.prompts_per_step": 4, "trainer.mini_batches": 2,
+        "trainer.micro_batch_size": 8, "mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1,
+        "rollout.tensor_parallel": 2, "trainer.steps": spec["steps"], "trainer.checkpoint_every": 2,
+        "trainer.eval_every": 2, "trainer.export_hf": True})
+
+
+def main() -> int:
+    assert jax.device_count() == 8 and jax.process_count() == spec["num_processes"], jax.devices()
+    if spec.get("hold"):  # the kill test: slow steps, so a peer can be killed mid-run
+        original = loop.step_record
+
+        def slow(*args, **kwargs):
+            record = original(*args, **kwargs)
+            print(f"step {args[-1] + 1} done", flush=True)
+            time.sleep(spec["hold"])
+            return record
+        loop.step_record = slow
+    summary = loop.train(load_config(None, overrides()), resume=spec["resume"], log=lambda s: None)
+    params = jax.tree.map(hosts.fetch, summary["state"].params)  # every process takes part in the gather
+    if hosts.is_main():
+        leaves = {str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
+        np.savez(spec["result"] + ".npz", **leaves)
+        with open(spec["result"] + ".json", "w") as f:
+            json.dump({"history": summary["history"], "eval_after": summary["eval_after"]}, f)
+    print("OK", jax.process_index(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
