@@ -121,8 +121,9 @@ class Policy:
             raise ConfigError("model.module models have no Hugging Face layout to export to; set trainer.export_hf=false "
                               "and save the orbax checkpoint's state instead.")
         path = Path(path)
-        save_pretrained((self.graphdef, self.state), path)
-        self.tokenizer.save_pretrained(str(path))
+        save_pretrained((self.graphdef, self.state), path)  # every process gathers, process 0 writes
+        if jax.process_index() == 0:
+            self.tokenizer.save_pretrained(str(path))
         return path
 
 
