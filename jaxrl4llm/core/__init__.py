@@ -9,11 +9,12 @@ string options static, works under vmap and stays finite on degenerate input.
 Advantages:   normalize_advantages, rloo_advantages, batch_whiten
 Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden,
               token_logprobs_from_head, entropy_from_logits
-Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO), SurrogateStats, truncated_is_weights
-Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES
+Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO / GSPO-token), cispo_surrogate,
+              sapo_surrogate, sapo_gate, SurrogateStats, truncated_is_weights
+Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES, prompt_weights
 KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
 Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
-Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, PRESETS,
+Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL, PRESETS,
               compute_advantages, policy_loss, policy_loss_from_rewards
 """
 
@@ -23,6 +24,7 @@ from jaxrl4llm.core.advantages import rloo_advantages
 from jaxrl4llm.core.aggregation import AGGREGATION_MODES
 from jaxrl4llm.core.aggregation import LossTerms
 from jaxrl4llm.core.aggregation import aggregate_loss
+from jaxrl4llm.core.aggregation import prompt_weights
 from jaxrl4llm.core.filters import dynamic_sampling_mask
 from jaxrl4llm.core.filters import overlong_filter_mask
 from jaxrl4llm.core.filters import overlong_soft_penalty
@@ -33,26 +35,31 @@ from jaxrl4llm.core.logprobs import token_logprobs
 from jaxrl4llm.core.logprobs import token_logprobs_chunked
 from jaxrl4llm.core.logprobs import token_logprobs_from_head
 from jaxrl4llm.core.logprobs import token_logprobs_from_hidden
+from jaxrl4llm.core.recipes import CISPO
 from jaxrl4llm.core.recipes import DAPO
 from jaxrl4llm.core.recipes import DR_GRPO
 from jaxrl4llm.core.recipes import GRPO
 from jaxrl4llm.core.recipes import LITE_PPO
 from jaxrl4llm.core.recipes import PPO_BASELINE
 from jaxrl4llm.core.recipes import PRESETS
+from jaxrl4llm.core.recipes import SCALERL
 from jaxrl4llm.core.recipes import AdvantageBatch
 from jaxrl4llm.core.recipes import Recipe
 from jaxrl4llm.core.recipes import compute_advantages
 from jaxrl4llm.core.recipes import policy_loss
 from jaxrl4llm.core.recipes import policy_loss_from_rewards
 from jaxrl4llm.core.surrogate import SurrogateStats
+from jaxrl4llm.core.surrogate import cispo_surrogate
 from jaxrl4llm.core.surrogate import clipped_surrogate
+from jaxrl4llm.core.surrogate import sapo_gate
+from jaxrl4llm.core.surrogate import sapo_surrogate
 from jaxrl4llm.core.surrogate import truncated_is_weights
 
 __all__ = [
-    "AGGREGATION_MODES", "AdvantageBatch", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
-    "PPO_BASELINE", "PRESETS", "Recipe", "SurrogateStats", "aggregate_loss", "batch_whiten",
-    "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
+    "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
+    "PPO_BASELINE", "PRESETS", "Recipe", "SCALERL", "SurrogateStats", "aggregate_loss", "batch_whiten",
+    "cispo_surrogate", "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
     "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
-    "policy_loss", "policy_loss_from_rewards", "rloo_advantages", "token_logprobs",
+    "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "sapo_surrogate", "token_logprobs",
     "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",
 ]

@@ -10,8 +10,17 @@ Modes (Tricks or Traps, arXiv 2508.08221, Sec. 4.3; verl's loss_agg_mode names):
   "seq-mean-token-mean"     mean_b [ sum_t l·m / sum_t m ]                 (GRPO)
   "seq-mean-token-sum"      mean_b [ sum_t l·m ]
   "seq-mean-token-sum-norm" mean_b [ sum_t l·m / norm_length ]             (Dr. GRPO)
+  "prompt-mean-token-mean"  mean_p [ sum_{b in p, t} l·m / sum_{b in p, t} m ]  (ScaleRL)
 Sequence means run over rows with at least one counted token; rows with row_weights == 0 are
 also left out of the denominator.
+
+"prompt-mean-token-mean" (ScaleRL, Khatri et al. 2025, arXiv 2510.13786): token-mean within
+each prompt's group of G rows, then mean over prompts. It is a token-mean with per-row weight
+w_b = 1 / N_g(b) (N_g = counted tokens of row b's group): numerator sum_b w_b·sum_t l·m,
+denominator sum_b w_b·sum_t m (= the number of prompts with a counted token). The weights need
+the whole group, which a strided micro-batch does not hold: compute them once on the full
+batch with `prompt_weights` (compute_advantages does, into denominator_weights) and pass them
+as row_weights; then micro-batch sums are exact like the other modes.
 """
 
 from __future__ import annotations
@@ -21,8 +30,38 @@ from typing import Literal, NamedTuple
 import chex
 import jax.numpy as jnp
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AggregationMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "prompt-mean-token-mean"
+]
+AGGREGATION_MODES = (
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "prompt-mean-token-mean"
+)
+PROMPT_MODES = ("prompt-mean-token-mean",)
+
+
+def prompt_weights(token_counts: chex.Array, group_size: int, row_weights: chex.Array | None = None) -> chex.Array:
+    """w_b = [row_weights_b > 0] / N_g(b), N_g = sum_{b' in g, row_weights_b' > 0} token_counts_b' (0 if N_g = 0).
+
+    The per-row weights of "prompt-mean-token-mean" (ScaleRL, arXiv 2510.13786), computed once
+    on the full rollout batch so that any split into micro-batches sums to the full-batch loss.
+
+    Args:
+      token_counts: [B] counted response tokens per row (the loss mask's row sums).
+      group_size: G (static); groups are G adjacent rows.
+      row_weights: [B] 0/1, rows with 0 leave their prompt's mean (and the loss), or None.
+
+    Returns:
+      [B] float32 weights.
+    """
+    chex.assert_rank(token_counts, 1)
+    b = token_counts.shape[0]
+    if group_size < 1 or b % group_size:
+        raise ValueError(f"batch of {b} rows is not a whole number of groups of group_size={group_size}.")
+    keep = jnp.ones((b,), jnp.float32) if row_weights is None else (row_weights > 0).astype(jnp.float32)
+    counts = token_counts.astype(jnp.float32) * keep
+    group = jnp.sum(counts.reshape(b // group_size, group_size), axis=1)
+    per_row = jnp.repeat(group, group_size)
+    return jnp.where(per_row > 0, keep / jnp.maximum(per_row, 1.0), 0.0)
 
 
 class LossTerms(NamedTuple):
@@ -47,6 +86,7 @@ def aggregate_loss(
     *,
     norm_length: float | None = None,
     row_weights: chex.Array | None = None,
+    group_size: int | None = None,
 ) -> LossTerms:
     """Reduces per-token losses to LossTerms(numerator, denominator) for `mode` (see module doc).
 
@@ -58,7 +98,10 @@ def aggregate_loss(
         maximum response length); required for that mode only.
       row_weights: [B] 0/1; rows with weight 0 stay out of every denominator (e.g. groups
         whose rewards are all equal, which carry no advantage signal). Their numerator
-        contribution is kept.
+        contribution is kept. For "prompt-mean-token-mean": the per-row prompt weights
+        from `prompt_weights` (they scale numerator and denominator; weight 0 removes the row).
+      group_size: "prompt-mean-token-mean" without row_weights: computes prompt_weights from
+        this call's mask (exact only when the call holds whole groups).
 
     Returns:
       LossTerms of float32 scalars; `.value` is the loss.
@@ -68,6 +111,17 @@ def aggregate_loss(
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"Unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGGREGATION_MODES)}.")
     m = mask.astype(jnp.float32)
+    if mode in PROMPT_MODES:
+        if row_weights is None:
+            if group_size is None:
+                raise ValueError(
+                    f"mode {mode!r} needs row_weights=prompt_weights(...) computed on the full batch, or group_size."
+                )
+            row_weights = prompt_weights(jnp.sum(m, axis=1), group_size)
+        w = row_weights.astype(jnp.float32)
+        chex.assert_shape(w, loss.shape[:1])
+        masked = jnp.where(m > 0, loss.astype(jnp.float32) * m, 0.0)
+        return LossTerms(jnp.sum(jnp.sum(masked, axis=1) * w), jnp.sum(jnp.sum(m, axis=1) * w))
     weights = jnp.ones(loss.shape[:1], jnp.float32) if row_weights is None else row_weights.astype(jnp.float32)
     chex.assert_shape(weights, loss.shape[:1])
     masked = jnp.where(m > 0, loss.astype(jnp.float32) * m, 0.0)

@@ -1,4 +1,5 @@
-"""Recipes: named compositions of the core functions (PPO baseline, GRPO, DAPO, Dr. GRPO, Lite PPO).
+"""Recipes: named compositions of the core functions (PPO baseline, GRPO, DAPO, Dr. GRPO, Lite PPO,
+and beyond the study: CISPO, ScaleRL).
 
 A `Recipe` is a frozen dataclass of knobs, not a class hierarchy: a new recipe is
 `dataclasses.replace(LITE_PPO, eps_high=0.28)` in a notebook. Two pure functions apply it:
@@ -20,12 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.core.advantages import batch_whiten, check_group_layout, normalize_advantages, rloo_advantages
-from jaxrl4llm.core.aggregation import AGGREGATION_MODES, LossTerms, aggregate_loss
+from jaxrl4llm.core.aggregation import AGGREGATION_MODES, PROMPT_MODES, LossTerms, aggregate_loss, prompt_weights
 from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
-from jaxrl4llm.core.surrogate import clipped_surrogate, truncated_is_weights
+from jaxrl4llm.core.surrogate import (
+    CISPO_CAP_MODES, RATIO_LEVELS, cispo_surrogate, clipped_surrogate, sapo_surrogate, truncated_is_weights,
+)
 
 ADV_ESTIMATORS = ("normalized", "rloo", "reinforce_pp")
+SURROGATES = ("ppo", "cispo", "sapo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +42,16 @@ class Recipe:
         (leave-one-out baseline) or "reinforce_pp" (group-free batch whitening of rewards).
       adv_mean, adv_std: "group" | "batch" | "none" (normalized estimator only).
       adv_eps: added to the std.
+      surrogate: "ppo" (clipped_surrogate), "cispo" (cispo_surrogate) or "sapo" (sapo_surrogate).
       eps_low, eps_high: PPO clip range [1 - eps_low, 1 + eps_high]; eps_high > eps_low is
-        Clip-Higher.
-      dual_clip: c > 1 or None.
-      ratio_level: "token" (PPO) or "sequence" (GSPO).
-      loss_agg_mode: one of AGGREGATION_MODES.
+        Clip-Higher. For CISPO the IS-weight bounds (see cispo_cap_mode).
+      cispo_cap_mode: "relative" (upper bound 1 + eps_high, verl) or "absolute" (upper bound
+        eps_high, TRL's epsilon_high).
+      sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for A > 0 / A <= 0.
+      dual_clip: c > 1 or None (PPO only).
+      ratio_level: "token" (PPO), "sequence" (GSPO) or "sequence_token" (GSPO-token); PPO only.
+      loss_agg_mode: one of AGGREGATION_MODES ("prompt-mean-token-mean" needs response
+        lengths in compute_advantages, which puts the prompt weights in denominator_weights).
       norm_length: divisor of "seq-mean-token-sum-norm" (Dr. GRPO: the max response length).
       kl_coef, kl_kind, kl_clamp: KL(pi || pi_ref) loss term (0 = off, no reference model).
       entropy_coef: entropy bonus (0 = off).
@@ -62,8 +71,12 @@ class Recipe:
     adv_eps: float = 1e-6
     eps_low: float = 0.2
     eps_high: float = 0.2
+    surrogate: Literal["ppo", "cispo", "sapo"] = "ppo"
+    cispo_cap_mode: Literal["relative", "absolute"] = "relative"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     dual_clip: float | None = None
-    ratio_level: Literal["token", "sequence"] = "token"
+    ratio_level: Literal["token", "sequence", "sequence_token"] = "token"
     loss_agg_mode: str = "token-mean"
     norm_length: float | None = None
     kl_coef: float = 0.0
@@ -91,8 +104,26 @@ class Recipe:
             problems.append("loss_agg_mode='seq-mean-token-sum-norm' needs norm_length (e.g. the max response length)")
         if self.kl_kind not in KL_KINDS:
             problems.append(f"kl_kind={self.kl_kind!r} (valid: {', '.join(KL_KINDS)})")
-        if self.ratio_level not in ("token", "sequence"):
-            problems.append(f"ratio_level={self.ratio_level!r} (valid: token, sequence)")
+        if self.ratio_level not in RATIO_LEVELS:
+            problems.append(f"ratio_level={self.ratio_level!r} (valid: {', '.join(RATIO_LEVELS)})")
+        if self.surrogate not in SURROGATES:
+            problems.append(f"surrogate={self.surrogate!r} (valid: {', '.join(SURROGATES)})")
+        if self.cispo_cap_mode not in CISPO_CAP_MODES:
+            problems.append(f"cispo_cap_mode={self.cispo_cap_mode!r} (valid: {', '.join(CISPO_CAP_MODES)})")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            problems.append(f"sapo_tau_pos/sapo_tau_neg must be > 0, got {self.sapo_tau_pos}/{self.sapo_tau_neg}")
+        if self.surrogate != "ppo":
+            if self.ratio_level != "token":
+                problems.append(f"ratio_level={self.ratio_level!r} needs surrogate='ppo' (surrogate={self.surrogate!r} is token-level)")
+            if self.dual_clip is not None:
+                problems.append(f"dual_clip={self.dual_clip} needs surrogate='ppo' (got surrogate={self.surrogate!r})")
+        if self.surrogate == "cispo":
+            hi = 1.0 + self.eps_high if self.cispo_cap_mode == "relative" else self.eps_high
+            if hi <= max(1.0 - self.eps_low, 0.0):
+                problems.append(
+                    f"eps_high={self.eps_high} with cispo_cap_mode={self.cispo_cap_mode!r} gives an IS-weight cap {hi} "
+                    f"not above the lower bound {max(1.0 - self.eps_low, 0.0)}"
+                )
         if self.eps_low < 0 or self.eps_high < 0:
             problems.append(f"eps_low/eps_high must be >= 0, got {self.eps_low}/{self.eps_high}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -122,8 +153,23 @@ DAPO = Recipe(
 DR_GRPO = Recipe(name="dr_grpo", adv_mean="group", adv_std="none", loss_agg_mode="seq-mean-token-sum-norm", norm_length=1024)
 # Lite PPO (Tricks or Traps): group mean + batch std, token-level aggregation, vanilla 0.2 clip, no KL.
 LITE_PPO = Recipe(name="lite_ppo", adv_mean="group", adv_std="batch", loss_agg_mode="token-mean")
+# CISPO (MiniMax-M1, arXiv 2506.13585): group-normalised advantages, token-mean, clipped and
+# detached IS weight; no lower bound (eps_low = 1: bound 0), only the upper one is tuned. The
+# paper gives no eps_high value: 4.0 (relative) = an IS-weight cap of 5.0, TRL's suggested cap.
+CISPO = Recipe(
+    name="cispo", adv_mean="group", adv_std="group", loss_agg_mode="token-mean",
+    surrogate="cispo", cispo_cap_mode="relative", eps_low=1.0, eps_high=4.0,
+)
+# ScaleRL (Khatri et al. 2025, arXiv 2510.13786): CISPO loss, prompt-level aggregation,
+# batch-level advantage normalisation (group-mean centring, batch std), zero-variance filtering
+# (groups with equal rewards leave the loss). The IS-weight cap is the CISPO preset's; ScaleRL's
+# FP32 LM head, PipelineRL, interruptions and no-positive-resampling curriculum live outside the loss.
+SCALERL = Recipe(
+    name="scalerl", adv_mean="group", adv_std="batch", loss_agg_mode="prompt-mean-token-mean",
+    surrogate="cispo", cispo_cap_mode="relative", eps_low=1.0, eps_high=4.0, dynamic_sampling=True,
+)
 
-PRESETS: dict[str, Recipe] = {r.name: r for r in (PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO)}
+PRESETS: dict[str, Recipe] = {r.name: r for r in (PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL)}
 
 
 class AdvantageBatch(NamedTuple):
@@ -160,10 +206,12 @@ def compute_advantages(
       group_size: G (static).
       recipe: the Recipe (static).
       truncated: [B] bool, needed when recipe.overlong_filter.
-      lengths: [B] response lengths, needed when recipe.overlong_penalty > 0.
+      lengths: [B] response lengths (the loss mask's row sums), needed when
+        recipe.overlong_penalty > 0 or recipe.loss_agg_mode is "prompt-mean-token-mean".
 
     Returns:
-      AdvantageBatch of [B] float32 arrays.
+      AdvantageBatch of [B] float32 arrays; with a prompt-level loss_agg_mode,
+      denominator_weights holds the per-row prompt weights (aggregation.prompt_weights).
     """
     check_group_layout(rewards, group_size)
     shaped = rewards.astype(jnp.float32)
@@ -193,6 +241,12 @@ def compute_advantages(
         rows = rows * dynamic_sampling_mask(rewards, group_size)
     # Zero-advantage groups are those whose *shaped* rewards are all equal.
     den = rows * dynamic_sampling_mask(shaped, group_size) if recipe.exclude_constant_groups else rows
+    if recipe.loss_agg_mode in PROMPT_MODES:
+        if lengths is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} has loss_agg_mode={recipe.loss_agg_mode!r}: pass lengths=[B] response lengths."
+            )
+        den = prompt_weights(lengths, group_size, den)
     return AdvantageBatch(adv, shaped, rows, den)
 
 
@@ -209,9 +263,10 @@ def policy_loss(
     sampler_logp: chex.Array | None = None,
     entropy: chex.Array | None = None,
 ) -> tuple[LossTerms, dict[str, chex.Array]]:
-    """l_bt = w_bt·PPO_clip(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
+    """l_bt = w_bt·S(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
 
-    w is the truncated IS weight when recipe.tis_cap and sampler_logp are set (else 1).
+    S is recipe.surrogate: PPO clip (clipped_surrogate), CISPO or SAPO. w is the truncated IS
+    weight when recipe.tis_cap and sampler_logp are set (else 1).
 
     Args:
       recipe: the Recipe (static).
@@ -220,7 +275,8 @@ def policy_loss(
       advantages: [B] or [B, T] from compute_advantages.
       mask: [B, T] response-token mask.
       row_weights: [B] loss-row mask (AdvantageBatch.row_weights), default all ones.
-      denominator_weights: [B] rows counted in denominators, default row_weights.
+      denominator_weights: [B] rows counted in denominators, default row_weights; for a
+        prompt-level loss_agg_mode the prompt weights from compute_advantages (required).
       ref_logp: [B, T] reference-policy log-probs, required when recipe.kl_coef > 0.
       sampler_logp: [B, T] sampler log-probs for truncated IS (with recipe.tis_cap).
       entropy: [B, T] per-token policy entropy, required when recipe.entropy_coef > 0.
@@ -236,12 +292,26 @@ def policy_loss(
         chex.assert_shape(row_weights, logp.shape[:1])
         m = m * row_weights.astype(jnp.float32)[:, None]
     if denominator_weights is None:
+        if recipe.loss_agg_mode in PROMPT_MODES:
+            raise ValueError(
+                f"recipe {recipe.name!r} has loss_agg_mode={recipe.loss_agg_mode!r}: pass denominator_weights "
+                "(the prompt weights compute_advantages returns, computed on the full batch)."
+            )
         denominator_weights = row_weights
 
-    per_token, stats = clipped_surrogate(
-        logp, old_logp, advantages, m,
-        eps_low=recipe.eps_low, eps_high=recipe.eps_high, dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
-    )
+    if recipe.surrogate == "cispo":
+        per_token, stats = cispo_surrogate(
+            logp, old_logp, advantages, m, eps_low=recipe.eps_low, eps_high=recipe.eps_high, cap_mode=recipe.cispo_cap_mode,
+        )
+    elif recipe.surrogate == "sapo":
+        per_token, stats = sapo_surrogate(
+            logp, old_logp, advantages, m, tau_pos=recipe.sapo_tau_pos, tau_neg=recipe.sapo_tau_neg,
+        )
+    else:
+        per_token, stats = clipped_surrogate(
+            logp, old_logp, advantages, m,
+            eps_low=recipe.eps_low, eps_high=recipe.eps_high, dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
+        )
     num = jnp.maximum(jnp.sum(m), 1.0)
     metrics: dict[str, chex.Array] = dict(stats._asdict())
     metrics["pg_loss"] = jnp.sum(per_token * m) / num
@@ -288,6 +358,8 @@ def policy_loss_from_rewards(
     Returns:
       (LossTerms, metrics) with the advantage mean/std added to metrics.
     """
+    if lengths is None and recipe.loss_agg_mode in PROMPT_MODES:
+        lengths = jnp.sum(mask.astype(jnp.float32), axis=1)
     batch = compute_advantages(rewards, group_size, recipe, truncated=truncated, lengths=lengths)
     terms, metrics = policy_loss(
         recipe, logp=logp, old_logp=old_logp, advantages=batch.advantages, mask=mask,

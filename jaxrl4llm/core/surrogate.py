@@ -1,5 +1,7 @@
-"""Importance ratio and the clipped PPO surrogate: symmetric clip, Clip-Higher, dual clip,
-token- or sequence-level (GSPO) ratio, and truncated importance weights for sampler drift.
+"""Importance ratio and the policy-gradient surrogates: the clipped PPO surrogate (symmetric
+clip, Clip-Higher, dual clip; token-, sequence- (GSPO) or GSPO-token-level ratio), CISPO
+(clipped IS weight, MiniMax-M1), SAPO (soft sigmoid gate), and truncated importance weights
+for sampler drift.
 
 All functions return per-token values [B, T], zero where mask == 0; reduce them with
 `aggregate_loss`.
@@ -41,6 +43,44 @@ class SurrogateStats(NamedTuple):
     num_tokens: chex.Array
 
 
+RATIO_LEVELS = ("token", "sequence", "sequence_token")
+CISPO_CAP_MODES = ("relative", "absolute")
+
+
+def _log_ratio(diff: chex.Array, logp: chex.Array, m: chex.Array, ratio_level: str) -> chex.Array:
+    """[B, T] log importance ratio at `ratio_level` (see clipped_surrogate); diff = 0 where m == 0."""
+    if ratio_level == "token":
+        return jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq = jnp.sum(diff * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+    seq = jnp.clip(seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if ratio_level == "sequence":
+        return jnp.broadcast_to(seq, diff.shape)
+    safe_logp = jnp.where(m > 0, logp, 0.0)
+    return jax.lax.stop_gradient(seq) + safe_logp - jax.lax.stop_gradient(safe_logp)
+
+
+def _ratio_stats(r, m, diff, low_cond, high_cond, dual_cond=None) -> SurrogateStats:
+    """SurrogateStats over counted tokens; r has no gradient; conditions are [B, T] bools."""
+    counted = m > 0
+    n = jnp.sum(m)
+    denom = jnp.maximum(n, 1.0)
+    frac = lambda cond: jnp.sum(jnp.where(counted & cond, 1.0, 0.0)) / denom
+    low, high = frac(low_cond), frac(high_cond)
+    dual = frac(dual_cond) if dual_cond is not None else jnp.zeros((), jnp.float32)
+    any_counted = n > 0
+    return SurrogateStats(
+        clip_frac_low=low,
+        clip_frac_high=high,
+        clip_frac=low + high,
+        dual_clip_frac=dual,
+        ratio_mean=jnp.where(any_counted, jnp.sum(r * m) / denom, 1.0),
+        ratio_min=jnp.where(any_counted, jnp.min(jnp.where(counted, r, jnp.inf)), 1.0),
+        ratio_max=jnp.where(any_counted, jnp.max(jnp.where(counted, r, -jnp.inf)), 1.0),
+        approx_kl=jax.lax.stop_gradient(-jnp.sum(diff * m) / denom),
+        num_tokens=n,
+    )
+
+
 def _broadcast_advantages(advantages: chex.Array, like: chex.Array) -> chex.Array:
     if advantages.ndim == 1:
         chex.assert_equal_shape_prefix([advantages, like], 1)
@@ -58,14 +98,20 @@ def clipped_surrogate(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
-    ratio_level: Literal["token", "sequence"] = "token",
+    ratio_level: Literal["token", "sequence", "sequence_token"] = "token",
 ) -> tuple[chex.Array, SurrogateStats]:
     """L = max(-r·A, -clip(r, 1-eps_low, 1+eps_high)·A); with dual clip c: L = min(L, c·|A|) where A < 0.
 
     PPO (Schulman et al. 2017); Clip-Higher = eps_high > eps_low (DAPO, Yu et al. 2025);
-    dual clip (Ye et al. 2020, verl's clip_ratio_c = 3.0); sequence-level ratio (GSPO, Zheng
-    et al. 2025): s_i = exp(mean_t m·(logp - old_logp)) replaces r on every token of row i, and
-    its gradient flows through the mean log-ratio (token form sg(s_i)·exp(logp - sg(logp))).
+    dual clip (Ye et al. 2020, verl's clip_ratio_c = 3.0). Ratio levels (GSPO, Zheng et al.
+    2025, arXiv 2507.18071):
+      "token":          r_t = exp(logp_t - old_logp_t).
+      "sequence":       GSPO, s_i = exp(mean_t m·(logp - old_logp)) on every token of row i; the
+                        gradient flows through the mean log-ratio, so token t's gradient mixes
+                        the advantages of the whole row: -s_i·(1/|y_i|)·sum_t' A_t'.
+      "sequence_token": GSPO-token (eq. 13), s_i,t = sg(s_i)·exp(logp_t - sg(logp_t)): the value
+                        s_i on every token, the gradient per token: -s_i·A_t. With A constant
+                        over a row both levels give the same loss and gradient.
 
     Args:
       logp: [B, T] log-probs of the sampled tokens under the policy being optimised.
@@ -74,15 +120,15 @@ def clipped_surrogate(
       mask: [B, T] 1 for counted response tokens, 0 elsewhere.
       eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high].
       dual_clip: c > 1 bounds the loss of negative-advantage tokens by c·|A|, or None.
-      ratio_level: "token" (PPO) or "sequence" (GSPO).
+      ratio_level: "token" (PPO), "sequence" (GSPO) or "sequence_token" (GSPO-token).
 
     Returns:
       (loss [B, T] float32, zero where mask == 0; SurrogateStats).
     """
     chex.assert_rank([logp, old_logp, mask], 2)
     chex.assert_equal_shape([logp, old_logp, mask])
-    if ratio_level not in ("token", "sequence"):
-        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}.")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {ratio_level!r}.")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (verl uses 3.0), got {dual_clip}.")
     m = mask.astype(jnp.float32)
@@ -92,14 +138,7 @@ def clipped_surrogate(
     old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
 
     diff = jnp.where(counted, logp - old, 0.0)
-    if ratio_level == "token":
-        log_ratio = jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    else:
-        seq = jnp.sum(diff * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
-        seq = jnp.clip(seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        safe_logp = jnp.where(counted, logp, 0.0)
-        log_ratio = jax.lax.stop_gradient(seq) + safe_logp - jax.lax.stop_gradient(safe_logp)
-    ratio = jnp.exp(log_ratio)
+    ratio = jnp.exp(_log_ratio(diff, logp, m, ratio_level))
 
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -109,25 +148,121 @@ def clipped_surrogate(
     loss = jnp.where(counted, loss, 0.0)
 
     r = jax.lax.stop_gradient(ratio)
-    n = jnp.sum(m)
-    denom = jnp.maximum(n, 1.0)
-    frac = lambda cond: jnp.sum(jnp.where(counted & cond, 1.0, 0.0)) / denom
-    low = frac((adv < 0) & (r < 1.0 - eps_low))
-    high = frac((adv > 0) & (r > 1.0 + eps_high))
-    dual = frac((adv < 0) & (r > dual_clip)) if dual_clip is not None else jnp.zeros((), jnp.float32)
-    any_counted = n > 0
-    stats = SurrogateStats(
-        clip_frac_low=low,
-        clip_frac_high=high,
-        clip_frac=low + high,
-        dual_clip_frac=dual,
-        ratio_mean=jnp.where(any_counted, jnp.sum(r * m) / denom, 1.0),
-        ratio_min=jnp.where(any_counted, jnp.min(jnp.where(counted, r, jnp.inf)), 1.0),
-        ratio_max=jnp.where(any_counted, jnp.max(jnp.where(counted, r, -jnp.inf)), 1.0),
-        approx_kl=jax.lax.stop_gradient(-jnp.sum(diff * m) / denom),
-        num_tokens=n,
+    stats = _ratio_stats(
+        r, m, diff,
+        (adv < 0) & (r < 1.0 - eps_low),
+        (adv > 0) & (r > 1.0 + eps_high),
+        (adv < 0) & (r > dual_clip) if dual_clip is not None else None,
     )
     return loss, stats
+
+
+def cispo_surrogate(
+    logp: chex.Array,
+    old_logp: chex.Array,
+    advantages: chex.Array,
+    mask: chex.Array,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 4.0,
+    cap_mode: Literal["relative", "absolute"] = "relative",
+) -> tuple[chex.Array, SurrogateStats]:
+    """L = -sg(clip(r, lo, hi))·A·logp, r = exp(logp - old_logp): CISPO, clipped IS-weight policy optimisation.
+
+    MiniMax-M1 (MiniMax 2025, arXiv 2506.13585, eq. 4): the importance weight, not the token
+    update, is clipped and detached, so every token keeps a gradient, -clip(r)·A per unit of
+    logp (PPO gives 0 where its clip binds); at r = 1 it is the REINFORCE/PPO gradient -A.
+    The paper sets no lower bound ("eps_low large") and tunes eps_high only. Bounds:
+      cap_mode="relative": [1 - eps_low, 1 + eps_high]  (verl's CISPO: clip_ratio_low/high;
+                           the paper's eps^IS_low/high). eps_low >= 1 means no lower bound.
+      cap_mode="absolute": [1 - eps_low, eps_high]      (TRL's GRPOConfig(loss_type="cispo"):
+                           `epsilon_high` is the cap itself, e.g. 5.0).
+    The loss *value* is a pseudo-loss (it carries logp, not the ratio); only its gradient means
+    something.
+
+    Args:
+      logp, old_logp: [B, T] current / behaviour-policy log-probs of the sampled tokens.
+      advantages: [B] or [B, T].
+      mask: [B, T] 1 for counted response tokens.
+      eps_low: lower bound 1 - eps_low (>= 0; 1.0 = no lower bound, r > 0).
+      eps_high: upper bound 1 + eps_high (relative) or eps_high itself (absolute).
+      cap_mode: "relative" or "absolute" (see above).
+
+    Returns:
+      (loss [B, T] float32, zero where mask == 0; SurrogateStats with clip_frac_low / high =
+      fraction of counted tokens whose weight hit the lower / upper bound, any advantage sign).
+    """
+    chex.assert_rank([logp, old_logp, mask], 2)
+    chex.assert_equal_shape([logp, old_logp, mask])
+    if cap_mode not in CISPO_CAP_MODES:
+        raise ValueError(f"cap_mode must be one of {', '.join(CISPO_CAP_MODES)}, got {cap_mode!r}.")
+    lo = 1.0 - eps_low
+    hi = 1.0 + eps_high if cap_mode == "relative" else eps_high
+    if hi <= max(lo, 0.0):
+        raise ValueError(f"CISPO upper bound {hi} ({cap_mode} eps_high={eps_high}) must exceed the lower bound {max(lo, 0.0)}.")
+    m = mask.astype(jnp.float32)
+    counted = m > 0
+    adv = _broadcast_advantages(advantages, logp)
+    logp = logp.astype(jnp.float32)
+    old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
+    diff = jnp.where(counted, logp - old, 0.0)
+    r = jax.lax.stop_gradient(jnp.exp(jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)))
+    weight = jnp.clip(r, lo, hi)
+    safe_logp = jnp.where(counted, logp, 0.0)
+    loss = jnp.where(counted, -weight * adv * safe_logp, 0.0)
+    return loss, _ratio_stats(r, m, diff, r < lo, r > hi)
+
+
+def sapo_gate(ratio: chex.Array, tau: chex.Array) -> chex.Array:
+    """f(r) = (4 / tau)·sigmoid(tau·(r - 1)); f(1) = 2/tau, f'(1) = 1, f'(r) = 4·s·(1 - s) -> 0 as |r - 1| grows."""
+    return (4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0))
+
+
+def sapo_surrogate(
+    logp: chex.Array,
+    old_logp: chex.Array,
+    advantages: chex.Array,
+    mask: chex.Array,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[chex.Array, SurrogateStats]:
+    """L = -f_tau(r)·A, f_tau(r) = (4/tau)·sigmoid(tau·(r - 1)), tau = tau_pos if A > 0 else tau_neg: SAPO.
+
+    Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv 2511.20347): a smooth,
+    temperature-controlled gate replaces the hard clip. d L / d logp = -A·r·f'(r) with
+    f'(r) = 4·sigmoid(tau(r-1))·(1 - sigmoid(tau(r-1))): equal to -A at r = 1 (the unclipped
+    PPO / REINFORCE gradient), decaying smoothly (not to a hard 0) as r leaves 1, faster for a
+    larger tau; tau_neg > tau_pos damps negative-advantage tokens more (the paper's choice,
+    tau_pos = 1.0, tau_neg = 1.05 as in verl / Trinity-RFT defaults). Token-level ratio.
+    The paper itself was not read here; the form above is the one public implementations of
+    SAPO (verl, Trinity-RFT, torchforge) use, and the property f'(1) = 1 is tested.
+
+    Args:
+      logp, old_logp: [B, T] current / behaviour-policy log-probs of the sampled tokens.
+      advantages: [B] or [B, T].
+      mask: [B, T] 1 for counted response tokens.
+      tau_pos, tau_neg: gate temperatures (> 0) for A > 0 and A <= 0.
+
+    Returns:
+      (loss [B, T] float32, zero where mask == 0; SurrogateStats, clip fractions 0).
+    """
+    chex.assert_rank([logp, old_logp, mask], 2)
+    chex.assert_equal_shape([logp, old_logp, mask])
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}.")
+    m = mask.astype(jnp.float32)
+    counted = m > 0
+    adv = _broadcast_advantages(advantages, logp)
+    logp = logp.astype(jnp.float32)
+    old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
+    diff = jnp.where(counted, logp - old, 0.0)
+    ratio = jnp.exp(jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    tau = jnp.where(adv > 0, tau_pos, tau_neg)
+    loss = jnp.where(counted, -sapo_gate(ratio, tau) * adv, 0.0)
+    never = jnp.zeros(logp.shape, bool)
+    return loss, _ratio_stats(jax.lax.stop_gradient(ratio), m, diff, never, never)
+
 
 
 def truncated_is_weights(trainer_logp: chex.Array, sampler_logp: chex.Array, cap: float = 2.0) -> chex.Array:
