@@ -11,7 +11,8 @@ Rules, in order:
    (``27.0`` == ``27``, ``0.0833333333333333`` == ``1/12``; ``25``, ``0.25``, ``2500`` differ);
    a ``%`` on one side only also accepts value/100 (``28\%`` == ``0.28``);
 3. structure (``rewards.structure``): tuples and intervals element by element with the same
-   brackets, lists and sets as sets, unions part by part, matrices cell by cell; an
+   brackets, lists and sets as sets, unions part by part or else as sets of reals (a union
+   against an interval too: ``(-\infty, 1) \cup [1, \infty)`` is the reals), matrices cell by cell; an
    assignment ``x = 5`` or ``(p, q) = (3, 2)`` against a bare value compares the value;
    ``a <= x < b`` against an interval compares the interval;
 4. words (``\text{odd}``), single letters (multiple choice) and base/time notations
@@ -82,11 +83,14 @@ def _is_text(s: str) -> bool:
 
 
 def _is_opaque(s: str) -> bool:
-    """Notations that sympy would misread: bases (204_5), times/ratios (12:00), letters only."""
+    """Notations that sympy would misread: bases (204_5), times/ratios (12:00), letters only.
+
+    The lone letter ``i`` is the imaginary unit, not a choice letter: ``\\sqrt{-1}`` equals ``i``.
+    """
     return bool(
         re.fullmatch(r"[0-9A-Fa-f]+_\{?\d+\}?", s)
         or ":" in s
-        or re.fullmatch(r"[A-Za-z]", s)
+        or (re.fullmatch(r"[A-Za-z]", s) and s != "i")
     )
 
 
@@ -296,6 +300,21 @@ def _as_real_set(answer):
     return None
 
 
+def _real_sets_equal(p, g) -> bool:
+    r"""Intervals, unions of intervals and finite sets compared as sets of reals.
+
+    Rule: a union and an interval (or two unions) are equal when they cover the same reals,
+    e.g. ``(-\infty, 1) \cup [1, \infty)`` equals ``(-\infty, \infty)`` (the spelling of
+    ``\mathbb{R}``), while ``(-\infty, 1) \cup (1, \infty)`` does not.
+    """
+    a, b = _as_real_set(p), _as_real_set(g)
+    if a is None or b is None:
+        return False
+    from jaxrl4llm.rewards import symbolic
+
+    return symbolic.sets_equal(a, b)
+
+
 def _relation_matches_set(rel: Relation, other) -> bool:
     r"""``1 <= |z| <= 3/2`` against ``[-3/2, -1] \cup [1, 3/2]``: same real solution set."""
     from jaxrl4llm.rewards import symbolic
@@ -325,6 +344,8 @@ def _equal(p, g) -> bool:
         if value is None:
             return False
         return _equal(value, g) if rel is p else _equal(p, value)
+    if isinstance(p, Union) != isinstance(g, Union) and isinstance(p, (Seq, Union)) and isinstance(g, (Seq, Union)):
+        return _real_sets_equal(p, g)
     if isinstance(p, Seq) and isinstance(g, Seq):
         return _seqs_equal(p, g)
     if isinstance(p, Seq) and len(p.items) == 1 and p.kind != "tuple":
@@ -332,7 +353,9 @@ def _equal(p, g) -> bool:
     if isinstance(g, Seq) and len(g.items) == 1 and g.kind != "tuple":
         return _equal(p, g.items[0])
     if isinstance(p, Union) and isinstance(g, Union):
-        return len(p.parts) == len(g.parts) and _same_elements(p.parts, g.parts)
+        if len(p.parts) == len(g.parts) and _same_elements(p.parts, g.parts):
+            return True
+        return _real_sets_equal(p, g)
     if isinstance(p, (Matrix, MatrixExpr)) and isinstance(g, (Matrix, MatrixExpr)):
         return _matrices_equal(p, g)
     if isinstance(p, Atom) and isinstance(g, Atom):

@@ -34,6 +34,7 @@ _FINAL_RE = re.compile(
     r"(?:final\s+answer|the\s+answer|answer\s+is|(?<![a-z])answer\s*:|####)\s*(?:is\s*)?(?:[:=]\s*)?",
     re.IGNORECASE
 )
+_EXCLAMATION_RE = re.compile(r"!+\s*$")
 _HOPE_RE = re.compile(r"I\s+hope\s+it\s+is\s+correct.*$", re.IGNORECASE | re.DOTALL)
 _NUMBER_RE = re.compile(
     r"(?<![A-Za-z0-9.])[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?%?(?![0-9])"
@@ -86,9 +87,34 @@ def _boxes(text: str) -> list[tuple[int, int, str]]:
     return found
 
 
-def _last_box_group(text: str) -> tuple[int, str] | None:
-    """Start position and content of the last box, merged with boxes joined to it by "and"."""
-    boxes = _boxes(text)
+def _outermost(boxes: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """Drop the boxes that lie inside an earlier box (``\\boxed{\\boxed{5}}`` is one box)."""
+    kept: list[tuple[int, int, str]] = []
+    for box in boxes:
+        if not kept or box[0] >= kept[-1][1]:
+            kept.append(box)
+    return kept
+
+
+def _unwrap_nested_box(content: str) -> str:
+    r"""The answer inside a box that itself holds a box: the inner box wins.
+
+    Models box twice or box a sentence that boxes the answer:
+    ``\boxed{\boxed{5}}`` -> ``5``; ``\boxed{\text{The answer is } \boxed{5}}`` -> ``5``.
+    The recursion is bounded by the brace depth (``limits.MAX_NESTING_DEPTH``).
+    """
+    if not _BOX_RE.search(content):
+        return content
+    inner = _last_box_group(content)
+    return inner[1] if inner is not None else content
+
+
+def _last_box_group(text: str) -> tuple[int, str, int] | None:
+    """Start position, content and end position of the last box, merged with boxes joined to it by "and".
+
+    A box nested in another box counts as its content (``_unwrap_nested_box``).
+    """
+    boxes = _outermost(_boxes(text))
     if not boxes:
         return None
     group = [boxes[-1]]
@@ -97,8 +123,8 @@ def _last_box_group(text: str) -> tuple[int, str] | None:
         if len(between) > 60 or not _BOX_JOINER_RE.match(between):
             break
         group.insert(0, prev)
-    content = ", ".join(b[2].strip() for b in group)
-    return group[0][0], content
+    content = ", ".join(_unwrap_nested_box(b[2]).strip() for b in group)
+    return group[0][0], content, group[-1][1]
 
 
 _DELIM_RE = re.compile(r"\$\$|\\\[|\\\]|\\\(|\\\)|\\\$|\$")
@@ -169,7 +195,7 @@ def _answer_from_phrase(tail: str) -> str | None:
     if spans and len(_words(tail)) <= 1:
         return ", ".join(s.strip() for s in spans)
     if len(_words(tail)) <= 1:
-        return tail
+        return _EXCLAMATION_RE.sub("", tail)  # "the answer is 42!" is excited, not 42 factorial
     if spans:
         return spans[-1]
     return _last_number(tail)
@@ -199,7 +225,8 @@ def extract_answer(response: str) -> str | None:
     box = _last_box_group(text)
     phrases = list(_FINAL_RE.finditer(text))
     phrase = phrases[-1] if phrases else None
-    if box is not None and (phrase is None or phrase.start() <= box[0] or "final" not in phrase.group(0).lower()):
+    # A "Final answer:" inside the last box (``\boxed{\text{Final answer: } \boxed{3}}``) is part of it.
+    if box is not None and (phrase is None or phrase.start() < box[2] or "final" not in phrase.group(0).lower()):
         return box[1]
     if phrase is not None:
         found = _answer_from_phrase(text[phrase.end() :])

@@ -15,6 +15,10 @@ MAX_ANSWER_CHARS = 2_000
 MAX_NESTING_DEPTH = 40
 #: Most digits accepted in one number literal.
 MAX_NUMBER_DIGITS = 400
+#: Most digits in the repeating block of a repeating decimal (``0.\overline{142857}``).
+MAX_REPEATING_DIGITS = 60
+#: Largest n whose factorial n! is evaluated; a larger factorial is refused (not comparable).
+MAX_FACTORIAL = 1000
 #: Largest |exponent| accepted in scientific notation or an integer power of a number.
 MAX_EXPONENT = 10_000
 #: Most elements in a tuple, list, set or matrix.

@@ -13,7 +13,11 @@ one spelling, so that most equal answers are already equal as strings and the la
   ``11,\\!111``, ``1 000``) are removed, ``\\%``/"percent"/"pct" become a trailing ``%``;
 - relation symbols get one spelling (``\\geq`` -> ``>=``, ``\\neq`` -> ``!=``), ``x \\approx 11``
   keeps the exact value, a multiple-choice ``(C)``/``\\text{(C)}`` becomes ``C``;
-- trailing sentence punctuation is removed.
+- trailing sentence punctuation is removed (a ``!`` after a digit or bracket is a factorial, kept);
+- a trigonometric function of an angle in degrees (``\\sin 30^\\circ``) gets the angle in radians;
+- named sets get one spelling: the reals (``\\mathbb{R}``, "all real numbers") become
+  ``(-\\infty, \\infty)``, the empty set (``\\varnothing``, ``\\{\\}``, "no solution", "none")
+  becomes ``\\emptyset``; ``\\imath`` becomes ``i``.
 
 Everything here is plain string rewriting with linear-time regular expressions; nothing
 parses or evaluates the answer.
@@ -48,7 +52,7 @@ _SPACING_RE = re.compile(r"(?<!\\)\\[,:;! ]|\\q?quad|\\hspace\*?\{[^{}]*\}|~")
 _SIZING_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|big|Big|bigg|Bigg)(?![a-zA-Z])\s*\.?")
 _UNICODE = {
     "\u2212": "-", "\u2013": "-", "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u00d7": r"\times ",
-    "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u221e": r"\infty ", "\u221a": r"\sqrt", "\u00b0": "",
+    "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u221e": r"\infty ", "\u221a": r"\sqrt", "\u00b0": r"^\circ ",
     "\u00b2": "^2", "\u00b3": "^3", "\u2009": " ", "\u00a0": " ", "\u202f": " ", "\u20ac": "",
     "\u00a3": "", "\u2248": r"\approx ",
 }
@@ -88,25 +92,28 @@ def _unwrap_text(s: str) -> str:
 
 
 def _strip_units(s: str) -> str:
-    """Drop trailing unit words after a numeric head: ``125 miles`` -> ``125``.
+    """Drop trailing unit words after a numeric head: ``125 miles`` -> ``125``, ``15 m/s`` -> ``15``.
 
-    Scans backwards over letters, spaces and dots (no backtracking regex: the input is
-    untrusted and a nested-quantifier pattern would take exponential time).
+    Scans backwards over letters, spaces, dots and the ``/`` of a rate unit (no backtracking
+    regex: the input is untrusted and a nested-quantifier pattern would take exponential time).
+    A ``/`` right after the number (``3/s``) is a division, not a unit, and is kept.
     """
     body = _TRAILING_POWER_RE.sub("", s).rstrip()
     i = len(body)
-    while i > 0 and (body[i - 1].isascii() and (body[i - 1].isalpha() or body[i - 1] in " ." )):
+    while i > 0 and (body[i - 1].isascii() and (body[i - 1].isalpha() or body[i - 1] in " ./" )):
         i -= 1
     while i < len(body) and not body[i].isalpha():
         i += 1  # the words start at a letter
     if i >= len(body) or (i > 0 and body[i - 1] == "\\"):
         return s
     head, words = body[:i].strip(), body[i:].strip()
-    if not head or not re.search(r"\d", head) or len(words) > 60:
+    if not head or not re.search(r"\d", head) or len(words) > 60 or head.endswith("/"):
         return s
     value = head.rsplit("=", 1)[-1]  # "x = 5 cm": the units follow the value
     if not re.search(r"\d", value) or re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", value)):
         return s  # e.g. "2 x y": letters in the value are variables, not units
+    if "/" in words:  # a rate: every word on both sides of the slash is a unit
+        return head if all(_UNIT_RE.match(w.strip()) for w in words.split("/")) else s
     if _UNIT_RE.match(words) or all(len(w) >= 3 for w in words.replace(".", " ").split()):
         return head
     return s
@@ -129,6 +136,99 @@ def _split_approx(s: str) -> str:
     if not left or is_name(left):
         return (left + " = " if left else "") + right.strip()
     return left
+
+
+_DEGREE_MARK = r"(?:\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z]))"
+_ANGLE = r"([+-]?\d{1,6}(?:\.\d{1,6})?)"
+_TRIG_DEGREES_RE = re.compile(
+    rf"\\(sin|cos|tan|cot|sec|csc)\s*(?:\(\s*{_ANGLE}\s*{_DEGREE_MARK}\s*\)|\{{\s*{_ANGLE}\s*{_DEGREE_MARK}\s*\}}"
+    rf"|{_ANGLE}\s*{_DEGREE_MARK})"
+)
+
+
+def _trig_degrees(s: str) -> str:
+    r"""An angle in degrees inside a trigonometric function becomes radians.
+
+    Rule: ``\sin 30^\circ``, ``\cos(60^\circ)``, ``\tan{45^{\circ}}`` -> ``\sin(\frac{30\pi}{180})``
+    etc., so that the later removal of degree marks (``90^\circ`` -> ``90``, right for a bare
+    angle) cannot turn ``\sin 30^\circ`` into ``\sin 30`` (sine of 30 radians). Only a plain
+    number of degrees is read; ``\sin 30`` without the mark stays in radians.
+    """
+
+    def radians(m: re.Match) -> str:
+        angle = next(g for g in m.groups()[1:] if g is not None)
+        return rf"\{m.group(1)}(\frac{{{angle}\pi}}{{180}})"
+
+    return _TRIG_DEGREES_RE.sub(radians, s)
+
+
+_REALS_SYMBOL_RE = re.compile(r"\\mathbb\s*(?:\{\s*R\s*\}|R(?![a-zA-Z]))(?!\s*[\^_])|\\R(?![a-zA-Z])(?!\s*[\^_])")
+_REALS_WORDS_RE = re.compile(
+    r"(?:the\s+)?(?:set\s+of\s+)?(?:all\s+)?real\s+numbers|all\s+reals|(?:all|any|every)\s+real\s+(?:numbers?|values?|x)"
+    r"|(?:the\s+)?reals",
+    re.IGNORECASE,
+)
+_EMPTY_SET_SYMBOL_RE = re.compile(r"\\(?:varnothing|emptyset)(?![a-zA-Z])|\\\{\s*\\\}")
+_EMPTY_SET_WORDS_RE = re.compile(
+    r"(?:there\s+(?:is|are)\s+)?no\s+(?:real\s+)?(?:solutions?|roots?|values?)|none|(?:the\s+)?empty\s+set",
+    re.IGNORECASE,
+)
+REALS = r"(-\infty, \infty)"
+EMPTY_SET = r"\emptyset"
+
+
+def _named_set_symbols(s: str) -> str:
+    r"""Named-set symbols get one spelling, wherever they stand.
+
+    Rule: ``\mathbb{R}``, ``\mathbb R``, ``\R`` -> ``(-\infty, \infty)`` (not ``\mathbb{R}^2`` or
+    ``\mathbb{R}_{>0}``); ``\varnothing``, ``\emptyset``, ``\{\}`` -> ``\emptyset``. So
+    ``x \in \mathbb{R}`` reads as ``x \in (-\infty, \infty)``.
+    """
+    s = _REALS_SYMBOL_RE.sub(lambda _: " " + REALS + " ", s)
+    return _EMPTY_SET_SYMBOL_RE.sub(lambda _: " " + EMPTY_SET + " ", s)
+
+
+def _named_set_words(s: str) -> str:
+    r"""A whole answer that names a set in words gets the set's symbol.
+
+    Rule: "all real numbers", "all reals", "the reals" -> ``(-\infty, \infty)``; "no solution",
+    "no real solutions", "none", "the empty set" -> ``\emptyset``. Only the whole answer is
+    matched, so "none" inside a sentence is left alone.
+    """
+    if _REALS_WORDS_RE.fullmatch(s):
+        return REALS
+    if _EMPTY_SET_WORDS_RE.fullmatch(s):
+        return EMPTY_SET
+    return s
+
+
+_IMAGINARY_UNIT_RE = re.compile(r"\\imath(?![a-zA-Z])")
+
+
+def _is_factorial_operand_end(s: str) -> bool:
+    """True when ``s`` ends with what a factorial ``!`` applies to: a digit, ``)``, ``}`` or a lone letter."""
+    if not s:
+        return False
+    last = s[-1]
+    if last.isdigit() or last in ")}":
+        return True
+    return last.isalpha() and (len(s) == 1 or not (s[-2].isalpha() or s[-2] == "\\"))
+
+
+def _strip_trailing_punctuation(s: str) -> str:
+    """Remove sentence punctuation at the end, but keep a factorial ``!`` (``5!``, ``(n+1)!``, ``n!``).
+
+    Rule: trailing ``. , ; :`` always go; a trailing ``!`` goes unless it follows a digit, a
+    ``)``, a ``}`` or a lone letter (``\\boxed{5!}`` is 120, "Evelyn!" is "Evelyn"; a sentence
+    "so it is 42!" is cut to "42" by the extraction).
+    """
+    while True:
+        s = s.rstrip(" .,;:")
+        bare = s.rstrip("!")
+        if bare != s and not _is_factorial_operand_end(bare):
+            s = bare
+            continue
+        return s
 
 
 # Patterns of normalize_answer, compiled once (it runs on every answer).
@@ -180,11 +280,14 @@ def normalize_answer(text: str) -> str:
     s = _FRAC_BRACE_DIGIT_RE.sub(r"\\frac{\1}{\2}", s)
     s = _SQRT_SHORT_RE.sub(r"\\sqrt{\1}", s)
     s = _MIXED_NUMBER_RE.sub(_mixed_number, s)  # MATH writes 33\frac{1}{3} for 100/3
+    s = _trig_degrees(s)  # before the degree marks go: \sin 30^\circ is not \sin 30
     # Degrees and percent.
     s = _DEGREE_RE.sub("", s)
     s = _PERCENT_RE.sub("%", s)
     s = _PERCENT_WORD_RE.sub("%", s)
     s = _unwrap_text(s)
+    s = _named_set_symbols(s)  # before \mathbb{R} loses its font
+    s = _IMAGINARY_UNIT_RE.sub(" i ", s)
     s = _FONT_RE.sub(r"\1", s)
     # Relation spellings.
     s = _GEQ_RE.sub(">=", s)
@@ -204,8 +307,9 @@ def normalize_answer(text: str) -> str:
     # Commas left behind by "and" lists: "19, 46, , 82", leading/trailing separators.
     s = _REPEATED_COMMA_RE.sub(",", s)
     s = s.strip(" ,;")
-    s = s.rstrip(" .,;:!")
+    s = _strip_trailing_punctuation(s)
     s = s.strip()
+    s = _named_set_words(s)
     s = _strip_units(s)
     s = _SPACE_PERCENT_RE.sub("%", s)
     # Multiple-choice letters: (C), C), (C.

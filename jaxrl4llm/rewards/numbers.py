@@ -1,7 +1,8 @@
 """Exact parsing of number literals into Fractions, with size guards.
 
 Accepted forms (after normalisation): ``-12``, ``3.50``, ``.4``, ``1.5e3``, ``1.5\\times10^{3}``,
-``\\frac{3}{4}``, ``-\\frac{3}{4}``, ``3/4``, ``12345`` with thousands separators already removed.
+``\\frac{3}{4}``, ``-\\frac{3}{4}``, ``3/4``, ``12345`` with thousands separators already removed,
+and repeating decimals ``0.\\overline{3}`` / ``0.1\\overline{6}`` (exact: 1/3, 1/6).
 Anything else returns None, so the caller falls through to the structural or symbolic rules.
 Exponents and digit counts are bounded (``limits``) so a hostile ``1e999999999`` cannot make
 Python build a gigantic integer.
@@ -12,13 +13,14 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_NUMBER_DIGITS
+from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_NUMBER_DIGITS, MAX_REPEATING_DIGITS
 
 _DECIMAL = r"(?:\d+\.?\d*|\.\d+)"
 _SCI_RE = re.compile(
     rf"^([+-]?)({_DECIMAL})(?:(?:[eE]([+-]?\d+))|(?:\s*(?:\\times|\\cdot|\*|x)\s*10\s*\^\s*\{{?\s*([+-]?\d+)\s*\}}?))?$"
 )
 _FRAC_RE = re.compile(r"^([+-]?)\\frac\{\s*([+-]?\d+)\s*\}\{\s*([+-]?\d+)\s*\}$")
+_REPEATING_RE = re.compile(r"^([+-]?)(\d*)\.(\d*)\\overline\s*\{\s*(\d+)\s*\}$")
 _SLASH_RE = re.compile(r"^([+-]?)\(?\s*([+-]?\d+)\s*\)?\s*/\s*\(?\s*([+-]?\d+)\s*\)?$")
 
 
@@ -31,6 +33,28 @@ def _decimal_to_fraction(sign: str, mantissa: str, exponent: str | None) -> Frac
         if abs(exp) > MAX_EXPONENT:
             return None
         value *= Fraction(10) ** exp
+    return -value if sign == "-" else value
+
+
+def parse_repeating_decimal(text: str) -> Fraction | None:
+    r"""The exact value of a repeating decimal written with ``\overline``, or None.
+
+    Rule: ``I.N\overline{R}`` = I + (N + R / (10^len(R) - 1)) / 10^len(N), so
+    ``0.\overline{3}`` = 1/3, ``0.1\overline{6}`` = 1/6, ``2.\overline{12}`` = 70/33 and
+    ``0.\overline{9}`` = 1. The repeating block is capped at ``limits.MAX_REPEATING_DIGITS``
+    digits, the digits before it at ``limits.MAX_NUMBER_DIGITS``; longer ones are not read (None).
+
+    >>> parse_repeating_decimal(r"0.1\overline{6}")
+    Fraction(1, 6)
+    """
+    m = _REPEATING_RE.match(text.strip())
+    if m is None:
+        return None
+    sign, whole, fixed, period = m.groups()
+    if len(whole) + len(fixed) > MAX_NUMBER_DIGITS or len(period) > MAX_REPEATING_DIGITS:
+        return None
+    value = Fraction(int(whole or "0"))
+    value += (Fraction(int(fixed or "0")) + Fraction(int(period), 10 ** len(period) - 1)) / 10 ** len(fixed)
     return -value if sign == "-" else value
 
 
@@ -57,11 +81,15 @@ def parse_number(text: str) -> Fraction | None:
                 return None
             value = Fraction(int(num), int(den))
             return -value if sign == "-" else value
+    if "\\overline" in s:
+        return parse_repeating_decimal(s)
     return None
 
 
 def is_exact_literal(text: str) -> bool:
-    """True for integers and integer fractions (no decimal point, no exponent)."""
+    """True for integers, integer fractions and repeating decimals (``0.\\overline{3}`` is 1/3 exactly)."""
+    if _REPEATING_RE.match(text.strip()):
+        return True
     return not re.search(r"[.eE]|\\times|\\cdot", text)
 
 

@@ -14,8 +14,12 @@ Two relations are equal when (lhs - rhs) of one is a constant multiple of the ot
 constant being positive for inequalities (so ``-x > -1`` equals ``x < 1``, and
 ``2x + 4y - 3 = 0`` equals ``y = -x/2 + 3/4``).
 
-Guards: answers with a power tower or an exponent above ``limits.MAX_EXPONENT`` are refused;
-the caller runs all of this under the sandbox's wall-clock limit anyway.
+Guards: answers with a power tower or an exponent above ``limits.MAX_EXPONENT``, or a factorial
+of a number above ``limits.MAX_FACTORIAL`` (``100000!``, ``(20!)!``), are refused; a double
+factorial of an integer (``5!!`` = 15) is replaced by its value before parsing, since ``parse_latex``
+would read it as ``(5!)!``; any other ``!!`` is refused. Factorials of
+integers are evaluated exactly (``\frac{10!}{8!}`` is exactly 90). The caller runs all of this
+under the sandbox's wall-clock limit anyway.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ import sympy
 from sympy.parsing.latex import parse_latex
 
 from jaxrl4llm.rewards.latex_parser import Unsupported, parse_simple
-from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_NUMBER_DIGITS
+from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_FACTORIAL, MAX_NUMBER_DIGITS
 
 _GREEK = {
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
     "iota", "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi",
     "chi", "psi", "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega",
 }
-_REFUSE_RE = re.compile(r"\\(?:text|in|cup|cap|begin|end|boxed|mathrm|emptyset|varnothing|angle|overline)(?![a-zA-Z])|[,=<>:;&]")
+_REFUSE_RE = re.compile(r"\\(?:text|in|cup|cap|begin|end|boxed|mathrm|emptyset|varnothing|angle|overline)(?![a-zA-Z])|[,=<>:;&]|!!")
 _POINTS = (
     (1.3127, -0.7411, 2.1953, 0.4519, -1.6289, 0.8863),
     (-0.5813, 1.7719, 0.3361, -2.2447, 1.1173, -0.9551),
@@ -50,6 +54,26 @@ class _Refused(Exception):
     """The expression is outside what the verifier agrees to evaluate."""
 
 
+_DOUBLE_FACTORIAL_RE = re.compile(r"(?<![\d.^_{])(\d{1,6})\s*!!(?!!)")
+
+
+def _expand_double_factorials(s: str) -> str:
+    """Replace the double factorial of an integer by its value: ``5!!`` -> ``15``, ``6!!`` -> ``48``.
+
+    Rule: n!! = n (n-2) (n-4) ... down to 1 or 2. ``parse_latex`` reads ``5!!`` as ``(5!)!``, so the
+    value is written in before parsing; n above ``limits.MAX_FACTORIAL`` raises _Refused. An
+    operand that is not a plain integer (``(2n)!!``) is left as is and refused by ``to_sympy``.
+    """
+
+    def value(m: re.Match) -> str:
+        n = int(m.group(1))
+        if n > MAX_FACTORIAL:
+            raise _Refused("double factorial too large")
+        return f"({sympy.factorial2(n)})"
+
+    return _DOUBLE_FACTORIAL_RE.sub(value, s) if "!!" in s else s
+
+
 def _prepare(text: str) -> str:
     s = text.strip()
     s = s.replace("**", "^")
@@ -60,6 +84,21 @@ def _prepare(text: str) -> str:
     s = re.sub(r"\barc(sin|cos|tan)\b", r"\\arc\1", s)
     s = re.sub(r"(?<![\\a-zA-Z])(sin|cos|tan|cot|sec|csc|log|ln|exp|sqrt|pi)(?![a-zA-Z])", r"\\\1", s)
     return s
+
+
+def _factorial_magnitude(node: sympy.Basic) -> float:
+    """Rough upper bound of |n!| (or Gamma(n)); raises _Refused when n > ``limits.MAX_FACTORIAL``.
+
+    Rule: n! is evaluated only for n <= MAX_FACTORIAL, and the bound is n! itself (inf once it
+    leaves the float range), so ``(20!)!`` is refused: its argument is about 2.4e18.
+    """
+    n = _magnitude(node.args[0])
+    if n > MAX_FACTORIAL:
+        raise _Refused("factorial too large")
+    try:
+        return math.exp(math.lgamma(n + 1.0))
+    except OverflowError:
+        return math.inf
 
 
 def _magnitude(node: sympy.Basic) -> float:
@@ -80,8 +119,8 @@ def _magnitude(node: sympy.Basic) -> float:
             return max(b, 1.0) ** e
         except OverflowError:
             return math.inf
-    if isinstance(node, (sympy.factorial, sympy.gamma)) and _magnitude(node.args[0]) > MAX_EXPONENT:
-        raise _Refused("factorial too large")
+    if isinstance(node, (sympy.factorial, sympy.factorial2, sympy.subfactorial, sympy.gamma)):
+        return _factorial_magnitude(node)
     args = [_magnitude(a) for a in node.args]
     if not args:
         return 10.0
@@ -118,7 +157,10 @@ def _fix_constants(expr: sympy.Basic) -> sympy.Basic:
 @functools.lru_cache(maxsize=4096)
 def to_sympy(text: str) -> sympy.Expr | None:
     """Parse one LaTeX expression (no relations, no lists) or return None."""
-    s = _prepare(text)
+    try:
+        s = _expand_double_factorials(_prepare(text))
+    except _Refused:
+        return None
     if not s or _REFUSE_RE.search(re.sub(r"_\{[^{}]*\}", "_", s)):
         return None
     try:
@@ -184,8 +226,15 @@ def _needs_integers(expr: sympy.Basic) -> bool:
 
 
 def _exact_rational(expr: sympy.Expr) -> sympy.Rational | None:
-    """The exact value of an expression built from integers with + - * / and integer powers."""
-    if expr.atoms(sympy.Float) or expr.atoms(sympy.Function) or expr.atoms(sympy.NumberSymbol):
+    """The exact value of an expression built from integers with + - * /, integer powers and n!.
+
+    Factorials are exact too (``25!`` differs from ``25! + 1``); their size was bounded by
+    ``_check_size``.
+    """
+    functions = expr.atoms(sympy.Function)
+    if expr.atoms(sympy.Float) or expr.atoms(sympy.NumberSymbol) or any(
+        not isinstance(f, sympy.factorial) for f in functions
+    ):
         return None
     for node in sympy.preorder_traversal(expr):
         if isinstance(node, sympy.Pow) and not node.exp.is_Integer:
