@@ -25,6 +25,12 @@ Papers:
   [Schulman-KL] J. Schulman, "Approximating KL divergence" (2020 blog): k1, k2, k3.
   [TIS]      Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
              training" (truncated importance sampling of trainer vs sampler probabilities).
+  [CISPO]    MiniMax 2025, "MiniMax-M1", arXiv 2506.13585, eq. (4)-(5) (clipped, detached IS
+             weight times log pi).
+  [SAPO]     Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347 (soft gate
+             f(r) = 4/tau sigmoid(tau (r - 1)), tau by advantage sign).
+  [ScaleRL]  Khatri et al. 2025, "The Art of Scaling RL Compute for LLMs", arXiv 2510.13786
+             (prompt-level loss aggregation).
   [verl]     volcengine/verl core_algos.py (log-ratio clamp to +-20, dual clip "clip_ratio_c",
              low_var_kl clamp to +-10, agg_loss modes).
 """
@@ -165,18 +171,20 @@ def ratio(logp, old_logp, mask=None, ratio_level="token"):
     """Importance ratio per token.
 
     token [PPO]: r_t = exp(logp_t - old_logp_t) (log-ratio clamped to +-20 as in [verl]).
-    sequence [GSPO] eq. (7): s_i = exp(1/|y_i| sum_t (logp - old_logp)) on every token of row i.
+    sequence [GSPO] eq. (7): s_i = exp(1/|y_i| sum_t (logp - old_logp)) on every token of row i
+    (GSPO-token, "sequence_token", has the same value).
     """
     lr = np.clip(_f64(logp) - _f64(old_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if ratio_level == "token":
         return np.exp(lr)
     m = _f64(mask)
+    lr = _f64(logp) - _f64(old_logp)
     B, T = lr.shape
     out = np.ones((B, T))
     for b in range(B):
         n = m[b].sum()
         seq_lr = (lr[b] * m[b]).sum() / n if n > 0 else 0.0
-        out[b, :] = math.exp(seq_lr)
+        out[b, :] = math.exp(min(max(seq_lr, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
     return out
 
 
@@ -234,14 +242,17 @@ def surrogate_grad(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.
     """d/d logp of sum_{b,t} loss[b, t], derived by hand.
 
     Token level: dl_t/dlogp_t = -A r_t where the unclipped branch is active, 0 where a clip
-    (PPO clip or dual clip) binds. Sequence level [GSPO]: the sum over the L_i tokens of row i
-    of -s_i A has derivative -A s_i m_t / L_i * L_i = -A s_i m_t per token (GSPO and
-    GSPO-token agree), 0 where the clip binds on s_i.
+    (PPO clip or dual clip) binds. GSPO-token ("sequence_token", [GSPO] eq. 13-14): d s_i,t /
+    d logp_t = s_i, so -A_t s_i m_t where token t's clip is inactive. GSPO ("sequence", eq.
+    5-8): every token t' of row i depends on all logp_t through s_i, d s_i / d logp_t =
+    s_i m_t / L_i, so g_t = -(s_i m_t / L_i) sum_{t' active} A_t' m_t'; with A constant over
+    the row it is -A s_i m_t, as GSPO-token.
     """
     m = _f64(mask)
     r = ratio(logp, old_logp, m, ratio_level)
     A = _token_advantages(advantages, r.shape)
     g = np.zeros_like(r)
+    act = np.zeros_like(r)
     for b in range(r.shape[0]):
         for t in range(r.shape[1]):
             rr, aa = r[b, t], A[b, t]
@@ -252,8 +263,61 @@ def surrogate_grad(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.
                 active = False
             if dual_clip is not None and aa < 0 and rr > dual_clip:
                 active = False
+            act[b, t] = float(active)
             g[b, t] = -aa * rr * m[b, t] if active else 0.0
+    if ratio_level == "sequence":
+        for b in range(r.shape[0]):
+            L = m[b].sum()
+            if L == 0:
+                continue
+            if abs(math.log(r[b, 0])) >= LOG_RATIO_CLAMP:  # the clamp binds: no gradient
+                g[b] = 0.0
+                continue
+            total = sum(A[b, t] * m[b, t] * act[b, t] for t in range(r.shape[1]))
+            g[b] = -r[b, 0] * m[b] / L * total
     return g
+
+
+def cispo_surrogate(logp, old_logp, advantages, mask, *, eps_low=1.0, eps_high=4.0,
+                    cap_mode="relative"):
+    """[CISPO] eq. (4) as a per-token loss: l = -sg(clip(r, 1 - eps_low, hi)) A log pi.
+
+    hi = 1 + eps_high ("relative", verl, the paper's eps^IS_high) or eps_high ("absolute",
+    TRL's epsilon_high). Returns (loss [B, T], d loss / d logp [B, T] = -clip(r) A m).
+    """
+    m = _f64(mask)
+    r = ratio(logp, old_logp)
+    A = _token_advantages(advantages, r.shape)
+    lo = 1.0 - eps_low
+    hi = 1.0 + eps_high if cap_mode == "relative" else eps_high
+    lp = _f64(logp)
+    loss = np.zeros_like(r)
+    grad = np.zeros_like(r)
+    for b in range(r.shape[0]):
+        for t in range(r.shape[1]):
+            if m[b, t] > 0:
+                w = min(max(r[b, t], lo), hi)
+                loss[b, t] = -w * A[b, t] * lp[b, t] * m[b, t]
+                grad[b, t] = -w * A[b, t] * m[b, t]
+    return loss, grad
+
+
+def sapo_surrogate(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05):
+    """[SAPO]: l = -f(r) A, f(r) = 4/tau sigmoid(tau (r - 1)), tau = tau_pos if A > 0 else
+    tau_neg. Returns (loss, d loss / d logp = -A r f'(r), f'(r) = 4 s (1 - s))."""
+    m = _f64(mask)
+    r = ratio(logp, old_logp)
+    A = _token_advantages(advantages, r.shape)
+    loss = np.zeros_like(r)
+    grad = np.zeros_like(r)
+    for b in range(r.shape[0]):
+        for t in range(r.shape[1]):
+            if m[b, t] > 0:
+                tau = tau_pos if A[b, t] > 0 else tau_neg
+                s = 1.0 / (1.0 + math.exp(-tau * (r[b, t] - 1.0)))
+                loss[b, t] = -4.0 / tau * s * A[b, t] * m[b, t]
+                grad[b, t] = -A[b, t] * r[b, t] * 4.0 * s * (1.0 - s) * m[b, t]
+    return loss, grad
 
 
 # --------------------------------------------------------------------------------------
@@ -261,7 +325,7 @@ def surrogate_grad(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.
 # --------------------------------------------------------------------------------------
 
 
-def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None):
+def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None, group_size=None):
     """(numerator, denominator) of the scalar loss; value = num / den (0 if den == 0).
 
     token-mean [DAPO] eq. (12): sum_{i,t} l / sum_i |y_i|.
@@ -269,11 +333,22 @@ def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None):
     seq-mean-token-sum: 1/G sum_i sum_t l.
     seq-mean-token-sum-norm [DrGRPO]: 1/G sum_i sum_t l / MAX_TOKENS (a constant).
     Rows with row weight 0 are left out of the denominators only.
+    prompt-mean-token-mean [ScaleRL]: 1/P sum_p (sum_{i in p, t} l / sum_{i in p} |y_i|) over
+    prompts with a counted token; here row_weights are 0/1 and rows with 0 leave their prompt
+    (numerator too); needs group_size.
     """
     l, m = _f64(loss), _f64(mask)
     B = l.shape[0]
     w = np.ones(B) if row_weights is None else _f64(row_weights)
     num = den = 0.0
+    if mode == "prompt-mean-token-mean":
+        for g in range(B // group_size):
+            rows = [b for b in range(g * group_size, (g + 1) * group_size) if w[b] > 0]
+            tokens = sum(m[b].sum() for b in rows)
+            if tokens > 0:
+                num += sum((l[b] * m[b]).sum() for b in rows) / tokens
+                den += 1.0
+        return num, den
     for b in range(B):
         row_sum = (l[b] * m[b]).sum()
         row_len = m[b].sum()
@@ -425,17 +500,28 @@ def compute_advantages(rewards, group_size, recipe, *, truncated=None, lengths=N
 
 
 def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
-                denominator_weights=None, ref_logp=None, sampler_logp=None, entropy=None):
+                denominator_weights=None, ref_logp=None, sampler_logp=None, entropy=None,
+                group_size=None):
     """Per-token surrogate (x TIS weight) + kl_coef * KL - entropy_coef * H, aggregated.
 
+    The surrogate is recipe.surrogate: PPO clip, [CISPO] or [SAPO]. For the prompt-level mode
+    the 0/1 denominator weights and group_size give the prompts (see aggregate_loss).
     Returns (numerator, denominator) of the scalar loss.
     """
     m = _f64(mask)
     if row_weights is not None:
         m = m * _f64(row_weights)[:, None]
-    per_token, _ = clipped_surrogate(logp, old_logp, advantages, m, eps_low=recipe.eps_low,
-                                     eps_high=recipe.eps_high, dual_clip=recipe.dual_clip,
-                                     ratio_level=recipe.ratio_level)
+    surrogate = getattr(recipe, "surrogate", "ppo")
+    if surrogate == "cispo":
+        per_token, _ = cispo_surrogate(logp, old_logp, advantages, m, eps_low=recipe.eps_low,
+                                       eps_high=recipe.eps_high, cap_mode=recipe.cispo_cap_mode)
+    elif surrogate == "sapo":
+        per_token, _ = sapo_surrogate(logp, old_logp, advantages, m, tau_pos=recipe.sapo_tau_pos,
+                                      tau_neg=recipe.sapo_tau_neg)
+    else:
+        per_token, _ = clipped_surrogate(logp, old_logp, advantages, m, eps_low=recipe.eps_low,
+                                         eps_high=recipe.eps_high, dual_clip=recipe.dual_clip,
+                                         ratio_level=recipe.ratio_level)
     if recipe.tis_cap is not None and sampler_logp is not None:
         per_token = per_token * truncated_is_weights(old_logp, sampler_logp, recipe.tis_cap)
     if recipe.kl_coef > 0:
@@ -445,4 +531,4 @@ def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
         per_token = per_token - recipe.entropy_coef * _f64(entropy)
     weights = denominator_weights if denominator_weights is not None else row_weights
     return aggregate_loss(per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length,
-                          row_weights=weights)
+                          row_weights=weights, group_size=group_size)
