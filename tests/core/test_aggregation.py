@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl4llm.core import AGGREGATION_MODES, LossTerms, aggregate_loss, clipped_surrogate
+from jaxrl4llm.core import AGGREGATION_MODES, LossTerms, aggregate_loss, clipped_surrogate, prompt_weights
 from tests.core import reference as ref
 from tests.core._helpers import B, FAST, FEW, T, assert_finite, logps, mask, rng, seeds
 
@@ -224,3 +224,113 @@ def test_under_vmap(mode):
         ti = fn(loss[i], m[i])
         np.testing.assert_allclose(float(terms.numerator[i]), float(ti.numerator), rtol=1e-6)
         np.testing.assert_allclose(float(terms.denominator[i]), float(ti.denominator))
+
+
+# ----------------------------------------------------------------------------- prompt level (ScaleRL)
+
+PROMPT = "prompt-mean-token-mean"
+G_PROMPT = 4  # B = 8 rows = 2 prompts x 4
+
+
+def test_prompt_mode_hand_values():
+    # prompt 0: rows (1 token of loss 1), (3 tokens of loss 0) -> token-mean 1/4
+    # prompt 1: rows (2 tokens of loss 3), (empty)             -> token-mean 3
+    # mean over prompts: (0.25 + 3) / 2 = 1.625 (token-mean would give 7/6, seq-mean 1.167)
+    loss = jnp.array([[1.0, 9.0, 9.0], [0.0, 0.0, 0.0], [3.0, 3.0, 9.0], [5.0, 5.0, 5.0]])
+    m = jnp.array([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    terms = aggregate_loss(loss, m, PROMPT, group_size=2)
+    np.testing.assert_allclose([float(terms.numerator), float(terms.denominator), float(terms.value)],
+                               [3.25, 2.0, 1.625], rtol=1e-6)
+    w = prompt_weights(jnp.sum(m, axis=1), 2)
+    np.testing.assert_allclose(np.asarray(w), [0.25, 0.25, 0.5, 0.5])
+    terms = aggregate_loss(loss, m, PROMPT, row_weights=w)
+    np.testing.assert_allclose(float(terms.value), 1.625, rtol=1e-6)
+
+
+def _prompt_inputs(seed, weighted):
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    # row weights drop whole groups (dynamic sampling) or single rows (overlong filter)
+    w = (g.random(B) < 0.7).astype(np.float32) if weighted else np.ones(B, np.float32)
+    return loss, m * w[:, None], w
+
+
+@FAST
+@given(seed=seeds, weighted=st.booleans())
+def test_prompt_mode_matches_reference(seed, weighted):
+    loss, m, w = _prompt_inputs(seed, weighted)
+    pw = prompt_weights(jnp.asarray(m.sum(axis=1)), G_PROMPT, jnp.asarray(w))
+    terms = aggregate_loss(jnp.asarray(loss), jnp.asarray(m), PROMPT, row_weights=pw)
+    num, den = ref.aggregate_loss(loss, m, PROMPT, row_weights=w, group_size=G_PROMPT)
+    np.testing.assert_allclose(float(terms.numerator), num, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(terms.denominator), den, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(terms.value), ref.loss_value(num, den), rtol=1e-5, atol=1e-5)
+    if not weighted:  # in-call weights from group_size: the same when the call holds whole groups
+        t2 = aggregate_loss(jnp.asarray(loss), jnp.asarray(m), PROMPT, group_size=G_PROMPT)
+        np.testing.assert_allclose(float(t2.value), float(terms.value), rtol=1e-6)
+
+
+def _strided(x, k):
+    """The train step's micro-batch split: slice i = rows i, i+k, ... (groups cut apart)."""
+    return [x[i::k] for i in range(k)]
+
+
+@FAST
+@given(seed=seeds, k=st.sampled_from([2, 4, 8]), weighted=st.booleans(), strided=st.booleans())
+def test_prompt_mode_micro_batch_sums_equal_the_full_batch(seed, k, weighted, strided):
+    loss, m, w = _prompt_inputs(seed, weighted)
+    pw = np.asarray(prompt_weights(jnp.asarray(m.sum(axis=1)), G_PROMPT, jnp.asarray(w)))
+    split = _strided if strided else _chunks
+    full = aggregate_loss(jnp.asarray(loss), jnp.asarray(m), PROMPT, row_weights=jnp.asarray(pw))
+    parts = [aggregate_loss(jnp.asarray(l), jnp.asarray(mm), PROMPT, row_weights=jnp.asarray(ww))
+             for l, mm, ww in zip(split(loss, k), split(m, k), split(pw, k))]
+    num = sum(float(p.numerator) for p in parts)
+    den = sum(float(p.denominator) for p in parts)
+    np.testing.assert_allclose(num, float(full.numerator), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(den, float(full.denominator), rtol=1e-5, atol=1e-6)
+    exp_num, exp_den = ref.aggregate_loss(loss, m, PROMPT, row_weights=w, group_size=G_PROMPT)
+    np.testing.assert_allclose(num / den if den else 0.0, ref.loss_value(exp_num, exp_den), rtol=1e-5, atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _prompt_full_and_split_grads(logp, old, adv, m, pw, k):
+    def per_token(lp, o, a, mm):
+        return clipped_surrogate(lp, o, a, mm, eps_low=0.2, eps_high=0.28)[0]
+
+    def full(lp):
+        return aggregate_loss(per_token(lp, old, adv, m), m, PROMPT, row_weights=pw).value
+
+    def split(lp):
+        parts = [jnp.stack([x[i::k] for i in range(k)]) for x in (lp, old, adv, m, pw)]
+        terms = [aggregate_loss(per_token(*(p[i] for p in parts[:4])), parts[3][i], PROMPT, row_weights=parts[4][i])
+                 for i in range(k)]
+        return sum(t.numerator for t in terms) / sum(t.denominator for t in terms)
+
+    return jax.grad(full)(logp), jax.grad(split)(logp), full(logp), split(logp)
+
+
+@FEW
+@given(seed=seeds)
+def test_prompt_mode_micro_batch_gradients_equal_the_full_batch(seed):
+    g = rng(seed)
+    logp, old = logps(g, spread=0.3)
+    adv = g.normal(size=B).astype(np.float32)
+    m = mask(g, allow_empty=False)
+    pw = prompt_weights(jnp.asarray(m.sum(axis=1)), G_PROMPT)
+    gf, gs, vf, vs = _prompt_full_and_split_grads(*map(jnp.asarray, (logp, old, adv, m)), pw, 2)
+    np.testing.assert_allclose(float(vs), float(vf), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gs), np.asarray(gf), rtol=1e-5, atol=1e-7)
+    assert np.any(np.asarray(gf) != 0)
+
+
+def test_prompt_mode_needs_weights_or_group_size():
+    with pytest.raises(ValueError, match="prompt_weights"):
+        aggregate_loss(jnp.ones((B, T)), jnp.ones((B, T)), PROMPT)
+    with pytest.raises(ValueError, match="group_size"):
+        prompt_weights(jnp.ones((B,)), 3)
+
+
+def test_prompt_mode_nothing_counts_gives_zero():
+    terms = aggregate_loss(jnp.full((B, T), 3.0), jnp.zeros((B, T)), PROMPT, group_size=G_PROMPT)
+    assert float(terms.value) == 0.0 and float(terms.denominator) == 0.0
