@@ -496,6 +496,16 @@ def compute_advantages(rewards, group_size, recipe, *, truncated=None, lengths=N
     den_w = row_w.copy()
     if recipe.exclude_constant_groups:
         den_w = den_w * (1.0 - constant_group_rows(r, group_size))
+    if recipe.loss_agg_mode == "prompt-mean-token-mean":
+        # [ScaleRL] per-row prompt weight: 1 / (counted tokens of the row's group), kept rows only
+        counts = _f64(lengths)
+        pw = np.zeros(B)
+        for g in range(B // group_size):
+            idx = range(g * group_size, (g + 1) * group_size)
+            tokens = sum(counts[b] for b in idx if den_w[b] > 0)
+            for b in idx:
+                pw[b] = 1.0 / tokens if (den_w[b] > 0 and tokens > 0) else 0.0
+        den_w = pw
     return dict(advantages=adv, shaped_rewards=r, row_weights=row_w, denominator_weights=den_w)
 
 
@@ -530,5 +540,7 @@ def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
     if recipe.entropy_coef > 0:
         per_token = per_token - recipe.entropy_coef * _f64(entropy)
     weights = denominator_weights if denominator_weights is not None else row_weights
+    if recipe.loss_agg_mode == "prompt-mean-token-mean":
+        weights = (_f64(weights) > 0).astype(np.float64)  # prompt weights -> kept rows
     return aggregate_loss(per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length,
                           row_weights=weights, group_size=group_size)

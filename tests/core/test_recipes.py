@@ -2,6 +2,8 @@
 
 import dataclasses
 import functools
+import re
+
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl4llm.core import (DAPO, DR_GRPO, GRPO, LITE_PPO, PPO_BASELINE, PRESETS, AdvantageBatch,
+from jaxrl4llm.core import (CISPO, DAPO, DR_GRPO, GRPO, LITE_PPO, PPO_BASELINE, PRESETS, SCALERL, AdvantageBatch,
                             LossTerms, Recipe, compute_advantages, policy_loss,
                             policy_loss_from_rewards)
 from tests.core import reference as ref
@@ -36,7 +38,16 @@ VARIANTS = {
     "DAPO_filter_exclude": dataclasses.replace(SHORT_DAPO, overlong_filter=True,
                                                exclude_constant_groups=True,
                                                dynamic_sampling=False),
+    "CISPO": CISPO,
+    "CISPO_absolute": dataclasses.replace(CISPO, cispo_cap_mode="absolute", eps_high=1.5, eps_low=0.2),
+    "SCALERL": SCALERL,
+    "SCALERL_filter_exclude": dataclasses.replace(SCALERL, overlong_filter=True, exclude_constant_groups=True,
+                                                  dynamic_sampling=False),
+    "SAPO": dataclasses.replace(GRPO, name="sapo", surrogate="sapo", kl_coef=0.0),
+    "GSPO_token": dataclasses.replace(GRPO, name="gspo_token", ratio_level="sequence_token",
+                                      eps_low=3e-4, eps_high=4e-4, kl_coef=0.0),
 }
+PROMPT_LEVEL = {"SCALERL", "SCALERL_filter_exclude"}
 
 
 # ----------------------------------------------------------------------------- presets
@@ -69,6 +80,41 @@ def test_presets_follow_the_papers():
     assert not (LITE_PPO.overlong_filter or LITE_PPO.dynamic_sampling or LITE_PPO.overlong_penalty)
     for recipe in PRESET_OBJECTS.values():
         assert recipe.ratio_level == "token" and recipe.dual_clip is None
+
+
+def test_cispo_and_scalerl_presets():
+    assert (CISPO.surrogate, CISPO.cispo_cap_mode, CISPO.loss_agg_mode) == ("cispo", "relative", "token-mean")
+    assert (CISPO.adv_mean, CISPO.adv_std) == ("group", "group") and CISPO.kl_coef == 0.0
+    assert CISPO.eps_low == 1.0 and 1.0 + CISPO.eps_high == 5.0  # no lower bound, IS cap 5
+    assert (SCALERL.surrogate, SCALERL.loss_agg_mode) == ("cispo", "prompt-mean-token-mean")
+    assert (SCALERL.adv_mean, SCALERL.adv_std) == ("group", "batch") and SCALERL.dynamic_sampling
+    assert PRESETS["cispo"] is CISPO and PRESETS["scalerl"] is SCALERL
+    for name in ("ppo_baseline", "grpo", "dapo", "dr_grpo", "lite_ppo"):
+        assert PRESETS[name].surrogate == "ppo"
+
+
+@pytest.mark.parametrize("changes,knob", [
+    (dict(surrogate="grpo"), "surrogate='grpo'"),
+    (dict(surrogate="cispo", cispo_cap_mode="abs"), "cispo_cap_mode='abs'"),
+    (dict(surrogate="cispo", cispo_cap_mode="absolute", eps_high=0.28), "eps_high=0.28"),
+    (dict(surrogate="sapo", sapo_tau_neg=0.0), "sapo_tau_pos/sapo_tau_neg"),
+    (dict(surrogate="sapo", ratio_level="sequence"), "ratio_level='sequence' needs surrogate='ppo'"),
+    (dict(surrogate="cispo", dual_clip=3.0), "dual_clip=3.0 needs surrogate='ppo'"),
+    (dict(ratio_level="seq"), "ratio_level='seq'"),
+    (dict(loss_agg_mode="prompt-mean"), "loss_agg_mode='prompt-mean'"),
+])
+def test_recipe_validation_names_the_bad_knob(changes, knob):
+    with pytest.raises(ValueError, match=re.escape(knob)):
+        Recipe(name="bad", **changes)
+
+
+def test_prompt_level_needs_lengths_and_denominator_weights():
+    r, truncated, _ = _adv_inputs(0)
+    with pytest.raises(ValueError, match="lengths"):
+        compute_advantages(jnp.asarray(r), G, SCALERL)
+    x, *_ = _loss_inputs(0)
+    with pytest.raises(ValueError, match="denominator_weights"):
+        policy_loss(SCALERL, advantages=jnp.ones(B), **{k: jnp.asarray(v) for k, v in x.items()})
 
 
 def test_presets_dict_and_frozen_dataclass():
@@ -207,7 +253,7 @@ def _loss_inputs(seed, kind=2):
 def _expected_loss(recipe, x, r, truncated, lengths):
     adv = ref.compute_advantages(r, G, recipe, truncated=truncated, lengths=lengths)
     return ref.policy_loss(recipe, advantages=adv["advantages"], row_weights=adv["row_weights"],
-                           denominator_weights=adv["denominator_weights"], **x)
+                           denominator_weights=adv["denominator_weights"], group_size=G, **x)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -223,6 +269,8 @@ def test_policy_loss_from_rewards_matches_reference(seed, name, kind):
     x, r, truncated, lengths = _loss_inputs(seed, kind)
     if kind == 0:
         lengths = np.minimum(lengths, 16)  # raw == shaped constant groups (see DAPO test)
+    if name in PROMPT_LEVEL:  # prompt weights count the loss mask's tokens
+        lengths = x["mask"].sum(axis=1).astype(np.int32)
     terms, metrics = _jitted_from_rewards(recipe, {k: jnp.asarray(v) for k, v in x.items()},
                                           jnp.asarray(r), jnp.asarray(truncated),
                                           jnp.asarray(lengths))
@@ -307,12 +355,14 @@ def _full_and_split(recipe, x, adv):
         x["logp"]), jax.grad(split)(x["logp"])
 
 
-@pytest.mark.parametrize("name", ["GRPO", "DR_GRPO", "GSPO", "DAPO_filter_exclude"])
+@pytest.mark.parametrize("name", ["GRPO", "DR_GRPO", "GSPO", "DAPO_filter_exclude", "SCALERL",
+                                  "SCALERL_filter_exclude", "CISPO", "SAPO", "GSPO_token"])
 def test_micro_batches_of_one_group_half_equal_the_full_batch(name):
     recipe = VARIANTS[name]
     x, r, truncated, lengths = _loss_inputs(7, kind=0)
+    lengths = x["mask"].sum(axis=1).astype(np.int32) if name in PROMPT_LEVEL else np.minimum(lengths, 20)
     x = {k: jnp.asarray(v) for k, v in x.items()}
-    adv = _compute(recipe, r, truncated, np.minimum(lengths, 20))
+    adv = _compute(recipe, r, truncated, lengths)
     vf, vs, gf, gs = _full_and_split(recipe, x, adv)
     np.testing.assert_allclose(float(vs), float(vf), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(gs), np.asarray(gf), rtol=1e-5, atol=1e-8)
@@ -332,7 +382,7 @@ def _value_and_grad(recipe, x, r, truncated, lengths):
 
 @pytest.mark.parametrize("name", ["DAPO", "DAPO_filter_exclude", "DR_GRPO", "GRPO",
                                   "GRPO_dual_clip_k1_clamped", "GSPO", "LITE_PPO_entropy_tis",
-                                  "PPO_BASELINE"])
+                                  "PPO_BASELINE", "CISPO", "SCALERL", "SAPO", "GSPO_token"])
 def test_degenerate_batches_are_finite(name):
     recipe = VARIANTS[name]
     x, _, truncated, lengths = _loss_inputs(11)
