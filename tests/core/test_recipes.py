@@ -4,7 +4,6 @@ import dataclasses
 import functools
 import re
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
