@@ -68,32 +68,35 @@ def _matching_brace(text: str, open_index: int) -> int | None:
     return None
 
 
+_BARE_TOKEN_RE = re.compile(r"[^\s$]+")
+
+
 def _boxes(text: str) -> list[tuple[int, int, str]]:
-    """All boxed answers as (start, end, content), in order of appearance."""
+    """The outermost boxed answers as (start, end, content), in order of appearance.
+
+    A box inside another box is part of the outer one's content (``\\boxed{\\boxed{5}}`` is one
+    box), so the scan resumes after the end of each box it reads.
+    """
     found = []
-    for m in _BOX_RE.finditer(text):
+    pos = 0
+    while True:
+        m = _BOX_RE.search(text, pos)
+        if m is None:
+            return found
+        pos = m.end()
         j = m.end()
         while j < len(text) and text[j] == " ":
             j += 1
         if j < len(text) and text[j] == "{":
             close = _matching_brace(text, j)
-            if close is None:
-                continue
-            found.append((m.start(), close + 1, text[j + 1 : close]))
+            if close is not None:
+                found.append((m.start(), close + 1, text[j + 1 : close]))
+                pos = close + 1
         else:  # "\boxed 5": the token up to whitespace or a dollar sign
-            tok = re.match(r"[^\s$]+", text[j:])
+            tok = _BARE_TOKEN_RE.match(text, j)
             if tok and m.end() < j:
-                found.append((m.start(), j + tok.end(), tok.group(0)))
-    return found
-
-
-def _outermost(boxes: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    """Drop the boxes that lie inside an earlier box (``\\boxed{\\boxed{5}}`` is one box)."""
-    kept: list[tuple[int, int, str]] = []
-    for box in boxes:
-        if not kept or box[0] >= kept[-1][1]:
-            kept.append(box)
-    return kept
+                found.append((m.start(), tok.end(), tok.group(0)))
+                pos = tok.end()
 
 
 def _unwrap_nested_box(content: str) -> str:
@@ -114,7 +117,7 @@ def _last_box_group(text: str) -> tuple[int, str, int] | None:
 
     A box nested in another box counts as its content (``_unwrap_nested_box``).
     """
-    boxes = _outermost(_boxes(text))
+    boxes = _boxes(text)
     if not boxes:
         return None
     group = [boxes[-1]]

@@ -19,6 +19,8 @@ MAX_NUMBER_DIGITS = 400
 MAX_REPEATING_DIGITS = 60
 #: Largest n whose factorial n! is evaluated; a larger factorial is refused (not comparable).
 MAX_FACTORIAL = 1000
+#: Most digits of an exact value (integer powers, factorials) that is multiplied out.
+MAX_EXACT_DIGITS = 20_000
 #: Largest |exponent| accepted in scientific notation or an integer power of a number.
 MAX_EXPONENT = 10_000
 #: Most elements in a tuple, list, set or matrix.

@@ -33,7 +33,7 @@ import sympy
 from sympy.parsing.latex import parse_latex
 
 from jaxrl4llm.rewards.latex_parser import Unsupported, parse_simple
-from jaxrl4llm.rewards.limits import MAX_EXPONENT, MAX_FACTORIAL, MAX_NUMBER_DIGITS
+from jaxrl4llm.rewards.limits import MAX_EXACT_DIGITS, MAX_EXPONENT, MAX_FACTORIAL, MAX_NUMBER_DIGITS
 
 _GREEK = {
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
@@ -225,11 +225,31 @@ def _needs_integers(expr: sympy.Basic) -> bool:
     return expr.has(sympy.Sum, sympy.Product, sympy.factorial, sympy.binomial)
 
 
+def _digits_bound(node: sympy.Basic) -> float:
+    """Rough upper bound of the decimal digits of an exact value built from integers, n! and powers.
+
+    Rule: digits(a b) <= digits(a) + digits(b), digits(a + b) <= max + 1, digits(a^k) <= |k| digits(a),
+    digits(n!) = log10(n!); anything else counts as 1. ``(1000!)^{10000}`` has about 25.7 million.
+    """
+    if node.is_Integer:
+        return max(1.0, abs(int(node)).bit_length() * 0.302 + 1)
+    if isinstance(node, sympy.factorial) and node.args[0].is_Integer:
+        return math.lgamma(float(node.args[0]) + 1.0) / math.log(10) + 1
+    if isinstance(node, sympy.Pow) and node.exp.is_Integer:
+        return abs(int(node.exp)) * _digits_bound(node.base)
+    if node.is_Mul:
+        return sum(_digits_bound(a) for a in node.args)
+    if node.is_Add:
+        return max(_digits_bound(a) for a in node.args) + 1
+    return max((_digits_bound(a) for a in node.args), default=1.0)
+
+
 def _exact_rational(expr: sympy.Expr) -> sympy.Rational | None:
     """The exact value of an expression built from integers with + - * /, integer powers and n!.
 
     Factorials are exact too (``25!`` differs from ``25! + 1``); their size was bounded by
-    ``_check_size``.
+    ``_check_size``; a value of more than ``limits.MAX_EXACT_DIGITS`` digits raises _Refused
+    (``(1000!)^{10000}`` is not multiplied out).
     """
     functions = expr.atoms(sympy.Function)
     if expr.atoms(sympy.Float) or expr.atoms(sympy.NumberSymbol) or any(
@@ -239,6 +259,8 @@ def _exact_rational(expr: sympy.Expr) -> sympy.Rational | None:
     for node in sympy.preorder_traversal(expr):
         if isinstance(node, sympy.Pow) and not node.exp.is_Integer:
             return None
+    if _digits_bound(expr) > MAX_EXACT_DIGITS:
+        raise _Refused("exact value too long")
     try:
         value = expr.doit()
     except Exception:  # noqa: BLE001
@@ -252,7 +274,10 @@ def exprs_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
         return True
     symbols = sorted(a.free_symbols | b.free_symbols, key=lambda s: s.name)
     if not symbols:
-        ra, rb = _exact_rational(a), _exact_rational(b)
+        try:
+            ra, rb = _exact_rational(a), _exact_rational(b)
+        except _Refused:  # (1000!)^{10000}: not multiplied out, and not comparable
+            return False
         if ra is not None and rb is not None:
             return ra == rb  # 10^{400} != 10^{400} + 1: exact arithmetic needs no tolerance
         va, vb = _numeric(a), _numeric(b)

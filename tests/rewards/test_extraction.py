@@ -49,6 +49,12 @@ TRUNCATED = r"""Let me compute the value step by step. First the product is $12 
         ("<think>\\boxed{1}</think>", None),
         ("", None),
         ("no numbers here at all, sorry friend", None),
+        (r"so $\boxed{\boxed{5}}$", "5"),
+        (r"$\boxed{\text{The answer is } \boxed{\frac{1}{2}}}$", r"\frac{1}{2}"),
+        (r"$\boxed{\text{Final answer: } \boxed{3}}$", "3"),
+        (r"$\boxed{\boxed{1}}$ and $\boxed{2}$", "1, 2"),
+        ("So the answer is 42!", "42"),
+        (r"So the answer is $\boxed{5!}$.", "5!"),
     ],
 )
 def test_extract_answer(response, expected):

@@ -42,6 +42,26 @@ from jaxrl4llm.rewards.structure import Atom, Relation, Seq, Union, parse_answer
         (r"1 \text{ and } 2", "1 , 2"),
         (r"(2, +\infty)", r"(2, \infty)"),
         (r"\\frac{1}{2}", r"\frac{1}{2}"),
+        (r"5\,\text{cm}", "5"),
+        (r"15\,\text{m/s}", "15"),
+        ("3/s", "3/s"),
+        (r"\sin 30^\circ", r"\sin(\frac{30\pi}{180})"),
+        (r"\cos(60^{\circ})", r"\cos(\frac{60\pi}{180})"),
+        ("\\tan 45\u00b0", r"\tan(\frac{45\pi}{180})"),
+        (r"\sin 30", r"\sin 30"),
+        (r"\mathbb{R}", r"(-\infty, \infty)"),
+        (r"\mathbb R", r"(-\infty, \infty)"),
+        (r"\mathbb{R}^2", "R^2"),
+        (r"\text{all real numbers}", r"(-\infty, \infty)"),
+        (r"\varnothing", r"\emptyset"),
+        (r"\{\}", r"\emptyset"),
+        (r"\text{No solution.}", r"\emptyset"),
+        (r"\text{none}", r"\emptyset"),
+        (r"1 + \imath", "1 + i"),
+        ("5!", "5!"),
+        ("(n+1)!", "(n+1)!"),
+        ("n!", "n!"),
+        ("Evelyn!", "Evelyn"),
     ],
 )
 def test_normalize_answer(raw, canonical):
@@ -52,7 +72,10 @@ def test_normalize_answer(raw, canonical):
     "text, value",
     [("27", Fraction(27)), ("27.0", Fraction(27)), ("-.5", Fraction(-1, 2)), ("1.5e3", Fraction(1500)),
      (r"1.5\times10^{3}", Fraction(1500)), (r"\frac{3}{4}", Fraction(3, 4)), (r"-\frac{3}{4}", Fraction(-3, 4)),
-     ("6/8", Fraction(3, 4)), ("x", None), ("1e999999999", None), ("1/0", None), ("1" * 1000, None)],
+     ("6/8", Fraction(3, 4)), ("x", None), ("1e999999999", None), ("1/0", None), ("1" * 1000, None),
+     (r"0.\overline{3}", Fraction(1, 3)), (r"0.1\overline{6}", Fraction(1, 6)), (r"-2.\overline{12}", Fraction(-70, 33)),
+     (r".\overline{142857}", Fraction(1, 7)), (r"0.\overline{9}", Fraction(1)), (r"\overline{3}", None),
+     (r"0.\overline{x}", None), ("0.\\overline{" + "3" * 100 + "}", None)],
 )
 def test_parse_number(text, value):
     assert parse_number(text) == value
