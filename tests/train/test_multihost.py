@@ -46,8 +46,13 @@ def output(proc) -> str:
 
 
 def finish(procs, timeout=900):
-    for p in procs:
-        p.wait(timeout=timeout)
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:  # no process outlives its test (a peer left waiting in a collective would)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     for p in procs:
         assert p.returncode == 0, output(p)[-4000:]
 
