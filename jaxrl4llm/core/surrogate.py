@@ -157,6 +157,17 @@ def clipped_surrogate(
     return loss, stats
 
 
+def cispo_bounds(eps_low: float, eps_high: float, cap_mode: str) -> tuple[float, float]:
+    """CISPO's weight bounds (lo, hi): [1 - eps_low, 1 + eps_high] (relative) or [1 - eps_low, eps_high] (absolute)."""
+    if cap_mode not in CISPO_CAP_MODES:
+        raise ValueError(f"cap_mode must be one of {', '.join(CISPO_CAP_MODES)}, got {cap_mode!r}.")
+    lo = 1.0 - eps_low
+    hi = 1.0 + eps_high if cap_mode == "relative" else eps_high
+    if hi <= max(lo, 0.0):
+        raise ValueError(f"CISPO upper bound {hi} ({cap_mode} eps_high={eps_high}) must exceed the lower bound {max(lo, 0.0)}.")
+    return lo, hi
+
+
 def cispo_surrogate(
     logp: chex.Array,
     old_logp: chex.Array,
@@ -194,12 +205,7 @@ def cispo_surrogate(
     """
     chex.assert_rank([logp, old_logp, mask], 2)
     chex.assert_equal_shape([logp, old_logp, mask])
-    if cap_mode not in CISPO_CAP_MODES:
-        raise ValueError(f"cap_mode must be one of {', '.join(CISPO_CAP_MODES)}, got {cap_mode!r}.")
-    lo = 1.0 - eps_low
-    hi = 1.0 + eps_high if cap_mode == "relative" else eps_high
-    if hi <= max(lo, 0.0):
-        raise ValueError(f"CISPO upper bound {hi} ({cap_mode} eps_high={eps_high}) must exceed the lower bound {max(lo, 0.0)}.")
+    lo, hi = cispo_bounds(eps_low, eps_high, cap_mode)
     m = mask.astype(jnp.float32)
     counted = m > 0
     adv = _broadcast_advantages(advantages, logp)
@@ -288,3 +294,34 @@ def truncated_is_weights(trainer_logp: chex.Array, sampler_logp: chex.Array, cap
     diff = trainer_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32)
     diff = jnp.where(jnp.isnan(diff), 0.0, diff)
     return jax.lax.stop_gradient(jnp.exp(jnp.minimum(diff, jnp.log(cap))))
+
+
+def clip_flags(logp: chex.Array, old_logp: chex.Array, advantages: chex.Array, mask: chex.Array, *,
+               surrogate: str = "ppo", eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+               ratio_level: str = "token", cispo_cap_mode: str = "relative") -> chex.Array:
+    """[B, T] bool: the counted tokens a surrogate clips, the ones its clip_frac and dual_clip_frac count.
+
+        ppo:   (A < 0 and r < 1 - eps_low) or (A > 0 and r > 1 + eps_high) or (dual clip: A < 0 and r > c),
+               r at `ratio_level` (GSPO: the row's sequence ratio on every token)
+        cispo: r outside [lo, hi] (`cispo_bounds`; its weight is capped, any advantage sign)
+        sapo:  none (a soft gate clips nothing)
+
+    For the analysis of which tokens were clipped (the loop's most-clipped-tokens report); the
+    fraction of True over counted tokens equals SurrogateStats.clip_frac + dual_clip_frac.
+    """
+    m = mask.astype(jnp.float32)
+    counted = m > 0
+    if surrogate == "sapo":
+        return jnp.zeros(logp.shape, bool)
+    adv = _broadcast_advantages(advantages, logp)
+    diff = jnp.where(counted, logp.astype(jnp.float32) - old_logp.astype(jnp.float32), 0.0)
+    diff = jax.lax.stop_gradient(diff)
+    if surrogate == "cispo":
+        lo, hi = cispo_bounds(eps_low, eps_high, cispo_cap_mode)
+        r = jnp.exp(jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return counted & ((r < lo) | (r > hi))
+    r = jnp.exp(jax.lax.stop_gradient(_log_ratio(diff, logp, m, ratio_level)))
+    flags = ((adv < 0) & (r < 1.0 - eps_low)) | ((adv > 0) & (r > 1.0 + eps_high))
+    if dual_clip is not None:
+        flags = flags | ((adv < 0) & (r > dual_clip))
+    return counted & flags

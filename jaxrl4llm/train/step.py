@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, policy_loss
+from jaxrl4llm.core.surrogate import clip_flags
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
 LogprobFn = Callable[..., tuple[chex.Array, chex.Array]]
@@ -155,10 +156,11 @@ def batch_loss_terms(
         sampler_logp=batch.sampler_logp,
         entropy=entropy,
     )
-    ratio = jnp.exp(jnp.clip(jax.lax.stop_gradient(logp) - batch.old_logp, -20.0, 20.0))
-    adv = batch.advantages[:, None]
-    clipped = ((adv > 0) & (ratio > 1 + recipe.eps_high)) | ((adv < 0) & (ratio < 1 - recipe.eps_low))
-    clipped = clipped & (batch.loss_mask > 0) & (batch.row_weights[:, None] > 0)
+    clipped = clip_flags(jax.lax.stop_gradient(logp), batch.old_logp, batch.advantages, batch.loss_mask,
+                         surrogate=recipe.surrogate, eps_low=recipe.eps_low, eps_high=recipe.eps_high,
+                         dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
+                         cispo_cap_mode=recipe.cispo_cap_mode)
+    clipped = clipped & (batch.row_weights[:, None] > 0)
     return terms, metrics, clipped
 
 

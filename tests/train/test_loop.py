@@ -109,3 +109,12 @@ def test_every_command_has_help(capsys):
             cli_main([command, "--help"])
         assert e.value.code == 0
         assert "usage: jaxrl4llm " + command in capsys.readouterr().out
+
+
+def test_truncated_is_with_sampler_old_logp_is_refused(demo_assets, tmp_path):
+    """tis_cap corrects pi_old against the sampler; with old_logp_source=sampler both are the
+    sampler's and the weight is 1: a silent no-op before, now an error that names the keys."""
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"algorithm.overrides": "{tis_cap: 2.0}",
+                                                                      "trainer.old_logp_source": "sampler"}))
+    with pytest.raises(ConfigError, match=r"tis_cap=2.0.*trainer.old_logp_source=recompute"):
+        train(cfg, log=lambda s: None)

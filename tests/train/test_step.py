@@ -92,3 +92,27 @@ def test_frozen_part_is_read_but_never_trained():
         "the optimizer state covers more than the trainable part"
     np.testing.assert_allclose(state.params["unembed"], full.params["unembed"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(metrics["loss"], m_full["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(),  # PPO, token ratio
+    dict(ratio_level="sequence", eps_low=0.05, eps_high=0.05),  # GSPO: the row's sequence ratio on every token
+    dict(dual_clip=1.05),  # dual clip: negative-advantage tokens with r > c
+    dict(surrogate="cispo", eps_low=0.05, eps_high=0.05),  # CISPO: the weight hit a bound, any sign
+    dict(surrogate="sapo"),  # a soft gate clips nothing
+], ids=["ppo", "gspo", "dual-clip", "cispo", "sapo"])
+def test_clip_flags_are_the_tokens_the_surrogate_clipped(knobs):
+    """The per-token flags the step returns (the most-clipped-tokens report) mark exactly the tokens
+    counted in the surrogate's clip_frac + dual_clip_frac; they used PPO's token ratio for every
+    recipe (GSPO's sequence ratio and the dual clip were ignored)."""
+    recipe = dataclasses.replace(LITE_PPO, **knobs)
+    batch = toy_batch(recipe=recipe)
+    batch = batch._replace(old_logp=batch.old_logp + 0.3 * jax.random.normal(jax.random.key(1), batch.old_logp.shape),
+                           row_weights=jnp.ones_like(batch.row_weights))
+    terms, metrics, flags = batch_loss_terms(toy_params(), batch, logprob_fn=toy_logprob_fn, recipe=recipe)
+    counted = float(jnp.sum(batch.loss_mask))
+    expected = float(metrics["clip_frac"] + metrics["dual_clip_frac"]) * counted
+    assert float(jnp.sum(flags)) == pytest.approx(expected, abs=0.5)
+    assert not bool(jnp.any(flags & (batch.loss_mask == 0)))
+    if knobs.get("surrogate") != "sapo":
+        assert float(jnp.sum(flags)) > 0, "the test batch clips nothing: it proves nothing"
