@@ -47,6 +47,15 @@ def _std(x: chex.Array, axis, ddof: int) -> chex.Array:
     return jnp.sqrt(var)
 
 
+def _masked_batch_stats(r: chex.Array, valid: chex.Array, ddof: int) -> tuple[chex.Array, chex.Array]:
+    """(mean, std) of r [B] over the rows with valid > 0; std 0 over n <= ddof rows, mean 0 over none."""
+    w = (valid > 0).astype(jnp.float32)
+    n = jnp.sum(w)
+    mu = jnp.sum(w * r) / jnp.maximum(n, 1.0)
+    var = jnp.sum(w * jnp.square(r - mu)) / jnp.maximum(n - ddof, 1.0)
+    return mu, jnp.where(n > ddof, jnp.sqrt(var), 0.0)
+
+
 def normalize_advantages(
     rewards: chex.Array,
     group_size: int,
@@ -55,6 +64,7 @@ def normalize_advantages(
     std: Level = "group",
     eps: float = 1e-6,
     ddof: int = 1,
+    valid: chex.Array | None = None,
 ) -> chex.Array:
     """A = (r - mean) / (std + eps), with mean and std taken at the group, batch or no level.
 
@@ -69,6 +79,9 @@ def normalize_advantages(
         ROLL and TRL compute it for Lite PPO) or "none" (divide by 1, and `eps` is not added).
       eps: added to the std before dividing.
       ddof: delta degrees of freedom of the std (1 = unbiased, as torch.std).
+      valid: [B] rows that take part in the batch-level mean and std (> 0), or None (all).
+        Dynamic sampling passes its mask: filler groups that only keep the batch shape (zero
+        weight in the loss) must not shrink the batch std of the rows that train.
 
     Returns:
       [B] float32 advantages.
@@ -91,14 +104,16 @@ def normalize_advantages(
         centred = jnp.where(constant, 0.0, grouped - jnp.mean(grouped, axis=1, keepdims=True))
     elif mean == "batch":
         constant = jnp.max(r) == jnp.min(r)
-        centred = jnp.where(constant, 0.0, grouped - jnp.mean(r))
+        batch_mean = jnp.mean(r) if valid is None else _masked_batch_stats(r, valid, ddof)[0]
+        centred = jnp.where(constant, 0.0, grouped - batch_mean)
     else:
         centred = grouped
 
     if std == "group":
         scale = _std(grouped, axis=1, ddof=ddof) + eps
     elif std == "batch":
-        scale = _std(r, axis=None, ddof=ddof).reshape(1, 1) + eps
+        batch_std = _std(r, axis=None, ddof=ddof) if valid is None else _masked_batch_stats(r, valid, ddof)[1]
+        scale = batch_std.reshape(1, 1) + eps
     else:
         scale = jnp.ones((1, 1), jnp.float32)
     return (centred / scale).reshape(-1)

@@ -225,7 +225,10 @@ def compute_advantages(
             penalty=recipe.overlong_penalty,
         )
     if recipe.adv_estimator == "normalized":
-        adv = normalize_advantages(shaped, group_size, mean=recipe.adv_mean, std=recipe.adv_std, eps=recipe.adv_eps)
+        # with dynamic sampling, batch statistics over the groups that train (not the filler groups)
+        valid = dynamic_sampling_mask(rewards, group_size) if recipe.dynamic_sampling else None
+        adv = normalize_advantages(shaped, group_size, mean=recipe.adv_mean, std=recipe.adv_std, eps=recipe.adv_eps,
+                                   valid=valid)
     elif recipe.adv_estimator == "rloo":
         adv = rloo_advantages(shaped, group_size)
     else:

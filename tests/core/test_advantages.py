@@ -242,3 +242,25 @@ def test_advantages_under_jit_and_vmap(name):
     np.testing.assert_allclose(batched, rows, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(batched[2], np.asarray(jax.jit(fn)(jnp.asarray(r[2]))),
                                rtol=1e-6, atol=1e-7)
+
+
+@FAST
+@given(seed=seeds, filler=st.integers(1, 3), value=st.sampled_from([0.0, 1.0]))
+def test_dynamic_sampling_filler_groups_leave_the_batch_statistics(seed, filler, value):
+    """Lite PPO with dynamic sampling: constant filler groups (kept only for the batch shape, zero
+    weight in the loss) do not enter the batch mean/std; the training rows' advantages equal those
+    of the varied groups alone. They entered it before (a smaller std, larger advantages)."""
+    import dataclasses
+
+    from jaxrl4llm.core import LITE_PPO, compute_advantages
+
+    r = rewards(rng(seed)).astype(np.float32)
+    varied = np.concatenate([g for g in r.reshape(-1, G) if g.max() != g.min()] or [np.array([0, 1] * (G // 2), np.float32)])
+    batch = np.concatenate([varied, np.full(filler * G, value, np.float32)])
+    for mean in ("group", "batch"):
+        recipe = dataclasses.replace(LITE_PPO, dynamic_sampling=True, adv_mean=mean)
+        alone = compute_advantages(jnp.asarray(varied), G, recipe)
+        mixed = compute_advantages(jnp.asarray(batch), G, recipe)
+        np.testing.assert_allclose(np.asarray(mixed.advantages)[: len(varied)], np.asarray(alone.advantages),
+                                   rtol=1e-5, atol=1e-6)
+        assert not np.asarray(mixed.row_weights)[len(varied):].any()
