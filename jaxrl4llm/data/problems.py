@@ -5,8 +5,12 @@ Hugging Face ``datasets`` and maps its fields automatically:
 
 - problem text: ``problem``, ``question``, ``prompt``, ``query`` or ``input``;
 - gold answer: ``answer`` (GSM8K's ``"... #### 72"`` keeps what follows ``####``; numbers such
-  as AMC's ``27.0`` become ``"27"``), ``final_answer``, ``gt_answer``, ``ground_truth``,
-  ``target``; when there is none, the last ``\\boxed{}`` of ``solution`` (MATH);
+  as AMC's ``27.0`` become ``"27"``), ``final_answer`` (OlympiadBench stores a list of LaTeX
+  strings such as ``["$\\frac{1}{2}$"]``: its elements, ``$`` delimiters removed, joined with
+  ``", "``; see ``format_gold``), ``gt_answer``, ``ground_truth``, ``target``; when there is none, the last
+  ``\\boxed{}`` of ``solution`` (MATH, Minerva Math), read by the verifier's ``gold_answer``;
+- context: a non-empty ``context`` field (OlympiadBench) goes before the problem text, separated
+  by a blank line;
 - id: ``id``, ``unique_id``, ``idx`` or ``<file stem>-<row>``; every other field goes to metadata.
 
 Nothing is downloaded: a missing file is an error that names the path.
@@ -15,6 +19,7 @@ Nothing is downloaded: a missing file is an error that names the path.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,6 +28,7 @@ PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
 ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "label")
 SOLUTION_KEYS = ("solution", "reference_solution")
 ID_KEYS = ("id", "unique_id", "idx", "uid", "problem_id")
+CONTEXT_KEYS = ("context",)
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -36,8 +42,25 @@ class Problem:
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
+_MATH_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+_SPAN_JOIN_RE = re.compile(r"(?<!\\)\$\s*,\s*\$")  # "$69$,$84$": one answer per math span
+
+
+def _strip_math_dollars(text: str) -> str:
+    return _MATH_DOLLAR_RE.sub("", _SPAN_JOIN_RE.sub(", ", text)).strip()
+
+
 def format_gold(value: Any) -> str:
-    """A gold answer as a string: ``27.0`` -> "27", ``0.5`` -> "0.5", ``"#### 72"`` -> "72"."""
+    """A gold answer as a string: ``27.0`` -> "27", ``0.5`` -> "0.5", ``"#### 72"`` -> "72".
+
+    A list or tuple (OlympiadBench's ``final_answer``) gives its elements with their ``$`` math
+    delimiters removed (an escaped ``\\$`` stays), joined with ``", "``: ``["$2^{1009}$"]`` ->
+    "2^{1009}", ``["$69$,$84$"]`` -> "69, 84", ``["3", "5"]`` -> "3, 5"; the verifier compares
+    comma-separated answers element by element. An empty list gives "".
+    """
+    if isinstance(value, (list, tuple)):
+        parts = [_strip_math_dollars(format_gold(v)) for v in value]
+        return ", ".join(p for p in parts if p)
     if isinstance(value, bool) or value is None:
         raise ValueError(f"gold answer must be a string or a number, got {value!r}")
     if isinstance(value, int):
@@ -133,12 +156,16 @@ def load_problems(
         raise KeyError(f"{file}: no answer field (tried {list(ANSWER_KEYS + SOLUTION_KEYS)}); available fields: "
                        f"{columns}. Pass answer_key=...")
     ikey = next((c for c in ID_KEYS if c in columns), None)
+    ckey = next((c for c in CONTEXT_KEYS if c in columns and c not in (pkey, akey)), None)
 
     problems = []
     for row_index, row in enumerate(ds):
         text = row[pkey]
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{file}: row {row_index} has an empty {pkey!r} field")
+        context = row[ckey] if ckey is not None else None
+        if isinstance(context, str) and context.strip():
+            text = context.strip() + "\n\n" + text
         if akey is not None:
             answer = format_gold(row[akey]) if row[akey] is not None else ""
         else:

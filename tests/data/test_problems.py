@@ -117,3 +117,99 @@ def test_mixed_answer_types(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"problem": "a", "answer": 5}\n{"problem": "b", "answer": "x+1"}\n')
     assert [p.answer for p in load_problems(path)] == ["5", "x+1"]
+
+
+# --- The study's other benchmarks and GSM8K train (files in ../shared/data, never in the repo) ---
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _last_boxed(text):
+    """The content of the last \\boxed{...} (nested braces), written independently of the verifier."""
+    start = text.rindex("\\boxed{") + len("\\boxed{")
+    depth, i = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[start : i - 1]
+
+
+@pytest.mark.parametrize("name, rows", [("math500_test.jsonl", 500), ("aime24_test.jsonl", 30),
+                                        ("amc23_test.jsonl", 40), ("olympiadbench_test.jsonl", 675),
+                                        ("minerva_math_test.jsonl", 272), ("gsm8k_test.jsonl", 1319),
+                                        ("gsm8k_train.jsonl", 7473)])
+def test_every_shared_file_loads_every_row(shared_data, name, rows):
+    path = shared_data / name
+    problems = load_problems(path)  # no extra arguments
+    assert len(problems) == len(_rows(path)) == rows
+    assert all(p.problem.strip() and p.answer.strip() for p in problems)
+    assert len({p.id for p in problems}) == rows
+
+
+def test_olympiadbench(shared_data):
+    path = shared_data / "olympiadbench_test.jsonl"
+    rows, problems = _rows(path), load_problems(path)
+    assert problems[0].answer == rows[0]["final_answer"][0] == "2"
+    assert problems[0].problem == rows[0]["question"] and problems[0].id == "1606"
+    assert problems[1].answer == r"\frac{1}{2 n+2}"  # "$\frac{1}{2 n+2}$" without the delimiters
+    for row, problem in zip(rows, problems):
+        assert len(row["final_answer"]) == 1 and "$" not in problem.answer
+        assert problem.answer == row["final_answer"][0].replace("$,$", ", ").replace("$", "").strip()
+        assert problem.metadata["answer_type"] == row["answer_type"] and "solution" in problem.metadata
+    by_raw = {r["final_answer"][0]: p.answer for r, p in zip(rows, problems)}
+    assert by_raw["$69$,$84$"] == "69, 84"  # one element holding two math spans
+
+
+def test_olympiadbench_golds_grade_like_the_raw_field(shared_data):
+    from jaxrl4llm.rewards import math_equal
+
+    path = shared_data / "olympiadbench_test.jsonl"
+    for row, problem in zip(_rows(path), load_problems(path)):
+        assert math_equal(problem.answer, row["final_answer"][0]), (row["id"], problem.answer)
+
+
+def test_context_is_prepended(tmp_path):
+    path = tmp_path / "olympiad_like.jsonl"
+    rows = [{"id": 1, "context": "Let $f(x)=x^2$.", "question": "Find $f(3)$.", "final_answer": ["$9$"]},
+            {"id": 2, "context": None, "question": "Find $2+2$.", "final_answer": ["$4$"]},
+            {"id": 3, "context": "  ", "question": "Find $1+2$.", "final_answer": ["$3$", "$x$"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    problems = load_problems(path)
+    assert problems[0].problem == "Let $f(x)=x^2$.\n\nFind $f(3)$."
+    assert [p.problem for p in problems[1:]] == ["Find $2+2$.", "Find $1+2$."]
+    assert [p.answer for p in problems] == ["9", "4", "3, x"]
+
+
+def test_minerva_gold_is_the_last_box(shared_data):
+    path = shared_data / "minerva_math_test.jsonl"
+    rows, problems = _rows(path), load_problems(path)
+    assert "answer" not in rows[0]
+    assert problems[0].answer == _last_boxed(rows[0]["solution"]) == "1.6"
+    assert problems[1].answer == "4.5e33"
+    assert all(p.answer == _last_boxed(r["solution"]).strip() for r, p in zip(rows, problems))
+    assert problems[0].metadata["solution"] == rows[0]["solution"] and problems[0].id == "0"
+
+
+def test_gsm8k_train(shared_data):
+    problems = load_problems(shared_data / "gsm8k_train.jsonl")
+    assert len(problems) == 7473
+    assert problems[0].answer == "72" and problems[1].answer == "10"
+    assert problems[0].problem.startswith("Natalia sold clips") and problems[0].id == "gsm8k_train-0"
+    assert all("####" not in p.answer for p in problems)
+
+
+@pytest.mark.parametrize("value, text", [(["$2$"], "2"), (["$2^{1009}$"], "2^{1009}"), (["$69$,$84$"], "69, 84"),
+                                         (["1,3,5"], "1,3,5"), (["$3$", "$5$"], "3, 5"), ([27.0], "27"),
+                                         ([r"\$5"], r"\$5"), ([], "")])
+def test_format_gold_lists(value, text):
+    assert format_gold(value) == text
+
+
+def test_empty_final_answer_list_names_the_row(tmp_path):
+    path = tmp_path / "empty_list.jsonl"
+    path.write_text(json.dumps({"question": "a", "final_answer": ["$1$"]}) + "\n"
+                    + json.dumps({"question": "b", "final_answer": []}))
+    with pytest.raises(ValueError, match="row 1"):
+        load_problems(path)
