@@ -13,11 +13,14 @@ from jaxrl4llm.data.encoding import encode_prompts
 from jaxrl4llm.data.problems import Problem
 from jaxrl4llm.data.problems import format_gold
 from jaxrl4llm.data.problems import load_problems
+from jaxrl4llm.data.templates import CHAT_TEMPLATES
 from jaxrl4llm.data.templates import PROMPT_TEMPLATES
 from jaxrl4llm.data.templates import format_prompt
+from jaxrl4llm.data.templates import is_chat_template
 
 __all__ = [
     "BinningResult",
+    "CHAT_TEMPLATES",
     "PROMPT_TEMPLATES",
     "Problem",
     "bin_by_correct_counts",
@@ -27,6 +30,7 @@ __all__ = [
     "encode_prompts",
     "format_gold",
     "format_prompt",
+    "is_chat_template",
     "load_problems",
     "make_demo_problems",
     "run_difficulty_binning",

@@ -8,7 +8,7 @@ PROBLEM = Problem(problem="What is $1+1$?", answer="2", id="p0")
 
 
 def test_registry_names():
-    assert {"base", "demo", "chat"} <= set(PROMPT_TEMPLATES)
+    assert {"base", "demo", "chat", "qwen3_thinking", "qwen3_no_thinking"} <= set(PROMPT_TEMPLATES)
 
 
 def test_base_template_asks_for_steps_and_a_box():
@@ -69,3 +69,60 @@ def test_encode_prompts_error_names_index_length_budget_and_key(char_tokenizer):
 def test_encode_prompts_rejects_bad_mode(char_tokenizer):
     with pytest.raises(ValueError, match="on_overlong"):
         encode_prompts([PROBLEM], char_tokenizer, "demo", max_prompt_tokens=10, on_overlong="truncate")
+
+
+# A Qwen3-style hybrid-thinking chat template (the switch as Qwen3's own template spells it).
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture()
+def qwen3_style_tokenizer(tmp_path):
+    """The character tokenizer (built locally, nothing downloaded) with a Qwen3-style chat template."""
+    from transformers import AutoTokenizer
+
+    from jaxrl4llm.data import build_char_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_char_tokenizer(tmp_path / "tok"))
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
+    return tokenizer
+
+
+def test_qwen3_thinking_switch(qwen3_style_tokenizer):
+    tok = qwen3_style_tokenizer
+    thinking = format_prompt(PROBLEM, "qwen3_thinking", tok)
+    no_thinking = format_prompt(PROBLEM, "qwen3_no_thinking", tok)
+    default = format_prompt(PROBLEM, "chat", tok)
+    head = "<|im_start|>user\nWhat is $1+1$?\n" + r"Please reason step by step, and put your final answer within \boxed{}."
+    assert thinking.startswith(head) and no_thinking.startswith(head)
+    assert thinking.endswith("<|im_start|>assistant\n") and "<think>" not in thinking
+    assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert default == thinking  # the template's own default (enable_thinking undefined) thinks
+    assert format_prompt(PROBLEM, "chat", tok, enable_thinking=False) == no_thinking
+    assert format_prompt(PROBLEM, "chat", tok, enable_thinking=True) == thinking
+
+
+def test_qwen3_templates_are_chat_templates(qwen3_style_tokenizer):
+    from jaxrl4llm.data import CHAT_TEMPLATES, is_chat_template
+
+    assert CHAT_TEMPLATES == {"chat": None, "qwen3_thinking": True, "qwen3_no_thinking": False}
+    assert all(is_chat_template(name) for name in CHAT_TEMPLATES) and not is_chat_template("base")
+    problems = [PROBLEM, Problem("2+2?", "4", "p1")]
+    ids, kept, _ = encode_prompts(problems, qwen3_style_tokenizer, "qwen3_no_thinking", max_prompt_tokens=500)
+    assert kept == [0, 1]
+    assert qwen3_style_tokenizer.decode(ids[1]) == format_prompt(problems[1], "qwen3_no_thinking", qwen3_style_tokenizer)
+
+
+def test_thinking_switch_errors(char_tokenizer, qwen3_style_tokenizer):
+    with pytest.raises(ValueError, match="does not use enable_thinking"):
+        format_prompt(PROBLEM, "qwen3_no_thinking", char_tokenizer)  # `role: content` template ignores it
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        format_prompt(PROBLEM, "qwen3_thinking")
+    with pytest.raises(ValueError, match="chat-template switch"):
+        format_prompt(PROBLEM, "base", enable_thinking=False)
+    with pytest.raises(ValueError, match="sets enable_thinking=True"):
+        format_prompt(PROBLEM, "qwen3_thinking", qwen3_style_tokenizer, enable_thinking=False)
