@@ -42,5 +42,17 @@ class RunCheckpointer:
         )
         return out["state"], dict(out["meta"]), step
 
+    def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
+        """Restores only the parameters of a checkpoint (no optimizer state: an export reads a
+        third of a full-parameter checkpoint) onto the shardings of `abstract_params`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"No checkpoint in {self.dir}: train first (trainer.checkpoint_every).")
+        item = {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_params)}
+        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+        return out["state"]["params"], step
+
     def close(self) -> None:
         self._mngr.close()

@@ -49,6 +49,24 @@ def test_convert_checkpoint_to_hf_matches_export(finished_run, tmp_path):
         np.testing.assert_array_equal(a[k], b[k])
 
 
+def test_convert_restores_the_parameters_only(finished_run, monkeypatch):
+    """An export needs the parameters, not the optimizer state (twice their size): convert reads
+    the parameters alone, and they equal those of a full restore."""
+    import jax
+
+    from jaxrl4llm.train import checkpointing
+    from jaxrl4llm.train.export import export_checkpoint
+
+    out, summary = finished_run
+    full_restores = []
+    monkeypatch.setattr(checkpointing.RunCheckpointer, "restore",
+                        lambda self, *a, **k: full_restores.append(1) or pytest.fail("full train state restored"))
+    export_checkpoint(out, out / "hf_params_only")
+    assert not full_restores
+    params, step = checkpointing.RunCheckpointer(out).restore_params(summary["state"].params)
+    assert step == 2 and jax.tree.structure(params) == jax.tree.structure(summary["state"].params)
+
+
 def test_eval_and_sample_commands(finished_run, demo_assets, capsys):
     out, _ = finished_run
     model = [f"model.path={out / 'hf_export'}", "model.dtype=float32", "data.template=demo",
