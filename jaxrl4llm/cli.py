@@ -77,7 +77,10 @@ def cmd_sample(args) -> int:
         from jaxrl4llm.data import format_prompt
 
         prompts = [format_prompt(p, args.template, tokenizer=policy.tokenizer) for p in prompts]
-    ids = [policy.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    from jaxrl4llm.data import encode_prompt_text
+
+    # as training encodes them: chat-template prompts without extra special tokens, others with them
+    ids = [encode_prompt_text(p, policy.tokenizer, args.template or "raw") for p in prompts]
     rollout = policy.generate(ids, num_samples=args.num_samples, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               rng=jax.random.PRNGKey(args.seed))

@@ -9,6 +9,7 @@ from jaxrl4llm.data.difficulty import bin_by_correct_counts
 from jaxrl4llm.data.difficulty import default_thresholds
 from jaxrl4llm.data.difficulty import run_difficulty_binning
 from jaxrl4llm.data.difficulty import write_difficulty_bins
+from jaxrl4llm.data.encoding import encode_prompt_text
 from jaxrl4llm.data.encoding import encode_prompts
 from jaxrl4llm.data.problems import Problem
 from jaxrl4llm.data.problems import format_gold
@@ -27,6 +28,7 @@ __all__ = [
     "build_char_tokenizer",
     "default_thresholds",
     "demo_solution",
+    "encode_prompt_text",
     "encode_prompts",
     "format_gold",
     "format_prompt",

@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jaxrl4llm.data.problems import Problem
-from jaxrl4llm.data.templates import format_prompt
+from jaxrl4llm.data.templates import format_prompt, is_chat_template
+
+
+def encode_prompt_text(text: str, tokenizer: Any, template: str) -> list[int]:
+    """Token ids of a formatted prompt, as training encodes it: a chat-template prompt without
+    extra special tokens (the chat template wrote them), any other with the tokenizer's usual
+    ones (e.g. Llama's BOS). Training, `bin-difficulty` and `sample` all encode through here."""
+    return list(tokenizer(text, add_special_tokens=not is_chat_template(template))["input_ids"])
 
 
 def encode_prompts(
@@ -35,10 +42,9 @@ def encode_prompts(
     if max_prompt_tokens <= 0:
         raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
     ids_out, kept, dropped = [], [], 0
-    add_special = template != "chat"
     for index, problem in enumerate(problems):
         text = format_prompt(problem, template, tokenizer)
-        ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+        ids = encode_prompt_text(text, tokenizer, template)
         if len(ids) > max_prompt_tokens:
             if on_overlong == "error":
                 pid = f" (id {problem.id})" if isinstance(problem, Problem) else ""

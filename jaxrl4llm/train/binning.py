@@ -14,12 +14,15 @@ from jaxrl4llm.train.config import ConfigError
 
 
 def make_generate_fn(policy, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-                     max_prompt_tokens: int | None = None):
-    """generate_fn(prompts: list[str], num_samples) -> list[list[str]] on the JAX sampler."""
+                     template: str, max_prompt_tokens: int | None = None):
+    """generate_fn(prompts: list[str], num_samples) -> list[list[str]] on the JAX sampler; prompts
+    formatted with `template` are encoded as training encodes them (`data.encode_prompt_text`)."""
+    from jaxrl4llm.data import encode_prompt_text
+
     calls = [0]
 
     def generate_fn(prompts: list[str], num_samples: int) -> list[list[str]]:
-        ids = [policy.tokenizer(p)["input_ids"] for p in prompts]
+        ids = [encode_prompt_text(p, policy.tokenizer, template) for p in prompts]
         for i, x in enumerate(ids):
             if max_prompt_tokens and len(x) > max_prompt_tokens:
                 raise ConfigError(f"prompt {i} has {len(x)} tokens, over the budget of {max_prompt_tokens}.")
@@ -43,7 +46,7 @@ def bin_difficulty_command(args: argparse.Namespace) -> dict:
     if args.limit:
         problems = problems[: args.limit]
     gen = make_generate_fn(policy, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           top_k=args.top_k, seed=args.seed)
+                           top_k=args.top_k, seed=args.seed, template=args.template)
     result = run_difficulty_binning(problems, gen, rollouts=args.rollouts, template=args.template, tokenizer=policy.tokenizer,
                                     out_dir=args.out, easy_min=args.easy_min, hard_max=args.hard_max,
                                     batch_size=args.batch_prompts)
