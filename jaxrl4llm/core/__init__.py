@@ -11,6 +11,8 @@ Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden
               token_logprobs_from_head, entropy_from_logits
 Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO / GSPO-token), cispo_surrogate,
               sapo_surrogate, sapo_gate, SurrogateStats, truncated_is_weights
+Mismatch:     sampler-trainer corrections from old_logp vs sampler_logp: tis_token, tis_sequence,
+              mis_token, mis_sequence, icepop, seq_mask, mismatch_correction, Correction, IS_CORRECTIONS
 Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES, prompt_weights
 KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
 Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
@@ -35,6 +37,15 @@ from jaxrl4llm.core.logprobs import token_logprobs
 from jaxrl4llm.core.logprobs import token_logprobs_chunked
 from jaxrl4llm.core.logprobs import token_logprobs_from_head
 from jaxrl4llm.core.logprobs import token_logprobs_from_hidden
+from jaxrl4llm.core.mismatch import IS_CORRECTIONS
+from jaxrl4llm.core.mismatch import Correction
+from jaxrl4llm.core.mismatch import icepop
+from jaxrl4llm.core.mismatch import mis_sequence
+from jaxrl4llm.core.mismatch import mis_token
+from jaxrl4llm.core.mismatch import mismatch_correction
+from jaxrl4llm.core.mismatch import seq_mask
+from jaxrl4llm.core.mismatch import tis_sequence
+from jaxrl4llm.core.mismatch import tis_token
 from jaxrl4llm.core.recipes import CISPO
 from jaxrl4llm.core.recipes import DAPO
 from jaxrl4llm.core.recipes import DR_GRPO
@@ -56,7 +67,8 @@ from jaxrl4llm.core.surrogate import sapo_surrogate
 from jaxrl4llm.core.surrogate import truncated_is_weights
 
 __all__ = [
-    "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
+    "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "Correction", "IS_CORRECTIONS", "icepop", "mis_sequence", "mis_token",
+    "mismatch_correction", "seq_mask", "tis_sequence", "tis_token", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
     "PPO_BASELINE", "PRESETS", "Recipe", "SCALERL", "SurrogateStats", "aggregate_loss", "batch_whiten",
     "cispo_surrogate", "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
     "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",

@@ -24,8 +24,9 @@ from jaxrl4llm.core.advantages import batch_whiten, check_group_layout, normaliz
 from jaxrl4llm.core.aggregation import AGGREGATION_MODES, PROMPT_MODES, LossTerms, aggregate_loss, prompt_weights
 from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
+from jaxrl4llm.core.mismatch import IS_CORRECTIONS, mismatch_correction
 from jaxrl4llm.core.surrogate import (
-    CISPO_CAP_MODES, RATIO_LEVELS, cispo_surrogate, clipped_surrogate, sapo_surrogate, truncated_is_weights,
+    CISPO_CAP_MODES, RATIO_LEVELS, cispo_surrogate, clipped_surrogate, sapo_surrogate,
 )
 
 ADV_ESTIMATORS = ("normalized", "rloo", "reinforce_pp")
@@ -62,6 +63,17 @@ class Recipe:
         over-samples prompts to refill the batch; in the loss it is a row mask.
       exclude_constant_groups: leave all-equal groups out of the loss denominators.
       tis_cap: truncated importance-sampling cap for sampler/trainer log-prob drift, or None.
+        Legacy spelling of is_correction="tis_token", is_cap=tis_cap, except that without
+        sampler_logp it is silently off (is_correction raises). Not combinable with is_correction.
+      is_correction: sampler-trainer mismatch correction from old_logp vs sampler_logp
+        (core.mismatch), or None: "tis_token" / "tis_seq" (truncated IS, token / sequence
+        ratio), "mis_token" / "mis_seq" (masked IS: ratio > is_cap -> weight 0, else the
+        ratio), "icepop" (ratio outside [icepop_low, icepop_high] -> 0, else 1), "seq_mask"
+        (DeepSeek-V3.2: rows with A < 0 and mean(sampler_logp - old_logp) > seq_mask_delta -> 0).
+        Needs sampler_logp and old_logp recomputed by the trainer.
+      is_cap: the cap C of tis_* and mis_* (> 0).
+      icepop_low, icepop_high: IcePop's band [alpha, beta] (0 <= alpha < beta).
+      seq_mask_delta: DeepSeek-V3.2's threshold delta on the row's mean log-ratio.
     """
 
     name: str = "custom"
@@ -90,6 +102,11 @@ class Recipe:
     dynamic_sampling: bool = False
     exclude_constant_groups: bool = False
     tis_cap: float | None = None
+    is_correction: Literal["tis_token", "tis_seq", "mis_token", "mis_seq", "icepop", "seq_mask"] | None = None
+    is_cap: float | None = None
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    seq_mask_delta: float | None = None
 
     def __post_init__(self):
         problems = []
@@ -130,8 +147,29 @@ class Recipe:
             problems.append(f"dual_clip must be > 1 or None, got {self.dual_clip}")
         if self.overlong_penalty > 0 and (not self.overlong_max_length or not self.overlong_buffer_length):
             problems.append("overlong_penalty > 0 needs overlong_max_length and overlong_buffer_length")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            problems.append(f"tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.is_correction is not None and self.is_correction not in IS_CORRECTIONS:
+            problems.append(f"is_correction={self.is_correction!r} (valid: None, {', '.join(IS_CORRECTIONS)})")
+        if self.is_correction is not None and self.tis_cap is not None:
+            problems.append(f"tis_cap={self.tis_cap} with is_correction={self.is_correction!r}: set the cap as is_cap "
+                            "(tis_cap alone is is_correction='tis_token')")
+        if self.is_correction in ("tis_token", "tis_seq", "mis_token", "mis_seq") and not (
+                self.is_cap is not None and self.is_cap > 0):
+            problems.append(f"is_correction={self.is_correction!r} needs is_cap > 0, got is_cap={self.is_cap}")
+        if self.is_cap is not None and not self.is_cap > 0:
+            problems.append(f"is_cap must be > 0 or None, got {self.is_cap}")
+        if not (self.icepop_low >= 0 and self.icepop_high > self.icepop_low):
+            problems.append(f"icepop_low/icepop_high must satisfy 0 <= low < high, got {self.icepop_low}/{self.icepop_high}")
+        if self.is_correction == "seq_mask" and self.seq_mask_delta is None:
+            problems.append("is_correction='seq_mask' needs seq_mask_delta (the threshold on mean(sampler_logp - old_logp))")
         if problems:
             raise ValueError(f"Invalid recipe {self.name!r}: " + "; ".join(problems) + ".")
+
+    @property
+    def uses_sampler_logp(self) -> bool:
+        """True when the loss weighs pi_old against the sampler (tis_cap or is_correction): old_logp must be recomputed."""
+        return self.tis_cap is not None or self.is_correction is not None
 
     def replace(self, **changes) -> "Recipe":
         """dataclasses.replace(self, **changes), validated."""
@@ -268,8 +306,13 @@ def policy_loss(
 ) -> tuple[LossTerms, dict[str, chex.Array]]:
     """l_bt = w_bt·S(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
 
-    S is recipe.surrogate: PPO clip (clipped_surrogate), CISPO or SAPO. w is the truncated IS
-    weight when recipe.tis_cap and sampler_logp are set (else 1).
+    S is recipe.surrogate: PPO clip (clipped_surrogate), CISPO or SAPO. w is the
+    sampler-trainer mismatch weight of recipe.is_correction (core.mismatch, from old_logp and
+    sampler_logp; 0 on masked tokens, which stay counted in the denominators), or the
+    truncated IS weight when the legacy recipe.tis_cap and sampler_logp are set, else 1.
+    An IS weight (tis_*, and mis_* on kept tokens) multiplies the surrogate only, as the legacy
+    TIS did; a masked token (mis_*, icepop, seq_mask) loses its whole loss l_bt, KL and entropy
+    terms included, so it gets no gradient at all.
 
     Args:
       recipe: the Recipe (static).
@@ -281,13 +324,17 @@ def policy_loss(
       denominator_weights: [B] rows counted in denominators, default row_weights; for a
         prompt-level loss_agg_mode the prompt weights from compute_advantages (required).
       ref_logp: [B, T] reference-policy log-probs, required when recipe.kl_coef > 0.
-      sampler_logp: [B, T] sampler log-probs for truncated IS (with recipe.tis_cap).
+      sampler_logp: [B, T] sampler log-probs for recipe.is_correction (required) or the
+        legacy recipe.tis_cap (optional: without it TIS is off).
       entropy: [B, T] per-token policy entropy, required when recipe.entropy_coef > 0.
 
     Returns:
       (LossTerms(numerator, denominator), metrics): metrics are scalars over this call's
       counted tokens: the SurrogateStats fields, "pg_loss", "kl" (if on), "entropy" (if
-      given), "is_weight_mean" (if TIS is on), and "num_tokens" to weight them.
+      given), "is_weight_mean" (if a correction is on), "is_truncated_frac" (tis_*) or
+      "is_masked_frac" (mis_*, icepop, seq_mask): the fraction of counted tokens the correction
+      truncated / masked (a sequence-level correction touches all tokens of a row, so this is
+      the token-weighted fraction of rows), and "num_tokens" to weight them.
     """
     chex.assert_equal_shape([logp, old_logp, mask])
     m = mask.astype(jnp.float32)
@@ -301,6 +348,11 @@ def policy_loss(
                 "(the prompt weights compute_advantages returns, computed on the full batch)."
             )
         denominator_weights = row_weights
+    if recipe.is_correction is not None and sampler_logp is None:
+        raise ValueError(
+            f"recipe {recipe.name!r} has is_correction={recipe.is_correction!r}: pass sampler_logp=[B, T] (the sampler's "
+            "log-probs; old_logp must be the trainer's recomputed ones)."
+        )
 
     if recipe.surrogate == "cispo":
         per_token, stats = cispo_surrogate(
@@ -318,10 +370,19 @@ def policy_loss(
     num = jnp.maximum(jnp.sum(m), 1.0)
     metrics: dict[str, chex.Array] = dict(stats._asdict())
     metrics["pg_loss"] = jnp.sum(per_token * m) / num
-    if recipe.tis_cap is not None and sampler_logp is not None:
-        w = truncated_is_weights(old_logp, sampler_logp, recipe.tis_cap)
+    kind = recipe.is_correction or ("tis_token" if recipe.tis_cap is not None else None)
+    dropped = None
+    if kind is not None and sampler_logp is not None:
+        w, touched = mismatch_correction(
+            kind, old_logp, sampler_logp, m, advantages=advantages, cap=recipe.tis_cap if recipe.is_correction is None else recipe.is_cap,
+            low=recipe.icepop_low, high=recipe.icepop_high, delta=recipe.seq_mask_delta,
+        )
         per_token = per_token * w
         metrics["is_weight_mean"] = jnp.sum(w * m) / num
+        frac_key = "is_truncated_frac" if kind.startswith("tis") else "is_masked_frac"
+        metrics[frac_key] = jnp.sum(jnp.where(touched, m, 0.0)) / num
+        if not kind.startswith("tis"):
+            dropped = touched  # masked tokens leave the KL and entropy terms too (applied below)
     if recipe.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"recipe {recipe.name!r} has kl_coef={recipe.kl_coef} > 0: pass ref_logp (reference-model log-probs).")
@@ -334,6 +395,8 @@ def policy_loss(
         if entropy is None:
             raise ValueError(f"recipe {recipe.name!r} has entropy_coef={recipe.entropy_coef} > 0: pass entropy=[B, T].")
         per_token = per_token - recipe.entropy_coef * entropy
+    if dropped is not None:
+        per_token = jnp.where(dropped, 0.0, per_token)
     terms = aggregate_loss(
         per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights
     )

@@ -31,6 +31,12 @@ Papers:
              f(r) = 4/tau sigmoid(tau (r - 1)), tau by advantage sign).
   [ScaleRL]  Khatri et al. 2025, "The Art of Scaling RL Compute for LLMs", arXiv 2510.13786
              (prompt-level loss aggregation).
+  [MIS]      masked IS, the masking variant of [TIS] (verl rollout_is "mask" mode: kept tokens
+             keep the IS weight).
+  [IcePop]   Ring-1T, inclusionAI, arXiv 2510.18855 (tokens with pi_train / pi_infer outside
+             [alpha, beta] leave the update).
+  [DSV32]    DeepSeek-V3.2 (off-policy sequence masking: negative-advantage rows whose mean
+             log(pi_sampler / pi_old) exceeds delta leave the loss).
   [verl]     volcengine/verl core_algos.py (log-ratio clamp to +-20, dual clip "clip_ratio_c",
              low_var_kl clamp to +-10, agg_loss modes).
 """
@@ -417,6 +423,61 @@ def truncated_is_weights(trainer_logp, sampler_logp, cap=2.0):
     return np.minimum(np.exp(np.minimum(d, 700.0)), cap)
 
 
+def _mismatch_d(old_logp, sampler_logp, mask):
+    """d = log(pi_old / pi_sampler) on counted tokens, 0 elsewhere; NaN -> 0, +-inf -> +-1e4."""
+    d = np.nan_to_num(_f64(old_logp) - _f64(sampler_logp), nan=0.0, posinf=1e4, neginf=-1e4)
+    return np.where(_f64(mask) > 0, d, 0.0)
+
+
+def mismatch_correction(kind, old_logp, sampler_logp, mask, *, advantages=None, cap=None,
+                        low=None, high=None, delta=None):
+    """(weights [B, T], touched [B, T] bool), written row by row.
+
+    tis_token [TIS]  w_t = min(rho_t, C)                   rho_t = pi_old_t / pi_sampler_t
+    tis_seq   [TIS]  w_i = min(prod_t rho_t, C)           on every token of row i
+    mis_token [MIS]  w_t = rho_t if rho_t <= C else 0
+    mis_seq   [MIS]  w_i = rho_i if rho_i <= C else 0     rho_i = prod_t rho_t
+    icepop [IcePop]  w_t = 1 if alpha <= rho_t <= beta else 0
+    seq_mask [DSV32] w_i = 0 if A_i < 0 and mean_t (log pi_sampler - log pi_old) > delta else 1
+    touched: counted tokens whose weight was truncated (tis) or set to 0 (the others).
+    """
+    m = _f64(mask)
+    d = _mismatch_d(old_logp, sampler_logp, mask)
+    B, T = m.shape
+    w = np.ones((B, T))
+    touched = np.zeros((B, T), bool)
+    for b in range(B):
+        counted = [t for t in range(T) if m[b, t] > 0]
+        row_log = sum(d[b, t] for t in counted)
+        for t in range(T):
+            if kind == "tis_token":
+                rho = math.exp(min(d[b, t], 700.0))
+                w[b, t], hit = min(rho, cap), rho > cap
+            elif kind == "tis_seq":
+                rho = math.exp(min(row_log, 700.0))
+                w[b, t], hit = min(rho, cap), rho > cap
+            elif kind == "mis_token":
+                rho = math.exp(min(d[b, t], 700.0))
+                w[b, t], hit = (0.0, True) if rho > cap else (rho, False)
+            elif kind == "mis_seq":
+                rho = math.exp(min(row_log, 700.0))
+                w[b, t], hit = (0.0, True) if rho > cap else (rho, False)
+            elif kind == "icepop":
+                rho = math.exp(min(d[b, t], 700.0))
+                hit = not (low <= rho <= high)
+                w[b, t] = 0.0 if hit else 1.0
+            elif kind == "seq_mask":
+                a = _f64(advantages)
+                a_bt = a[b] if a.ndim == 1 else a[b, t]
+                div = -row_log / len(counted) if counted else 0.0
+                hit = a_bt < 0 and div > delta
+                w[b, t] = 0.0 if hit else 1.0
+            else:
+                raise ValueError(kind)
+            touched[b, t] = bool(hit) and m[b, t] > 0
+    return w, touched
+
+
 # --------------------------------------------------------------------------------------
 # Filters (DAPO)
 # --------------------------------------------------------------------------------------
@@ -534,11 +595,21 @@ def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
                                          ratio_level=recipe.ratio_level)
     if recipe.tis_cap is not None and sampler_logp is not None:
         per_token = per_token * truncated_is_weights(old_logp, sampler_logp, recipe.tis_cap)
+    if getattr(recipe, "is_correction", None) is not None:
+        w, touched = mismatch_correction(recipe.is_correction, old_logp, sampler_logp, m,
+                                         advantages=advantages, cap=recipe.is_cap, low=recipe.icepop_low,
+                                         high=recipe.icepop_high, delta=recipe.seq_mask_delta)
+        per_token = per_token * w
+    dropped = None
+    if getattr(recipe, "is_correction", None) in ("mis_token", "mis_seq", "icepop", "seq_mask"):
+        dropped = touched  # masked tokens lose the KL and entropy terms too
     if recipe.kl_coef > 0:
         per_token = per_token + recipe.kl_coef * kl_penalty(logp, ref_logp, recipe.kl_kind,
                                                             clamp=recipe.kl_clamp)
     if recipe.entropy_coef > 0:
         per_token = per_token - recipe.entropy_coef * _f64(entropy)
+    if dropped is not None:
+        per_token = np.where(dropped, 0.0, per_token)
     weights = denominator_weights if denominator_weights is not None else row_weights
     if recipe.loss_agg_mode == "prompt-mean-token-mean":
         weights = (_f64(weights) > 0).astype(np.float64)  # prompt weights -> kept rows
