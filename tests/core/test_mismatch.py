@@ -371,3 +371,21 @@ def test_metrics_hand_values():
     # on-policy PPO: loss -A = -1 on the 2 kept tokens, 0 on the masked one, denominator 3
     np.testing.assert_allclose([float(terms.numerator), float(terms.denominator)], [-2.0, 3.0], rtol=1e-6)
     assert isinstance(terms, LossTerms)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_degenerate_batches_are_finite(name):
+    """All tokens masked (loss 0), and sampler gaps of +-60 nats: finite loss, gradient and metrics."""
+    recipe = RECIPES[name]
+    x, r, lengths = _loss_inputs(11)
+    g = rng(12)
+    cases = {"all_masked": dict(mask=np.zeros((B, T), np.float32)),
+             "extreme_gap": dict(sampler_logp=(x["old_logp"] + g.choice([-60.0, 60.0], size=(B, T))).astype(np.float32))}
+    for case, override in cases.items():
+        xj = {k: jnp.asarray(v) for k, v in {**x, **override}.items()}
+        adv = _advantages(recipe, r, lengths)
+        v, grad = jax.value_and_grad(lambda lp: _loss(recipe, {**xj, "logp": lp}, adv)[0].value)(xj["logp"])
+        _, metrics = _loss(recipe, xj, adv)
+        assert_finite(v, grad, *metrics.values())
+        if case == "all_masked":
+            assert float(v) == 0.0
