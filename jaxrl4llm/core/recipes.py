@@ -383,18 +383,21 @@ def policy_loss(
         metrics[frac_key] = jnp.sum(jnp.where(touched, m, 0.0)) / num
         if not kind.startswith("tis"):
             dropped = touched  # masked tokens leave the KL and entropy terms too (applied below)
+    # a row outside every denominator (exclude_constant_groups) carries no KL or entropy term either:
+    # its terms would enter the numerator uncounted
+    in_den = 1.0 if denominator_weights is None else (denominator_weights > 0).astype(jnp.float32)[:, None]
     if recipe.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"recipe {recipe.name!r} has kl_coef={recipe.kl_coef} > 0: pass ref_logp (reference-model log-probs).")
         kl = kl_penalty(logp, ref_logp, recipe.kl_kind, clamp=recipe.kl_clamp)
-        per_token = per_token + recipe.kl_coef * kl
+        per_token = per_token + recipe.kl_coef * kl * in_den
         metrics["kl"] = jax.lax.stop_gradient(jnp.sum(kl * m) / num)
     if entropy is not None:
         metrics["entropy"] = jax.lax.stop_gradient(jnp.sum(entropy * m) / num)
     if recipe.entropy_coef > 0:
         if entropy is None:
             raise ValueError(f"recipe {recipe.name!r} has entropy_coef={recipe.entropy_coef} > 0: pass entropy=[B, T].")
-        per_token = per_token - recipe.entropy_coef * entropy
+        per_token = per_token - recipe.entropy_coef * entropy * in_den
     if dropped is not None:
         per_token = jnp.where(dropped, 0.0, per_token)
     terms = aggregate_loss(

@@ -245,11 +245,12 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     """The policy, data and the jitted update / log-prob programs of `cfg` on `mesh`; returns
     (run, initial train state)."""
     recipe = cfg.recipe()
-    if recipe.tis_cap is not None and cfg.trainer.old_logp_source == "sampler":
+    if recipe.uses_sampler_logp and cfg.trainer.old_logp_source == "sampler":
+        knob = f"tis_cap={recipe.tis_cap}" if recipe.tis_cap is not None else f"is_correction={recipe.is_correction!r}"
         raise ConfigError(
-            f"algorithm tis_cap={recipe.tis_cap} weights tokens by pi_old / pi_sampler, but with "
-            f"trainer.old_logp_source=sampler the old log-probs are the sampler's: the weight is always 1. Set "
-            f"trainer.old_logp_source=recompute (the trainer re-scores the rollout), or drop tis_cap.")
+            f"algorithm {knob} weighs tokens by pi_old / pi_sampler, but with trainer.old_logp_source=sampler the old "
+            f"log-probs are the sampler's: the ratio is always 1. Set trainer.old_logp_source=recompute (the trainer "
+            f"re-scores the rollout), or drop the correction.")
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
     G = cfg.rollout.samples_per_prompt
     micro = _rows_per_micro(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])

@@ -69,7 +69,7 @@ def _std(values, ddof):
 # --------------------------------------------------------------------------------------
 
 
-def normalize_advantages(rewards, group_size, *, mean="group", std="group", eps=1e-6, ddof=1):
+def normalize_advantages(rewards, group_size, *, mean="group", std="group", eps=1e-6, ddof=1, valid=None):
     """A_i = (r_i - m_i) / (s_i + eps).
 
     [GRPO] eq. (outcome supervision): A_i = (r_i - mean(r_group)) / std(r_group).
@@ -83,8 +83,10 @@ def normalize_advantages(rewards, group_size, *, mean="group", std="group", eps=
     if B % group_size:
         raise ValueError("batch size must be a multiple of group_size")
     out = np.zeros(B)
-    batch_mean = r.sum() / B
-    batch_std = _std(r, ddof)
+    # batch-level statistics over the `valid` rows (dynamic sampling: the groups that train)
+    kept = r if valid is None else r[np.asarray(valid) > 0]
+    batch_mean = kept.sum() / len(kept) if len(kept) else 0.0
+    batch_std = _std(kept, ddof)
     for g in range(B // group_size):
         rows = slice(g * group_size, (g + 1) * group_size)
         group = r[rows]
@@ -543,8 +545,9 @@ def compute_advantages(rewards, group_size, recipe, *, truncated=None, lengths=N
                                       buffer_length=recipe.overlong_buffer_length,
                                       penalty=recipe.overlong_penalty)
     if recipe.adv_estimator == "normalized":
+        valid = dynamic_sampling_mask(raw, group_size) if recipe.dynamic_sampling else None
         adv = normalize_advantages(r, group_size, mean=recipe.adv_mean, std=recipe.adv_std,
-                                   eps=recipe.adv_eps)
+                                   eps=recipe.adv_eps, valid=valid)
     elif recipe.adv_estimator == "rloo":
         adv = rloo_advantages(r, group_size)
     else:
@@ -603,14 +606,16 @@ def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
     dropped = None
     if getattr(recipe, "is_correction", None) in ("mis_token", "mis_seq", "icepop", "seq_mask"):
         dropped = touched  # masked tokens lose the KL and entropy terms too
+    weights = denominator_weights if denominator_weights is not None else row_weights
+    # rows outside every denominator (exclude_constant_groups) carry no KL or entropy term
+    in_den = 1.0 if weights is None else (_f64(weights) > 0).astype(np.float64)[:, None]
     if recipe.kl_coef > 0:
-        per_token = per_token + recipe.kl_coef * kl_penalty(logp, ref_logp, recipe.kl_kind,
-                                                            clamp=recipe.kl_clamp)
+        per_token = per_token + recipe.kl_coef * in_den * kl_penalty(logp, ref_logp, recipe.kl_kind,
+                                                                     clamp=recipe.kl_clamp)
     if recipe.entropy_coef > 0:
-        per_token = per_token - recipe.entropy_coef * _f64(entropy)
+        per_token = per_token - recipe.entropy_coef * in_den * _f64(entropy)
     if dropped is not None:
         per_token = np.where(dropped, 0.0, per_token)
-    weights = denominator_weights if denominator_weights is not None else row_weights
     if recipe.loss_agg_mode == "prompt-mean-token-mean":
         weights = (_f64(weights) > 0).astype(np.float64)  # prompt weights -> kept rows
     return aggregate_loss(per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length,

@@ -458,3 +458,29 @@ def test_dr_grpo_without_norm_length_raises():
         policy_loss(dataclasses.replace(DR_GRPO, norm_length=None),
                     logp=jnp.asarray(x["logp"]), old_logp=jnp.asarray(x["old_logp"]),
                     advantages=jnp.zeros(B), mask=jnp.asarray(x["mask"]))
+
+
+def test_rows_excluded_as_constant_groups_carry_no_kl_or_entropy():
+    """exclude_constant_groups leaves a constant group out of the denominators; its KL and entropy
+    terms must leave the numerator too (they stayed there, uncounted). The loss does not move when
+    the reference log-probs or entropies of that group's rows change."""
+    from jaxrl4llm.core import LITE_PPO, compute_advantages, policy_loss
+
+    recipe = dataclasses.replace(LITE_PPO, exclude_constant_groups=True, kl_coef=0.5, entropy_coef=0.1)
+    rng = np.random.default_rng(0)
+    r = np.array([1, 1, 1, 1, 0, 1, 0, 0], np.float32)  # group 0 constant
+    b, t = 8, 5
+    logp = jnp.asarray(-rng.random((b, t)), jnp.float32)
+    mask = jnp.ones((b, t), jnp.float32)
+    adv = compute_advantages(jnp.asarray(r), 4, recipe)
+
+    def loss(ref_shift, entropy_shift):
+        ref = logp - 0.1 + jnp.zeros((b, t)).at[:4].set(ref_shift)
+        ent = jnp.ones((b, t)) + jnp.zeros((b, t)).at[:4].set(entropy_shift)
+        terms, _ = policy_loss(recipe, logp=logp, old_logp=logp, advantages=adv.advantages, mask=mask,
+                               row_weights=adv.row_weights, denominator_weights=adv.denominator_weights,
+                               ref_logp=ref, entropy=ent)
+        return float(terms.numerator / terms.denominator)
+
+    assert np.asarray(adv.denominator_weights)[:4].sum() == 0 and np.asarray(adv.row_weights)[:4].all()
+    assert loss(0.0, 0.0) == pytest.approx(loss(-2.0, 3.0), abs=1e-7)
