@@ -108,6 +108,10 @@ class RolloutConfig:
     # Prompts sampled per chunk (the KV cache holds one chunk's rows): 0 = all at once; auto =
     # the largest chunk whose decode memory (sampling.memory) fits 85% of a device's memory.
     prompts_per_chunk: Literal["auto"] | int = 0
+    # No-Positive-Resampling (ScaleRL, arXiv 2510.13786): a prompt whose pass rate (share of its
+    # samples with reward > 0.5) reaches this value leaves the prompt stream for good (saved in
+    # checkpoints); null = off. ScaleRL uses 0.9.
+    retire_pass_rate: float | None = None
 
 
 @dataclasses.dataclass

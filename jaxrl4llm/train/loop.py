@@ -72,21 +72,37 @@ def make_reward_fn(cfg: RunConfig) -> Callable[[list[str], list[str]], list[floa
 
 class PromptStream:
     """Deterministic prompt order: epoch e is permutation(seed + e) of the train set; `cursor`
-    counts prompts consumed so far (checkpointed)."""
+    counts positions consumed so far, `retired` the prompts that left the stream for good
+    (No-Positive-Resampling); both are checkpointed."""
 
-    def __init__(self, num: int, *, seed: int, shuffle: bool, cursor: int = 0):
+    def __init__(self, num: int, *, seed: int, shuffle: bool, cursor: int = 0, retired=()):
         if num == 0:
             raise ConfigError("The training set is empty: check data.train_files (or data.demo_task).")
         self.num, self.seed, self.shuffle, self.cursor = num, seed, shuffle, cursor
+        self.retired: set[int] = set(int(i) for i in retired)
 
     def take(self, k: int) -> list[int]:
+        """The next k prompts of the order that have not retired."""
+        if len(self.retired) >= self.num:
+            raise ConfigError(f"every one of the {self.num} training prompts has retired (rollout.retire_pass_rate): "
+                              f"the stream is empty; raise the threshold, add data, or stop earlier.")
         out = []
-        for _ in range(k):
+        while len(out) < k:
             epoch, i = divmod(self.cursor, self.num)
             order = np.random.default_rng(self.seed + epoch).permutation(self.num) if self.shuffle else np.arange(self.num)
-            out.append(int(order[i]))
             self.cursor += 1
+            if int(order[i]) not in self.retired:
+                out.append(int(order[i]))
         return out
+
+    def retire(self, prompt_ids, pass_rates, threshold: float | None) -> int:
+        """No-Positive-Resampling (ScaleRL, arXiv 2510.13786): prompts whose pass rate reached
+        `threshold` never come back. Returns how many retired now."""
+        if threshold is None:
+            return 0
+        new = {int(p) for p, rate in zip(prompt_ids, pass_rates) if rate >= threshold} - self.retired
+        self.retired |= new
+        return len(new)
 
 
 def mesh_dims(data: int, fsdp: int, tensor: int, n: int, where: str = "devices") -> tuple[int, int, int]:
@@ -143,7 +159,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     kept: list[tuple] = []  # (rollout, index in it, rewards, prompt id)
     spare: list[tuple] = []
-    draws = 0
+    draws = retired = 0
     t_sample = t_reward = 0.0
     all_rewards = []
     max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
@@ -161,6 +177,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         t_sample += t1 - t0
         t_reward += t2 - t1
         all_rewards.append(rewards)
+        retired += stream.retire(ids, (rewards.reshape(-1, G) > 0.5).mean(axis=1), cfg.rollout.retire_pass_rate)
         for g, pid in enumerate(ids):
             rows = slice(g * G, (g + 1) * G)
             entry = (rollout, g, rewards[rows], pid)
@@ -187,6 +204,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
     }
+    if cfg.rollout.retire_pass_rate is not None:
+        stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
     return merged, np.concatenate([e[2] for e in kept]), stats
 
 
@@ -245,6 +264,9 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     """The policy, data and the jitted update / log-prob programs of `cfg` on `mesh`; returns
     (run, initial train state)."""
     recipe = cfg.recipe()
+    rate = cfg.rollout.retire_pass_rate
+    if rate is not None and not 0.0 < rate <= 1.0:
+        raise ConfigError(f"rollout.retire_pass_rate={rate} must be in (0, 1] (a pass rate; null = off).")
     if recipe.uses_sampler_logp and cfg.trainer.old_logp_source == "sampler":
         knob = f"tis_cap={recipe.tis_cap}" if recipe.tis_cap is not None else f"is_correction={recipe.is_correction!r}"
         raise ConfigError(
@@ -354,13 +376,15 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     out = Path(cfg.trainer.out_dir)
     run, state = setup_run(cfg, _mesh(cfg), log)
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
-    start_step, cursor = 0, 0
+    start_step, cursor, retired = 0, 0, []
     if resume:
         restored, meta, start_step = ckpt.restore(state.replace(frozen=None))  # checkpoints hold no frozen base
         state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
+        retired = meta.get("retired_prompts", [])
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
-    stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor)
+    stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
+                          retired=retired)
     writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
                            start_step=start_step, enabled=hosts.is_main())
     writer.truncate_after(start_step)
@@ -391,7 +415,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         history.append(record)
         if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
             ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed,
-                                                             "step": step + 1})
+                                                             "step": step + 1, "retired_prompts": sorted(stream.retired)})
 
     eval_after = None
     if run.eval_sets and cfg.trainer.eval_every >= 0:

@@ -13,3 +13,8 @@ def half_policy_loss(recipe, **kwargs):
     terms, metrics = policy_loss(recipe, **kwargs)
     metrics["custom_loss_used"] = terms.numerator * 0 + 1.0
     return terms._replace(numerator=terms.numerator * 0.5), metrics
+
+
+def always_correct_reward(response: str, gold: str) -> float:
+    """Every response is right (a pass rate of 1 for every prompt)."""
+    return 1.0

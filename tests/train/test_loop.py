@@ -118,3 +118,22 @@ def test_truncated_is_with_sampler_old_logp_is_refused(demo_assets, tmp_path):
                                                                       "trainer.old_logp_source": "sampler"}))
     with pytest.raises(ConfigError, match=r"tis_cap=2.0.*trainer.old_logp_source=recompute"):
         train(cfg, log=lambda s: None)
+
+
+def test_no_positive_resampling_retires_prompts_for_good_across_resume(demo_assets, tmp_path):
+    """rollout.retire_pass_rate: prompts that reached the pass rate never come back (each step
+    draws fresh ones), and the retired set survives a checkpoint and resume."""
+    extra = {"reward.fn": "tests.train.custom_parts:always_correct_reward", "rollout.retire_pass_rate": 0.5,
+             "trainer.checkpoint_every": 2}
+    straight = train(load_config(None, tiny_overrides(demo_assets, tmp_path / "a", **extra, **{"trainer.steps": 4})),
+                     log=lambda s: None)
+    totals = [r["prompts_retired_total"] for r in straight["history"]]
+    assert totals == [2, 4, 6, 8] and all(r["prompts_retired"] == 2 for r in straight["history"])
+    train(load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **extra, **{"trainer.steps": 2})),
+          log=lambda s: None)
+    resumed = train(load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **extra, **{"trainer.steps": 4})),
+                    resume=True, log=lambda s: None)
+    assert [r["prompts_retired_total"] for r in resumed["history"]] == [6, 8]
+    with pytest.raises(ConfigError, match=r"rollout.retire_pass_rate=1.5"):
+        train(load_config(None, tiny_overrides(demo_assets, tmp_path / "c", **{"rollout.retire_pass_rate": 1.5})),
+              log=lambda s: None)
