@@ -13,6 +13,8 @@ Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO / GSPO-tok
               sapo_surrogate, sapo_gate, SurrogateStats, truncated_is_weights
 Mismatch:     sampler-trainer corrections from old_logp vs sampler_logp: tis_token, tis_sequence,
               mis_token, mis_sequence, icepop, seq_mask, mismatch_correction, Correction, IS_CORRECTIONS
+Entropy:      Clip-Cov / KL-Cov (arXiv 2505.22617): token_covariance, clip_cov_mask, kl_cov_mask,
+              kl_cov_penalty, top_k_mask, COV_CONTROLS
 Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES, prompt_weights
 KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
 Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
@@ -27,6 +29,12 @@ from jaxrl4llm.core.aggregation import AGGREGATION_MODES
 from jaxrl4llm.core.aggregation import LossTerms
 from jaxrl4llm.core.aggregation import aggregate_loss
 from jaxrl4llm.core.aggregation import prompt_weights
+from jaxrl4llm.core.entropy_control import COV_CONTROLS
+from jaxrl4llm.core.entropy_control import clip_cov_mask
+from jaxrl4llm.core.entropy_control import kl_cov_mask
+from jaxrl4llm.core.entropy_control import kl_cov_penalty
+from jaxrl4llm.core.entropy_control import token_covariance
+from jaxrl4llm.core.entropy_control import top_k_mask
 from jaxrl4llm.core.filters import dynamic_sampling_mask
 from jaxrl4llm.core.filters import overlong_filter_mask
 from jaxrl4llm.core.filters import overlong_soft_penalty
@@ -67,7 +75,8 @@ from jaxrl4llm.core.surrogate import sapo_surrogate
 from jaxrl4llm.core.surrogate import truncated_is_weights
 
 __all__ = [
-    "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "Correction", "IS_CORRECTIONS", "icepop", "mis_sequence", "mis_token",
+    "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "COV_CONTROLS", "clip_cov_mask", "kl_cov_mask", "kl_cov_penalty",
+    "token_covariance", "top_k_mask", "Correction", "IS_CORRECTIONS", "icepop", "mis_sequence", "mis_token",
     "mismatch_correction", "seq_mask", "tis_sequence", "tis_token", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
     "PPO_BASELINE", "PRESETS", "Recipe", "SCALERL", "SurrogateStats", "aggregate_loss", "batch_whiten",
     "cispo_surrogate", "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",

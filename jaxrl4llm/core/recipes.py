@@ -22,11 +22,12 @@ import jax.numpy as jnp
 
 from jaxrl4llm.core.advantages import batch_whiten, check_group_layout, normalize_advantages, rloo_advantages
 from jaxrl4llm.core.aggregation import AGGREGATION_MODES, PROMPT_MODES, LossTerms, aggregate_loss, prompt_weights
+from jaxrl4llm.core.entropy_control import COV_CONTROLS, clip_cov_mask, kl_cov_mask, kl_cov_penalty
 from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
 from jaxrl4llm.core.mismatch import IS_CORRECTIONS, mismatch_correction
 from jaxrl4llm.core.surrogate import (
-    CISPO_CAP_MODES, RATIO_LEVELS, cispo_surrogate, clipped_surrogate, sapo_surrogate,
+    CISPO_CAP_MODES, RATIO_LEVELS, cispo_surrogate, clip_flags, clipped_surrogate, sapo_surrogate,
 )
 
 ADV_ESTIMATORS = ("normalized", "rloo", "reinforce_pp")
@@ -74,6 +75,16 @@ class Recipe:
       is_cap: the cap C of tis_* and mis_* (> 0).
       icepop_low, icepop_high: IcePop's band [alpha, beta] (0 <= alpha < beta).
       seq_mask_delta: DeepSeek-V3.2's threshold delta on the row's mean log-ratio.
+      sampler_logp_kind: which sampler log-prob the corrections compare with: "untruncated"
+        (log softmax(z / temperature), the distribution a trainer recomputes) or "sampled" (the
+        distribution actually sampled from, after top-k / top-p). The loop reads it.
+      cov_control: covariance-based entropy control (core.entropy_control, arXiv 2505.22617), or
+        None: "clip_cov" (a random pick of tokens with covariance in (clip_cov_low,
+        clip_cov_high) loses its surrogate gradient) or "kl_cov" (the tokens of largest
+        covariance get kl_cov_coef * |logp - old_logp| added). Needs a PRNG key for clip_cov.
+      cov_ratio: fraction of counted tokens selected (the paper: 2e-4 Clip-Cov, 2e-3 KL-Cov).
+      clip_cov_low, clip_cov_high: Clip-Cov's covariance band (the paper: 1, 5).
+      kl_cov_coef: KL-Cov's coefficient (the paper: 1).
     """
 
     name: str = "custom"
@@ -107,6 +118,12 @@ class Recipe:
     icepop_low: float = 0.5
     icepop_high: float = 5.0
     seq_mask_delta: float | None = None
+    sampler_logp_kind: Literal["untruncated", "sampled"] = "untruncated"
+    cov_control: Literal["clip_cov", "kl_cov"] | None = None
+    cov_ratio: float = 2e-4
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_coef: float = 1.0
 
     def __post_init__(self):
         problems = []
@@ -163,6 +180,16 @@ class Recipe:
             problems.append(f"icepop_low/icepop_high must satisfy 0 <= low < high, got {self.icepop_low}/{self.icepop_high}")
         if self.is_correction == "seq_mask" and self.seq_mask_delta is None:
             problems.append("is_correction='seq_mask' needs seq_mask_delta (the threshold on mean(sampler_logp - old_logp))")
+        if self.sampler_logp_kind not in ("untruncated", "sampled"):
+            problems.append(f"sampler_logp_kind={self.sampler_logp_kind!r} (valid: untruncated, sampled)")
+        if self.cov_control is not None and self.cov_control not in COV_CONTROLS:
+            problems.append(f"cov_control={self.cov_control!r} (valid: None, {', '.join(COV_CONTROLS)})")
+        if not 0 < self.cov_ratio <= 1:
+            problems.append(f"cov_ratio must be in (0, 1], got {self.cov_ratio}")
+        if not self.clip_cov_high > self.clip_cov_low:
+            problems.append(f"clip_cov_low/clip_cov_high must satisfy low < high, got {self.clip_cov_low}/{self.clip_cov_high}")
+        if not self.kl_cov_coef >= 0:
+            problems.append(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
         if problems:
             raise ValueError(f"Invalid recipe {self.name!r}: " + "; ".join(problems) + ".")
 
@@ -170,6 +197,11 @@ class Recipe:
     def uses_sampler_logp(self) -> bool:
         """True when the loss weighs pi_old against the sampler (tis_cap or is_correction): old_logp must be recomputed."""
         return self.tis_cap is not None or self.is_correction is not None
+
+    @property
+    def needs_key(self) -> bool:
+        """True when policy_loss needs a PRNG key (Clip-Cov's random pick)."""
+        return self.cov_control == "clip_cov"
 
     def replace(self, **changes) -> "Recipe":
         """dataclasses.replace(self, **changes), validated."""
@@ -303,6 +335,7 @@ def policy_loss(
     ref_logp: chex.Array | None = None,
     sampler_logp: chex.Array | None = None,
     entropy: chex.Array | None = None,
+    key: chex.PRNGKey | None = None,
 ) -> tuple[LossTerms, dict[str, chex.Array]]:
     """l_bt = w_bt·S(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
 
@@ -312,7 +345,9 @@ def policy_loss(
     truncated IS weight when the legacy recipe.tis_cap and sampler_logp are set, else 1.
     An IS weight (tis_*, and mis_* on kept tokens) multiplies the surrogate only, as the legacy
     TIS did; a masked token (mis_*, icepop, seq_mask) loses its whole loss l_bt, KL and entropy
-    terms included, so it gets no gradient at all.
+    terms included, so it gets no gradient at all. recipe.cov_control adds Clip-Cov (S without
+    gradient on the picked tokens) or KL-Cov (+ kl_cov_coef·|logp - old_logp| on the picked
+    tokens), core.entropy_control.
 
     Args:
       recipe: the Recipe (static).
@@ -327,6 +362,7 @@ def policy_loss(
       sampler_logp: [B, T] sampler log-probs for recipe.is_correction (required) or the
         legacy recipe.tis_cap (optional: without it TIS is off).
       entropy: [B, T] per-token policy entropy, required when recipe.entropy_coef > 0.
+      key: PRNG key, required when recipe.needs_key (Clip-Cov's pick is a function of it).
 
     Returns:
       (LossTerms(numerator, denominator), metrics): metrics are scalars over this call's
@@ -334,7 +370,8 @@ def policy_loss(
       given), "is_weight_mean" (if a correction is on), "is_truncated_frac" (tis_*) or
       "is_masked_frac" (mis_*, icepop, seq_mask): the fraction of counted tokens the correction
       truncated / masked (a sequence-level correction touches all tokens of a row, so this is
-      the token-weighted fraction of rows), and "num_tokens" to weight them.
+      the token-weighted fraction of rows), "cov_selected_frac" (cov_control on: the fraction
+      of counted tokens picked), and "num_tokens" to weight them.
     """
     chex.assert_equal_shape([logp, old_logp, mask])
     m = mask.astype(jnp.float32)
@@ -370,6 +407,22 @@ def policy_loss(
     num = jnp.maximum(jnp.sum(m), 1.0)
     metrics: dict[str, chex.Array] = dict(stats._asdict())
     metrics["pg_loss"] = jnp.sum(per_token * m) / num
+    picked = None
+    if recipe.cov_control == "clip_cov":
+        if key is None:
+            raise ValueError(f"recipe {recipe.name!r} has cov_control='clip_cov': pass key= (a PRNG key; the pick of "
+                             "tokens is a function of it).")
+        already = clip_flags(jax.lax.stop_gradient(logp), old_logp, advantages, m, surrogate=recipe.surrogate,
+                             eps_low=recipe.eps_low, eps_high=recipe.eps_high, dual_clip=recipe.dual_clip,
+                             ratio_level=recipe.ratio_level, cispo_cap_mode=recipe.cispo_cap_mode)
+        picked = clip_cov_mask(logp, advantages, m, key, ratio=recipe.cov_ratio, low=recipe.clip_cov_low,
+                               high=recipe.clip_cov_high, exclude=already)
+        per_token = jnp.where(picked, jax.lax.stop_gradient(per_token), per_token)
+    elif recipe.cov_control == "kl_cov":
+        picked = kl_cov_mask(logp, advantages, m, ratio=recipe.cov_ratio)
+        per_token = per_token + jnp.where(picked, recipe.kl_cov_coef * kl_cov_penalty(logp, old_logp), 0.0)
+    if picked is not None:
+        metrics["cov_selected_frac"] = jnp.sum(jnp.where(picked, m, 0.0)) / num
     kind = recipe.is_correction or ("tis_token" if recipe.tis_cap is not None else None)
     dropped = None
     if kind is not None and sampler_logp is not None:

@@ -295,7 +295,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     batch_in = batch_shardings(mesh)
     update = jax.jit(
         make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
-                       settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None),
+                       settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None,
+                       loss_seed=cfg.trainer.seed),
         in_shardings=(state_shardings, batch_in),
         out_shardings=(state_shardings, None, None),
         donate_argnums=(0,),
@@ -321,7 +322,8 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     old_logp (`trainer.old_logp_source: recompute`) and the reference's when needed."""
     adv = run.advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch moves to the trainer's
-    batch = jax.device_put(rollout_to_batch(rollout, adv), run.batch_shardings)
+    sampler_logp = rollout.logprobs if run.recipe.sampler_logp_kind == "sampled" else None
+    batch = jax.device_put(rollout_to_batch(rollout, adv, sampler_logp=sampler_logp), run.batch_shardings)
     if run.cfg.trainer.old_logp_source == "recompute":
         old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
         batch = batch._replace(old_logp=old_logp * batch.loss_mask)

@@ -140,10 +140,13 @@ def _unsplit(x: chex.Array) -> chex.Array:
 
 
 def batch_loss_terms(
-    params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss
+    params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss, loss_key=None
 ) -> tuple[LossTerms, dict, chex.Array]:
-    """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis."""
+    """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis.
+
+    loss_key: PRNG key passed to loss_fn as key= when recipe.needs_key (Clip-Cov)."""
     logp, entropy = logprob_fn(params, batch.input_tokens, batch.targets, batch.positions, batch.attention_mask)
+    extra = {"key": loss_key} if recipe.needs_key else {}
     terms, metrics = loss_fn(
         recipe,
         logp=logp,
@@ -155,6 +158,7 @@ def batch_loss_terms(
         ref_logp=batch.ref_logp,
         sampler_logp=batch.sampler_logp,
         entropy=entropy,
+        **extra,
     )
     clipped = clip_flags(jax.lax.stop_gradient(logp), batch.old_logp, batch.advantages, batch.loss_mask,
                          surrogate=recipe.surrogate, eps_low=recipe.eps_low, eps_high=recipe.eps_high,
@@ -194,6 +198,7 @@ def make_update_fn(
     settings: UpdateSettings,
     loss_fn=policy_loss,
     dropout_seed: int | None = None,
+    loss_seed: int = 0,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict, chex.Array]]:
     """Builds update(state, batch) -> (state, metrics, clipped[B, L]); jit it (with shardings).
 
@@ -201,15 +206,17 @@ def make_update_fn(
     the last epoch plus grad_norm (mean over optimizer steps), learning_rate, loss.
     dropout_seed: call `logprob_fn(..., rng=key)` with key = fold(seed, optimizer step,
     micro-batch) for models with dropout (LoRA adapters); None: no rng argument.
+    loss_seed: when recipe.needs_key (Clip-Cov), the loss gets key = fold(seed, 1, optimizer step,
+    micro-batch): a run with the same seed picks the same tokens.
     """
     s = settings
 
-    def micro_step(params, frozen, mb: TrainBatch, key=None):
+    def micro_step(params, frozen, mb: TrainBatch, key=None, loss_key=None):
         fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
 
         def num_fn(p):
             terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
-                                                       loss_fn=loss_fn)
+                                                       loss_fn=loss_fn, loss_key=loss_key)
             return terms.numerator, (terms, metrics, clipped)
 
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
@@ -219,8 +226,9 @@ def make_update_fn(
         micros = jax.tree.map(lambda x: _split(x, s.micro_batches), mini)
         zero_grads = jax.tree.map(jnp.zeros_like, state.params)
         # Metrics structure from an abstract evaluation, so the scan carry is fixed.
+        probe_key = jax.random.PRNGKey(0) if recipe.needs_key else None
         _, terms_shape, metrics_shape, _ = jax.eval_shape(micro_step, state.params, state.frozen,
-                                                          jax.tree.map(lambda x: x[0], micros))
+                                                          jax.tree.map(lambda x: x[0], micros), None, probe_key)
         zero_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
 
         def body(carry, xs):
@@ -229,7 +237,11 @@ def make_update_fn(
             key = None
             if dropout_seed is not None:
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state.step), index)
-            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, key)
+            loss_key = None
+            if recipe.needs_key:
+                loss_key = jax.random.fold_in(jax.random.fold_in(
+                    jax.random.fold_in(jax.random.PRNGKey(loss_seed), 1), state.step), index)
+            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, key, loss_key)
             g_acc = jax.tree.map(jnp.add, g_acc, g)
             return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
 

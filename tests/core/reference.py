@@ -37,6 +37,8 @@ Papers:
              [alpha, beta] leave the update).
   [DSV32]    DeepSeek-V3.2 (off-policy sequence masking: negative-advantage rows whose mean
              log(pi_sampler / pi_old) exceeds delta leave the loss).
+  [EntropyMech] Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+             Language Models", arXiv 2505.22617 (Clip-Cov, KL-Cov).
   [verl]     volcengine/verl core_algos.py (log-ratio clamp to +-20, dual clip "clip_ratio_c",
              low_var_kl clamp to +-10, agg_loss modes).
 """
@@ -603,6 +605,9 @@ def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
                                          advantages=advantages, cap=recipe.is_cap, low=recipe.icepop_low,
                                          high=recipe.icepop_high, delta=recipe.seq_mask_delta)
         per_token = per_token * w
+    if getattr(recipe, "cov_control", None) == "kl_cov":
+        picked = kl_cov_mask(logp, advantages, m, ratio=recipe.cov_ratio)
+        per_token = per_token + np.where(picked, recipe.kl_cov_coef * np.abs(_f64(logp) - _f64(old_logp)), 0.0)
     dropped = None
     if getattr(recipe, "is_correction", None) in ("mis_token", "mis_seq", "icepop", "seq_mask"):
         dropped = touched  # masked tokens lose the KL and entropy terms too
@@ -620,3 +625,45 @@ def policy_loss(recipe, *, logp, old_logp, advantages, mask, row_weights=None,
         weights = (_f64(weights) > 0).astype(np.float64)  # prompt weights -> kept rows
     return aggregate_loss(per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length,
                           row_weights=weights, group_size=group_size)
+
+
+def token_covariance(logp, advantages, mask):
+    """[EntropyMech] Cov_t = (logp_t - mean logp)(A_t - mean A), means over counted tokens (mask > 0)."""
+    lp = _f64(logp)
+    a = _token_advantages(advantages, lp.shape)
+    m = _f64(mask) > 0
+    n = max(int(m.sum()), 1)
+    lp_mean = lp[m].sum() / n
+    a_mean = a[m].sum() / n
+    return np.where(m, (lp - lp_mean) * (a - a_mean), 0.0)
+
+
+def selection_count(mask, ratio):
+    """max(1, floor(ratio * N)), N the counted tokens."""
+    return max(1, int(math.floor(ratio * int((_f64(mask) > 0).sum()))))
+
+
+def pick_top(scores, eligible, k):
+    """The min(k, #eligible) eligible entries of highest score, ties to the lower flat index."""
+    s = _f64(scores).reshape(-1)
+    e = np.asarray(eligible, bool).reshape(-1)
+    ranked = sorted((i for i in range(s.size) if e[i]), key=lambda i: (-s[i], i))
+    out = np.zeros(s.size, bool)
+    out[ranked[:k]] = True
+    return out.reshape(np.shape(scores))
+
+
+def clip_cov_mask(logp, advantages, mask, uniforms, *, ratio, low, high, exclude=None):
+    """[EntropyMech] Clip-Cov: k random counted tokens with low < Cov < high (random = the k
+    largest of the given uniforms), never an excluded one."""
+    cov = token_covariance(logp, advantages, mask)
+    eligible = (_f64(mask) > 0) & (cov > low) & (cov < high)
+    if exclude is not None:
+        eligible &= ~np.asarray(exclude, bool)
+    return pick_top(uniforms, eligible, selection_count(mask, ratio))
+
+
+def kl_cov_mask(logp, advantages, mask, *, ratio):
+    """[EntropyMech] KL-Cov: the k counted tokens of largest covariance."""
+    cov = token_covariance(logp, advantages, mask)
+    return pick_top(cov, _f64(mask) > 0, selection_count(mask, ratio))

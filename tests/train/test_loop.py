@@ -137,3 +137,16 @@ def test_no_positive_resampling_retires_prompts_for_good_across_resume(demo_asse
     with pytest.raises(ConfigError, match=r"rollout.retire_pass_rate=1.5"):
         train(load_config(None, tiny_overrides(demo_assets, tmp_path / "c", **{"rollout.retire_pass_rate": 1.5})),
               log=lambda s: None)
+
+
+def test_entropy_control_and_sampled_logp_recipe_run_end_to_end(demo_assets, tmp_path):
+    """Clip-Cov through the loop (the train step hands the loss its PRNG key) with the
+    corrections comparing against the sampled (top-k/top-p) distribution's log-probs."""
+    overrides = ("{cov_control: clip_cov, cov_ratio: 0.2, clip_cov_low: -1.0e9, clip_cov_high: 1.0e9, "
+                 "is_correction: icepop, sampler_logp_kind: sampled}")
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"algorithm.overrides": overrides,
+                                                                      "trainer.steps": 1}))
+    summary = train(cfg, log=lambda s: None)
+    record = summary["history"][-1]
+    assert 0 < record["cov_selected_frac"] <= 0.2
+    assert "is_masked_frac" in record and np.isfinite(record["is_masked_frac"])

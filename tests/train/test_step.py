@@ -116,3 +116,23 @@ def test_clip_flags_are_the_tokens_the_surrogate_clipped(knobs):
     assert not bool(jnp.any(flags & (batch.loss_mask == 0)))
     if knobs.get("surrogate") != "sapo":
         assert float(jnp.sum(flags)) > 0, "the test batch clips nothing: it proves nothing"
+
+
+def test_clip_cov_update_is_deterministic_in_the_loss_seed():
+    """Clip-Cov's random pick of tokens comes from key = fold(loss_seed, step, micro-batch): the
+    same seed gives the same update, another seed another pick."""
+    recipe = dataclasses.replace(LITE_PPO, cov_control="clip_cov", cov_ratio=0.5, clip_cov_low=-1e9, clip_cov_high=1e9)
+    batch = toy_batch(recipe=recipe)
+    batch = batch._replace(row_weights=jnp.ones_like(batch.row_weights))
+    opt, sched = make_optimizer(lr=1e-2, max_grad_norm=None)
+
+    def run(seed):
+        update = jax.jit(make_update_fn(logprob_fn=toy_logprob_fn, recipe=recipe, optimizer=opt, schedule=sched,
+                                        settings=UpdateSettings(micro_batches=2), loss_seed=seed))
+        return update(init_train_state(toy_params(), opt), batch)
+
+    (a, ma, _), (b, _, _), (c, _, _) = run(0), run(0), run(1)
+    assert 0 < float(ma["cov_selected_frac"]) <= 0.5
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(x, z) for x, z in zip(jax.tree.leaves(a.params), jax.tree.leaves(c.params)))
