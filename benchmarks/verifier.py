@@ -6,7 +6,7 @@ Prints:
     realistic response, a respelled answer, a "Final Answer:" phrase, and a perturbed wrong
     answer), using all cores (2 here);
   - the worst-case wall time of one ``math_reward`` on each hostile input;
-  - agreement with the labelled cases (own set and the shared public set);
+  - agreement with the labelled cases (own set, the notation set and the shared public set);
   - with ``--mv-python PATH``: the same agreement figures for huggingface/math-verify run by a
     separate interpreter (math-verify pins antlr 4.13.2, which must not enter our venv), and
     its throughput on the same MATH-500-style batch (one process) as the peer figure.
@@ -34,6 +34,7 @@ from jaxrl4llm.rewards import SandboxPool, batch_math_reward, math_reward  # noq
 from jaxrl4llm.rewards.limits import DEFAULT_TIMEOUT  # noqa: E402
 from tests.rewards import _hostile  # noqa: E402
 from tests.rewards.labelled_cases import CASES  # noqa: E402
+from tests.rewards.notation_cases import CASES as NOTATION_CASES  # noqa: E402
 from tests.rewards.test_sandbox import HOSTILE_RESPONSES  # noqa: E402
 
 FILLER = (
@@ -163,16 +164,20 @@ def main() -> None:
     public = [r for r in public if not r.get("ambiguous")]
     own = agreement([c[0] for c in CASES], [c[1] for c in CASES], [c[2] for c in CASES])
     pub = agreement([r["pred"] for r in public], [r["gold"] for r in public], [r["equal"] for r in public])
-    print(f"agreement: own labelled cases {own:.2%} ({len(CASES)}), public cases {pub:.2%} ({len(public)} non-ambiguous)")
+    notation = agreement([c[0] for c in NOTATION_CASES], [c[1] for c in NOTATION_CASES], [c[2] for c in NOTATION_CASES])
+    print(f"agreement: own labelled cases {own:.2%} ({len(CASES)}), notation cases {notation:.2%} "
+          f"({len(NOTATION_CASES)}), public cases {pub:.2%} ({len(public)} non-ambiguous)")
 
     if args.mv_python:
         sets = {
             "own": [[c[0], c[1], c[2]] for c in CASES],
+            "notation": [[c[0], c[1], c[2]] for c in NOTATION_CASES],
             "public": [[r["pred"], r["gold"], r["equal"]] for r in public],
             "math500": [[p, g, e] for p, g, e in zip(responses, golds, expected)],
         }
         mv = run_math_verify(args.mv_python, sets)
-        print(f"math-verify: agreement own {mv['own']['agreement']:.2%}, public {mv['public']['agreement']:.2%}; "
+        print(f"math-verify: agreement own {mv['own']['agreement']:.2%}, notation {mv['notation']['agreement']:.2%}, "
+              f"public {mv['public']['agreement']:.2%}; "
               f"MATH-500-style {mv['math500']['per_second']:.0f} verifications/s (1 process), "
               f"label match {mv['math500']['agreement']:.1%}")
         print(f"ratio (ours, cold, / math-verify throughput): {len(responses) / cold / mv['math500']['per_second']:.2f}")

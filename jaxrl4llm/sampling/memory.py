@@ -32,11 +32,27 @@ def decode_weight_bytes(config: ModelConfig, *, tensor_parallel: int = 1, embed_
     """Bytes per chip of `models.decode.decode_weights`: matmul weights (and an untied or tied
     head copy) in the compute dtype, split tp ways; the lookup embedding in `embed_dtype`."""
     c = config
-    d, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
-    per_layer = d * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * d + 3 * d * f
-    matmul = (c.num_layers * per_layer + v * d) * jnp.dtype(c.dtype).itemsize
-    embed = v * d * jnp.dtype(embed_dtype).itemsize
-    return (matmul + embed) // tensor_parallel
+    table = c.vocab_size * c.hidden_size
+    # the decoder layers and final norm: every parameter but the embedding and an untied head
+    layers = c.num_params - table - (0 if c.tie_word_embeddings else table)
+    compute = (layers + table) * jnp.dtype(c.dtype).itemsize  # + the head, always a copy of its own
+    embed = table * jnp.dtype(embed_dtype).itemsize
+    return (compute + embed) // tensor_parallel
+
+
+def decode_sizing(config: ModelConfig, decode_mesh, *, samples: int, prompt_len: int, max_new_tokens: int) -> dict:
+    """The shape keywords of decode_memory / prompts_per_chunk for sampling on `decode_mesh`
+    (None: one device): samples, the prompt bucket of `prompt_len` (the longest prompt, in
+    tokens), max_new_tokens, the KV block size, the mesh's data parallelism (data x fsdp) and
+    tensor parallelism, and the embedding's dtype (the state's)."""
+    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+    from jaxrl4llm.sampling.decode_loop import block_size_for
+
+    dp = 1 if decode_mesh is None else decode_mesh.shape["data"] * decode_mesh.shape["fsdp"]
+    tp = 1 if decode_mesh is None else decode_mesh.shape["tensor"]
+    return dict(samples=samples, prompt_len=bucket(prompt_len, PROMPT_BUCKETS), max_new_tokens=max_new_tokens,
+                block_size=block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim),
+                data_parallel=dp, tensor_parallel=tp, embed_dtype=config.param_dtype)
 
 
 def decode_memory(config: ModelConfig, *, prompts: int, samples: int, prompt_len: int, max_new_tokens: int,

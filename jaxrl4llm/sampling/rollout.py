@@ -66,7 +66,12 @@ def decode_responses(rollout: Rollout, tokenizer, *, skip_special_tokens: bool =
     `tokenizer` is anything with `batch_decode(list[list[int]], skip_special_tokens=...)`
     (a transformers tokenizer, e.g. from `jaxrl4llm.models.load_tokenizer`).
     """
-    return list(tokenizer.batch_decode(response_token_lists(rollout), skip_special_tokens=skip_special_tokens))
+    return decode_token_lists(response_token_lists(rollout), tokenizer, skip_special_tokens=skip_special_tokens)
+
+
+def decode_token_lists(token_lists: Sequence[Sequence[int]], tokenizer, *, skip_special_tokens: bool = True) -> list[str]:
+    """Text of each token-id list: tokenizer.batch_decode (special tokens skipped by default)."""
+    return list(tokenizer.batch_decode([list(t) for t in token_lists], skip_special_tokens=skip_special_tokens))
 
 
 def group_rows(values: Sequence, group_size: int) -> list[list]:

@@ -236,7 +236,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
     from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
-    from jaxrl4llm.sampling.decode_loop import block_size_for, sample_program, weights_jit
+    from jaxrl4llm.sampling.decode_loop import sample_program, weights_jit
     from jaxrl4llm.train.loop import _rows_per_micro
     from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,
                                       make_logprob_pass, make_optimizer, make_update_fn, train_state_shardings)
@@ -268,22 +268,16 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     state_bytes = per_chip_bytes(train_state)  # stays in HBM while the sampler runs
 
     # -- sampler: on its own mesh (rollout.tensor_parallel), one chunk of prompts at a time
-    from jaxrl4llm.sampling.decode_mesh import decode_mesh
-    from jaxrl4llm.sampling.memory import decode_memory, prompts_per_chunk, weights_program_memory
+    from jaxrl4llm.sampling.memory import decode_memory, decode_sizing, prompts_per_chunk, weights_program_memory
+    from jaxrl4llm.train.policy import sampler_mesh_for
 
-    try:
-        dmesh = decode_mesh(mesh, cfg.rollout.tensor_parallel, num_kv_heads=config.num_kv_heads)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    dmesh = sampler_mesh_for(cfg, mesh, config) or mesh
     backend = DecodeBackend(mesh=dmesh)
-    ddp, dtp = dmesh.shape["data"] * dmesh.shape["fsdp"], dmesh.shape["tensor"]
+    sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
+    ddp, dtp, block, embed_dtype = (sizing[k] for k in ("data_parallel", "tensor_parallel", "block_size", "embed_dtype"))
     if config.num_kv_heads % dtp:
         raise ConfigError(f"the decode mesh's tensor axis ({dtp}) does not divide the model's {config.num_kv_heads} "
                           f"KV heads; set rollout.tensor_parallel to a divisor of {config.num_kv_heads}.")
-    block = block_size_for(response_len, config.num_kv_heads * config.head_dim)
-    embed_dtype = config.param_dtype
-    sizing = dict(samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len, block_size=block,
-                  data_parallel=ddp, tensor_parallel=dtp, embed_dtype=embed_dtype)
     chunk = cfg.rollout.prompts_per_chunk
     if chunk == "auto":
         chunk = prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing)

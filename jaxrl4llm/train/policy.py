@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.step import join_params
 
@@ -86,19 +87,12 @@ class Policy:
             jax.devices()[0].memory_stats()
         if not stats or "bytes_limit" not in stats or self.config is None:
             return None
-        from jaxrl4llm.sampling import PROMPT_BUCKETS, bucket
-        from jaxrl4llm.sampling.decode_loop import block_size_for
-        from jaxrl4llm.sampling.memory import prompts_per_chunk
+        from jaxrl4llm.sampling.memory import decode_sizing, prompts_per_chunk
 
-        mesh = self.sampler_mesh
-        dp = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-        tp = 1 if mesh is None else mesh.shape["tensor"]
         budget = 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        c = self.config
-        return prompts_per_chunk(c, budget, prompts=num_prompts, samples=num_samples,
-                                 prompt_len=bucket(prompt_len, PROMPT_BUCKETS), max_new_tokens=max_new_tokens,
-                                 block_size=block_size_for(max_new_tokens, c.num_kv_heads * c.head_dim),
-                                 data_parallel=dp, tensor_parallel=tp, embed_dtype=c.param_dtype)
+        sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
+                               max_new_tokens=max_new_tokens)
+        return prompts_per_chunk(self.config, budget, prompts=num_prompts, **sizing)
 
     def decode(self, rollout) -> list[str]:
         from jaxrl4llm.sampling import decode_responses
@@ -107,7 +101,9 @@ class Policy:
 
     def decode_rows(self, token_lists) -> list[str]:
         """Response texts of token-id lists (special tokens skipped, as `decode`)."""
-        return list(self.tokenizer.batch_decode(token_lists, skip_special_tokens=True))
+        from jaxrl4llm.sampling.rollout import decode_token_lists
+
+        return decode_token_lists(token_lists, self.tokenizer)
 
     def decode_ids(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -122,7 +118,7 @@ class Policy:
                               "and save the orbax checkpoint's state instead.")
         path = Path(path)
         save_pretrained((self.graphdef, self.state), path)  # every process gathers, process 0 writes
-        if jax.process_index() == 0:
+        if hosts.is_main():
             self.tokenizer.save_pretrained(str(path))
         return path
 
@@ -223,11 +219,13 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         eos_token_ids=_eos_ids(tokenizer, model_config), pad_token_id=int(pad), temperature=cfg.rollout.temperature,
         chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
-        decode_mesh=_decode_mesh(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
+        decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
     )
 
 
-def _decode_mesh(cfg: RunConfig, mesh: Mesh | None, model_config) -> Mesh | None:
+def sampler_mesh_for(cfg: RunConfig, mesh: Mesh | None, model_config) -> Mesh | None:
+    """The sampler's mesh for `rollout.tensor_parallel` (sampling.decode_mesh of the training
+    mesh), or None (sample on the training mesh); a bad tensor_parallel is a ConfigError."""
     from jaxrl4llm.sampling.decode_mesh import decode_mesh
 
     tp = cfg.rollout.tensor_parallel
