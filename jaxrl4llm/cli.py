@@ -1,4 +1,4 @@
-"""Command line: `jaxrl4llm train | eval | sample | plot | convert | bin-difficulty | demo`.
+"""Command line: `jaxrl4llm train | eval | sample | plot | convert | plan | bin-difficulty | demo | sweep | report`.
 
 Every command takes `--help`. Training-style commands take one or more `-c CONFIG.yaml`
 (merged in order) followed by `section.key=value` overrides, e.g.
@@ -130,6 +130,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from jaxrl4llm.train.sweep import sweep_command
+
+    return sweep_command(args)
+
+
+def cmd_report(args) -> int:
+    from jaxrl4llm.train.study_report import write_report
+
+    path = write_report(args.run_dirs, args.out, baseline=args.baseline, plots=not args.no_plots)
+    print(f"report: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl4llm", description="RL for LLM reasoning in JAX (GRPO, DAPO, Dr. GRPO, Lite PPO).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -211,6 +225,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the warm start (default 300; 30 with --quick)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("sweep", help="run a grid of runs (recipes x data x models x seeds) from a YAML file",
+                       description="Expands GRID.yaml into cells OUT_ROOT/<recipe>/<data>/<model>/seed<k>, validates every "
+                       "cell's config, then runs the cells one after another, each a `jaxrl4llm train` process. Run it "
+                       "again to continue: finished cells (done.json) are skipped, unfinished ones resume from their last "
+                       "checkpoint. A failing cell does not stop the others; the exit status is 1 if any failed. "
+                       "docs/sweeps.md.")
+    p.add_argument("grid", metavar="GRID.yaml", help="the grid file, e.g. configs/sweeps/miniature.yaml")
+    p.add_argument("--emit", action="store_true",
+                   help="print one launch line per cell (for a cluster or tpu_scripts/launch.sh) and run nothing")
+    p.add_argument("--emit-prefix", default="jaxrl4llm train", metavar="CMD",
+                   help="the command --emit puts before each cell's arguments (default: jaxrl4llm train; "
+                   "e.g. tpu_scripts/launch.sh)")
+    p.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                   help="only the cells whose folder name matches (fnmatch; repeatable), e.g. 'grpo' or '*/seed0'")
+    p.add_argument("--dry-run", action="store_true", help="print each cell's state and command and run nothing")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("report", help="compare runs over seeds: curves with 95%% intervals, accuracy tables, t-tests",
+                       description="Groups run folders into arms (a sweep's recipe/data/model labels, or equal configs "
+                       "but the seed) and writes OUT/report.md and PNG curves: mean and 95% t-interval over seeds, "
+                       "final held-out accuracy per benchmark, and each arm against the baseline arm (difference, "
+                       "95% interval, Welch t-test). A folder that is not a run is searched for runs. docs/sweeps.md.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders, or folders holding them (a sweep's out_root)")
+    p.add_argument("-o", "--out", default="report", help="output folder (default: report)")
+    p.add_argument("--baseline", default=None, metavar="LABEL", help="the arm the others are compared with (default: the first)")
+    p.add_argument("--no-plots", action="store_true", help="write the tables only (no PNG curves)")
+    p.set_defaults(fn=cmd_report)
     return parser
 
 
