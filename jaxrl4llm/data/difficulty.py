@@ -62,13 +62,11 @@ def count_histogram(counts: Sequence[int], num_rollouts: int) -> list[int]:
 
 
 def _plot_histogram(hist: list[int], easy_min: int, hard_max: int, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
     colors = ["#d62728" if c <= hard_max else "#2ca02c" if c >= easy_min else "#ff7f0e" for c in range(len(hist))]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     ax.bar(range(len(hist)), hist, color=colors)
     ax.set_xlabel(f"correct answers out of {len(hist) - 1} rollouts")
     ax.set_ylabel("problems")
@@ -80,7 +78,6 @@ def _plot_histogram(hist: list[int], easy_min: int, hard_max: int, path: Path, t
                        Patch(color="#2ca02c", label="easy")], loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write_difficulty_bins(

@@ -195,10 +195,10 @@ def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, p
     return merge(graphdef, state).hidden_states(tokens, positions, attention_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "first_scored"))
 def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
                  positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
-                 chunk_size: int = 128, dropout_rng: jax.Array | None = None
+                 chunk_size: int = 128, dropout_rng: jax.Array | None = None, first_scored: int = 0
                  ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
 
@@ -209,12 +209,16 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
     never exist at once; any other model's `__call__` logits are scored whole.
     Targets outside [0, V) (e.g. -100) are clipped, never NaN: mask those positions.
     dropout_rng: a key for LoRA adapter dropout (the trainer's update passes one; None = none).
+    first_scored: static; positions before it are not scored (logp and entropy 0 there) and the
+      LM head never runs on them: the trainer passes the prompt length - 1, so only response
+      targets are scored.
     """
     with lora_dropout(dropout_rng):
-        return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size)
+        return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size,
+                      first_scored)
 
 
-def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size):
+def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0):
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     if hasattr(model, "hidden_states") and hasattr(model, "logits"):
         h = model.hidden_states(tokens, positions, attention_mask)
@@ -222,4 +226,9 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
     else:
         h = model(tokens, positions, attention_mask)
         head = lambda zc: zc * inv_temperature
-    return token_logprobs_from_head(head, h, targets, chunk_size=chunk_size, return_entropy=True)
+    if not first_scored:
+        return token_logprobs_from_head(head, h, targets, chunk_size=chunk_size, return_entropy=True)
+    logp, entropy = token_logprobs_from_head(head, h[:, first_scored:], targets[:, first_scored:],
+                                             chunk_size=chunk_size, return_entropy=True)
+    pad = lambda x: jnp.pad(x, ((0, 0), (first_scored, 0)))
+    return pad(logp), pad(entropy)

@@ -258,6 +258,7 @@ class Run:
     ref_params: Any  # the reference policy's params (KL / reference log-probs), or None
     base_key: jax.Array
     batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
+    settings: UpdateSettings = UpdateSettings()  # old_logp_from_update: the update scores pi_old itself
 
 
 def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, Any]:
@@ -284,7 +285,13 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
         eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
     )
-    settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro)
+    # One optimizer step per rollout (no dropout): pi_old is the policy the update itself scores, so
+    # old_logp is its own forward pass (detached) and the separate recompute pass is skipped.
+    single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not policy.dropout
+    settings = UpdateSettings(
+        ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
+        old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute",
+        scored_tokens=cfg.rollout.max_new_tokens if policy.config is not None else None)
     # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
     # the update keeps every leaf where it is.
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -301,7 +308,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         out_shardings=(state_shardings, None, None),
         donate_argnums=(0,),
     )
-    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro),
+    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro, settings.scored_tokens),
                            in_shardings=(sharding_of(policy.state), batch_in))
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
@@ -313,18 +320,20 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
         batch_shardings=batch_in,
+        settings=settings,
     )
     return run, state
 
 
 def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     """Advantages of the rows and the train batch, with the current policy's log-probs as
-    old_logp (`trainer.old_logp_source: recompute`) and the reference's when needed."""
+    old_logp (`trainer.old_logp_source: recompute`; a single-step update scores them itself:
+    UpdateSettings.old_logp_from_update) and the reference's when needed."""
     adv = run.advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch moves to the trainer's
     sampler_logp = rollout.logprobs if run.recipe.sampler_logp_kind == "sampled" else None
     batch = jax.device_put(rollout_to_batch(rollout, adv, sampler_logp=sampler_logp), run.batch_shardings)
-    if run.cfg.trainer.old_logp_source == "recompute":
+    if run.cfg.trainer.old_logp_source == "recompute" and not run.settings.old_logp_from_update:
         old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
         batch = batch._replace(old_logp=old_logp * batch.loss_mask)
     if run.ref_params is not None:
@@ -337,8 +346,10 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
     """The step's metrics (the same on every process: global arrays are gathered first)."""
     lengths = hosts.fetch(rollout.lengths)
     truncated = hosts.fetch(rollout.truncated)
-    gap = jnp.abs(batch.old_logp - batch.sampler_logp) * batch.loss_mask
+    counted = batch.loss_mask * batch.row_weights[:, None]
+    gap = jnp.sum(jnp.abs(batch.old_logp - batch.sampler_logp) * counted) / jnp.maximum(jnp.sum(counted), 1.0)
     record = {
+        "sampler_trainer_logp_gap": float(gap),  # the update's own figure (below) when it scored pi_old itself
         **{k: float(v) for k, v in jax.device_get(metrics).items()},
         "reward": float(np.mean(rewards)),
         "accuracy": float(np.mean(rewards > 0.5)),
@@ -349,7 +360,6 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
         "response_length": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
         "truncation_rate": float(truncated.mean()),
-        "sampler_trainer_logp_gap": float(jnp.sum(gap) / jnp.maximum(jnp.sum(batch.loss_mask), 1.0)),
         "prompt_tokens": float(jnp.sum(rollout.prompt_mask)),
     }
     if truncated.any():

@@ -328,7 +328,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     micro_rows = rows // cfg.trainer.mini_batches // micro
     per_chip_rows = micro_rows / dp
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    chunk = min(cfg.model.logprob_chunk_size, seq)
+    chunk = min(cfg.model.logprob_chunk_size, response_len)  # the head scores the response positions only
     residuals = config.num_layers * per_chip_rows * seq * d * 4  # the scan's saved residual stream (remat)
     layer_work = per_chip_rows * seq * (6 * d + 3 * f // mesh.shape["tensor"]) * 4
     head_work = per_chip_rows * chunk * v // mesh.shape["tensor"] * 4 * 3
@@ -337,13 +337,16 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
     tokens = rows * seq
-    plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro)).lower(params, batch),
+    plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len)).lower(
+                             params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
                          2 * config.num_params * tokens / mesh.size, mesh)
     programs.append(plan_l)
+    single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1  # as the loop's setup_run
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
-                              micro_batches=micro)
+                              micro_batches=micro, scored_tokens=response_len,
+                              old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute")
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                             settings=settings, loss_fn=policy_loss)
     plan_u, _ = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),

@@ -16,16 +16,15 @@ DEFAULT_METRICS = (
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None, *, metrics: Sequence[str] | None = None) -> Path:
     """Draws each metric (one panel) for every run (one line each); returns the PNG path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own (no pyplot): the caller's backend (a notebook's inline one) is left alone
+    from matplotlib.figure import Figure
 
     metrics = list(metrics or DEFAULT_METRICS)
     runs = [(Path(d).name or str(d), read_metrics(d)) for d in run_dirs]
     cols = 4
     rows = -(-len(metrics) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    fig = Figure(figsize=(4 * cols, 3 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, metric in zip(axes.flat, metrics):
         for name, records in runs:
             pts = [(r["step"], r[metric]) for r in records if isinstance(r.get(metric), (int, float))]
@@ -43,5 +42,4 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None, *, 
     out = Path(out) if out else Path(run_dirs[0]) / "curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out

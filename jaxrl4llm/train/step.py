@@ -10,7 +10,9 @@ The model enters as `logprob_fn(params, input_tokens, targets, positions, attent
 -> (logp [B, L], entropy [B, L])`, so this module knows nothing of any architecture. With a
 frozen part (LoRA: `TrainState.frozen` holds the base weights), `params` passed to it is
 `join_params(trainable, frozen)` = (trainable, frozen), and only the trainable part is
-differentiated, optimised and checkpointed.
+differentiated, optimised and checkpointed. With `UpdateSettings.scored_tokens` = n it is
+called with `last=n` and scores only the last n positions (the response targets; the others
+come back 0): the LM head never runs over the prompt.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ class UpdateSettings:
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batches: int = 1
+    # old_logp = sg(logp) of the update's own forward pass instead of batch.old_logp: exact when
+    # the update is one optimizer step from the policy that will be scored (ppo_epochs =
+    # mini_batches = 1, no dropout), and it saves the separate recompute pass over the batch.
+    old_logp_from_update: bool = False
+    # score only the last n positions of each row (the response targets); None = all
+    scored_tokens: int | None = None
 
 
 def make_optimizer(
@@ -140,12 +148,22 @@ def _unsplit(x: chex.Array) -> chex.Array:
 
 
 def batch_loss_terms(
-    params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss, loss_key=None
+    params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss, loss_key=None,
+    old_logp_from_update: bool = False, scored_tokens: int | None = None,
 ) -> tuple[LossTerms, dict, chex.Array]:
     """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis.
 
-    loss_key: PRNG key passed to loss_fn as key= when recipe.needs_key (Clip-Cov)."""
-    logp, entropy = logprob_fn(params, batch.input_tokens, batch.targets, batch.positions, batch.attention_mask)
+    loss_key: PRNG key passed to loss_fn as key= when recipe.needs_key (Clip-Cov).
+    old_logp_from_update, scored_tokens: see UpdateSettings. With old_logp_from_update the
+    metrics also hold "sampler_trainer_logp_gap", mean |old_logp - sampler_logp| over the
+    counted tokens."""
+    logp, entropy = score_batch(logprob_fn, params, batch, scored_tokens)
+    gap = None
+    if old_logp_from_update:
+        old = jax.lax.stop_gradient(logp) * batch.loss_mask
+        batch = batch._replace(old_logp=old)
+        counted = batch.loss_mask * batch.row_weights[:, None]
+        gap = jnp.sum(jnp.abs(old - batch.sampler_logp) * counted) / jnp.maximum(jnp.sum(counted), 1.0)
     extra = {"key": loss_key} if recipe.needs_key else {}
     terms, metrics = loss_fn(
         recipe,
@@ -165,7 +183,16 @@ def batch_loss_terms(
                          dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
                          cispo_cap_mode=recipe.cispo_cap_mode)
     clipped = clipped & (batch.row_weights[:, None] > 0)
+    if gap is not None:
+        metrics = dict(metrics, sampler_trainer_logp_gap=gap)
     return terms, metrics, clipped
+
+
+def score_batch(logprob_fn: LogprobFn, params, batch: TrainBatch, scored_tokens: int | None = None):
+    """logprob_fn on a batch's arrays -> (logp, entropy) [B, L]; with scored_tokens = n only the
+    last n positions are scored (`last=n`; the others are 0)."""
+    extra = {} if scored_tokens is None else {"last": scored_tokens}
+    return logprob_fn(params, batch.input_tokens, batch.targets, batch.positions, batch.attention_mask, **extra)
 
 
 _MIN_KEYS = ("ratio_min",)
@@ -216,7 +243,9 @@ def make_update_fn(
 
         def num_fn(p):
             terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
-                                                       loss_fn=loss_fn, loss_key=loss_key)
+                                                       loss_fn=loss_fn, loss_key=loss_key,
+                                                       old_logp_from_update=s.old_logp_from_update,
+                                                       scored_tokens=s.scored_tokens)
             return terms.numerator, (terms, metrics, clipped)
 
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
@@ -291,14 +320,15 @@ def make_update_fn(
     return update
 
 
-def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int):
-    """(params, batch) -> (logp [B, L], entropy [B, L]) computed micro-batch by micro-batch."""
+def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: int | None = None):
+    """(params, batch) -> (logp [B, L], entropy [B, L]) computed micro-batch by micro-batch
+    (scored_tokens: as UpdateSettings.scored_tokens)."""
 
     def run(params, batch: TrainBatch):
         parts = jax.tree.map(lambda x: _split(x, micro_batches), batch)
 
         def one(mb: TrainBatch):
-            return logprob_fn(params, mb.input_tokens, mb.targets, mb.positions, mb.attention_mask)
+            return score_batch(logprob_fn, params, mb, scored_tokens)
 
         logp, ent = jax.lax.map(one, parts)
         return _unsplit(logp), _unsplit(ent)

@@ -83,6 +83,29 @@ def test_score_tokens_equals_log_softmax_of_forward(model):
     np.testing.assert_allclose(h @ state["lm_head"]["kernel"].get_value() / 0.7, logits, atol=1e-4)
 
 
+def test_scoring_the_last_positions_only_equals_the_full_scoring_there(model):
+    """first_scored = k: positions < k come back 0 and the LM head skips them; the rest, and the
+    gradient of a loss over them, equal the full scoring."""
+    graphdef, state = model
+    tokens, mask = _left_padded_batch()
+    positions = positions_from_mask(mask)
+    targets = jnp.roll(tokens, -1, axis=1)
+    k = 3
+    tail = jnp.zeros_like(mask).at[:, k:].set(mask[:, k:]).astype(jnp.float32)
+
+    def score(s, first):
+        return score_tokens(graphdef, s, tokens, targets, positions=positions, attention_mask=mask, chunk_size=2,
+                            first_scored=first)
+
+    (full_lp, full_ent), (lp, ent) = score(state, 0), score(state, k)
+    np.testing.assert_allclose(lp[:, k:], full_lp[:, k:], atol=1e-6)
+    np.testing.assert_allclose(ent[:, k:], full_ent[:, k:], atol=1e-6)
+    assert not np.asarray(lp[:, :k]).any() and not np.asarray(ent[:, :k]).any()
+    grads = [jax.grad(lambda s: jnp.sum(score(s, first)[0] * tail))(state) for first in (0, k)]
+    for a, b in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_score_tokens_gradients(model):
     """Chunked + remat gradients equal the unchunked ones (f32); bf16 compute gives f32 grads close to them."""
     graphdef, state = model

@@ -136,3 +136,23 @@ def test_clip_cov_update_is_deterministic_in_the_loss_seed():
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_array_equal(x, y)
     assert any(not np.array_equal(x, z) for x, z in zip(jax.tree.leaves(a.params), jax.tree.leaves(c.params)))
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_single_step_update_scoring_pi_old_itself_equals_the_recomputed_old_logp(micro):
+    """UpdateSettings.old_logp_from_update: one optimizer step from the scored policy gives the
+    update of a batch whose old_logp was recomputed in a separate pass, without that pass."""
+    recipe = dataclasses.replace(LITE_PPO, is_correction="tis_token", is_cap=2.0)
+    batch = toy_batch(recipe=recipe)
+    params = toy_params()
+    recomputed, _ = toy_logprob_fn(params, batch.input_tokens, batch.targets, None, None)
+    separate = batch._replace(old_logp=recomputed * batch.loss_mask)
+    stale = batch._replace(old_logp=batch.old_logp + 1.0)  # ignored: the update scores pi_old itself
+    a, ma, _ = _run(recipe, UpdateSettings(micro_batches=micro), separate, params=params)
+    b, mb, _ = _run(recipe, UpdateSettings(micro_batches=micro, old_logp_from_update=True), stale, params=params)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6, atol=1e-8)
+    counted = separate.loss_mask * separate.row_weights[:, None]
+    gap = jnp.sum(jnp.abs(separate.old_logp - separate.sampler_logp) * counted) / jnp.sum(counted)
+    np.testing.assert_allclose(mb["sampler_trainer_logp_gap"], gap, rtol=1e-5)
