@@ -64,7 +64,10 @@ class ModelConfigSection:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     param_dtype: Literal["bfloat16", "float32"] = "float32"
     remat: bool = False
-    logprob_chunk_size: int = 256
+    # positions per LM-head chunk when scoring: a chunk's logits hold rows x chunk x vocab floats
+    # (64 rows x 64 x 32k vocab = 0.5 GiB); measured on a 48M model, 64 rows x 255 tokens, remat:
+    # update temporaries 1.95 GiB at 64 against 2.57 GiB at 256
+    logprob_chunk_size: int = 64
     lora: LoraConfig | None = None
     module: str | None = None
     vocab_size: int | None = None
