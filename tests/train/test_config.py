@@ -10,10 +10,24 @@ from jaxrl4llm.train.config import ConfigError, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
+GRIDS = CONFIGS / "sweeps"  # `jaxrl4llm sweep` grid files, not run configs
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.yaml") if GRIDS not in p.parents),
+                         ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.recipe().name in PRESETS
+
+
+@pytest.mark.parametrize("path", sorted(GRIDS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_sweep_grid_validates(path):
+    """Every cell of every shipped grid loads as a RunConfig (paths to run outputs not checked)."""
+    from jaxrl4llm.train.sweep import expand_cells, read_grid, validate_cells
+
+    cells = expand_cells(read_grid(path))
+    assert cells
+    validate_cells(cells, check_paths=False)
 
 
 def test_recipe_configs_select_their_preset():
