@@ -254,12 +254,10 @@ def plot_curve(arms: Sequence[Arm], key: str, title: str, path: Path) -> bool:
     curves = [(arm, *curve(arm, key)) for arm in arms]
     if not any(steps for _, steps, _ in curves):
         return False
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) is left alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for arm, steps, ivs in curves:
         if not steps:
             continue
@@ -277,7 +275,6 @@ def plot_curve(arms: Sequence[Arm], key: str, title: str, path: Path) -> bool:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
     return True
 
 
