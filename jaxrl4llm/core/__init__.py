@@ -6,7 +6,7 @@ responses = B rows, each prompt's G responses adjacent (row b in group b // G); 
 are [B, T] with a float mask [B, T]; sequence arrays are [B]. Every function jits with its
 string options static, works under vmap and stays finite on degenerate input.
 
-Advantages:   normalize_advantages, rloo_advantages, batch_whiten
+Advantages:   normalize_advantages, rloo_advantages, batch_whiten, scale_rewards
 Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden,
               token_logprobs_from_head, entropy_from_logits
 Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO / GSPO-token), cispo_surrogate,
@@ -25,6 +25,7 @@ Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALER
 from jaxrl4llm.core.advantages import batch_whiten
 from jaxrl4llm.core.advantages import normalize_advantages
 from jaxrl4llm.core.advantages import rloo_advantages
+from jaxrl4llm.core.advantages import scale_rewards
 from jaxrl4llm.core.aggregation import AGGREGATION_MODES
 from jaxrl4llm.core.aggregation import LossTerms
 from jaxrl4llm.core.aggregation import aggregate_loss
@@ -81,6 +82,6 @@ __all__ = [
     "PPO_BASELINE", "PRESETS", "Recipe", "SCALERL", "SurrogateStats", "aggregate_loss", "batch_whiten",
     "cispo_surrogate", "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
     "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
-    "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "sapo_surrogate", "token_logprobs",
+    "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "scale_rewards", "sapo_surrogate", "token_logprobs",
     "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",
 ]

@@ -10,6 +10,8 @@ choice of `mean` and `std` level in `normalize_advantages`:
     Lite PPO  mean="group", std="batch"   (Tricks or Traps, the "robust" mix)
     Dr. GRPO  mean="group", std="none"    (Liu et al. 2025, Understanding R1-Zero)
     REINFORCE mean="none",  std="none"    (raw outcome reward)
+
+`scale_rewards` is the study's reward-scale setting ({0, 1} vs {-1, 1}).
 """
 
 from __future__ import annotations
@@ -117,6 +119,17 @@ def normalize_advantages(
     else:
         scale = jnp.ones((1, 1), jnp.float32)
     return (centred / scale).reshape(-1)
+
+
+def scale_rewards(rewards: chex.Array, scale: float = 1.0, offset: float = 0.0) -> chex.Array:
+    """r' = scale * r + offset, elementwise on [B] rewards (float32).
+
+    The study's reward-scale setting (Tricks or Traps, arXiv 2508.08221, Sec. 4.1): a 0/1
+    verifier reward becomes {-1, 1} with scale=2, offset=-1. For scale > 0, advantages with a
+    std level ("group" / "batch") are unchanged up to `eps`, whereas std="none" (Dr. GRPO) scales
+    by `scale`; an offset cancels wherever a mean level is taken.
+    """
+    return scale * jnp.asarray(rewards, jnp.float32) + offset
 
 
 def rloo_advantages(rewards: chex.Array, group_size: int) -> chex.Array:

@@ -136,6 +136,11 @@ class RewardConfig:
     fn: str = "jaxrl4llm.rewards:batch_math_reward"
     batched: bool = True
     timeout: float = 5.0
+    # The training reward is scale * fn + offset (before DAPO's overlong penalty, which keeps its
+    # own units): scale=2, offset=-1 turns the verifier's {0, 1} into the study's {-1, 1} reward
+    # setting (Tricks or Traps, Sec. 4.1). Accuracy, pass rates and evaluation read fn's own value.
+    scale: float = 1.0
+    offset: float = 0.0
 
 
 @dataclasses.dataclass

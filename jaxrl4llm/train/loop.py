@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm.core import compute_advantages, policy_loss
+from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import rollout_to_batch
 from jaxrl4llm.train.checkpointing import RunCheckpointer
@@ -268,6 +268,9 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     rate = cfg.rollout.retire_pass_rate
     if rate is not None and not 0.0 < rate <= 1.0:
         raise ConfigError(f"rollout.retire_pass_rate={rate} must be in (0, 1] (a pass rate; null = off).")
+    if not cfg.reward.scale > 0:
+        raise ConfigError(f"reward.scale={cfg.reward.scale} must be > 0 (a zero scale removes the reward, a negative "
+                          f"one rewards wrong answers); use reward.offset to shift the reward.")
     if recipe.uses_sampler_logp and cfg.trainer.old_logp_source == "sampler":
         knob = f"tis_cap={recipe.tis_cap}" if recipe.tis_cap is not None else f"is_correction={recipe.is_correction!r}"
         raise ConfigError(
@@ -316,7 +319,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         reward_fn=make_reward_fn(cfg),
         # under the mesh context the model constrains its activations (rows over data x fsdp)
         update=_in_mesh(update, mesh), logprob_pass=_in_mesh(logprob_pass, mesh),
-        advantages_fn=jax.jit(lambda r, t, l: compute_advantages(r, G, recipe, truncated=t, lengths=l)),
+        advantages_fn=jax.jit(lambda r, t, l: compute_advantages(
+            scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l)),
         ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
         batch_shardings=batch_in,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl4llm.core import batch_whiten, normalize_advantages, rloo_advantages
+from jaxrl4llm.core import batch_whiten, normalize_advantages, rloo_advantages, scale_rewards
 from tests.core import reference as ref
 from tests.core._helpers import B, FAST, G, assert_finite, rewards, rng, seeds
 
@@ -104,6 +104,24 @@ def test_invariant_to_affine_maps_with_default_eps(seed, a, b):
     r = rewards(rng(seed), kind=0)  # 0/1 rewards: std is either 0 or >= 0.5
     mapped = (a * r + b).astype(np.float32)
     np.testing.assert_allclose(_adv(mapped), _adv(r), rtol=1e-4, atol=1e-4)
+
+
+@FAST
+@given(seed=seeds, a=st.floats(0.5, 4.0), b=st.floats(-3.0, 3.0), mean=st.sampled_from(["group", "batch"]))
+def test_scaled_rewards_scale_dr_grpo_advantages_and_leave_std_arms(seed, a, b, mean):
+    """The study's reward-scale setting through scale_rewards: without a std level (Dr. GRPO) the
+    advantages scale by `a` and the offset cancels; with one they do not move (0/1 rewards)."""
+    r = rewards(rng(seed), kind=0)
+    shaped = np.asarray(scale_rewards(jnp.asarray(r), a, b))
+    np.testing.assert_allclose(shaped, a * r + b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_adv(shaped, mean=mean, std="none"), a * _adv(r, mean=mean, std="none"),
+                               rtol=1e-4, atol=1e-4)
+    for std in (("group", "batch") if mean == "group" else ("batch",)):  # the study's three std arms
+        np.testing.assert_allclose(_adv(shaped, mean=mean, std=std), _adv(r, mean=mean, std=std), rtol=1e-4, atol=1e-4)
+
+
+def test_study_reward_setting_is_minus_one_one():
+    np.testing.assert_array_equal(np.asarray(scale_rewards(jnp.array([0.0, 1.0]), 2.0, -1.0)), [-1.0, 1.0])
 
 
 @FAST

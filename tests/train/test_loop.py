@@ -139,6 +139,21 @@ def test_no_positive_resampling_retires_prompts_for_good_across_resume(demo_asse
               log=lambda s: None)
 
 
+def test_reward_scale_reaches_the_advantages_not_the_accuracy(demo_assets, tmp_path):
+    """reward.scale / reward.offset (the study's {-1, 1} setting): Dr. GRPO's advantages (no std)
+    double at scale 2, while the logged accuracy, the verifier's own 0/1 value, is unchanged."""
+    extra = {"algorithm.preset": "dr_grpo", "trainer.steps": 1}
+    plain = train(load_config(None, tiny_overrides(demo_assets, tmp_path / "a", **extra)), log=lambda s: None)
+    scaled = train(load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **extra,
+                                                    **{"reward.scale": 2.0, "reward.offset": -1.0})), log=lambda s: None)
+    a, b = plain["history"][0], scaled["history"][0]
+    assert a["accuracy"] == b["accuracy"] and a["reward"] == b["reward"]
+    assert a["advantage_abs_max"] > 0
+    np.testing.assert_allclose(b["advantage_abs_max"], 2 * a["advantage_abs_max"], rtol=1e-5)
+    with pytest.raises(ConfigError, match=r"reward.scale=0.0 must be > 0"):
+        train(load_config(None, tiny_overrides(demo_assets, tmp_path / "c", **{"reward.scale": 0.0})), log=lambda s: None)
+
+
 def test_entropy_control_and_sampled_logp_recipe_run_end_to_end(demo_assets, tmp_path):
     """Clip-Cov through the loop (the train step hands the loss its PRNG key) with the
     corrections comparing against the sampled (top-k/top-p) distribution's log-probs."""
