@@ -1,0 +1,166 @@
+"""Where the RL update's time and memory go: one Lite PPO update at the TRL benchmark's shape,
+split into its stages, each jitted and timed alone, beside XLA's own FLOP and buffer counts.
+
+    .venv/bin/python benchmarks/update_profile.py [--size 48m] [--rows 64] [--prompt 256] [--response 128]
+        [--reps 3] [--remat on,off] [--stages forward,score,grad,optimizer,update,logprob_pass]
+
+Stages (the update is `train.step.make_update_fn` with one micro-batch, one optimizer step, the
+old log-probs scored by the update itself, the LM head on the response positions only, as
+`jaxrl4llm train` runs it in benchmarks/vs_trl.py):
+  forward       the decoder stack alone: hidden states [B, T, D]
+  score         forward + the chunked LM head on the response positions: logp, entropy [B, R]
+  grad          value and gradient of the Lite PPO loss (forward + backward; remat on/off)
+  optimizer     global-norm clip + AdamW on f32 parameters
+  update        the whole jitted update (grad + optimizer + metrics), the number vs_trl.py sees
+  logprob_pass  the separate pi_old scoring pass that a multi-step update (mini_batches > 1)
+                still runs before the update
+
+Per stage: median wall seconds, XLA's FLOPs (`cost_analysis`) against the model count
+2 N per token forward, 3x that with the backward (N: the
+stack's matmul parameters on every position, the LM head's on the scored ones), temporaries and output bytes (`memory_analysis`).
+The machine is noisy: compare stages of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from train_step import SIZES  # noqa: E402
+from jaxrl4llm.core import LITE_PPO  # noqa: E402
+from jaxrl4llm.models import ModelConfig, hidden_states, init_model  # noqa: E402
+from jaxrl4llm.train.policy import make_logprob_fn  # noqa: E402
+from jaxrl4llm.train.step import (  # noqa: E402
+    TrainBatch, UpdateSettings, batch_loss_terms, init_train_state, make_logprob_pass, make_optimizer, make_update_fn)
+
+
+def make_batch(cfg: ModelConfig, rows: int, prompt: int, response: int, real_prompt: int, seed: int = 0) -> TrainBatch:
+    """A left-padded batch: `real_prompt` real prompt tokens in a `prompt` bucket, then `response` tokens."""
+    rng = np.random.default_rng(seed)
+    t = prompt + response
+    tok = rng.integers(0, cfg.vocab_size, (rows, t))
+    mask = np.ones((rows, t), np.int32)
+    mask[:, : prompt - real_prompt] = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    loss_mask = np.zeros((rows, t - 1), np.float32)
+    loss_mask[:, prompt - 1:] = 1.0
+    f = lambda x: jnp.asarray(x, jnp.float32)
+    logp = -np.abs(rng.standard_normal((rows, t - 1))) * loss_mask
+    return TrainBatch(jnp.asarray(tok[:, :-1], jnp.int32), jnp.asarray(tok[:, 1:], jnp.int32),
+                      jnp.asarray(positions[:, :-1], jnp.int32), jnp.asarray(mask[:, :-1]), f(loss_mask),
+                      f(logp), f(logp), f(logp), f(rng.standard_normal(rows)), jnp.ones(rows), jnp.ones(rows))
+
+
+def timed(fn, args, reps: int, donate_state: bool = False) -> tuple[float, float]:
+    """(compile + first call seconds, median of `reps` later calls)."""
+    t = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        if donate_state:  # the update donates its state: feed it its own output
+            args = (out[0],) + tuple(args[1:])
+        t = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t)
+    return first, float(np.median(times))
+
+
+def xla_counts(jitted, args) -> tuple[float, float, float]:
+    """(FLOPs, temporary bytes, output bytes) of the compiled program, as XLA reports them."""
+    compiled = jitted.lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    mem = compiled.memory_analysis()
+    return float(cost.get("flops", float("nan"))), float(mem.temp_size_in_bytes), float(mem.output_size_in_bytes)
+
+
+def profile(args, remat: bool):
+    """Yields one row per stage (as soon as it is measured)."""
+    cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32",
+                      remat=remat, **SIZES[args.size])
+    graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
+    batch = make_batch(cfg, args.rows, args.prompt, args.response, args.real_prompt)
+    R = args.response
+    logprob_fn = make_logprob_fn(graphdef, 1.0, args.chunk)  # what the trainer's Policy builds
+    settings = UpdateSettings(old_logp_from_update=True, scored_tokens=R)
+    opt, sched = make_optimizer(lr=1e-6)
+    state = init_train_state(jax.tree.map(jnp.copy, params), opt)
+    all_tokens = args.rows * (args.prompt + args.response - 1)
+    scored = args.rows * R
+    head = cfg.vocab_size * cfg.hidden_size  # the LM head runs on the scored positions only
+    body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)  # the embedding lookup is no matmul
+    fwd_flops = {"forward": 2 * body * all_tokens, "score": 2 * (body * all_tokens + head * scored)}
+    fwd_flops.update(grad=3 * fwd_flops["score"], update=3 * fwd_flops["score"], logprob_pass=fwd_flops["score"])
+
+    def loss(p):
+        terms, _, _ = batch_loss_terms(p, batch, logprob_fn=logprob_fn, recipe=LITE_PPO, old_logp_from_update=True,
+                                       scored_tokens=R)
+        return terms.value
+
+    grads = jax.jit(jax.grad(loss))(params)
+    stages = {
+        "forward": (jax.jit(lambda p, b: hidden_states(graphdef, p, b.input_tokens, positions=b.positions,
+                                                       attention_mask=b.attention_mask)), (params, batch), False),
+        "score": (jax.jit(lambda p, b: logprob_fn(p, b.input_tokens, b.targets, b.positions, b.attention_mask,
+                                                  last=R)), (params, batch), False),
+        "grad": (jax.jit(jax.grad(loss)), (params,), False),
+        "optimizer": (jax.jit(lambda g, s: opt.update(g, s.opt_state, s.params)), (grads, state), False),
+        "update": (jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=LITE_PPO, optimizer=opt, schedule=sched,
+                                          settings=settings), donate_argnums=(0,)), (state, batch), True),
+        "logprob_pass": (jax.jit(make_logprob_pass(logprob_fn, 1, R)), (params, batch), False),
+    }
+    print(f"  ({cfg.num_params / 1e6:.1f}M params, {args.rows} rows x {args.prompt + args.response - 1} positions "
+          f"({args.real_prompt} real prompt tokens in a {args.prompt} bucket), {scored} scored tokens)", flush=True)
+    for name in args.stages.split(","):
+        fn, fargs, donate = stages[name]
+        flops, temp, out = xla_counts(fn, fargs)
+        if donate:  # the compiled program above did not consume the state; a fresh one for the timed calls
+            fargs = (init_train_state(jax.tree.map(jnp.copy, params), opt),) + fargs[1:]
+        first, med = timed(fn, fargs, args.reps, donate)
+        model = fwd_flops.get(name, float("nan"))
+        yield dict(stage=name, remat=remat, seconds=med, first=first, xla_flops=flops, model_flops=model,
+                   temp_gib=temp / 2**30, out_gib=out / 2**30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="48m", choices=sorted(SIZES))
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt bucket (left-padded width)")
+    ap.add_argument("--real-prompt", type=int, default=139, help="real prompt tokens per row (the rest is padding)")
+    ap.add_argument("--response", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=64, help="LM-head positions per chunk (model.logprob_chunk_size)")
+    ap.add_argument("--remat", default="on,off")
+    ap.add_argument("--stages", default="forward,score,grad,optimizer,update,logprob_pass")
+    args = ap.parse_args()
+    if args.real_prompt > args.prompt:
+        ap.error(f"--real-prompt {args.real_prompt} is longer than the --prompt bucket {args.prompt}")
+    print(f"update profile, {args.size}, jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"1-min load average {os.getloadavg()[0]:.1f}")
+    print(f"{'stage':<13} {'remat':<5} {'seconds':>8} {'1st call':>8} {'XLA GFLOP':>10} {'model GFLOP':>11} "
+          f"{'XLA/model':>9} {'temp GiB':>8} {'out GiB':>8}")
+    for remat in [r == "on" for r in args.remat.split(",")]:
+        for r in profile(args, remat):
+            ratio = r["xla_flops"] / r["model_flops"] if r["model_flops"] == r["model_flops"] else float("nan")
+            print(f"{r['stage']:<13} {'on' if r['remat'] else 'off':<5} {r['seconds']:>8.2f} {r['first']:>8.2f} "
+                  f"{r['xla_flops'] / 1e9:>10.0f} {r['model_flops'] / 1e9:>11.0f} {ratio:>9.2f} "
+                  f"{r['temp_gib']:>8.2f} {r['out_gib']:>8.2f}", flush=True)
+    print(f"1-min load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
