@@ -5,11 +5,19 @@
     positions = max(cumsum(mask) - 1, 0)        (the positions the sampler used)
     inputs = tokens[:, :-1], targets = tokens[:, 1:]                   [N, L = P + R - 1]
     loss_mask[:, P - 1 + j] = response_mask[:, j]
+
+On several processes every array here is a global array spread over all hosts: each stage is
+one jitted program (`merge_groups`, `batch_program`), never a run of eager ops, so every process
+launches the same collectives in the same order.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl4llm.core import AdvantageBatch
 from jaxrl4llm.sampling import Rollout
@@ -51,3 +59,53 @@ def rollout_to_batch(rollout: Rollout, adv: AdvantageBatch, *, sampler_logp=None
         row_weights=adv.row_weights,
         denominator_weights=adv.denominator_weights,
     )
+
+
+def _left_pad(rollout: Rollout, width: int, pad_id: int) -> Rollout:
+    """Prompts [N, P] -> [N, width] (more padding on the left; the responses are unchanged)."""
+    extra = width - rollout.prompt_tokens.shape[1]
+    if extra == 0:
+        return rollout
+    n = rollout.prompt_tokens.shape[0]
+    return rollout._replace(
+        prompt_tokens=jnp.concatenate([jnp.full((n, extra), pad_id, rollout.prompt_tokens.dtype), rollout.prompt_tokens], 1),
+        prompt_mask=jnp.concatenate([jnp.zeros((n, extra), rollout.prompt_mask.dtype), rollout.prompt_mask], 1),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("pad_id",))
+def _take_rows(rollouts: tuple, rows: jax.Array, *, pad_id: int) -> Rollout:
+    width = max(r.prompt_tokens.shape[1] for r in rollouts)
+    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[_left_pad(r, width, pad_id) for r in rollouts])
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
+
+
+def merge_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], group_size: int, pad_id: int) -> Rollout:
+    """The groups `picks` = [(rollout index, group index), ...] of several draws, in that order,
+    as one Rollout [len(picks) * G rows]; prompts left-padded to the widest draw's bucket.
+
+    One jitted program (a row gather over the draws' concatenation); the rollout itself when
+    the picks are all of one draw's groups in order (no dynamic-sampling redraw: no copy)."""
+    if all(r == 0 for r, _ in picks) and [g for _, g in picks] == list(range(rollouts[0].num_rows // group_size)):
+        return rollouts[0]
+    starts = np.cumsum([0] + [r.num_rows for r in rollouts])
+    rows = np.concatenate([np.arange(group_size) + starts[r] + g * group_size for r, g in picks]).astype(np.int32)
+    return _take_rows(tuple(rollouts), rows, pad_id=pad_id)
+
+
+def batch_program(advantages_fn, shardings: TrainBatch, sampled_logp: bool):
+    """jit of (rollout, rewards [N]) -> (TrainBatch on `shardings`, AdvantageBatch): advantages
+    and the teacher-forcing layout in one program, its output placed on the training mesh.
+
+    Args:
+      advantages_fn: (rewards [N], truncated [N], lengths [N]) -> AdvantageBatch (traced inside).
+      shardings: TrainBatch of the training mesh's shardings (`step.batch_shardings`).
+      sampled_logp: the corrections compare with rollout.logprobs (Recipe.sampler_logp_kind
+        "sampled") instead of rollout.logprobs_untruncated.
+    """
+    def build(rollout: Rollout, rewards):
+        adv = advantages_fn(rewards, rollout.truncated, rollout.lengths)
+        batch = rollout_to_batch(rollout, adv, sampler_logp=rollout.logprobs if sampled_logp else None)
+        return batch, adv
+
+    return jax.jit(build, out_shardings=(shardings, None))

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
 from jaxrl4llm.train import hosts
-from jaxrl4llm.train.batching import rollout_to_batch
+from jaxrl4llm.train.batching import batch_program, merge_groups
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
@@ -189,14 +189,9 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                 spare.append(entry)
     filled_with_constant = max(P - len(kept), 0)
     kept.extend(spare[:filled_with_constant])  # fixed shapes: constant groups get zero weight below
-    rollouts = [e[0] for e in kept]
-    # Concatenate the chosen groups' rows into one Rollout (same shapes: same buckets per step).
-    pad_to = max(r.prompt_tokens.shape[1] for r in rollouts)
-    pieces = []
-    for rollout, g, *_ in kept:
-        piece = jax.tree.map(lambda x: x[g * G : (g + 1) * G], rollout)
-        pieces.append(_left_pad_prompt(piece, pad_to, policy.pad_token_id))
-    merged = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *pieces)
+    draws_seen = list({id(e[0]): e[0] for e in kept}.values())  # each draw once, in order
+    index = {id(r): i for i, r in enumerate(draws_seen)}
+    merged = merge_groups(draws_seen, [(index[id(e[0])], e[1]) for e in kept], G, policy.pad_token_id)
     stats = {
         "time_sampling": t_sample,
         "time_reward": t_reward,
@@ -207,17 +202,6 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     if cfg.rollout.retire_pass_rate is not None:
         stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
     return merged, np.concatenate([e[2] for e in kept]), stats
-
-
-def _left_pad_prompt(rollout, width: int, pad_id: int):
-    extra = width - rollout.prompt_tokens.shape[1]
-    if extra == 0:
-        return rollout
-    n = rollout.prompt_tokens.shape[0]
-    return rollout._replace(
-        prompt_tokens=jnp.concatenate([jnp.full((n, extra), pad_id, rollout.prompt_tokens.dtype), rollout.prompt_tokens], 1),
-        prompt_mask=jnp.concatenate([jnp.zeros((n, extra), rollout.prompt_mask.dtype), rollout.prompt_mask], 1),
-    )
 
 
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "hf_export")  # what a run writes into trainer.out_dir
@@ -254,7 +238,7 @@ class Run:
     reward_fn: Callable
     update: Callable  # (state, batch) -> (state, metrics, clipped)
     logprob_pass: Callable  # (state, batch) -> (logp, entropy)
-    advantages_fn: Callable  # (rewards, truncated, lengths) -> Advantages
+    make_batch: Callable  # (rollout, rewards) -> (TrainBatch on the training mesh, Advantages)
     ref_params: Any  # the reference policy's params (KL / reference log-probs), or None
     base_key: jax.Array
     batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
@@ -319,8 +303,9 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         reward_fn=make_reward_fn(cfg),
         # under the mesh context the model constrains its activations (rows over data x fsdp)
         update=_in_mesh(update, mesh), logprob_pass=_in_mesh(logprob_pass, mesh),
-        advantages_fn=jax.jit(lambda r, t, l: compute_advantages(
-            scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l)),
+        make_batch=batch_program(lambda r, t, l: compute_advantages(
+            scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l),
+            batch_in, sampled_logp=recipe.sampler_logp_kind == "sampled"),
         ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
         batch_shardings=batch_in,
@@ -333,10 +318,8 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     """Advantages of the rows and the train batch, with the current policy's log-probs as
     old_logp (`trainer.old_logp_source: recompute`; a single-step update scores them itself:
     UpdateSettings.old_logp_from_update) and the reference's when needed."""
-    adv = run.advantages_fn(jnp.asarray(rewards), rollout.truncated, rollout.lengths)
-    # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch moves to the trainer's
-    sampler_logp = rollout.logprobs if run.recipe.sampler_logp_kind == "sampled" else None
-    batch = jax.device_put(rollout_to_batch(rollout, adv, sampler_logp=sampler_logp), run.batch_shardings)
+    # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch lands on the trainer's
+    batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32))
     if run.cfg.trainer.old_logp_source == "recompute" and not run.settings.old_logp_from_update:
         old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
         batch = batch._replace(old_logp=old_logp * batch.loss_mask)
@@ -346,25 +329,34 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     return batch, adv
 
 
+@jax.jit
+def _batch_scalars(batch, adv, prompt_mask) -> dict:
+    """The step's device-side figures in one program (scalars, replicated on every process)."""
+    counted = batch.loss_mask * batch.row_weights[:, None]
+    return {
+        # the update's own figure (in `metrics`) replaces it when the update scored pi_old itself
+        "sampler_trainer_logp_gap": jnp.sum(jnp.abs(batch.old_logp - batch.sampler_logp) * counted)
+        / jnp.maximum(jnp.sum(counted), 1.0),
+        "advantage_mean": jnp.mean(adv.advantages),
+        "advantage_std": jnp.std(adv.advantages),
+        "advantage_abs_max": jnp.max(jnp.abs(adv.advantages)),
+        "rows_in_loss": jnp.mean(adv.row_weights),
+        "prompt_tokens": jnp.sum(prompt_mask),
+    }
+
+
 def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dict, clipped, step: int) -> dict:
     """The step's metrics (the same on every process: global arrays are gathered first)."""
     lengths = hosts.fetch(rollout.lengths)
     truncated = hosts.fetch(rollout.truncated)
-    counted = batch.loss_mask * batch.row_weights[:, None]
-    gap = jnp.sum(jnp.abs(batch.old_logp - batch.sampler_logp) * counted) / jnp.maximum(jnp.sum(counted), 1.0)
     record = {
-        "sampler_trainer_logp_gap": float(gap),  # the update's own figure (below) when it scored pi_old itself
+        **{k: float(v) for k, v in jax.device_get(_batch_scalars(batch, adv, rollout.prompt_mask)).items()},
         **{k: float(v) for k, v in jax.device_get(metrics).items()},
         "reward": float(np.mean(rewards)),
         "accuracy": float(np.mean(rewards > 0.5)),
-        "advantage_mean": float(jnp.mean(adv.advantages)),
-        "advantage_std": float(jnp.std(adv.advantages)),
-        "advantage_abs_max": float(jnp.max(jnp.abs(adv.advantages))),
-        "rows_in_loss": float(jnp.mean(adv.row_weights)),
         "response_length": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
         "truncation_rate": float(truncated.mean()),
-        "prompt_tokens": float(jnp.sum(rollout.prompt_mask)),
     }
     if truncated.any():
         tokens = hosts.fetch(rollout.response_tokens)

@@ -4,7 +4,7 @@ import numpy as np
 
 from jaxrl4llm.core import LITE_PPO, compute_advantages
 from jaxrl4llm.sampling import Rollout
-from jaxrl4llm.train.batching import rollout_to_batch
+from jaxrl4llm.train.batching import merge_groups, rollout_to_batch
 
 
 def _rollout():
@@ -26,3 +26,27 @@ def test_old_logp_is_untruncated_and_sampler_logp_is_the_chosen_kind():
         assert not np.asarray(batch.old_logp)[:, :2].any()
     np.testing.assert_array_equal(np.asarray(default.sampler_logp)[response], np.float32(-0.9))
     np.testing.assert_array_equal(np.asarray(sampled.sampler_logp)[response], -0.5)
+
+
+def _draw(width: int, first: int, rows: int = 4) -> Rollout:
+    """A rollout of `rows` rows whose prompt has `width` slots (the last one real) and whose
+    row i carries the value first + i everywhere else."""
+    ids = np.arange(first, first + rows)
+    per_row = lambda dtype, cols: np.repeat(ids[:, None], cols, 1).astype(dtype)
+    return Rollout(
+        prompt_tokens=per_row(np.int32, width), prompt_mask=np.eye(1, width, width - 1, dtype=np.float32).repeat(rows, 0),
+        response_tokens=per_row(np.int32, 3), response_mask=np.ones((rows, 3), np.float32),
+        logprobs=per_row(np.float32, 3), logprobs_untruncated=per_row(np.float32, 3),
+        lengths=ids.astype(np.int32), truncated=ids % 2 == 0)
+
+
+def test_merge_groups_takes_the_picked_groups_in_order_and_pads_prompts_left():
+    a, b = _draw(2, 0), _draw(4, 100)  # groups of 2 rows: a holds groups 0, 1; b (a wider bucket) 0, 1
+    merged = merge_groups([a, b], [(1, 1), (0, 0), (1, 0)], group_size=2, pad_id=-1)
+    np.testing.assert_array_equal(np.asarray(merged.lengths), [102, 103, 0, 1, 100, 101])
+    np.testing.assert_array_equal(np.asarray(merged.truncated), [True, False, True, False, True, False])
+    assert merged.prompt_tokens.shape == (6, 4)
+    np.testing.assert_array_equal(np.asarray(merged.prompt_tokens)[2], [-1, -1, 0, 0])  # a's row, left-padded
+    np.testing.assert_array_equal(np.asarray(merged.prompt_mask)[2], [0, 0, 0, 1])
+    np.testing.assert_array_equal(np.asarray(merged.prompt_tokens)[0], [102] * 4)
+    assert merge_groups([a, b], [(0, 0), (0, 1)], group_size=2, pad_id=-1) is a  # one draw in order: no copy
