@@ -2,14 +2,14 @@
 split into its stages, each jitted and timed alone, beside XLA's own FLOP and buffer counts.
 
     .venv/bin/python benchmarks/update_profile.py [--size 48m] [--rows 64] [--prompt 256] [--response 128]
-        [--reps 3] [--remat on,off] [--stages forward,score,grad,optimizer,update,logprob_pass]
+        [--reps 3] [--remat full,save_attention,save_dots,off] [--stages forward,score,grad,optimizer,update,logprob_pass]
 
 Stages (the update is `train.step.make_update_fn` with one micro-batch, one optimizer step, the
 old log-probs scored by the update itself, the LM head on the response positions only, as
 `jaxrl4llm train` runs it in benchmarks/vs_trl.py):
   forward       the decoder stack alone: hidden states [B, T, D]
   score         forward + the chunked LM head on the response positions: logp, entropy [B, R]
-  grad          value and gradient of the Lite PPO loss (forward + backward; remat on/off)
+  grad          value and gradient of the Lite PPO loss (forward + backward; per remat policy, or off)
   optimizer     global-norm clip + AdamW on f32 parameters
   update        the whole jitted update (grad + optimizer + metrics), the number vs_trl.py sees
   logprob_pass  the separate pi_old scoring pass that a multi-step update (mini_batches > 1)
@@ -89,10 +89,10 @@ def xla_counts(compiled) -> tuple[float, float, float]:
     return float(cost.get("flops", float("nan"))), float(mem.temp_size_in_bytes), float(mem.output_size_in_bytes)
 
 
-def profile(args, remat: bool):
-    """Yields one row per stage (as soon as it is measured)."""
+def profile(args, remat: str):
+    """Yields one row per stage (as soon as it is measured); remat: a models/remat.py policy or "off"."""
     cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32",
-                      remat=remat, **SIZES[args.size])
+                      remat=remat != "off", remat_policy="full" if remat == "off" else remat, **SIZES[args.size])
     graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
     batch = make_batch(cfg, args.rows, args.prompt, args.response, args.real_prompt)
     R = args.response
@@ -147,19 +147,22 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=64, help="LM-head positions per chunk (model.logprob_chunk_size)")
-    ap.add_argument("--remat", default="on,off")
+    ap.add_argument("--remat", default="full,save_attention,save_dots",
+                    help="comma-separated models/remat.py policies (full, save_attention, save_dots) and/or off")
     ap.add_argument("--stages", default="forward,score,grad,optimizer,update,logprob_pass")
     args = ap.parse_args()
     if args.real_prompt > args.prompt:
         ap.error(f"--real-prompt {args.real_prompt} is longer than the --prompt bucket {args.prompt}")
     print(f"update profile, {args.size}, jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"1-min load average {os.getloadavg()[0]:.1f}")
-    print(f"{'stage':<13} {'remat':<5} {'seconds':>8} {'compile':>8} {'1st call':>8} {'XLA GFLOP':>10} {'model GFLOP':>11} "
+    print(f"{'stage':<13} {'remat':<14} {'seconds':>8} {'compile':>8} {'1st call':>8} {'XLA GFLOP':>10} {'model GFLOP':>11} "
           f"{'XLA/model':>9} {'temp GiB':>8} {'out GiB':>8}")
-    for remat in [r == "on" for r in args.remat.split(",")]:
+    for remat in args.remat.split(","):
+        if remat not in ("full", "save_attention", "save_dots", "off"):
+            ap.error(f"--remat {remat!r}: use full, save_attention, save_dots or off")
         for r in profile(args, remat):
             ratio = r["xla_flops"] / r["model_flops"] if r["model_flops"] == r["model_flops"] else float("nan")
-            print(f"{r['stage']:<13} {'on' if r['remat'] else 'off':<5} {r['seconds']:>8.2f} {r['compile']:>8.1f} {r['first']:>8.2f} "
+            print(f"{r['stage']:<13} {r['remat']:<14} {r['seconds']:>8.2f} {r['compile']:>8.1f} {r['first']:>8.2f} "
                   f"{r['xla_flops'] / 1e9:>10.0f} {r['model_flops'] / 1e9:>11.0f} {ratio:>9.2f} "
                   f"{r['temp_gib']:>8.2f} {r['out_gib']:>8.2f}", flush=True)
     print(f"1-min load average after: {os.getloadavg()[0]:.1f}")

@@ -22,6 +22,7 @@ def encode_prompts(
     *,
     max_prompt_tokens: int,
     on_overlong: str = "error",
+    instruction: str | None = None,
 ) -> tuple[list[list[int]], list[int], int]:
     """Token ids of every formatted prompt, dropping or rejecting those over the budget.
 
@@ -31,6 +32,7 @@ def encode_prompts(
       template: prompt template name or format string (see ``format_prompt``).
       max_prompt_tokens: the budget (``data.max_prompt_tokens`` in the training config).
       on_overlong: ``"error"`` raises on the first prompt over budget; ``"drop"`` skips it.
+      instruction: the template's instruction sentence (see ``format_prompt``; None: the study's).
 
     Returns:
       (token id lists of the kept prompts, indices of the kept problems, number dropped).
@@ -43,7 +45,7 @@ def encode_prompts(
         raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
     ids_out, kept, dropped = [], [], 0
     for index, problem in enumerate(problems):
-        text = format_prompt(problem, template, tokenizer)
+        text = format_prompt(problem, template, tokenizer, instruction=instruction)
         ids = encode_prompt_text(text, tokenizer, template)
         if len(ids) > max_prompt_tokens:
             if on_overlong == "error":

@@ -17,6 +17,10 @@ models):
   ``"chat"``.
 
 A template may also be given directly as a string containing ``{problem}``.
+
+``instruction`` replaces the study's sentence in the templates that carry it (all but
+``"demo"``): a small instruct model that rambles under "reason step by step" may be asked for a
+short answer instead (``data.instruction`` in a run config).
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from jaxrl4llm.data.problems import Problem
 INSTRUCTION = r"Please reason step by step, and put your final answer within \boxed{}."
 
 PROMPT_TEMPLATES: dict[str, str] = {
-    "base": "Question: {problem}\n" + INSTRUCTION + "\nAnswer: Let's think step by step.",
+    "base": "Question: {problem}\n{instruction}\nAnswer: Let's think step by step.",
     "demo": "Q: {problem}\nA:",
-    "chat": "{problem}\n" + INSTRUCTION,
-    "qwen3_thinking": "{problem}\n" + INSTRUCTION,
-    "qwen3_no_thinking": "{problem}\n" + INSTRUCTION,
+    "chat": "{problem}\n{instruction}",
+    "qwen3_thinking": "{problem}\n{instruction}",
+    "qwen3_no_thinking": "{problem}\n{instruction}",
 }
 
 # Chat template names -> the enable_thinking value passed to the tokenizer's chat template
@@ -46,7 +50,8 @@ def is_chat_template(template: str) -> bool:
 
 
 def format_prompt(
-    problem: Problem | str, template: str, tokenizer: Any = None, *, enable_thinking: bool | None = None
+    problem: Problem | str, template: str, tokenizer: Any = None, *, enable_thinking: bool | None = None,
+    instruction: str | None = None,
 ) -> str:
     """The prompt text for ``problem`` under ``template`` (a registry name or a format string).
 
@@ -59,6 +64,8 @@ def format_prompt(
         ``tokenizer.apply_chat_template`` (Qwen3's thinking switch); ``None`` (default) uses the
         template name's value (``"chat"``: not passed). The tokenizer's chat template must use
         ``enable_thinking`` when it is passed.
+      instruction: the sentence after the problem in the templates that have one (default
+        ``INSTRUCTION``, the study's); an error for ``"demo"`` and format strings.
     """
     text = problem.problem if isinstance(problem, Problem) else str(problem)
     if template in PROMPT_TEMPLATES:
@@ -70,7 +77,12 @@ def format_prompt(
             f"unknown prompt template {template!r}; use one of {sorted(PROMPT_TEMPLATES)} or a string "
             "containing '{problem}'"
         )
-    content = pattern.replace("{problem}", text)  # plain replace: braces such as \boxed{} stay
+    if instruction is not None and "{instruction}" not in pattern:
+        raise ValueError(f"template {template!r} has no instruction to replace; use 'base', 'chat', 'qwen3_thinking' "
+                         "or 'qwen3_no_thinking', or write the sentence into your own template string")
+    # plain replace: braces such as \boxed{} stay
+    content = pattern.replace("{instruction}", INSTRUCTION if instruction is None else instruction)
+    content = content.replace("{problem}", text)
     if not is_chat_template(template):
         if enable_thinking is not None:
             raise ValueError(

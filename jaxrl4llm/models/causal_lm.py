@@ -33,6 +33,7 @@ from jaxrl4llm.models.layers.linear import (Linear, LoraSettings, current_dropou
                                             normal_init, param)
 from jaxrl4llm.models.layers.norm import RMSNorm
 from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.models.remat import checkpoint_policy
 from jaxrl4llm.models.sharding import ACTIVATION_AXES, LOGITS_AXES, constrain
 
 
@@ -116,7 +117,7 @@ class CausalLM(nnx.Module):
             return constrain(x, ACTIVATION_AXES), None
 
         if c.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
+            body = jax.checkpoint(body, prevent_cse=False, policy=checkpoint_policy(c.remat_policy))
         x, _ = jax.lax.scan(body, constrain(self.embed_tokens(tokens), ACTIVATION_AXES), (layer_state, keys))
         return self.final_norm(x)
 

@@ -14,6 +14,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
+from jaxrl4llm.models.remat import REMAT_POLICIES
+
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
 
 _HF_CLASS_NAMES = {
@@ -64,6 +66,8 @@ class ModelConfig:
       dtype: compute dtype of matmul inputs ("bfloat16" -> bf16 x bf16 -> f32 accumulation); a
         dtype object (jnp.bfloat16) is accepted and stored by name.
       param_dtype: storage dtype of parameters. remat: rematerialise each layer in backward.
+      remat_policy: what a rematerialised layer keeps ("full": nothing, "save_attention",
+        "save_dots"; models/remat.py).
     attention_query_chunk: sequences longer than this attend in blocks of this many queries
       (bounds the [B, H, T, T] score memory of training/scoring; None = never).
     """
@@ -90,6 +94,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: bool = False
+    remat_policy: str = "full"
     attention_query_chunk: int | None = 1024
 
     def __post_init__(self):
@@ -104,6 +109,9 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError(f"remat_policy={self.remat_policy!r}; choose one of {', '.join(REMAT_POLICIES)} "
+                              f"(models/remat.py)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         for name in ("dtype", "param_dtype"):

@@ -64,6 +64,9 @@ class ModelConfigSection:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     param_dtype: Literal["bfloat16", "float32"] = "float32"
     remat: bool = False
+    # what a rematerialised layer keeps for the backward (models/remat.py): "full" keeps nothing
+    # (least memory), "save_dots" every matmul output (least recompute), "save_attention" between
+    remat_policy: Literal["full", "save_attention", "save_dots"] = "full"
     # positions per LM-head chunk when scoring: a chunk's logits hold rows x chunk x vocab floats
     # (64 rows x 64 x 32k vocab = 0.5 GiB); measured on a 48M model, 64 rows x 255 tokens, remat:
     # update temporaries 1.95 GiB at 64 against 2.57 GiB at 256
@@ -84,6 +87,9 @@ class DataConfig:
     problem_key: str | None = None
     answer_key: str | None = None
     template: str = "base"
+    # the sentence after the problem in the base/chat templates (null: the study's "Please reason
+    # step by step, and put your final answer within \boxed{}.")
+    instruction: str | None = None
     max_prompt_tokens: int = 512
     on_overlong_prompt: Literal["error", "drop"] = "error"
     shuffle: bool = True

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.train.config import ConfigError, RunConfig
 
 GiB = 2**30
@@ -96,7 +97,8 @@ def plan_model_config(cfg: RunConfig):
 
     m = cfg.model
     if m.path and (Path(m.path) / "config.json").is_file():
-        return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+        return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                                                remat_policy=m.remat_policy)
     if m.vocab_size is None:
         raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
                           "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
@@ -106,7 +108,7 @@ def plan_model_config(cfg: RunConfig):
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
         attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
         max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
-        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_policy=m.remat_policy)
 
 
 # ---------------------------------------------------------------------------- per-chip bytes
@@ -330,6 +332,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     chunk = min(cfg.model.logprob_chunk_size, response_len)  # the head scores the response positions only
     residuals = config.num_layers * per_chip_rows * seq * d * 4  # the scan's saved residual stream (remat)
+    saved = config.num_layers * per_chip_rows * seq * 4 * saved_floats_per_token(  # what the remat policy keeps
+        config.remat_policy, hidden=d, intermediate=f, heads=config.num_heads, kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, tensor=mesh.shape["tensor"])
     layer_work = per_chip_rows * seq * (6 * d + 3 * f // mesh.shape["tensor"]) * 4
     head_work = per_chip_rows * chunk * v // mesh.shape["tensor"] * 4 * 3
     heads = config.num_heads // mesh.shape["tensor"] if config.num_heads % mesh.shape["tensor"] == 0 else config.num_heads
@@ -355,7 +360,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
                          {"parameters": param_bytes, "optimizer state": state_bytes - param_bytes,
                           "gradients": 2 * param_bytes,  # a micro-batch's gradients and their accumulator
                           "batch": batch_bytes,
-                          "activations": (residuals if config.remat else 3 * residuals) + 2 * layer_work + head_work
+                          "activations": (residuals + saved if config.remat else 3 * residuals) + 2 * layer_work + head_work
                           + 2 * attention_work},
                          6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh)
     programs.append(plan_u)

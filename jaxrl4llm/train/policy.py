@@ -201,13 +201,14 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
                 attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
                 rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                remat_policy=m.remat_policy,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             )
             graphdef, state = init_model(model_config, rng)
         if mesh is not None:
             state = jax.device_put(state, param_shardings(state, mesh))
-    if m.remat and model_config is not None and not model_config.remat:
-        model_config = model_config.replace(remat=True)
+    if m.remat and model_config is not None and (not model_config.remat or model_config.remat_policy != m.remat_policy):
+        model_config = model_config.replace(remat=True, remat_policy=m.remat_policy)
         graphdef, _ = abstract_model(model_config)  # the same tree under the new config: the state fits it
     frozen = None
     if m.lora is not None and model_config is not None:

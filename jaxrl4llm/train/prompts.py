@@ -27,11 +27,12 @@ def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSe
     try:
         ids, kept, dropped = encode_prompts(
             problems, tokenizer, cfg.data.template, max_prompt_tokens=cfg.data.max_prompt_tokens,
-            on_overlong=cfg.data.on_overlong_prompt,
+            on_overlong=cfg.data.on_overlong_prompt, instruction=cfg.data.instruction,
         )
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
-    texts = [format_prompt(problems[i], cfg.data.template, tokenizer=tokenizer) for i in kept]
+    texts = [format_prompt(problems[i], cfg.data.template, tokenizer=tokenizer, instruction=cfg.data.instruction)
+             for i in kept]
     return PromptSet(name=name, token_ids=[list(x) for x in ids], answers=[str(problems[i].answer) for i in kept],
                      texts=texts, dropped=dropped)
 

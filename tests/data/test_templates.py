@@ -126,3 +126,21 @@ def test_thinking_switch_errors(char_tokenizer, qwen3_style_tokenizer):
         format_prompt(PROBLEM, "base", enable_thinking=False)
     with pytest.raises(ValueError, match="sets enable_thinking=True"):
         format_prompt(PROBLEM, "qwen3_thinking", qwen3_style_tokenizer, enable_thinking=False)
+
+
+def test_instruction_replaces_the_studys_sentence_and_is_refused_where_there_is_none():
+    prompt = format_prompt(PROBLEM, "base", instruction="Give the number only.")
+    assert prompt == "Question: What is $1+1$?\nGive the number only.\nAnswer: Let's think step by step."
+    assert format_prompt(PROBLEM, "base", instruction=None) == format_prompt(PROBLEM, "base")
+    for template in ("demo", "Solve {problem}"):
+        with pytest.raises(ValueError, match="has no instruction to replace"):
+            format_prompt(PROBLEM, template, instruction="Give the number only.")
+    ids, kept, _ = encode_prompts([PROBLEM], _WordTokenizer(), "base", max_prompt_tokens=64, instruction="Short.")
+    assert kept == [0] and len(ids[0]) == len("Question: What is $1+1$?\nShort.\nAnswer: Let's think step by step.".split())
+
+
+class _WordTokenizer:
+    """Whitespace 'tokenizer' (what encode_prompts needs of one)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(range(len(text.split())))}

@@ -71,6 +71,8 @@ def test_mistyped_value_names_key():
         load_config(None, ["rollout.samples_per_prompt=eight"])
     with pytest.raises(ConfigError, match=r"trainer.old_logp_source='vllm' is not allowed"):
         load_config(None, ["trainer.old_logp_source=vllm"])
+    with pytest.raises(ConfigError, match=r"model.remat_policy='dots' is not allowed; choose one of 'full', 'save_attention'"):
+        load_config(None, ["model.remat_policy=dots"])
 
 
 def test_bad_recipe_override_is_reported():

@@ -165,3 +165,18 @@ def test_entropy_control_and_sampled_logp_recipe_run_end_to_end(demo_assets, tmp
     record = summary["history"][-1]
     assert 0 < record["cov_selected_frac"] <= 0.2
     assert "is_masked_frac" in record and np.isfinite(record["is_masked_frac"])
+
+
+def test_a_remat_policy_reaches_the_model_and_changes_no_number(demo_assets, tmp_path):
+    """model.remat_policy trades memory for recomputation; the run's numbers stay the same."""
+    runs = {}
+    for name, extra in {"plain": {}, "save_dots": {"model.remat": True, "model.remat_policy": "save_dots"}}.items():
+        cfg = load_config(None, tiny_overrides(demo_assets, tmp_path / name, **{"trainer.steps": 1, **extra}))
+        runs[name] = train(cfg, log=lambda s: None)
+        if extra:
+            from jaxrl4llm.train.policy import load_policy
+
+            config = load_policy(cfg, None).config
+            assert config.remat and config.remat_policy == "save_dots"
+    for k in ("loss", "grad_norm", "entropy"):
+        assert runs["save_dots"]["history"][0][k] == pytest.approx(runs["plain"]["history"][0][k], rel=1e-5), k

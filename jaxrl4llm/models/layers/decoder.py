@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl4llm.models.layers.attention import Attention
 from jaxrl4llm.models.layers.linear import LoraSettings
@@ -48,11 +49,11 @@ def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Ar
       positions; attend: attention of the new queries (see AttendFn).
     Returns: (x'' [B, T, D] float32, attend's aux).
     """
-    q, k, v = layer.qkv(layer.input_norm(x))
+    q, k, v = checkpoint_name(layer.qkv(layer.input_norm(x)), "qkv_proj")  # names: models/remat.py
     q, k = layer.qk_norm(q, k)
     attn, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    x = x + layer.out(attn)
-    g, u = layer.gate_up(layer.post_attn_norm(x))
+    x = x + layer.out(checkpoint_name(attn, "attention"))
+    g, u = checkpoint_name(layer.gate_up(layer.post_attn_norm(x)), "mlp_gate_up")
     return x + layer.down(swiglu_gate(g, u)), aux
 
 
