@@ -21,7 +21,8 @@ warm-up) is reported apart. The settings shared by both sides:
     token-level loss over the batch, clip 0.2, no KL, no reference model (ours: preset lite_ppo;
     TRL: loss_type="dapo", scale_rewards="batch", beta=0); one optimizer step per iteration
     (all P*G rows in one micro-batch, AdamW lr 1e-6 constant, grad-norm clip 1); float32
-    parameters; gradient checkpointing (ours: model.remat=true; TRL: gradient_checkpointing=True).
+    parameters; gradient checkpointing (ours: model.remat=true, model.remat_policy from
+    --ours-remat-policy, default "full"; TRL: gradient_checkpointing=True).
 
 Compute precision: ours computes in bfloat16 (model.dtype=bfloat16; --ours-precision fp32 for
 float32). TRL runs with
@@ -148,7 +149,7 @@ def run_ours(args) -> dict:
     out = Path(args.work) / f"ours_{args.model_name}"
     raw = {
         "model": {"path": args.model_dir, "dtype": "float32" if args.precision == "fp32" else "bfloat16",
-                  "param_dtype": "float32", "remat": True},
+                  "param_dtype": "float32", "remat": True, "remat_policy": args.ours_remat_policy},
         "data": {"train_files": [args.data], "problem_key": "prompt", "answer_key": "answer",
                  "template": "{problem}", "shuffle": False, "max_prompt_tokens": 1024},
         "rollout": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
@@ -156,6 +157,7 @@ def run_ours(args) -> dict:
         "algorithm": {"preset": "lite_ppo"},
         "optim": {"lr": 1e-6, "schedule": "constant", "max_grad_norm": 1.0},
         "trainer": {"steps": args.iterations, "ppo_epochs": 1, "mini_batches": 1, "old_logp_source": "recompute",
+                    "micro_batch_size": args.ours_micro_batch or None,
                     "seed": 0, "out_dir": str(out), "eval_every": -1, "checkpoint_every": 0,
                     "clipped_tokens_every": 0, "export_hf": False, "progress_bar": False, "overwrite": True},
     }
@@ -251,7 +253,8 @@ def spawn(side: str, model_name: str, model_dir: Path, data: Path, args, log_pat
            "--model-name", model_name,
            "--model-dir", str(model_dir), "--data", str(data), "--work", str(args.work),
            "--iterations", str(args.iterations), "--prompts", str(args.prompts), "--samples", str(args.samples),
-           "--new-tokens", str(args.new_tokens)]
+           "--new-tokens", str(args.new_tokens), "--ours-remat-policy", args.ours_remat_policy,
+           "--ours-micro-batch", str(args.ours_micro_batch)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     with open(log_path, "w") as log:
@@ -318,7 +321,8 @@ def parent_main(args) -> None:
           f"{args.iterations} iterations per process, {args.rounds} round(s); logs in {work}")
     results = dict(settings=dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                                  iterations=args.iterations, rounds=args.rounds, trl=trl.__version__,
-                                 ours_precision=args.ours_precision, trl_precision=args.trl_precision.split(","),
+                                 ours_precision=args.ours_precision, ours_remat_policy=args.ours_remat_policy,
+                                 ours_micro_batch=args.ours_micro_batch, trl_precision=args.trl_precision.split(","),
                                  torch=torch.__version__, cpus=os.cpu_count()), models={})
     for name in args.models.split(","):
         if name == "48m":
@@ -363,6 +367,10 @@ def main() -> None:
                     help="the SmolLM2 HF folder (materialised here when missing)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--ours-precision", choices=("bf16", "fp32"), default="bf16", help="our compute dtype")
+    ap.add_argument("--ours-remat-policy", choices=("full", "save_attention", "save_dots"), default="full",
+                    help="our model.remat_policy (what the backward keeps; models/remat.py)")
+    ap.add_argument("--ours-micro-batch", type=int, default=0,
+                    help="our trainer.micro_batch_size (0: all rows in one micro-batch, as TRL)")
     ap.add_argument("--trl-precision", default="fp32",
                     help="TRL's compute, comma-separated runs: fp32 and/or bf16 (autocast; see the docstring)")
     ap.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)

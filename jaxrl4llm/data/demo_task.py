@@ -192,3 +192,4 @@ def build_char_tokenizer(out_dir: str | Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))
     return str(out)
+

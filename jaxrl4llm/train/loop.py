@@ -77,7 +77,7 @@ class PromptStream:
 
     def __init__(self, num: int, *, seed: int, shuffle: bool, cursor: int = 0, retired=()):
         if num == 0:
-            raise ConfigError("The training set is empty: check data.train_files (or data.demo_task).")
+            raise ConfigError("The training set is empty: check data.train_files (and data.max_prompt_tokens with data.on_overlong_prompt=drop).")
         self.num, self.seed, self.shuffle, self.cursor = num, seed, shuffle, cursor
         self.retired: set[int] = set(int(i) for i in retired)
 

@@ -83,3 +83,21 @@ def test_char_tokenizer_roundtrip(tmp_path, char_tokenizer):
     assert (tmp_path / "x").exists() is False  # nothing written outside the tokenizer folder
     path = build_char_tokenizer(tmp_path / "tok")
     assert (tmp_path / "tok" / "tokenizer.json").is_file() and path.endswith("tok")
+
+
+def test_write_demo_task_script_writes_the_asked_difficulty_and_rejects_bad_settings(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "write_demo_task.py"
+    spec = importlib.util.spec_from_file_location("write_demo_task_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([str(tmp_path), "--digits", "1", "--steps", "1", "--num-train", "20", "--num-test", "5"])
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and all(r["steps"] == 1 and r["digits"] == 1 for r in rows)
+    assert len((tmp_path / "test.jsonl").read_text().splitlines()) == 5
+    with pytest.raises(SystemExit):
+        script.main([str(tmp_path), "--digits", "7"])
+    assert "digits must be in 1..4, got 7" in capsys.readouterr().err
