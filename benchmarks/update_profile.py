@@ -41,6 +41,7 @@ from jaxrl4llm.core import LITE_PPO, compute_advantages  # noqa: E402
 from jaxrl4llm.sampling import Rollout  # noqa: E402
 from jaxrl4llm.train.batching import rollout_to_batch  # noqa: E402
 from jaxrl4llm.models import ModelConfig, hidden_states, init_model  # noqa: E402
+from jaxrl4llm.models.remat import REMAT_POLICIES  # noqa: E402
 from jaxrl4llm.train.policy import make_logprob_fn  # noqa: E402
 from jaxrl4llm.train.step import (  # noqa: E402
     TrainBatch, UpdateSettings, batch_loss_terms, init_train_state, make_logprob_pass, make_optimizer, make_update_fn)
@@ -158,8 +159,8 @@ def main() -> None:
     print(f"{'stage':<13} {'remat':<14} {'seconds':>8} {'compile':>8} {'1st call':>8} {'XLA GFLOP':>10} {'model GFLOP':>11} "
           f"{'XLA/model':>9} {'temp GiB':>8} {'out GiB':>8}")
     for remat in args.remat.split(","):
-        if remat not in ("full", "save_attention", "save_dots", "off"):
-            ap.error(f"--remat {remat!r}: use full, save_attention, save_dots or off")
+        if remat not in REMAT_POLICIES + ("off",):
+            ap.error(f"--remat {remat!r}: use {', '.join(REMAT_POLICIES)} or off")
         for r in profile(args, remat):
             ratio = r["xla_flops"] / r["model_flops"] if r["model_flops"] == r["model_flops"] else float("nan")
             print(f"{r['stage']:<13} {r['remat']:<14} {r['seconds']:>8.2f} {r['compile']:>8.1f} {r['first']:>8.2f} "

@@ -367,7 +367,9 @@ def main() -> None:
                     help="the SmolLM2 HF folder (materialised here when missing)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--ours-precision", choices=("bf16", "fp32"), default="bf16", help="our compute dtype")
-    ap.add_argument("--ours-remat-policy", choices=("full", "save_attention", "save_dots"), default="full",
+    from jaxrl4llm.models.remat import REMAT_POLICIES
+
+    ap.add_argument("--ours-remat-policy", choices=REMAT_POLICIES, default="full",
                     help="our model.remat_policy (what the backward keeps; models/remat.py)")
     ap.add_argument("--ours-micro-batch", type=int, default=0,
                     help="our trainer.micro_batch_size (0: all rows in one micro-batch, as TRL)")

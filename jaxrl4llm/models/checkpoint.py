@@ -80,7 +80,8 @@ def _parse_size(size: int | str) -> int:
 
 # ---------------------------------------------------------------------------- load
 def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="float32",
-                    mesh: Mesh | None = None, rules=None) -> CausalLM:
+                    mesh: Mesh | None = None, rules=None, remat: bool = False,
+                    remat_policy: str = "full") -> CausalLM:
     """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3) as an NNX model.
 
     Args:
@@ -90,13 +91,16 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
       mesh, rules: place each parameter with `param_shardings(state, mesh, rules)` (rules
         default DEFAULT_RULES, axes from the parameters' metadata); without a mesh, on the
         default device.
+      remat, remat_policy: rematerialise each layer in training, keeping what the policy names
+        (`ModelConfig`, models/remat.py).
     Returns: the `CausalLM` module of the checkpoint's family (`model.config` is its
       ModelConfig); `graphdef, state = nnx.split(model)` for the functional API.
     Raises: FileNotFoundError (folder / config.json), ConfigError (unsupported config),
       CheckpointError (missing files or tensors, wrong shapes), each naming the file and tensor.
     """
     path = os.fspath(path)
-    config = ModelConfig.from_pretrained_dir(path, dtype=dtype, param_dtype=param_dtype)
+    config = ModelConfig.from_pretrained_dir(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                             remat_policy=remat_policy)
     files = _weight_files(path)
     graphdef, abstract = abstract_model(config)
     if mesh is not None:

@@ -26,19 +26,27 @@ from __future__ import annotations
 
 import jax
 
-REMAT_POLICIES = ("full", "save_attention", "save_dots")
+# name -> (the jax.checkpoint policy, floats kept per token beyond the layer input, from the
+# per-chip widths q = H Dh, kv = KVH Dh, D, F). save_dots: W_down's output is never needed again.
+_POLICIES = {
+    "full": (lambda: jax.checkpoint_policies.nothing_saveable, lambda q, kv, d, f: 0),
+    "save_attention": (lambda: jax.checkpoint_policies.save_only_these_names("qkv_proj", "attention"),
+                       lambda q, kv, d, f: 2 * q + 2 * kv),
+    "save_dots": (lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  lambda q, kv, d, f: q + 2 * kv + d + 2 * f),
+}
+REMAT_POLICIES = tuple(_POLICIES)
+
+
+def _entry(name: str):
+    if name not in _POLICIES:
+        raise ValueError(f"unknown remat policy {name!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    return _POLICIES[name]
 
 
 def checkpoint_policy(name: str):
     """The `jax.checkpoint` policy of a REMAT_POLICIES name."""
-    policies = jax.checkpoint_policies
-    if name == "full":
-        return policies.nothing_saveable
-    if name == "save_attention":
-        return policies.save_only_these_names("qkv_proj", "attention")
-    if name == "save_dots":
-        return policies.dots_with_no_batch_dims_saveable
-    raise ValueError(f"unknown remat policy {name!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    return _entry(name)[0]()
 
 
 def saved_floats_per_token(name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int,
@@ -46,10 +54,4 @@ def saved_floats_per_token(name: str, *, hidden: int, intermediate: int, heads: 
     """float32 values a layer keeps per token beyond its input under policy `name` (per chip
     with `tensor`-way tensor parallelism: heads and the MLP width split, the residual not)."""
     q, kv = heads * head_dim // tensor, kv_heads * head_dim // max(min(tensor, kv_heads), 1)
-    if name == "full":
-        return 0
-    if name == "save_attention":
-        return 2 * q + 2 * kv
-    if name == "save_dots":
-        return q + 2 * kv + hidden + 2 * intermediate // tensor  # W_down's output is never needed again
-    raise ValueError(f"unknown remat policy {name!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    return _entry(name)[1](q, kv, hidden, intermediate // tensor)

@@ -80,17 +80,18 @@ def _take_rows(rollouts: tuple, rows: jax.Array, *, pad_id: int) -> Rollout:
     return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
 
 
-def merge_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], group_size: int, pad_id: int) -> Rollout:
-    """The groups `picks` = [(rollout index, group index), ...] of several draws, in that order,
-    as one Rollout [len(picks) * G rows]; prompts left-padded to the widest draw's bucket.
+def merge_groups(picks: list[tuple[Rollout, int]], group_size: int, pad_id: int) -> Rollout:
+    """The groups `picks` = [(rollout of a draw, group index), ...], in that order, as one
+    Rollout [len(picks) * G rows]; prompts left-padded to the widest draw's bucket.
 
-    One jitted program (a row gather over the draws' concatenation); the rollout itself when
-    the picks are all of one draw's groups in order (no dynamic-sampling redraw: no copy)."""
-    if all(r == 0 for r, _ in picks) and [g for _, g in picks] == list(range(rollouts[0].num_rows // group_size)):
-        return rollouts[0]
-    starts = np.cumsum([0] + [r.num_rows for r in rollouts])
-    rows = np.concatenate([np.arange(group_size) + starts[r] + g * group_size for r, g in picks]).astype(np.int32)
-    return _take_rows(tuple(rollouts), rows, pad_id=pad_id)
+    One jitted program (a row gather over the picked draws' concatenation); the rollout itself
+    when the picks are all of one draw's groups in order (no dynamic-sampling redraw: no copy)."""
+    draws = list({id(r): r for r, _ in picks}.values())  # each draw once, in first-pick order
+    if len(draws) == 1 and [g for _, g in picks] == list(range(draws[0].num_rows // group_size)):
+        return draws[0]
+    starts = dict(zip(map(id, draws), np.cumsum([0] + [r.num_rows for r in draws])))
+    rows = np.concatenate([np.arange(group_size) + starts[id(r)] + g * group_size for r, g in picks]).astype(np.int32)
+    return _take_rows(tuple(draws), rows, pad_id=pad_id)
 
 
 def batch_program(advantages_fn, shardings: TrainBatch, sampled_logp: bool):

@@ -189,9 +189,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                 spare.append(entry)
     filled_with_constant = max(P - len(kept), 0)
     kept.extend(spare[:filled_with_constant])  # fixed shapes: constant groups get zero weight below
-    draws_seen = list({id(e[0]): e[0] for e in kept}.values())  # each draw once, in order
-    index = {id(r): i for i, r in enumerate(draws_seen)}
-    merged = merge_groups(draws_seen, [(index[id(e[0])], e[1]) for e in kept], G, policy.pad_token_id)
+    merged = merge_groups([(rollout, g) for rollout, g, *_ in kept], G, policy.pad_token_id)
     stats = {
         "time_sampling": t_sample,
         "time_reward": t_reward,

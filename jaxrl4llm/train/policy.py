@@ -175,7 +175,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     configured size + `model.tokenizer`; with `model.lora`, adapters on a frozen base."""
     from flax import nnx
 
-    from jaxrl4llm.models import (ModelConfig, abstract_model, add_lora, init_model, load_pretrained, load_tokenizer,
+    from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer,
                                   param_shardings)
 
     m = cfg.model
@@ -184,7 +184,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     if m.path:
         if not Path(m.path).is_dir():
             raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a local Hugging Face checkpoint (config.json + *.safetensors).")
-        model = load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh)
+        model = load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat,
+                                remat_policy=m.remat_policy)
         model_config = model.config
         graphdef, state = nnx.split(model)
         tokenizer = load_tokenizer(m.tokenizer or m.path)
@@ -207,9 +208,6 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
             graphdef, state = init_model(model_config, rng)
         if mesh is not None:
             state = jax.device_put(state, param_shardings(state, mesh))
-    if m.remat and model_config is not None and (not model_config.remat or model_config.remat_policy != m.remat_policy):
-        model_config = model_config.replace(remat=True, remat_policy=m.remat_policy)
-        graphdef, _ = abstract_model(model_config)  # the same tree under the new config: the state fits it
     frozen = None
     if m.lora is not None and model_config is not None:
         graphdef, adapters = add_lora(model_config, m.lora.settings(), jax.random.fold_in(rng, 1))

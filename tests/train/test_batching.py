@@ -42,11 +42,11 @@ def _draw(width: int, first: int, rows: int = 4) -> Rollout:
 
 def test_merge_groups_takes_the_picked_groups_in_order_and_pads_prompts_left():
     a, b = _draw(2, 0), _draw(4, 100)  # groups of 2 rows: a holds groups 0, 1; b (a wider bucket) 0, 1
-    merged = merge_groups([a, b], [(1, 1), (0, 0), (1, 0)], group_size=2, pad_id=-1)
+    merged = merge_groups([(b, 1), (a, 0), (b, 0)], group_size=2, pad_id=-1)
     np.testing.assert_array_equal(np.asarray(merged.lengths), [102, 103, 0, 1, 100, 101])
     np.testing.assert_array_equal(np.asarray(merged.truncated), [True, False, True, False, True, False])
     assert merged.prompt_tokens.shape == (6, 4)
     np.testing.assert_array_equal(np.asarray(merged.prompt_tokens)[2], [-1, -1, 0, 0])  # a's row, left-padded
     np.testing.assert_array_equal(np.asarray(merged.prompt_mask)[2], [0, 0, 0, 1])
     np.testing.assert_array_equal(np.asarray(merged.prompt_tokens)[0], [102] * 4)
-    assert merge_groups([a, b], [(0, 0), (0, 1)], group_size=2, pad_id=-1) is a  # one draw in order: no copy
+    assert merge_groups([(a, 0), (a, 1)], group_size=2, pad_id=-1) is a  # one draw in order: no copy
