@@ -2,7 +2,8 @@
 split into its stages, each jitted and timed alone, beside XLA's own FLOP and buffer counts.
 
     .venv/bin/python benchmarks/update_profile.py [--size 48m] [--rows 64] [--prompt 256] [--response 128]
-        [--reps 3] [--remat full,save_attention,save_dots,off] [--stages forward,score,grad,optimizer,update,logprob_pass]
+        [--reps 3] [--remat full,save_attention,save_dots,off] [--prompt-group 1,8]
+        [--stages forward,score,grad,optimizer,update,logprob_pass]
 
 Stages (the update is `train.step.make_update_fn` with one micro-batch, one optimizer step, the
 old log-probs scored by the update itself, the LM head on the response positions only, as
@@ -14,6 +15,11 @@ old log-probs scored by the update itself, the LM head on the response positions
   update        the whole jitted update (grad + optimizer + metrics), the number vs_trl.py sees
   logprob_pass  the separate pi_old scoring pass that a multi-step update (mini_batches > 1)
                 still runs before the update
+
+Rows come in groups of 8 answers to one prompt (as the sampler lays them out); --prompt-group 8
+runs each prompt's forward once for its 8 rows (`UpdateSettings.prompt_group`, the trainer's
+`trainer.share_prompt`), 1 runs every row whole (the forward stage is then the
+whole-row forward either way).
 
 Per stage: median wall seconds, XLA's FLOPs (`cost_analysis`) against the model count
 2 N per token forward, 3x that with the backward (N: the
@@ -49,20 +55,23 @@ from jaxrl4llm.train.step import (  # noqa: E402
 
 def make_batch(cfg: ModelConfig, rows: int, prompt: int, response: int, real_prompt: int, seed: int = 0) -> TrainBatch:
     """The trainer's batch (`rollout_to_batch`) of a synthetic rollout: `real_prompt` real prompt
-    tokens left-padded to a `prompt` bucket, then `response` tokens, Lite PPO advantages."""
+    tokens left-padded to a `prompt` bucket, then `response` tokens, Lite PPO advantages; rows in
+    groups of 8 (when 8 divides `rows`) answer one prompt."""
     rng = np.random.default_rng(seed)
+    group = 8 if rows % 8 == 0 else 1
     prompt_mask = np.zeros((rows, prompt), np.float32)
     prompt_mask[:, prompt - real_prompt:] = 1.0
     logp = -np.abs(rng.standard_normal((rows, response))).astype(np.float32)
     rollout = Rollout(
-        prompt_tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, prompt)), jnp.int32),
+        prompt_tokens=jnp.asarray(np.repeat(rng.integers(0, cfg.vocab_size, (rows // group, prompt)), group, 0),
+                                  jnp.int32),
         prompt_mask=jnp.asarray(prompt_mask),
         response_tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, response)), jnp.int32),
         response_mask=jnp.ones((rows, response), jnp.float32), logprobs=jnp.asarray(logp),
         logprobs_untruncated=jnp.asarray(logp), lengths=jnp.full((rows,), response, jnp.int32),
         truncated=jnp.zeros((rows,), bool))
     rewards = jnp.asarray(rng.integers(0, 2, rows), jnp.float32)
-    return rollout_to_batch(rollout, compute_advantages(rewards, 8 if rows % 8 == 0 else 1, LITE_PPO))
+    return rollout_to_batch(rollout, compute_advantages(rewards, group, LITE_PPO))
 
 
 def timed(compiled, args, reps: int, donate_state: bool = False) -> tuple[float, float]:
@@ -90,27 +99,29 @@ def xla_counts(compiled) -> tuple[float, float, float]:
     return float(cost.get("flops", float("nan"))), float(mem.temp_size_in_bytes), float(mem.output_size_in_bytes)
 
 
-def profile(args, remat: str):
-    """Yields one row per stage (as soon as it is measured); remat: a models/remat.py policy or "off"."""
+def profile(args, remat: str, group: int):
+    """Yields one row per stage (as soon as it is measured); remat: a models/remat.py policy or
+    "off"; group: rows per shared prompt forward (1: every row whole)."""
     cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32",
                       remat=remat != "off", remat_policy="full" if remat == "off" else remat, **SIZES[args.size])
     graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
     batch = make_batch(cfg, args.rows, args.prompt, args.response, args.real_prompt)
     R = args.response
     logprob_fn = make_logprob_fn(graphdef, 1.0, args.chunk)  # what the trainer's Policy builds
-    settings = UpdateSettings(old_logp_from_update=True, scored_tokens=R)
+    prompt_group = group if group > 1 else None
+    settings = UpdateSettings(old_logp_from_update=True, scored_tokens=R, prompt_group=prompt_group)
     opt, sched = make_optimizer(lr=1e-6)
     state = init_train_state(jax.tree.map(jnp.copy, params), opt)
-    all_tokens = args.rows * (args.prompt + args.response - 1)
+    all_tokens = args.rows * (args.response - 1) + args.rows // group * args.prompt  # each prompt run once per group
     scored = args.rows * R
     head = cfg.vocab_size * cfg.hidden_size  # the LM head runs on the scored positions only
     body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)  # the embedding lookup is no matmul
-    fwd_flops = {"forward": 2 * body * all_tokens, "score": 2 * (body * all_tokens + head * scored)}
+    fwd_flops = {"forward": 2 * body * args.rows * (args.prompt + args.response - 1), "score": 2 * (body * all_tokens + head * scored)}
     fwd_flops.update(grad=3 * fwd_flops["score"], update=3 * fwd_flops["score"], logprob_pass=fwd_flops["score"])
 
     def loss(p):
         terms, _, _ = batch_loss_terms(p, batch, logprob_fn=logprob_fn, recipe=LITE_PPO, old_logp_from_update=True,
-                                       scored_tokens=R)
+                                       scored_tokens=R, prompt_group=prompt_group)
         return terms.value
 
     grads = jax.jit(jax.grad(loss))(params)
@@ -118,12 +129,12 @@ def profile(args, remat: str):
         "forward": (jax.jit(lambda p, b: hidden_states(graphdef, p, b.input_tokens, positions=b.positions,
                                                        attention_mask=b.attention_mask)), (params, batch), False),
         "score": (jax.jit(lambda p, b: logprob_fn(p, b.input_tokens, b.targets, b.positions, b.attention_mask,
-                                                  last=R)), (params, batch), False),
+                                                  last=R, group=group)), (params, batch), False),
         "grad": (jax.jit(jax.grad(loss)), (params,), False),
         "optimizer": (jax.jit(lambda g, s: opt.update(g, s.opt_state, s.params)), (grads, state), False),
         "update": (jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=LITE_PPO, optimizer=opt, schedule=sched,
                                           settings=settings), donate_argnums=(0,)), (state, batch), True),
-        "logprob_pass": (jax.jit(make_logprob_pass(logprob_fn, 1, R)), (params, batch), False),
+        "logprob_pass": (jax.jit(make_logprob_pass(logprob_fn, 1, R, prompt_group)), (params, batch), False),
     }
     print(f"  ({cfg.num_params / 1e6:.1f}M params, {args.rows} rows x {args.prompt + args.response - 1} positions "
           f"({args.real_prompt} real prompt tokens in a {args.prompt} bucket), {scored} scored tokens)", flush=True)
@@ -135,7 +146,7 @@ def profile(args, remat: str):
         flops, temp, out = xla_counts(compiled)
         first, med = timed(compiled, fargs, args.reps, donate)
         model = fwd_flops.get(name, float("nan"))
-        yield dict(stage=name, remat=remat, seconds=med, first=first, compile=compile_s, xla_flops=flops, model_flops=model,
+        yield dict(stage=name, remat=remat, group=group, seconds=med, first=first, compile=compile_s, xla_flops=flops, model_flops=model,
                    temp_gib=temp / 2**30, out_gib=out / 2**30)
 
 
@@ -150,20 +161,25 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64, help="LM-head positions per chunk (model.logprob_chunk_size)")
     ap.add_argument("--remat", default="full,save_attention,save_dots",
                     help="comma-separated models/remat.py policies (full, save_attention, save_dots) and/or off")
+    ap.add_argument("--prompt-group", default="1,8",
+                    help="comma-separated rows per shared prompt forward: 1 (every row whole) and/or 8")
     ap.add_argument("--stages", default="forward,score,grad,optimizer,update,logprob_pass")
     args = ap.parse_args()
     if args.real_prompt > args.prompt:
         ap.error(f"--real-prompt {args.real_prompt} is longer than the --prompt bucket {args.prompt}")
     print(f"update profile, {args.size}, jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"1-min load average {os.getloadavg()[0]:.1f}")
-    print(f"{'stage':<13} {'remat':<14} {'seconds':>8} {'compile':>8} {'1st call':>8} {'XLA GFLOP':>10} {'model GFLOP':>11} "
+    print(f"{'stage':<13} {'remat':<14} {'group':>5} {'seconds':>8} {'compile':>8} {'1st call':>8} {'XLA GFLOP':>10} {'model GFLOP':>11} "
           f"{'XLA/model':>9} {'temp GiB':>8} {'out GiB':>8}")
-    for remat in args.remat.split(","):
+    groups = [int(g) for g in args.prompt_group.split(",")]
+    if any(g not in (1, 8) or args.rows % g for g in groups):
+        ap.error(f"--prompt-group {args.prompt_group!r}: use 1 and/or 8 (with --rows a multiple of 8)")
+    for remat, group in [(r, g) for r in args.remat.split(",") for g in groups]:
         if remat not in REMAT_POLICIES + ("off",):
             ap.error(f"--remat {remat!r}: use {', '.join(REMAT_POLICIES)} or off")
-        for r in profile(args, remat):
+        for r in profile(args, remat, group):
             ratio = r["xla_flops"] / r["model_flops"] if r["model_flops"] == r["model_flops"] else float("nan")
-            print(f"{r['stage']:<13} {r['remat']:<14} {r['seconds']:>8.2f} {r['compile']:>8.1f} {r['first']:>8.2f} "
+            print(f"{r['stage']:<13} {r['remat']:<14} {r['group']:>5} {r['seconds']:>8.2f} {r['compile']:>8.1f} {r['first']:>8.2f} "
                   f"{r['xla_flops'] / 1e9:>10.0f} {r['model_flops'] / 1e9:>11.0f} {ratio:>9.2f} "
                   f"{r['temp_gib']:>8.2f} {r['out_gib']:>8.2f}", flush=True)
     print(f"1-min load average after: {os.getloadavg()[0]:.1f}")

@@ -22,7 +22,9 @@ warm-up) is reported apart. The settings shared by both sides:
     TRL: loss_type="dapo", scale_rewards="batch", beta=0); one optimizer step per iteration
     (all P*G rows in one micro-batch, AdamW lr 1e-6 constant, grad-norm clip 1); float32
     parameters; gradient checkpointing (ours: model.remat=true, model.remat_policy from
-    --ours-remat-policy, default "full"; TRL: gradient_checkpointing=True).
+    --ours-remat-policy, default "full"; TRL: gradient_checkpointing=True). Ours runs each
+    prompt's forward once for its G rows (trainer.share_prompt, the default; --ours-share-prompt
+    false runs every row whole, as TRL does).
 
 Compute precision: ours computes in bfloat16 (model.dtype=bfloat16; --ours-precision fp32 for
 float32). TRL runs with
@@ -158,6 +160,7 @@ def run_ours(args) -> dict:
         "optim": {"lr": 1e-6, "schedule": "constant", "max_grad_norm": 1.0},
         "trainer": {"steps": args.iterations, "ppo_epochs": 1, "mini_batches": 1, "old_logp_source": "recompute",
                     "micro_batch_size": args.ours_micro_batch or None,
+                    "share_prompt": {"auto": "auto", "true": True, "false": False}[args.ours_share_prompt],
                     "seed": 0, "out_dir": str(out), "eval_every": -1, "checkpoint_every": 0,
                     "clipped_tokens_every": 0, "export_hf": False, "progress_bar": False, "overwrite": True},
     }
@@ -254,7 +257,7 @@ def spawn(side: str, model_name: str, model_dir: Path, data: Path, args, log_pat
            "--model-dir", str(model_dir), "--data", str(data), "--work", str(args.work),
            "--iterations", str(args.iterations), "--prompts", str(args.prompts), "--samples", str(args.samples),
            "--new-tokens", str(args.new_tokens), "--ours-remat-policy", args.ours_remat_policy,
-           "--ours-micro-batch", str(args.ours_micro_batch)]
+           "--ours-micro-batch", str(args.ours_micro_batch), "--ours-share-prompt", args.ours_share_prompt]
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     with open(log_path, "w") as log:
@@ -322,7 +325,8 @@ def parent_main(args) -> None:
     results = dict(settings=dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                                  iterations=args.iterations, rounds=args.rounds, trl=trl.__version__,
                                  ours_precision=args.ours_precision, ours_remat_policy=args.ours_remat_policy,
-                                 ours_micro_batch=args.ours_micro_batch, trl_precision=args.trl_precision.split(","),
+                                 ours_micro_batch=args.ours_micro_batch, ours_share_prompt=args.ours_share_prompt,
+                                 trl_precision=args.trl_precision.split(","),
                                  torch=torch.__version__, cpus=os.cpu_count()), models={})
     for name in args.models.split(","):
         if name == "48m":
@@ -373,6 +377,8 @@ def main() -> None:
                     help="our model.remat_policy (what the backward keeps; models/remat.py)")
     ap.add_argument("--ours-micro-batch", type=int, default=0,
                     help="our trainer.micro_batch_size (0: all rows in one micro-batch, as TRL)")
+    ap.add_argument("--ours-share-prompt", choices=("auto", "true", "false"), default="auto",
+                    help="our trainer.share_prompt (each prompt's forward once for its G rows; false: every row whole)")
     ap.add_argument("--trl-precision", default="fp32",
                     help="TRL's compute, comma-separated runs: fp32 and/or bf16 (autocast; see the docstring)")
     ap.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)

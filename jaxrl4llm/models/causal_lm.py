@@ -103,23 +103,82 @@ class CausalLM(nnx.Module):
         c = self.config
         cos, sin = rope_tables(c, positions)
         mask = causal_padding_mask(attention_mask)
+        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask, jnp.dtype(c.dtype),
+                                                        query_chunk=c.attention_query_chunk), None)
+
+        def layer_fn(layer, x, key):
+            with lora_dropout(key):
+                x, _ = layer(x, cos, sin, attend)
+            return constrain(x, ACTIVATION_AXES)
+
+        return self.final_norm(self._scan_layers(layer_fn, constrain(self.embed_tokens(tokens), ACTIVATION_AXES)))
+
+    def hidden_states_shared_prompt(
+        self, prompt_tokens: Int[Array, "N P"], prompt_positions: Int[Array, "N P"], prompt_mask: Int[Array, "N P"],
+        tokens: Int[Array, "NG T"], positions: Int[Array, "NG T"], attention_mask: Int[Array, "NG T"], group: int,
+    ) -> tuple[Float[Array, "N P D"], Float[Array, "NG T D"]]:
+        """`hidden_states` of rows [prompt_n ; tokens_r] (r = n*group + j), each prompt run once.
+
+            h([prompt_n ; tokens_r]) = (h_prompt[n], h[r]),  keys of tokens_r = [k(prompt_n) ; k(tokens_r)]
+
+        The `group` rows that answer one prompt share its forward pass (Prefix Grouper, arXiv
+        2506.05433): a prompt's hidden states, keys and values depend only on the prompt, so they
+        are computed for N prompts instead of N*group rows, and the response tokens attend to
+        their prompt's keys. Same values (and gradients, the prompt's summed over its rows) as
+        `hidden_states` of the concatenated rows, with group-fold fewer prompt positions.
+
+        Args: prompt_* [N, P] (left-padded prompts, positions, 1 = real); tokens, positions,
+          attention_mask [N*group, T] (what follows each row's prompt, its positions continuing
+          the prompt's). Returns (h_prompt [N, P, D], h [N*group, T, D]) float32, final-normed.
+        """
+        c = self.config
+        n, p = prompt_tokens.shape
+        rows, t = tokens.shape
+        if rows != n * group:
+            raise ValueError(f"{rows} rows do not answer {n} prompts x group {group}; pass group-major rows "
+                             f"(row n*group + j answers prompt n).")
         dtype = jnp.dtype(c.dtype)
-        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask, dtype, query_chunk=c.attention_query_chunk),
-                                  None)
+        cos_p, sin_p = rope_tables(c, prompt_positions)
+        cos_r, sin_r = rope_tables(c, positions)
+        prompt_attn = causal_padding_mask(prompt_mask)  # [N, P, P]
+        sees_prompt = jnp.broadcast_to(jnp.repeat(prompt_mask > 0, group, axis=0)[:, None, :], (rows, t, p))
+        rows_attn = jnp.concatenate([sees_prompt, causal_padding_mask(attention_mask)], axis=-1)  # [NG, T, P + T]
+        share = lambda a: jnp.repeat(a, group, axis=0)  # [N, ...] -> [N*group, ...]
+
+        def attend_prompt(q, k, v):  # keeps the prompt's (rotated) keys and values for its rows
+            return dot_product_attention(q, k, v, prompt_attn, dtype, query_chunk=c.attention_query_chunk), (k, v)
+
+        def layer_fn(layer, xs, key):
+            xp, xr = xs
+            with lora_dropout(key):
+                xp, (kp, vp) = layer(xp, cos_p, sin_p, attend_prompt)
+            attend_rows = lambda q, k, v: (dot_product_attention(
+                q, jnp.concatenate([share(kp), k], axis=1), jnp.concatenate([share(vp), v], axis=1), rows_attn, dtype,
+                query_chunk=c.attention_query_chunk), None)
+            with lora_dropout(None if key is None else jax.random.fold_in(key, 1)):
+                xr, _ = layer(xr, cos_r, sin_r, attend_rows)
+            return constrain(xp, ACTIVATION_AXES), constrain(xr, ACTIVATION_AXES)
+
+        embed = lambda x: constrain(self.embed_tokens(x), ACTIVATION_AXES)
+        xp, xr = self._scan_layers(layer_fn, (embed(prompt_tokens), embed(tokens)))
+        return self.final_norm(xp), self.final_norm(xr)
+
+    def _scan_layers(self, layer_fn, x):
+        """x after the L layers: lax.scan of layer_fn(layer, x, dropout key or None) over the
+        stacked layer state, rematerialised per `config.remat` / `remat_policy`; x is any pytree."""
+        c = self.config
         layer_def, layer_state = nnx.split(self.layers)
         dropout_key = current_dropout_key()  # LoRA dropout (training forwards only): one key per layer
         keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
 
         def body(x, xs):
             one_layer, key = xs
-            with lora_dropout(key):
-                x, _ = nnx.merge(layer_def, one_layer)(x, cos, sin, attend)
-            return constrain(x, ACTIVATION_AXES), None
+            return layer_fn(nnx.merge(layer_def, one_layer), x, key), None
 
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=False, policy=checkpoint_policy(c.remat_policy))
-        x, _ = jax.lax.scan(body, constrain(self.embed_tokens(tokens), ACTIVATION_AXES), (layer_state, keys))
-        return self.final_norm(x)
+        x, _ = jax.lax.scan(body, x, (layer_state, keys))
+        return x
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """LM head: h [B, T, D] -> logits [B, T, V] float32."""
@@ -196,11 +255,11 @@ def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, p
     return merge(graphdef, state).hidden_states(tokens, positions, attention_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "first_scored"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "first_scored", "prompt_group"))
 def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
                  positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
-                 chunk_size: int = 128, dropout_rng: jax.Array | None = None, first_scored: int = 0
-                 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+                 chunk_size: int = 128, dropout_rng: jax.Array | None = None, first_scored: int = 0,
+                 prompt_group: int = 1) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
 
     logp[b, t] = log_softmax(z)[targets[b, t]], entropy = logZ - E_p[z] (max-subtracted,
@@ -213,23 +272,40 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
     first_scored: static; positions before it are not scored (logp and entropy 0 there) and the
       LM head never runs on them: the trainer passes the prompt length - 1, so only response
       targets are scored.
+    prompt_group: static; G > 1 says rows n*G .. n*G+G-1 share their first `first_scored + 1`
+      tokens (one prompt, its G responses): each prompt then runs once
+      (`CausalLM.hidden_states_shared_prompt`), same values. Needs first_scored > 0.
     """
     with lora_dropout(dropout_rng):
         return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size,
-                      first_scored)
+                      first_scored, prompt_group)
 
 
-def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0):
+def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0,
+           prompt_group=1):
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
-    if hasattr(model, "hidden_states") and hasattr(model, "logits"):
-        h = model.hidden_states(tokens, positions, attention_mask)
+    own = hasattr(model, "hidden_states") and hasattr(model, "logits")  # else: a module that returns logits
+    if prompt_group > 1:
+        if not first_scored or not hasattr(model, "hidden_states_shared_prompt"):
+            raise ValueError("prompt_group > 1 needs first_scored > 0 (the prompt's length - 1) and a model with "
+                             "hidden_states_shared_prompt (jaxrl4llm's CausalLM).")
+        p, g = first_scored + 1, prompt_group
+        if tokens.shape[0] % g:
+            raise ValueError(f"{tokens.shape[0]} rows are not whole groups of prompt_group={g}.")
+        h_prompt, h_rows = model.hidden_states_shared_prompt(
+            tokens[::g, :p], positions[::g, :p], attention_mask[::g, :p], tokens[:, p:], positions[:, p:],
+            attention_mask[:, p:], g)
+        # the first scored position is the prompt's last: its hidden state is the prompt's
+        h = jnp.concatenate([jnp.repeat(h_prompt[:, -1:], g, axis=0), h_rows], axis=1)
+    else:
+        h = (model.hidden_states if own else model)(tokens, positions, attention_mask)[:, first_scored:]
+    if own:
         head = lambda hc: constrain(model.logits(hc), LOGITS_AXES) * inv_temperature
     else:
-        h = model(tokens, positions, attention_mask)
         head = lambda zc: zc * inv_temperature
+    logp, entropy = token_logprobs_from_head(head, h, targets[:, first_scored:], chunk_size=chunk_size,
+                                             return_entropy=True)
     if not first_scored:
-        return token_logprobs_from_head(head, h, targets, chunk_size=chunk_size, return_entropy=True)
-    logp, entropy = token_logprobs_from_head(head, h[:, first_scored:], targets[:, first_scored:],
-                                             chunk_size=chunk_size, return_entropy=True)
+        return logp, entropy
     pad = lambda x: jnp.pad(x, ((0, 0), (first_scored, 0)))
     return pad(logp), pad(entropy)

@@ -172,6 +172,11 @@ class TrainerConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batch_size: int | None = None
+    # Each prompt's forward pass runs once for its samples_per_prompt rows in the update and the
+    # log-prob passes (Prefix Grouper, arXiv 2506.05433; same values and gradients, fewer
+    # FLOPs: docs/training.md). auto = when the run allows it (jaxrl4llm's models, micro-batches
+    # of whole groups); true = required (an error says why it cannot); false = every row whole.
+    share_prompt: Literal["auto"] | bool = "auto"
     old_logp_source: Literal["sampler", "recompute"] = "recompute"
     reference_model: bool = False
     seed: int = 0

@@ -153,6 +153,34 @@ def _rows_per_micro(cfg: RunConfig, rows: int, data_parallel: int = 1) -> int:
     return per_mini // mbs
 
 
+def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, data_parallel: int = 1) -> int | None:
+    """UpdateSettings.prompt_group of `trainer.share_prompt`: G = rollout.samples_per_prompt when
+    each prompt's forward can run once for its G rows, else None (every row whole); with
+    share_prompt=true, a ConfigError that says why it cannot.
+
+    It applies when every data-parallel device (mesh.data x mesh.fsdp) holds whole groups of a
+    micro-batch: a group split over devices would have each of them run the whole prompt."""
+    share, G = cfg.trainer.share_prompt, cfg.rollout.samples_per_prompt
+    if share is False:
+        return None
+    rows = cfg.rollout.prompts_per_step * G // (cfg.trainer.mini_batches * micro_batches)
+    if not own_model:
+        why = "a model.module model scores whole rows (the shared forward is jaxrl4llm's CausalLM)"
+    elif G < 2:
+        why = "rollout.samples_per_prompt=1: no two rows share a prompt"
+    elif cfg.rollout.max_new_tokens < 2:
+        why = "rollout.max_new_tokens=1 leaves no response tokens to run after the prompt"
+    elif rows % (G * data_parallel):
+        over = f" over {data_parallel} data-parallel devices" if data_parallel > 1 else ""
+        why = (f"a micro-batch of {rows} rows{over} does not give each device whole groups of "
+               f"rollout.samples_per_prompt={G}; set trainer.micro_batch_size to a multiple of {G * data_parallel}")
+    else:
+        return G
+    if share is True:
+        raise ConfigError(f"trainer.share_prompt=true, but {why} (or set trainer.share_prompt=auto).")
+    return None
+
+
 def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe):
     """Samples until P groups with differing rewards are found (dynamic sampling) or the draw cap
     is reached; returns (rollout rows of P groups, rewards [P*G] on the host, stats)."""
@@ -276,7 +304,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     settings = UpdateSettings(
         ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
         old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute",
-        scored_tokens=cfg.rollout.max_new_tokens if policy.config is not None else None)
+        scored_tokens=cfg.rollout.max_new_tokens if policy.config is not None else None,
+        prompt_group=shared_prompt_group(cfg, policy.config is not None, micro, mesh.shape["data"] * mesh.shape["fsdp"]))
     # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
     # the update keeps every leaf where it is.
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -293,7 +322,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         out_shardings=(state_shardings, None, None),
         donate_argnums=(0,),
     )
-    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro, settings.scored_tokens),
+    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro, settings.scored_tokens, settings.prompt_group),
                            in_shardings=(sharding_of(policy.state), batch_in))
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(

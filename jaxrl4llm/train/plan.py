@@ -225,6 +225,7 @@ class RunPlan:
     response_len: int
     programs: list[ProgramPlan]
     sampler: dict = dataclasses.field(default_factory=dict)  # decode mesh and chunking
+    prompt_group: int | None = None  # trainer.share_prompt: rows per shared prompt forward, None = whole rows
 
     @property
     def fits(self) -> bool:
@@ -239,7 +240,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     from jaxrl4llm.models.decode import DecodeBackend
     from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
     from jaxrl4llm.sampling.decode_loop import sample_program, weights_jit
-    from jaxrl4llm.train.loop import _rows_per_micro
+    from jaxrl4llm.train.loop import _rows_per_micro, shared_prompt_group
     from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,
                                       make_logprob_pass, make_optimizer, make_update_fn, train_state_shardings)
 
@@ -329,20 +330,24 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     logprob_fn = make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
     micro_rows = rows // cfg.trainer.mini_batches // micro
     per_chip_rows = micro_rows / dp
+    group = shared_prompt_group(cfg, True, micro, dp)  # trainer.share_prompt: each prompt's forward once per group
+    # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
+    per_chip_positions = per_chip_rows * (seq if group is None else response_len - 1 + prompt_len / group)
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     chunk = min(cfg.model.logprob_chunk_size, response_len)  # the head scores the response positions only
-    residuals = config.num_layers * per_chip_rows * seq * d * 4  # the scan's saved residual stream (remat)
-    saved = config.num_layers * per_chip_rows * seq * 4 * saved_floats_per_token(  # what the remat policy keeps
+    residuals = config.num_layers * per_chip_positions * d * 4  # the scan's saved residual stream (remat)
+    saved = config.num_layers * per_chip_positions * 4 * saved_floats_per_token(  # what the remat policy keeps
         config.remat_policy, hidden=d, intermediate=f, heads=config.num_heads, kv_heads=config.num_kv_heads,
         head_dim=config.head_dim, tensor=mesh.shape["tensor"])
-    layer_work = per_chip_rows * seq * (6 * d + 3 * f // mesh.shape["tensor"]) * 4
+    layer_work = per_chip_positions * (6 * d + 3 * f // mesh.shape["tensor"]) * 4
     head_work = per_chip_rows * chunk * v // mesh.shape["tensor"] * 4 * 3
     heads = config.num_heads // mesh.shape["tensor"] if config.num_heads % mesh.shape["tensor"] == 0 else config.num_heads
     query_block = min(seq, config.attention_query_chunk or seq)
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
-    tokens = rows * seq
-    plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len)).lower(
+    tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass
+    plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len,
+                                                                         group)).lower(
                              params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
@@ -350,7 +355,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     programs.append(plan_l)
     single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1  # as the loop's setup_run
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
-                              micro_batches=micro, scored_tokens=response_len,
+                              micro_batches=micro, scored_tokens=response_len, prompt_group=group,
                               old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute")
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                             settings=settings, loss_fn=policy_loss)
@@ -366,7 +371,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     programs.append(plan_u)
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
         p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
-    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler)
+    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group)
 
 
 # ---------------------------------------------------------------------------- report
@@ -405,6 +410,9 @@ def format_plan(plan: RunPlan) -> str:
         lines.append(f"sampler: decode mesh data {sm['data_parallel']} x tensor {sm['tensor_parallel']} "
                      f"(rollout.tensor_parallel), {sm['prompts_per_chunk']} prompts per chunk x {sm['chunks']} "
                      f"(rollout.prompts_per_chunk; the largest that fits by our count: {sm['fitting_chunk']})")
+    lines.append(f"trainer: each prompt's forward runs once for its {plan.prompt_group} rows (trainer.share_prompt)"
+                 if plan.prompt_group else "trainer: every row runs its own prompt (trainer.share_prompt is off or "
+                 "cannot apply: micro-batches must give every data-parallel chip whole groups)")
     lines.append("")
     header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'+state':>7} {'HBM %':>6} {'args':>7} {'temp':>7} " \
              f"{'ours GiB':>8} {'ours/XLA':>8} {'XLA MFU':>7} {'est. s':>8}"

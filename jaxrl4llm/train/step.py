@@ -12,7 +12,9 @@ frozen part (LoRA: `TrainState.frozen` holds the base weights), `params` passed 
 `join_params(trainable, frozen)` = (trainable, frozen), and only the trainable part is
 differentiated, optimised and checkpointed. With `UpdateSettings.scored_tokens` = n it is
 called with `last=n` and scores only the last n positions (the response targets; the others
-come back 0): the LM head never runs over the prompt.
+come back 0): the LM head never runs over the prompt. With `UpdateSettings.prompt_group` = G as
+well, it is called with `group=G` on micro-batches of whole groups (rows n*G .. n*G+G-1 share
+one prompt) and runs each prompt's forward once for its G rows.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class UpdateSettings:
     old_logp_from_update: bool = False
     # score only the last n positions of each row (the response targets); None = all
     scored_tokens: int | None = None
+    # G: rows n*G .. n*G+G-1 answer one prompt; micro-batches take whole groups and each prompt's
+    # forward runs once for its G rows (logprob_fn(..., group=G); needs scored_tokens). None: per row.
+    prompt_group: int | None = None
 
 
 def make_optimizer(
@@ -135,29 +140,31 @@ def batch_shardings(mesh, rules=DEFAULT_RULES) -> TrainBatch:
     return TrainBatch(*([rows] * len(TrainBatch._fields)))
 
 
-def _split(x: chex.Array, n: int) -> chex.Array:
-    """[B, ...] -> [n, B/n, ...] with slice i = rows i, i+n, i+2n, ... (strided, so that every
-    slice keeps rows from every data shard)."""
+def _split(x: chex.Array, n: int, group: int = 1) -> chex.Array:
+    """[B, ...] -> [n, B/n, ...] with slice i = the groups of `group` consecutive rows i, i+n,
+    i+2n, ... (strided, so that every slice keeps rows from every data shard; whole groups, so
+    that rows sharing a prompt stay together)."""
     b = x.shape[0]
-    return jnp.swapaxes(x.reshape(b // n, n, *x.shape[1:]), 0, 1)
+    return jnp.swapaxes(x.reshape(b // (n * group), n, group, *x.shape[1:]), 0, 1).reshape(n, b // n, *x.shape[1:])
 
 
-def _unsplit(x: chex.Array) -> chex.Array:
+def _unsplit(x: chex.Array, group: int = 1) -> chex.Array:
+    """The inverse of `_split(x, n, group)`: [n, B/n, ...] -> [B, ...]."""
     n, m = x.shape[:2]
-    return jnp.swapaxes(x, 0, 1).reshape(n * m, *x.shape[2:])
+    return jnp.swapaxes(x.reshape(n, m // group, group, *x.shape[2:]), 0, 1).reshape(n * m, *x.shape[2:])
 
 
 def batch_loss_terms(
     params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss, loss_key=None,
-    old_logp_from_update: bool = False, scored_tokens: int | None = None,
+    old_logp_from_update: bool = False, scored_tokens: int | None = None, prompt_group: int | None = None,
 ) -> tuple[LossTerms, dict, chex.Array]:
     """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis.
 
     loss_key: PRNG key passed to loss_fn as key= when recipe.needs_key (Clip-Cov).
-    old_logp_from_update, scored_tokens: see UpdateSettings. With old_logp_from_update the
+    old_logp_from_update, scored_tokens, prompt_group: see UpdateSettings. With old_logp_from_update the
     metrics also hold "sampler_trainer_logp_gap", mean |old_logp - sampler_logp| over the
     counted tokens."""
-    logp, entropy = score_batch(logprob_fn, params, batch, scored_tokens)
+    logp, entropy = score_batch(logprob_fn, params, batch, scored_tokens, prompt_group)
     gap = None
     if old_logp_from_update:
         old = jax.lax.stop_gradient(logp) * batch.loss_mask
@@ -188,10 +195,16 @@ def batch_loss_terms(
     return terms, metrics, clipped
 
 
-def score_batch(logprob_fn: LogprobFn, params, batch: TrainBatch, scored_tokens: int | None = None):
+def score_batch(logprob_fn: LogprobFn, params, batch: TrainBatch, scored_tokens: int | None = None,
+                prompt_group: int | None = None):
     """logprob_fn on a batch's arrays -> (logp, entropy) [B, L]; with scored_tokens = n only the
-    last n positions are scored (`last=n`; the others are 0)."""
+    last n positions are scored (`last=n`; the others are 0); with prompt_group = G each group of
+    G rows runs its shared prompt once (`group=G`)."""
     extra = {} if scored_tokens is None else {"last": scored_tokens}
+    if prompt_group and prompt_group > 1:
+        if scored_tokens is None:
+            raise ValueError("prompt_group needs scored_tokens (where each row's prompt ends).")
+        extra["group"] = prompt_group
     return logprob_fn(params, batch.input_tokens, batch.targets, batch.positions, batch.attention_mask, **extra)
 
 
@@ -237,6 +250,7 @@ def make_update_fn(
     micro-batch): a run with the same seed picks the same tokens.
     """
     s = settings
+    group = s.prompt_group or 1
 
     def micro_step(params, frozen, mb: TrainBatch, key=None, loss_key=None):
         fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
@@ -245,14 +259,14 @@ def make_update_fn(
             terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
                                                        loss_fn=loss_fn, loss_key=loss_key,
                                                        old_logp_from_update=s.old_logp_from_update,
-                                                       scored_tokens=s.scored_tokens)
+                                                       scored_tokens=s.scored_tokens, prompt_group=s.prompt_group)
             return terms.numerator, (terms, metrics, clipped)
 
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
         return grads, terms, metrics, clipped
 
     def mini_step(state: TrainState, mini: TrainBatch):
-        micros = jax.tree.map(lambda x: _split(x, s.micro_batches), mini)
+        micros = jax.tree.map(lambda x: _split(x, s.micro_batches, group), mini)
         zero_grads = jax.tree.map(jnp.zeros_like, state.params)
         # Metrics structure from an abstract evaluation, so the scan carry is fixed.
         probe_key = jax.random.PRNGKey(0) if recipe.needs_key else None
@@ -284,14 +298,15 @@ def make_update_fn(
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen)
-        return new_state, (metrics, _unsplit(clipped))
+        return new_state, (metrics, _unsplit(clipped, group))
 
     def update(state: TrainState, batch: TrainBatch):
         b = batch.input_tokens.shape[0]
-        if b % (s.mini_batches * s.micro_batches):
+        if b % (s.mini_batches * s.micro_batches * group):
             raise ValueError(
-                f"batch of {b} rows is not divisible by mini_batches*micro_batches = {s.mini_batches}*{s.micro_batches}; "
-                "change trainer.mini_batches / trainer.micro_batch_size or rollout sizes."
+                f"batch of {b} rows is not divisible by mini_batches*micro_batches*prompt_group = "
+                f"{s.mini_batches}*{s.micro_batches}*{group}; change trainer.mini_batches / trainer.micro_batch_size "
+                "or rollout sizes (or trainer.share_prompt=false)."
             )
         # Mini-batch j holds the contiguous rows [j*B/n, (j+1)*B/n): whole groups stay together.
         minis = jax.tree.map(lambda x: x.reshape(s.mini_batches, b // s.mini_batches, *x.shape[1:]), batch)
@@ -320,17 +335,19 @@ def make_update_fn(
     return update
 
 
-def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: int | None = None):
+def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: int | None = None,
+                      prompt_group: int | None = None):
     """(params, batch) -> (logp [B, L], entropy [B, L]) computed micro-batch by micro-batch
-    (scored_tokens: as UpdateSettings.scored_tokens)."""
+    (scored_tokens, prompt_group: as in UpdateSettings)."""
+    group = prompt_group or 1
 
     def run(params, batch: TrainBatch):
-        parts = jax.tree.map(lambda x: _split(x, micro_batches), batch)
+        parts = jax.tree.map(lambda x: _split(x, micro_batches, group), batch)
 
         def one(mb: TrainBatch):
-            return score_batch(logprob_fn, params, mb, scored_tokens)
+            return score_batch(logprob_fn, params, mb, scored_tokens, prompt_group)
 
         logp, ent = jax.lax.map(one, parts)
-        return _unsplit(logp), _unsplit(ent)
+        return _unsplit(logp, group), _unsplit(ent, group)
 
     return run

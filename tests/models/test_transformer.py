@@ -145,3 +145,57 @@ def test_bfloat16_compute_stays_close_to_float32(model):
     real = np.asarray(mask)[..., None] > 0
     assert bf16.dtype == jnp.float32
     assert np.abs(np.where(real, bf16 - f32, 0)).max() < 0.05 * np.abs(f32).max()
+
+
+def _grouped_rows(seed=0, prompts=(5, 2, 4), group=3, prompt_width=6, response=5):
+    """Rows of `group` responses per left-padded prompt (row n*group + j answers prompt n), with
+    right padding after an early end in some responses; the teacher-forcing layout of the trainer."""
+    rng = np.random.default_rng(seed)
+    rows = len(prompts) * group
+    tokens = np.zeros((rows, prompt_width + response), np.int32)
+    mask = np.zeros_like(tokens)
+    for n, length in enumerate(prompts):
+        prompt = rng.integers(1, TINY.vocab_size, length)
+        for j in range(group):
+            r = n * group + j
+            tokens[r, prompt_width - length:prompt_width] = prompt
+            mask[r, prompt_width - length:prompt_width] = 1
+            kept = response - (r % 3)  # 0, 1 or 2 padded response tokens
+            tokens[r, prompt_width:prompt_width + kept] = rng.integers(1, TINY.vocab_size, kept)
+            mask[r, prompt_width:prompt_width + kept] = 1
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    return tokens[:, :-1], tokens[:, 1:], positions_from_mask(mask)[:, :-1], mask[:, :-1], prompt_width
+
+
+@pytest.mark.parametrize("config", [TINY.replace(remat=True), TINY.replace(attention_query_chunk=2)],
+                         ids=["remat", "query_chunks"])
+def test_shared_prompt_scoring_equals_scoring_every_row(model, config):
+    """prompt_group = G (each prompt's forward run once for its G rows, Prefix Grouper): the
+    scored log-probs, entropies and the gradient of a loss over them equal scoring each row whole."""
+    _, state = model
+    graphdef = _graphdef(config)
+    inputs, targets, positions, mask, p = _grouped_rows()
+    counted = jnp.zeros(mask.shape).at[:, p - 1:].set(jnp.roll(mask, -1, axis=1)[:, p - 1:])
+
+    def score(s, group):
+        return score_tokens(graphdef, s, inputs, targets, positions=positions, attention_mask=mask, chunk_size=3,
+                            first_scored=p - 1, prompt_group=group, temperature=0.8)
+
+    (lp, ent), (lp_shared, ent_shared) = score(state, 1), score(state, 3)
+    np.testing.assert_allclose(lp_shared, lp, atol=2e-5)
+    np.testing.assert_allclose(ent_shared, ent, atol=2e-5)
+    assert not np.asarray(lp_shared[:, :p - 1]).any()
+    loss = lambda s, group: jnp.sum(score(s, group)[0] * counted) + 0.1 * jnp.sum(score(s, group)[1] * counted)
+    grads = [jax.jit(jax.grad(loss), static_argnums=1)(state, group) for group in (1, 3)]
+    for a, b in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_prompt_needs_whole_groups_and_a_prompt(model):
+    graphdef, state = model
+    inputs, targets, positions, mask, p = _grouped_rows()
+    kwargs = dict(positions=positions, attention_mask=mask)
+    with pytest.raises(ValueError, match="whole groups"):
+        score_tokens(graphdef, state, inputs, targets, first_scored=p - 1, prompt_group=4, **kwargs)
+    with pytest.raises(ValueError, match="first_scored > 0"):
+        score_tokens(graphdef, state, inputs, targets, prompt_group=3, **kwargs)

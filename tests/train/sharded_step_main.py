@@ -76,6 +76,33 @@ def main() -> int:
     moments = [x for x in jax.tree.leaves(looped[0].opt_state) if x.ndim >= 1]
     assert moments and all((x.shape, x.sharding.spec) in param_specs for x in moments)
     assert any(not x.sharding.is_fully_replicated for x in moments), "optimizer state fully replicated"
+
+    # each prompt's forward once for its rows (UpdateSettings.prompt_group), sharded as the loop
+    # runs it: micro-batches of 4 rows hold 2 prompts, fewer than the 4 data x fsdp devices
+    from jaxrl4llm.train.policy import make_logprob_fn
+
+    P, pair = 5, 2
+    grouped = np.asarray(tokens).copy()
+    grouped[:, :P] = grouped[::pair, :P].repeat(pair, 0)
+    g_attn = attn.copy()
+    g_attn[:, :P] = g_attn[::pair, :P].repeat(pair, 0)
+    g_pos = np.maximum(np.cumsum(g_attn, 1) - 1, 0).astype(np.int32)
+    g_batch = batch._replace(input_tokens=jnp.asarray(grouped[:, :-1]), targets=jnp.asarray(grouped[:, 1:]),
+                             positions=jnp.asarray(g_pos), attention_mask=jnp.asarray(g_attn))
+    scored = L - P + 1
+    make_grouped = lambda group: make_update_fn(
+        logprob_fn=make_logprob_fn(graphdef, 1.0, 8), recipe=DAPO, optimizer=opt, schedule=sched,
+        settings=UpdateSettings(mini_batches=2, micro_batches=2, scored_tokens=scored, prompt_group=group))
+    whole = jax.jit(make_grouped(None))(init_train_state(params, opt), g_batch)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda p: init_train_state(p, opt), out_shardings=pinned)(sharded_params)
+        shared = jax.jit(make_grouped(pair), in_shardings=(pinned, batch_shardings(mesh)),
+                         out_shardings=(pinned, None, None))(state, g_batch)
+    for k in ("loss", "grad_norm", "clip_frac", "entropy"):
+        np.testing.assert_allclose(whole[1][k], shared[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(whole[0].params), jax.tree.leaves(shared[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(whole[2]), np.asarray(shared[2]))
     print(f"OK sharded params: {n_sharded}, loss {float(single[1]['loss']):.6f} vs {float(multi[1]['loss']):.6f}")
     return 0
 

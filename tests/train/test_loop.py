@@ -180,3 +180,29 @@ def test_a_remat_policy_reaches_the_model_and_changes_no_number(demo_assets, tmp
             assert config.remat and config.remat_policy == "save_dots"
     for k in ("loss", "grad_norm", "entropy"):
         assert runs["save_dots"]["history"][0][k] == pytest.approx(runs["plain"]["history"][0][k], rel=1e-5), k
+
+
+def test_shared_prompt_forward_changes_no_number_and_says_when_it_cannot(demo_assets, tmp_path):
+    """trainer.share_prompt (each prompt's forward once for its samples_per_prompt rows): on by
+    default where micro-batches hold whole groups, the same numbers as every row run whole; with
+    true where it cannot apply, an error naming the fix. The second step of each run re-samples
+    from the updated policy, so equal histories also say the update was the same."""
+    from jaxrl4llm.train.loop import shared_prompt_group
+
+    runs = {}
+    for share in ("auto", "false"):
+        cfg = load_config(None, tiny_overrides(demo_assets, tmp_path / share, **{"trainer.share_prompt": share}))
+        runs[share] = train(cfg, log=lambda s: None)["history"]
+    assert len(runs["auto"]) == 2
+    for a, b in zip(runs["auto"], runs["false"]):
+        for k in ("loss", "grad_norm", "entropy", "reward", "response_length"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
+    cfg = lambda **extra: load_config(None, tiny_overrides(demo_assets, tmp_path / "c", **extra))
+    assert shared_prompt_group(cfg(), own_model=True, micro_batches=1) == 4  # 2 prompts x 4 samples
+    assert shared_prompt_group(cfg(**{"trainer.micro_batch_size": 2}), own_model=True, micro_batches=4) is None
+    assert shared_prompt_group(cfg(), own_model=False, micro_batches=1) is None
+    assert shared_prompt_group(cfg(), own_model=True, micro_batches=1, data_parallel=2) == 4  # a group per device
+    assert shared_prompt_group(cfg(), own_model=True, micro_batches=1, data_parallel=4) is None  # groups split
+    assert shared_prompt_group(cfg(**{"trainer.share_prompt": False}), own_model=True, micro_batches=1) is None
+    with pytest.raises(ConfigError, match=r"micro-batch of 2 rows does not give each device whole groups.*multiple of 4"):
+        train(cfg(**{"trainer.share_prompt": True, "trainer.micro_batch_size": 2}), log=lambda s: None)

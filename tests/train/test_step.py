@@ -156,3 +156,77 @@ def test_single_step_update_scoring_pi_old_itself_equals_the_recomputed_old_logp
     counted = separate.loss_mask * separate.row_weights[:, None]
     gap = jnp.sum(jnp.abs(separate.old_logp - separate.sampler_logp) * counted) / jnp.sum(counted)
     np.testing.assert_allclose(mb["sampler_trainer_logp_gap"], gap, rtol=1e-5)
+
+
+def test_split_keeps_whole_groups_and_unsplit_inverts_it():
+    """_split(x, n, group): slice i holds the groups i, i+n, ... whole; _unsplit undoes it."""
+    from jaxrl4llm.train.step import _split, _unsplit
+
+    x = jnp.arange(24)  # 8 groups of 3 rows
+    parts = _split(x, 4, 3)
+    assert parts.shape == (4, 6)
+    np.testing.assert_array_equal(parts[1], [3, 4, 5, 15, 16, 17])  # groups 1 and 5
+    for p in np.asarray(parts):
+        assert all(len(set(g // 3)) == 1 for g in p.reshape(-1, 3))
+    np.testing.assert_array_equal(_unsplit(parts, 3), x)
+    np.testing.assert_array_equal(_split(x, 4), _split(x, 4, 1))  # group 1: the row-strided split
+
+
+def _grouped_model_batch(prompts=4, group=4, prompt_width=6, response=5, seed=0):
+    """A tiny float32 Qwen3's logprob_fn and a trainer batch of `group` sampled rows per prompt
+    (left-padded prompts of different lengths, responses ending early)."""
+    from jaxrl4llm.models import ModelConfig, init_model
+    from jaxrl4llm.sampling import Rollout
+    from jaxrl4llm.train.batching import rollout_to_batch
+    from jaxrl4llm.train.policy import make_logprob_fn
+
+    config = ModelConfig(architecture="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", remat=True)
+    graphdef, params = init_model(config, jax.random.key(1), std=0.1)
+    rng = np.random.default_rng(seed)
+    rows = prompts * group
+    prompt_tokens = np.zeros((rows, prompt_width), np.int32)
+    prompt_mask = np.zeros((rows, prompt_width), np.float32)
+    for n in range(prompts):
+        length = int(rng.integers(2, prompt_width + 1))
+        prompt_tokens[n * group:(n + 1) * group, prompt_width - length:] = rng.integers(1, 97, length)
+        prompt_mask[n * group:(n + 1) * group, prompt_width - length:] = 1
+    lengths = rng.integers(2, response + 1, rows)
+    response_mask = (np.arange(response)[None] < lengths[:, None]).astype(np.float32)
+    logp = -np.abs(rng.standard_normal((rows, response))).astype(np.float32) * response_mask
+    rollout = Rollout(jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
+                      jnp.asarray(rng.integers(1, 97, (rows, response)), jnp.int32), jnp.asarray(response_mask),
+                      jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(lengths, jnp.int32),
+                      jnp.asarray(lengths == response))
+    from jaxrl4llm.core import compute_advantages
+
+    rewards = jnp.asarray(rng.integers(0, 2, rows), jnp.float32)
+    batch = rollout_to_batch(rollout, compute_advantages(rewards, group, LITE_PPO))
+    return make_logprob_fn(graphdef, 0.9, 4), params, batch
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_shared_prompt_update_equals_the_update_of_whole_rows(micro):
+    """UpdateSettings.prompt_group = G (each prompt's forward once for its G rows): the same
+    parameters, loss, metrics and clip flags as the update that runs every row whole, with and
+    without micro-batches (which then take whole groups), and the same log-prob pass."""
+    from jaxrl4llm.train.step import make_logprob_pass
+
+    logprob_fn, params, batch = _grouped_model_batch()
+    recipe = dataclasses.replace(LITE_PPO, kl_coef=0.05)
+    batch = batch._replace(ref_logp=batch.old_logp - 0.1 * batch.loss_mask)
+    runs = [_run(recipe, UpdateSettings(micro_batches=micro, old_logp_from_update=True, scored_tokens=5,
+                                        prompt_group=group), batch, lr=1e-3, params=params, logprob_fn=logprob_fn)
+            for group in (None, 4)]
+    (whole, m_whole, clip_whole), (shared, m_shared, clip_shared) = runs
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(shared.params)):
+        # Adam moves every parameter by ~lr = 1e-3 whatever its gradient's size: 1% of a step
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    for k in m_whole:
+        np.testing.assert_allclose(m_shared[k], m_whole[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    np.testing.assert_array_equal(clip_shared, clip_whole)
+    passes = [jax.jit(make_logprob_pass(logprob_fn, micro, 5, group))(params, batch) for group in (None, 4)]
+    np.testing.assert_allclose(passes[1][0], passes[0][0], atol=2e-5)
+    with pytest.raises(ValueError, match="prompt_group"):  # 16 rows are not 4 micro-batches of whole groups of 4
+        _run(recipe, UpdateSettings(micro_batches=8, scored_tokens=5, prompt_group=4), batch, params=params,
+             logprob_fn=logprob_fn)
