@@ -114,7 +114,7 @@ def cmd_bin_difficulty(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxrl4llm.train.plan import format_plan, plan_run, plan_to_dict
+    from jaxrl4llm.plan.programs import format_plan, plan_run, plan_to_dict
 
     cfg = _load(args)
     plan = plan_run(cfg, args.topology)

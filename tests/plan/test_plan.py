@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.models import ModelConfig, abstract_model, param_shardings, score_tokens
 from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.train.plan import per_chip_bytes, plan_run, topology_mesh
+from jaxrl4llm.plan.programs import per_chip_bytes, plan_run, topology_mesh
 
 TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.intermediate_size=256", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=32", "rollout.prompts_per_step=4",
