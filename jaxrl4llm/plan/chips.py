@@ -1,0 +1,39 @@
+"""What one accelerator chip can do, for the meter: HBM bytes, peak dense bf16 FLOP/s, HBM and
+interconnect bandwidth (public spec sheets), and the devices of a named topology to compile for."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxrl4llm.train.config import ConfigError
+
+GiB = 2**30
+
+
+class ChipSpec(NamedTuple):
+    """One chip: `hbm` bytes (as XLA reports it in RESOURCE_EXHAUSTED messages for v5p),
+    `peak_flops` dense bf16 FLOP/s, `hbm_bandwidth` bytes/s, `ici_bandwidth` bytes/s a chip moves
+    over its interconnect in one direction for collectives (TPU ICI links, GPU NVLink)."""
+
+    hbm: float
+    peak_flops: float
+    hbm_bandwidth: float
+    ici_bandwidth: float
+
+
+# ICI: per-chip one-direction bandwidth summed over links (v4 6 x 45 GB/s... as Google's pages give
+# it per chip: v4 270, v5e 200 (4 links x 50), v5p 600 (6 x 100), v6e 448 (4 x 112) GB/s per direction).
+TPU_CHIPS = {
+    "v4": ChipSpec(32 * GiB, 275e12, 1.2e12, 270e9),
+    "v5e": ChipSpec(16 * GiB, 197e12, 0.82e12, 200e9),
+    "v5p": ChipSpec(95.74 * GiB, 459e12, 2.76e12, 600e9),
+    "v6e": ChipSpec(32 * GiB, 918e12, 1.64e12, 448e9),
+}
+
+
+def tpu_chip_spec(topology: str) -> ChipSpec:
+    generation = topology.split(":")[0].lower()
+    if generation not in TPU_CHIPS:
+        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {generation!r}; "
+                          f"known: {', '.join(TPU_CHIPS)} (e.g. v5p:4x4x4, v5e:2x2)")
+    return TPU_CHIPS[generation]
