@@ -117,7 +117,10 @@ def cmd_plan(args) -> int:
     from jaxrl4llm.plan.programs import format_plan, plan_run, plan_to_dict
 
     cfg = _load(args)
-    plan = plan_run(cfg, args.topology)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    log(f"plan: compiling 4 programs for {args.topology or cfg.mesh.topology} (seconds for a small model; a few "
+        f"minutes each for a Qwen3-8B update or sampler on a TPU pod topology)")
+    plan = plan_run(cfg, args.topology, lengths=args.response_lengths, prompt_tokens=args.prompt_tokens, log=log)
     print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
 
@@ -185,14 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.set_defaults(fn=cmd_convert)
 
-    p = sub.add_parser("plan", help="compile a run's programs for a TPU topology and report memory per chip",
+    p = sub.add_parser("plan", help="compile a run's programs for a TPU/GPU topology; memory per chip and step time",
                        description="AOT-compiles the sampler, log-prob pass and update of the configured run with "
-                       "XLA's TPU compiler (on this machine, no TPU needed: pip install -e .[tpu]) for --topology, "
-                       "and prints bytes per chip (XLA's and our analytic count), HBM use and what to change when "
-                       "a program does not fit (exit status 1). docs/scaling.md.")
+                       "XLA's TPU compiler (pip install -e .[tpu]), its CUDA compiler (pip install -e .[gpu]) or for "
+                       "this CPU, on this machine with no accelerator, and prints bytes per chip (XLA's and our "
+                       "analytic count), what each program costs with every loop trip counted, the step's time at a "
+                       "length distribution, and what to change when a program does not fit (exit status 1). "
+                       "docs/scaling.md.")
     _add_config_args(p)
     p.add_argument("--topology", default=None,
-                   help="TPU slice, e.g. v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4 (default: the config's mesh.topology)")
+                   help="TPU slice (v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4), GPUs (h100:8, h100:2x8 = 2 hosts x 8) "
+                        "or cpu (this machine, its peak FLOP/s and bandwidth measured now); default: mesh.topology")
+    p.add_argument("--response-lengths", default=None, metavar="DIST",
+                   help="the responses' lengths: fixed, fixed:LEN, lognormal:mean=M,sigma=S, or a run folder "
+                        "(its response_lengths.jsonl); default lognormal, mean max_new_tokens / 4, sigma 0.8")
+    p.add_argument("--prompt-tokens", type=float, default=None, metavar="N",
+                   help="real prompt tokens a row, for padding and useful-token MFU (default: the prompt bucket)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
 
@@ -257,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -270,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts.initialize()  # many hosts (docs/scaling.md): must run before any device use
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         # Our errors name the problem and the fix; JAXRL4LLM_DEBUG=1 shows the traceback too.
         if os.environ.get("JAXRL4LLM_DEBUG"):
             raise

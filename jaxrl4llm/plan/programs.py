@@ -25,7 +25,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,42 +33,37 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrl4llm.models.remat import saved_floats_per_token
+from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
+from jaxrl4llm.plan.hlo_cost import ProgramCost, compiled_hlo_text, program_cost
+from jaxrl4llm.plan.lengths import LengthDistribution, decode_block_trips, parse_lengths, static_decode_work
 from jaxrl4llm.train.config import ConfigError, RunConfig
-
-GiB = 2**30
-
-
-class ChipSpec(NamedTuple):
-    """HBM bytes, peak dense bf16 FLOP/s and HBM bytes/s of one chip (public spec sheets; HBM as
-    XLA reports it in RESOURCE_EXHAUSTED messages for v5p)."""
-
-    hbm: float
-    peak_flops: float
-    hbm_bandwidth: float
-
-
-CHIPS = {
-    "v4": ChipSpec(32 * GiB, 275e12, 1.2e12),
-    "v5e": ChipSpec(16 * GiB, 197e12, 0.82e12),
-    "v5p": ChipSpec(95.74 * GiB, 459e12, 2.76e12),
-    "v6e": ChipSpec(32 * GiB, 918e12, 1.64e12),
-}
 
 
 def chip_spec(topology: str) -> ChipSpec:
-    generation = topology.split(":")[0].lower()
-    if generation not in CHIPS:
-        raise ConfigError(f"--topology {topology!r}: unknown TPU generation {generation!r}; "
-                          f"known: {', '.join(CHIPS)} (e.g. v5p:4x4x4, v5e:2x2)")
-    return CHIPS[generation]
+    """The chip of a topology name: `cpu` (this machine, measured now), a GPU (`h100:8`), or a TPU slice."""
+    if topology == "cpu":
+        return measure_cpu_chip()
+    if _is_gpu(topology):
+        from jaxrl4llm.plan.gpu import gpu_chip_spec
+
+        return gpu_chip_spec(topology)
+    return tpu_chip_spec(topology)
 
 
-def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh over the devices of a named TPU topology (no chip needed).
+def _is_gpu(topology: str) -> bool:
+    return topology.split(":")[0].lower() in ("h100", "a100", "b200", "h200")
 
-    One of data / fsdp / tensor may be -1 (the rest of the devices). `jax.make_mesh` refuses
-    these devices, so the mesh is built from the device array directly.
-    """
+
+def topology_devices(topology: str) -> list:
+    """The devices of a topology name, no chip needed: `cpu` (this machine's CPU devices), a GPU
+    layout (`h100:8`, `h100:2x8`: XLA's CUDA compiler, the `gpu` extra) or a TPU slice (`v5p:4x4x4`:
+    libtpu, the `tpu` extra)."""
+    if topology == "cpu":
+        return jax.devices("cpu")
+    if _is_gpu(topology):
+        from jaxrl4llm.plan.gpu import gpu_topology_devices
+
+        return gpu_topology_devices(topology)
     # Compiling takes no chip: let several processes (tests, a plan beside a run) load libtpu at
     # once instead of the first one holding its lockfile; no TPU host worker list to discover.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -76,11 +71,21 @@ def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
     try:
         from jax.experimental import topologies
 
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+        return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown topology name
         raise ConfigError(f"cannot build TPU topology {topology!r} ({type(e).__name__}: {str(e).splitlines()[0]}). "
                           f"Install XLA's TPU compiler with `pip install -e .[tpu]` (libtpu), and name a topology "
-                          f"like v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4") from None
+                          f"like v5p:4x4x4, v5e:8x8, v6e:8x8, v4:4x4x4; or a GPU layout like h100:8 (the gpu extra); "
+                          f"or cpu (this machine)") from None
+
+
+def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over the devices of a named topology (no chip needed).
+
+    One of data / fsdp / tensor may be -1 (the rest of the devices). `jax.make_mesh` refuses
+    these devices, so the mesh is built from the device array directly.
+    """
+    devices = topology_devices(topology)
     from jaxrl4llm.train.loop import mesh_dims
 
     dims = mesh_dims(data, fsdp, tensor, len(devices), f"chips of {topology}")
@@ -142,7 +147,9 @@ def _with_shardings(abstract, shardings):
 
 @dataclasses.dataclass
 class ProgramPlan:
-    """One compiled program: XLA's figures per chip, our analytic ones, or why it does not compile."""
+    """One compiled program: XLA's memory per chip, our analytic bytes, what one run of it costs
+    (XLA's HLO cost with every loop trip counted, `plan.hlo_cost`), how often a step runs it, and
+    its time on the chip (`seconds`)."""
 
     name: str
     fits: bool
@@ -151,13 +158,21 @@ class ProgramPlan:
     alias_bytes: int = 0
     temp_bytes: int = 0
     needed_bytes: int | None = None  # from RESOURCE_EXHAUSTED when it does not fit
-    xla_flops: float = 0.0  # XLA's cost analysis (loop bodies counted once)
-    xla_seconds: float = 0.0  # XLA's own time estimate (loop bodies counted once)
-    model_flops: float = 0.0  # ours: the program's matmul FLOPs per chip, loops unrolled
+    model_flops: float = 0.0  # ours: the program's matmul FLOPs per chip per run, loops unrolled, as run
     analytic: dict = dataclasses.field(default_factory=dict)  # category -> bytes per chip
     error: str = ""
-    hbm_read_bytes: float = 0.0  # ours: bytes a chip must read from HBM over the program (decode: every step)
     resident_bytes: int = 0  # the train state's bytes that stay in HBM beside the program (not its arguments)
+    runs: float = 1.0  # how many times a step runs it (the sampler: once per chunk)
+    flops: float = 0.0  # XLA's count per chip per run, every loop body times its trips
+    hbm_bytes: float = 0.0  # bytes per chip per run to and from HBM (XLA's "bytes accessed", trips counted)
+    collective_bytes: float = 0.0  # bytes a chip sends over its links per run (ring model)
+    collectives: float = 0.0  # collective ops per run
+    once_counted_flops: float = 0.0  # what XLA's cost_analysis() reports (loop bodies once), for comparison
+    compute_seconds: float = 0.0  # flops / peak
+    memory_seconds: float = 0.0  # hbm_bytes / HBM bandwidth
+    collective_seconds: float = 0.0  # collective_bytes / interconnect bandwidth
+    padding_fraction: float = 0.0  # positions (trainer) or row-steps (sampler) that carry no real token
+    loops: list = dataclasses.field(default_factory=list)  # (loop, trips) of the program
 
     @property
     def total_bytes(self) -> int:
@@ -170,28 +185,41 @@ class ProgramPlan:
     def analytic_total(self) -> int:
         return sum(self.analytic.values())
 
-    def xla_mfu(self, chip: ChipSpec) -> float:
-        """XLA's own FLOPs-per-second estimate as a fraction of the chip's peak: flops /
-        (optimal_seconds x peak). Both count a loop body once, so their ratio holds for the
-        whole program even though each alone does not."""
-        return self.xla_flops / (self.xla_seconds * chip.peak_flops) if self.xla_seconds > 0 else 0.0
+    @property
+    def seconds(self) -> float:
+        """One run: max(flops / peak, HBM bytes / bandwidth) + collective bytes / link bandwidth
+        (compute and memory traffic overlap on TPU and GPU; collectives are counted as exposed)."""
+        return max(self.compute_seconds, self.memory_seconds) + self.collective_seconds
 
-    def hbm_bound_seconds(self, chip: ChipSpec) -> float:
-        """Lower bound from HBM bandwidth: bytes read / bytes per second (decode's real limit)."""
-        return self.hbm_read_bytes / chip.hbm_bandwidth
+    @property
+    def binding(self) -> str:
+        if not self.fits:
+            return "-"
+        parts = {"compute": self.compute_seconds, "HBM": self.memory_seconds}
+        bound = max(parts, key=parts.get)
+        return "collectives" if self.collective_seconds > parts[bound] else bound
 
-    def estimated_seconds(self, chip: ChipSpec) -> float:
-        """The program's time at XLA's estimated MFU: model FLOPs per chip / (MFU x peak)."""
-        mfu = self.xla_mfu(chip)
-        return self.model_flops / (mfu * chip.peak_flops) if mfu > 0 and self.model_flops else 0.0
+    def price(self, cost: ProgramCost, chip: ChipSpec) -> None:
+        """Sets the per-run figures from `cost` on `chip`."""
+        self.flops, self.hbm_bytes = cost.flops, cost.hbm_bytes
+        self.collective_bytes, self.collectives = cost.collective_bytes, cost.collectives
+        self.once_counted_flops = cost.once_counted_flops
+        self.compute_seconds = cost.flops / chip.peak_flops
+        self.memory_seconds = cost.hbm_bytes / chip.hbm_bandwidth
+        self.collective_seconds = cost.collective_bytes / chip.ici_bandwidth if cost.collective_bytes else 0.0
+        self.loops = [(loop.name, loop.trips) for loop in cost.loops]
 
 
 _EXHAUSTED = re.compile(r"(?:temporaries|memory)\D*\(([\d.]+)([KMGT])\).*?available HBM\s*\(([\d.]+)([KMGT])\)", re.S)
 
 
-def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Mesh) -> tuple[ProgramPlan, Any]:
+def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Mesh,
+             log=None) -> tuple[ProgramPlan, Any]:
     """Lower and compile under the mesh context (as the loop runs them: the model's activation
     constraints read it); a RESOURCE_EXHAUSTED becomes a plan that does not fit."""
+    import time
+
+    start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
             compiled = lowered_fn().compile()
@@ -202,14 +230,15 @@ def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Me
         match = _EXHAUSTED.search(text)
         scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
         needed = int(float(match.group(1)) * scale[match.group(2)]) if match else None
+        if log:
+            log(f"  compiled {name:<16} {time.perf_counter() - start:6.1f} s: does not fit")
         return ProgramPlan(name, False, needed_bytes=needed, analytic=analytic, model_flops=model_flops,
                            error=text.splitlines()[0][:300]), None
+    if log:
+        log(f"  compiled {name:<16} {time.perf_counter() - start:6.1f} s")
     m = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return ProgramPlan(name, True, argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
                        alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
-                       xla_flops=float(cost.get("flops", 0.0)), xla_seconds=float(cost.get("optimal_seconds", 0.0)),
                        analytic=analytic, model_flops=model_flops), compiled
 
 
@@ -226,29 +255,66 @@ class RunPlan:
     programs: list[ProgramPlan]
     sampler: dict = dataclasses.field(default_factory=dict)  # decode mesh and chunking
     prompt_group: int | None = None  # trainer.share_prompt: rows per shared prompt forward, None = whole rows
+    lengths: LengthDistribution | None = None  # the response lengths the step is modelled at
+    mean_response: float = 0.0  # expected tokens a row generates under `lengths`
+    prompt_tokens: float = 0.0  # real (unpadded) prompt tokens of a row
+    chips: int = 1
 
     @property
     def fits(self) -> bool:
         return all(p.fits and p.total_bytes + p.resident_bytes <= 0.9 * self.chip.hbm for p in self.programs)
 
+    @property
+    def step_seconds(self) -> float:
+        """One RL step: every program times how often the step runs it."""
+        return sum(p.seconds * p.runs for p in self.programs)
 
-def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
+    def share(self, p: ProgramPlan) -> float:
+        return p.seconds * p.runs / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def generated_tokens_per_second_per_chip(self) -> float:
+        return self.rows * self.mean_response / self.step_seconds / self.chips if self.step_seconds else 0.0
+
+    @property
+    def useful_mfu(self) -> float:
+        """6 N (real prompt + response tokens of the step's rows) / (step seconds x chips x peak):
+        the work a padding-free trainer must do, over what the step takes."""
+        tokens = self.rows * (self.prompt_tokens + self.mean_response)
+        return 6 * self.model.num_params * tokens / (self.step_seconds * self.chips * self.chip.peak_flops) \
+            if self.step_seconds else 0.0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Of the step's time-weighted work, the share spent on padding positions and finished rows."""
+        total = sum(p.seconds * p.runs for p in self.programs)
+        return sum(p.seconds * p.runs * p.padding_fraction for p in self.programs) / total if total else 0.0
+
+
+def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
+             prompt_tokens: float | None = None, log=None) -> RunPlan:
     """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
-    config's `mesh.topology`; see the module docstring)."""
+    config's `mesh.topology`; see the module docstring) and model one step's time with the
+    responses' lengths drawn from `lengths` (`plan.lengths`; default lognormal, mean a quarter of
+    the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
+    `log` gets a line per compiled program as it goes."""
     from jaxrl4llm.core import policy_loss
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
     from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
-    from jaxrl4llm.sampling.decode_loop import sample_program, weights_jit
+    from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
     from jaxrl4llm.train.loop import _rows_per_micro, shared_prompt_group
     from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,
                                       make_logprob_pass, make_optimizer, make_update_fn, train_state_shardings)
 
     topology = topology or cfg.mesh.topology
     if not topology:
-        raise ConfigError("plan needs a TPU topology: pass --topology (e.g. v5p:4x4x4) or set mesh.topology.")
-    chip = chip_spec(topology)
+        raise ConfigError("plan needs a topology: pass --topology (e.g. v5p:4x4x4, h100:8, or cpu for this machine) "
+                          "or set mesh.topology.")
+    if not isinstance(lengths, LengthDistribution):
+        lengths = parse_lengths(lengths, cfg.rollout.max_new_tokens)
     mesh = topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    chip = chip_spec(topology)
     config = plan_model_config(cfg)
     g_samples = cfg.rollout.samples_per_prompt
     prompts = cfg.rollout.prompts_per_step
@@ -259,6 +325,13 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     response_len = cfg.rollout.max_new_tokens
     seq = prompt_len + response_len - 1
     recipe = cfg.recipe()
+    prompt_tokens = float(prompt_len if prompt_tokens is None else min(prompt_tokens, prompt_len))
+    mean_response = float(np.mean(lengths.sample(4096, response_len, np.random.default_rng(0))))
+
+    def price(program: ProgramPlan, compiled, *, dynamic_trips=(), devices=mesh.size) -> None:
+        if compiled is not None:
+            program.price(program_cost(compiled_hlo_text(compiled), num_devices=devices,
+                                       dynamic_trips=dynamic_trips), chip)
 
     graphdef, abstract = abstract_model(config)
     p_shard = param_shardings(abstract, mesh)
@@ -275,9 +348,11 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     from jaxrl4llm.train.policy import sampler_mesh_for
 
     dmesh = sampler_mesh_for(cfg, mesh, config) or mesh
-    backend = DecodeBackend(mesh=dmesh)
     sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
     ddp, dtp, block, embed_dtype = (sizing[k] for k in ("data_parallel", "tensor_parallel", "block_size", "embed_dtype"))
+    # the backend the run would pick (on CPU: the XLA path; the C++ kernels are custom calls XLA cannot cost)
+    backend = decode_backend(config, mesh=dmesh, use_kernels=False, block_size=block) if topology == "cpu" \
+        else DecodeBackend(mesh=dmesh)
     if config.num_kv_heads % dtp:
         raise ConfigError(f"the decode mesh's tensor axis ({dtp}) does not divide the model's {config.num_kv_heads} "
                           f"KV heads; set rollout.tensor_parallel to a divisor of {config.num_kv_heads}.")
@@ -292,8 +367,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     kv_rows = num_prompts * g_samples
     plan_w, compiled_w = _compile("sampler/weights", lambda: build_weights.lower(params),
         weights_program_memory(config, param_bytes=param_bytes, tensor_parallel=dtp, embed_dtype=embed_dtype),
-        0.0, mesh)
+        0.0, mesh, log)
     programs.append(plan_w)
+    price(plan_w, compiled_w)
     if compiled_w is not None:
         weights = _with_shardings(weights_abstract, compiled_w.output_shardings)
         rows_sharding = NamedSharding(dmesh, PartitionSpec(("data", "fsdp")))
@@ -303,15 +379,19 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
         eos = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
         chunks = -(-prompts // chunk)
-        decode_flops = 2 * config.num_params * kv_rows * response_len * chunks / mesh.size
+        # a static decode batch runs until its longest row ends: the block loops' trips follow from that
+        work = static_decode_work(lengths, min(chunk, prompts) * g_samples, response_len)
+        block_trips = decode_block_trips(work.longest, block, response_len)
+        decode_flops = 2 * config.num_params * (kv_rows * work.steps + num_prompts * prompt_len) / dmesh.size
         analytic = decode_memory(config, prompts=num_prompts, **sizing)
-        plan_s, _ = _compile("sampler/decode", lambda: sample_program.lower(
+        plan_s, compiled_s = _compile("sampler/decode", lambda: sample_program.lower(
             weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
             scalar(jnp.int32), config=config, num_samples=g_samples, max_new_tokens=response_len,
             top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block,
-            backend=backend, use_kernels=False), analytic, decode_flops, dmesh)
-        # every decode step reads the decode weights and, on average, half the final KV cache
-        plan_s.hbm_read_bytes = chunks * response_len * (analytic["decode weights"] + analytic["KV cache"] / 2)
+            backend=backend, use_kernels=False), analytic, decode_flops, dmesh, log)
+        plan_s.runs = chunks
+        plan_s.padding_fraction = 1 - (prompts * g_samples * work.mean_length / chunks) / (kv_rows * (work.steps + 1))
+        price(plan_s, compiled_s, dynamic_trips=block_trips, devices=dmesh.size)
         programs.append(plan_s)
     sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
@@ -346,20 +426,27 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
     tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass
-    plan_l, _ = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len,
+    # of those positions, the real ones: a row's prompt tokens (once per group when shared) and its response
+    real = rows * ((prompt_tokens if group is None else prompt_tokens / group) + mean_response - 1)
+    trainer_padding = max(0.0, 1 - real / tokens)
+    plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len,
                                                                          group)).lower(
                              params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
-                         2 * config.num_params * tokens / mesh.size, mesh)
-    programs.append(plan_l)
+                         2 * config.num_params * tokens / mesh.size, mesh, log)
     single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1  # as the loop's setup_run
+    old_pass = cfg.trainer.old_logp_source == "recompute" and not single_step
+    plan_l.runs = int(old_pass) + int(cfg.trainer.reference_model or recipe.kl_coef > 0)  # pi_old, pi_ref
+    plan_l.padding_fraction = trainer_padding
+    price(plan_l, compiled_l)
+    programs.append(plan_l)
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
                               micro_batches=micro, scored_tokens=response_len, prompt_group=group,
                               old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute")
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                             settings=settings, loss_fn=policy_loss)
-    plan_u, _ = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
+    plan_u, compiled_u = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
                                                     out_shardings=(state_sh, None, None),
                                                     donate_argnums=(0,)).lower(train_state, batch),
                          {"parameters": param_bytes, "optimizer state": state_bytes - param_bytes,
@@ -367,11 +454,14 @@ def plan_run(cfg: RunConfig, topology: str | None = None) -> RunPlan:
                           "batch": batch_bytes,
                           "activations": (residuals + saved if config.remat else 3 * residuals) + 2 * layer_work + head_work
                           + 2 * attention_work},
-                         6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh)
+                         6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh, log)
+    plan_u.padding_fraction = trainer_padding
+    price(plan_u, compiled_u)
     programs.append(plan_u)
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
         p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
-    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group)
+    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
+                   lengths=lengths, mean_response=mean_response, prompt_tokens=prompt_tokens, chips=mesh.size)
 
 
 # ---------------------------------------------------------------------------- report
@@ -400,11 +490,19 @@ def advice(plan: RunPlan) -> list[str]:
     return out
 
 
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.2f} s"
+
+
 def format_plan(plan: RunPlan) -> str:
     c = plan.model
     lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params on {plan.topology} "
              f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
              f"{plan.prompt_len} prompt + {plan.response_len} response tokens"]
+    if plan.lengths is not None:
+        lines.append(f"responses: {plan.lengths.describe(plan.response_len)}: {plan.mean_response:.0f} tokens a row "
+                     f"on average (--response-lengths); prompts: {plan.prompt_tokens:.0f} real tokens a row "
+                     f"(--prompt-tokens)")
     sm = plan.sampler
     if sm:
         lines.append(f"sampler: decode mesh data {sm['data_parallel']} x tensor {sm['tensor_parallel']} "
@@ -415,28 +513,37 @@ def format_plan(plan: RunPlan) -> str:
                  "cannot apply: micro-batches must give every data-parallel chip whole groups)")
     lines.append("")
     header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'+state':>7} {'HBM %':>6} {'args':>7} {'temp':>7} " \
-             f"{'ours GiB':>8} {'ours/XLA':>8} {'XLA MFU':>7} {'est. s':>8}"
-    lines += [header, "-" * len(header)]
+             f"{'ours GiB':>8} {'ours/XLA':>8}"
+    lines += ["memory per chip", header, "-" * len(header)]
     for p in plan.programs:
         ratio = p.analytic_total / p.total_bytes if p.total_bytes else float("nan")
         lines.append(f"{p.name:<16} {'yes' if p.fits else 'NO':>4} {_gib(p.total_bytes):>12} "
-                     f"{_gib(p.resident_bytes):>7} {100 * (p.total_bytes + p.resident_bytes) / plan.chip.hbm:>6.1f} {_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} "
-                     f"{_gib(p.analytic_total):>8} {ratio:>8.2f} {100 * p.xla_mfu(plan.chip):>6.1f}% "
-                     f"{p.estimated_seconds(plan.chip):>8.2f}")
+                     f"{_gib(p.resident_bytes):>7} {100 * (p.total_bytes + p.resident_bytes) / plan.chip.hbm:>6.1f} "
+                     f"{_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} {_gib(p.analytic_total):>8} {ratio:>8.2f}")
     lines.append("")
+    header = f"{'program':<16} {'runs':>5} {'TFLOP':>9} {'/ours':>6} {'HBM GB':>8} {'coll GB':>8} {'compute':>10} " \
+             f"{'memory':>10} {'collect.':>10} {'binding':>11} {'time':>10} {'share':>6} {'padding':>7}"
+    lines += ["time per chip (one run of each program; time x runs = its share of the step)", header, "-" * len(header)]
+    for p in plan.programs:
+        lines.append(f"{p.name:<16} {p.runs:>5.0f} {p.flops / 1e12:>9.3f} "
+                     f"{p.flops / p.model_flops if p.model_flops else float('nan'):>6.2f} {p.hbm_bytes / 1e9:>8.2f} "
+                     f"{p.collective_bytes / 1e9:>8.2f} {_seconds(p.compute_seconds):>10} "
+                     f"{_seconds(p.memory_seconds):>10} {_seconds(p.collective_seconds):>10} {p.binding:>11} "
+                     f"{_seconds(p.seconds):>10} {100 * plan.share(p):>5.1f}% {100 * p.padding_fraction:>6.1f}%")
+    lines.append("")
+    lines.append(f"step: {_seconds(plan.step_seconds)}, {plan.generated_tokens_per_second_per_chip:,.0f} generated "
+                 f"tokens/s/chip, useful-token MFU {100 * plan.useful_mfu:.1f}%, {100 * plan.padding_fraction:.0f}% of "
+                 f"the step's time on padding and finished rows")
     for p in plan.programs:
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.analytic.items())
         lines.append(f"  {p.name}: ours per chip (GiB): {parts}")
-    for p in plan.programs:
-        if p.hbm_read_bytes:
-            lines.append(f"  {p.name}: HBM-bandwidth bound {p.hbm_bound_seconds(plan.chip):.1f} s "
-                         f"({p.hbm_read_bytes / GiB:.0f} GiB read per chip at {plan.chip.hbm_bandwidth / 1e12:.2f} TB/s)")
     lines.append("")
     lines.append("+state: the train state's bytes (parameters, optimizer state) that stay in HBM beside the program "
                  "and are not among its arguments; HBM % counts them.")
-    lines.append("XLA MFU: XLA's cost model, flops / (its time estimate x peak bf16 FLOP/s); est. s: the program's "
-                 "matmul FLOPs per chip (ours, loops unrolled) at that MFU. XLA's flops and time alone count a loop "
-                 "body once.")
+    lines.append("TFLOP, HBM GB, coll GB: per chip and run, XLA's HLO cost with every loop body times its trips "
+                 "(/ours: against our 2N/6N count); time = max(compute, memory) + collectives at the chip's peak "
+                 "FLOP/s, HBM and link bandwidth (docs/scaling.md). padding: positions (trainer) or row-steps "
+                 "(sampler) that hold no real token under the length distribution.")
     problems = advice(plan)
     lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else ["every program fits (< 90% HBM)"])
     return "\n".join(lines)
@@ -445,11 +552,16 @@ def format_plan(plan: RunPlan) -> str:
 def plan_to_dict(plan: RunPlan) -> dict:
     return {
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
+        "chip": plan.chip._asdict(),
         "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
         "response_len": plan.response_len, "sampler": plan.sampler,
+        "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
+        "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
         "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total,
-                          xla_mfu=p.xla_mfu(plan.chip), estimated_seconds=p.estimated_seconds(plan.chip),
-                          hbm_bound_seconds=p.hbm_bound_seconds(plan.chip))
+                          seconds=p.seconds, binding=p.binding, share=plan.share(p))
                      for p in plan.programs],
+        "step_seconds": plan.step_seconds,
+        "generated_tokens_per_second_per_chip": plan.generated_tokens_per_second_per_chip,
+        "useful_mfu": plan.useful_mfu, "padding_fraction": plan.padding_fraction,
         "advice": advice(plan),
     }

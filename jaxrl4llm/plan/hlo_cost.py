@@ -1,0 +1,343 @@
+"""What a compiled program costs per chip, with every loop body counted as often as it runs.
+
+XLA's `cost_analysis()` counts the body of a `while` (every `scan`, `fori_loop`, `map`) once,
+not times its trip count: a scan of 64 matmuls reports the flops of one. Here the optimized HLO
+(`compiled.runtime_executable().hlo_modules()[0]`, the per-chip SPMD program) is split into
+its computations; each loop body is costed on its own by XLA's generic HloCostAnalysis (run
+through the CPU client on a copy of the module re-rooted at that body), and
+
+    full(C) = cost(C) + sum_{while W in C} (trips(W) * full(body(W)) - cost(body(W)))
+
+replaces each once-counted body by its trips (recursively, for nested loops). Trip counts come
+from the loop itself: XLA:CPU writes `known_trip_count` into the while's backend config, and on
+TPU/GPU the condition of a jax loop is `i < N` on a counter that starts from a constant. A loop
+whose exit depends on data (the sampler's "until every row is done") has no static trip count:
+the caller passes it (`dynamic_trips`, in the order the loops appear).
+
+Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) are read
+from the same HLO with their result shapes and replica groups, weighted by the same trips, and
+turned into the bytes one chip sends over its links (ring algorithms: an all-reduce of S bytes
+over n chips moves 2 (n-1)/n S, an all-gather or reduce-scatter (n-1)/n S of the full array).
+
+Uses two private jaxlib entry points (`_jax.hlo_module_cost_analysis`, `_hlo.hlo_module_from_text`),
+checked on jax 0.10.2; `pyproject.toml` pins jax below 0.11 for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Sequence
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
+                "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1,
+                "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) [({]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str  # the result shape text, layouts included
+    opcode: str
+    rest: str  # operands and attributes
+
+
+@dataclasses.dataclass
+class Computation:
+    name: str
+    header: str
+    lines: list[str]
+    instructions: dict[str, Instruction]
+    is_entry: bool = False
+
+
+@dataclasses.dataclass
+class Loop:
+    """A while loop of the program: where it is, what it runs, and how often (None: data-dependent)."""
+
+    name: str
+    parent: str
+    body: str
+    condition: str
+    trips: float | None
+
+
+@dataclasses.dataclass
+class ProgramCost:
+    """Per-chip totals of one program over all its loop trips.
+
+    flops: XLA's HloCostAnalysis flops (matmuls and elementwise), loop bodies x trips;
+    hbm_bytes: its "bytes accessed" (operands + results of every top-level op and fusion: the
+      traffic to the chip's main memory), weighted the same way;
+    collective_bytes: bytes a chip sends for collectives (ring model, see the module docstring);
+    collectives: how many collective ops run (weighted by trips);
+    loops: every while loop with its trip count (static or given).
+    """
+
+    flops: float
+    hbm_bytes: float
+    transcendentals: float
+    collective_bytes: float
+    collectives: float
+    loops: list[Loop]
+    once_counted_flops: float  # what cost_analysis() says (each body once), for comparison
+
+
+def array_bytes(shape_text: str) -> list[float]:
+    """Bytes of each array in a shape text (`bf16[8,128]{1,0}` or a tuple of them)."""
+    return [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+            for dtype, dims in _ARRAY.findall(shape_text)]
+
+
+def parse_module(text: str) -> dict[str, Computation]:
+    """Computations of an HLO module text (`HloPrintOptions.short_parsable()` or the default form)."""
+    comps: dict[str, Computation] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+                current = Computation(m.group(2), line, [], {}, is_entry=bool(m.group(1)))
+            continue
+        if line.startswith("}"):
+            comps[current.name] = current
+            current = None
+            continue
+        current.lines.append(line)
+        m = _INSTRUCTION.match(line)
+        if m:
+            current.instructions[m.group(1)] = Instruction(m.group(1), m.group(2), m.group(3), m.group(4))
+    return comps
+
+
+def _attr(rest: str, key: str) -> str | None:
+    m = re.search(r"\b" + key + r"=%?([\w.\-]+)", rest)
+    return m.group(1) if m else None
+
+
+def _operands(rest: str) -> list[str]:
+    depth, out, cur = 0, [], ""
+    for ch in rest:
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return [o.split(" ")[-1].lstrip("%") for o in out]
+
+
+def _constant(comp: Computation, name: str, depth: int = 0) -> int | None:
+    """The integer value of `name` in `comp` if it is a constant (through copies/converts)."""
+    inst = comp.instructions.get(name)
+    if inst is None or depth > 4:
+        return None
+    if inst.opcode == "constant":
+        m = re.match(r"\s*(-?\d+)\)", inst.rest)
+        return int(m.group(1)) if m else None
+    if inst.opcode in ("copy", "convert", "bitcast"):
+        return _constant(comp, _operands(inst.rest)[0], depth + 1)
+    return None
+
+
+def _static_trips(comps: dict[str, Computation], parent: Computation, inst: Instruction) -> float | None:
+    """The trip count of a while loop when it is static (see the module docstring), else None."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', inst.rest)
+    if m:
+        return float(m.group(1))
+    cond = comps.get(_attr(inst.rest, "condition") or "")
+    if cond is None:
+        return None
+    root_line = next((line for line in cond.lines if line.lstrip().startswith("ROOT ")), None)
+    m = _INSTRUCTION.match(root_line or "")
+    if not m or m.group(3) != "compare" or "direction=LT" not in m.group(4):
+        return None
+    lhs, rhs = _operands(m.group(4))[:2]
+    bound = _constant(cond, rhs)
+    counter = cond.instructions.get(lhs)
+    if bound is None or counter is None or counter.opcode != "get-tuple-element":
+        return None
+    index = int(_attr(counter.rest, "index") or -1)
+    init = 0
+    tup = parent.instructions.get(_operands(inst.rest)[0])
+    if tup is not None and tup.opcode == "tuple":
+        ops = _operands(tup.rest)
+        if 0 <= index < len(ops):
+            value = _constant(parent, ops[index])
+            init = value if value is not None else 0
+    return float(max(bound - init, 0))
+
+
+def find_loops(comps: dict[str, Computation], dynamic_trips: Sequence[float] = ()) -> list[Loop]:
+    """Every while loop, in the order of a walk from the entry; data-dependent loops take their
+    trips from `dynamic_trips` in that order (None when the list runs out)."""
+    loops, given = [], list(dynamic_trips)
+    entry = next(c for c in comps.values() if c.is_entry)
+
+    def walk(comp: Computation, seen: frozenset):
+        for inst in comp.instructions.values():
+            if inst.opcode == "while":
+                trips = _static_trips(comps, comp, inst)
+                if trips is None and given:
+                    trips = float(given.pop(0))
+                body = _attr(inst.rest, "body")
+                loops.append(Loop(inst.name, comp.name, body, _attr(inst.rest, "condition"), trips))
+                if body in comps and body not in seen:
+                    walk(comps[body], seen | {body})
+            for key in ("to_apply", "calls", "true_computation", "false_computation"):
+                callee = _attr(inst.rest, key) if inst.opcode in ("call", "conditional", "async-start") else None
+                if callee in comps and callee not in seen:
+                    walk(comps[callee], seen | {callee})
+            if inst.opcode == "conditional":
+                for callee in re.findall(r"branch_computations=\{([^}]*)\}", inst.rest):
+                    for name in callee.split(","):
+                        name = name.strip().lstrip("%")
+                        if name in comps and name not in seen:
+                            walk(comps[name], seen | {name})
+
+    walk(entry, frozenset({entry.name}))
+    return loops
+
+
+def _rerooted(text: str, comps: dict[str, Computation], root: str) -> str:
+    """The module text with `root` as its entry computation (the layout attribute of the old entry dropped)."""
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        if i == 0 and line.startswith("HloModule"):
+            line = re.sub(r"entry_computation_layout=\{.*?\}\}, ?", "", line)
+            line = re.sub(r", entry_computation_layout=\{.*?\}\}", "", line)
+        elif line.startswith("ENTRY "):
+            line = line[len("ENTRY "):]
+        elif line.startswith(comps[root].header):
+            line = "ENTRY " + line
+        out.append(line)
+    return "\n".join(out)
+
+
+@functools.cache
+def _cpu_client():
+    import jax
+
+    return jax.devices("cpu")[0].client
+
+
+def _xla_cost(text: str) -> dict:
+    from jax._src.lib import _jax
+    from jaxlib import _hlo
+
+    module = _hlo.hlo_module_from_text(text)
+    return dict(_jax.hlo_module_cost_analysis(_cpu_client(), module))
+
+
+def _group_size(rest: str, default: int) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    if m:
+        return max(len([x for x in m.group(1).split(",") if x]), 1)
+    return default
+
+
+def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int) -> tuple[float, float]:
+    """(bytes one chip sends, number of collective ops) of the collectives in computation `name`
+    and in what it calls (fusions, async wrappers), not in its loops."""
+    sent, count = 0.0, 0
+    for inst in comps[name].instructions.values():
+        callee = _attr(inst.rest, "calls")
+        if callee in comps and inst.opcode != "while":
+            s, c = collective_bytes(comps, callee, num_devices)
+            sent, count = sent + s, count + c
+        op = inst.opcode.removesuffix("-start")
+        if op not in COLLECTIVES or inst.opcode.endswith("-done"):
+            continue
+        sizes = array_bytes(inst.shape)
+        if not sizes:
+            continue
+        n = _group_size(inst.rest, num_devices)
+        if op == "collective-permute":
+            sent += max(sizes)
+            count += 1
+            continue
+        if n <= 1:
+            continue
+        if inst.opcode.endswith("-start") and op in ("all-gather", "all-to-all") and len(sizes) >= 2:
+            sizes = sizes[len(sizes) // 2:]  # (operands..., results...)
+        total = sum(sizes)
+        if op == "all-reduce":
+            sent += 2 * (n - 1) / n * total
+        elif op == "reduce-scatter":
+            sent += (n - 1) * total  # the result is one n-th of the reduced array
+        else:
+            sent += (n - 1) / n * total
+        count += 1
+    return sent, count
+
+
+def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[float] = ()) -> ProgramCost:
+    """Per-chip flops, HBM bytes and collective bytes of one compiled program, loops weighted by trips.
+
+    Args:
+      hlo_text: the optimized per-chip HLO (`compiled_hlo_text(compiled)`).
+      num_devices: chips of the program (collectives without replica groups span all of them).
+      dynamic_trips: trip counts of the data-dependent loops, in the order `find_loops` walks them.
+    """
+    comps = parse_module(hlo_text)
+    loops = find_loops(comps, dynamic_trips)
+    by_body: dict[str, list[Loop]] = {}
+    for loop in loops:
+        by_body.setdefault(loop.parent, []).append(loop)
+    once: dict[str, dict] = {}
+
+    def cost(name: str) -> dict:
+        if name not in once:
+            comp = comps[name]
+            c = _xla_cost(hlo_text if comp.is_entry else _rerooted(hlo_text, comps, name))
+            once[name] = {"flops": c.get("flops", 0.0), "bytes": c.get("bytes accessed", 0.0),
+                          "transcendentals": c.get("transcendentals", 0.0)}
+        return once[name]
+
+    def own_collectives(name: str) -> tuple[float, float]:
+        return collective_bytes(comps, name, num_devices)
+
+    @functools.cache
+    def full(name: str) -> tuple[float, float, float, float, float]:
+        c = cost(name)
+        totals = [c["flops"], c["bytes"], c["transcendentals"], *own_collectives(name)]
+        for loop in by_body.get(name, []):
+            if loop.body not in comps:
+                continue
+            trips = 1.0 if loop.trips is None else loop.trips
+            inner, once_body = full(loop.body), cost(loop.body)
+            totals[0] += trips * inner[0] - once_body["flops"]
+            totals[1] += trips * inner[1] - once_body["bytes"]
+            totals[2] += trips * inner[2] - once_body["transcendentals"]
+            totals[3] += trips * inner[3]  # collectives are read per computation, not from XLA's once-count
+            totals[4] += trips * inner[4]
+        return tuple(totals)
+
+    entry = next(c.name for c in comps.values() if c.is_entry)
+    flops, hbm, trans, coll, count = full(entry)
+    return ProgramCost(flops=flops, hbm_bytes=hbm, transcendentals=trans, collective_bytes=coll, collectives=count,
+                       loops=loops, once_counted_flops=cost(entry)["flops"])
+
+
+def compiled_hlo_text(compiled) -> str:
+    """The optimized per-chip HLO of a compiled program, in a form `hlo_module_from_text` parses."""
+    from jaxlib import _hlo
+
+    modules = compiled.runtime_executable().hlo_modules()
+    return modules[0].to_string(_hlo.HloPrintOptions.short_parsable())
