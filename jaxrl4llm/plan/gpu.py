@@ -35,11 +35,12 @@ from jaxrl4llm.train.config import ConfigError
 # "80 GB" H100 is 79.1 GiB). A JAX process takes 75% of it by default: run on GPUs with
 # XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 to use what plan counts on. peak_flops: dense bf16 tensor
 # core FLOP/s; ici_bandwidth: NVLink bytes/s per direction per GPU (half the bidirectional
-# figure NVIDIA quotes). Sources: NVIDIA's H100 (SXM) and A100 (80 GB SXM) datasheets; the HGX
-# B200 datasheet (1000 W: 2.25 PFLOP/s dense bf16 of 4.5 sparse, 8 TB/s HBM3e, NVLink 5 at
+# figure NVIDIA quotes). Sources: NVIDIA's H100 SXM, H200 SXM and A100 80 GB SXM datasheets; the
+# HGX B200 datasheet (1000 W: 2.25 PFLOP/s dense bf16 of 4.5 sparse, 8 TB/s HBM3e, NVLink 5 at
 # 1.8 TB/s bidirectional), as of 2026-11.
 GPU_CHIPS: dict[str, ChipSpec] = {
     "h100": ChipSpec(84942979072, 989e12, 3.35e12, 450e9),
+    "h200": ChipSpec(151397597184, 989e12, 4.8e12, 450e9),
     "a100": ChipSpec(85100068864, 312e12, 2.039e12, 300e9),
     "b200": ChipSpec(191514411008, 2.25e15, 8.0e12, 900e9),
 }
@@ -68,6 +69,7 @@ def parse_gpu_topology(topology: str) -> tuple[str, int, int]:
 
 
 def gpu_chip_spec(topology: str) -> ChipSpec:
+    """The ChipSpec of one GPU of `topology` ("h100:2x8" -> GPU_CHIPS["h100"])."""
     return GPU_CHIPS[parse_gpu_topology(topology)[0]]
 
 
@@ -90,8 +92,8 @@ def missing_gpu_packages() -> list[str]:
         nvcc = find_spec("nvidia.cuda_nvcc")
     except ModuleNotFoundError:
         nvcc = None
-    roots = [*(nvcc.submodule_search_locations or [] if nvcc else []), os.environ.get("CUDA_ROOT"),
-             "/usr/local/cuda", "/opt/cuda"]
+    nvcc_dirs = list(nvcc.submodule_search_locations or []) if nvcc else []
+    roots = [*nvcc_dirs, os.environ.get("CUDA_ROOT"), "/usr/local/cuda", "/opt/cuda"]
     if not (shutil.which("ptxas") or "xla_gpu_cuda_data_dir" in os.environ.get("XLA_FLAGS", "")
             or any(r and os.path.exists(os.path.join(r, "bin", "ptxas")) for r in roots)):
         missing.append("nvidia-cuda-nvcc-cu12 (ptxas)")
@@ -104,7 +106,7 @@ def gpu_topology_devices(topology: str) -> list[jax.Device]:
     gpu, hosts, per_host = parse_gpu_topology(topology)
     if missing := missing_gpu_packages():
         raise ConfigError(f"--topology {topology!r} needs XLA's CUDA compiler, but {', '.join(missing)} "
-                          f"is not installed: {_INSTALL}.")
+                          f"{'is' if len(missing) == 1 else 'are'} not installed: {_INSTALL}.")
     plugin_version, jaxlib_version = metadata.version(_PLUGIN_DIST), metadata.version("jaxlib")
     if plugin_version != jaxlib_version:
         raise ConfigError(f"--topology {topology!r}: {_PLUGIN_DIST} {plugin_version} does not match jaxlib "
