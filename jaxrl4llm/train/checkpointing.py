@@ -1,7 +1,8 @@
 """Orbax checkpoints of a run: train state (params, optimizer state, step) + JSON metadata
 (data position, RNG key, config). Orbax writes each step to a temporary folder and renames it
 when complete, so a run killed mid-write leaves the previous checkpoint usable; only the last
-`keep` checkpoints are kept.
+`keep` checkpoints are kept. A checkpoint that cannot be read is a CheckpointError naming its
+step folder, the cause and the newest earlier step that can be read.
 """
 
 from __future__ import annotations
@@ -13,8 +14,25 @@ import jax
 import orbax.checkpoint as ocp
 
 
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read (a truncated or corrupt file, missing metadata, another
+    model's shapes); the message names the step folder, the cause and what to do."""
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost cause of `e` in one line: orbax wraps tensorstore's errors, whose messages
+    run on with the whole store spec."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).split(" [tensorstore_spec")[0].strip()
+    text = text.splitlines()[0] if text else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class RunCheckpointer:
     """Saves and restores (state pytree, metadata dict) under OUT/checkpoints/<step>."""
+
+    METADATA_FILES = ("state/_METADATA", "meta/metadata")  # what orbax writes next to the arrays of a step
 
     def __init__(self, out_dir: str | Path, *, keep: int = 2):
         self.dir = Path(out_dir).absolute() / "checkpoints"
@@ -37,9 +55,8 @@ class RunCheckpointer:
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state
         )
-        out = self._mngr.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        )
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        out = self._read(step, args, "delete {bad} to resume from it")
         return out["state"], dict(out["meta"]), step
 
     def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
@@ -50,9 +67,45 @@ class RunCheckpointer:
             raise FileNotFoundError(f"No checkpoint in {self.dir}: train first (trainer.checkpoint_every).")
         item = {"params": jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_params)}
-        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        out = self._read(step, args, "read it with step={good} (jaxrl4llm convert --step {good})")
         return out["state"]["params"], step
+
+    def _read(self, step: int, args: ocp.args.Composite, fix: str) -> Any:
+        """Restores `step` with `args`; when that fails, a CheckpointError naming the step folder,
+        the cause in one line and the newest earlier step that restores with the same `args`
+        (each earlier one is read in full to know: only on this error path). `fix` is formatted
+        with bad= the folders of the unreadable steps after it, good= that earlier step."""
+        steps = sorted(self._mngr.all_steps())
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint step {step} in {self.dir} (its steps: {steps or 'none'}).")
+        try:
+            return self._mngr.restore(step, args=args)
+        except Exception as e:  # noqa: BLE001 (any failure to read is reported the same way)
+            cause = _cause(e)
+        # orbax reads a step without its tree metadata as plain dicts: name the file, not the pytree mismatch
+        missing = [name for name in self.METADATA_FILES
+                   if name.split("/")[0] in args and not (self.dir / str(step) / name).is_file()]
+        if missing:
+            cause = f"{' and '.join(missing)} missing; orbax: {cause}"
+        earlier = [s for s in reversed(steps) if s < step]
+        good = next((s for s in earlier if self._readable(s, args)), None)
+        if good is not None:
+            unreadable = " and ".join(str(self.dir / str(s)) for s in steps if good < s <= step)
+            then = f"the newest readable earlier one is step {good}: " + fix.format(bad=unreadable, good=good)
+        else:
+            then = ((f"none of the earlier ones ({', '.join(map(str, earlier))}) can be read either" if earlier else
+                     "there is no earlier one") + " (a cause naming shapes or keys may mean a config other than the "
+                    "run's config.json)")
+        raise CheckpointError(f"checkpoint step {step} at {self.dir / str(step)} cannot be read ({cause}); {then}.")
+
+    def _readable(self, step: int, args: ocp.args.Composite) -> bool:
+        try:
+            self._mngr.restore(step, args=args)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
 
     def close(self) -> None:
         self._mngr.close()
