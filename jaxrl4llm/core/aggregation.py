@@ -9,10 +9,25 @@ Modes (Tricks or Traps, arXiv 2508.08221, Sec. 4.3; verl's loss_agg_mode names):
   "token-mean"              sum_bt l·m / sum_bt m                          (DAPO, Lite PPO)
   "seq-mean-token-mean"     mean_b [ sum_t l·m / sum_t m ]                 (GRPO)
   "seq-mean-token-sum"      mean_b [ sum_t l·m ]
-  "seq-mean-token-sum-norm" mean_b [ sum_t l·m / norm_length ]             (Dr. GRPO)
+  "seq-mean-token-sum-norm" mean_b [ sum_t l·m / norm_length ]             (Dr. GRPO, the paper)
+  "seq-sum-token-sum-norm"  sum_b [ sum_t l·m ] / norm_length              (verl's and ROLL's
+                                                                            seq-mean-token-sum-norm)
   "prompt-mean-token-mean"  mean_p [ sum_{b in p, t} l·m / sum_{b in p, t} m ]  (ScaleRL)
 Sequence means run over rows with at least one counted token; rows with row_weights == 0 are
 also left out of the denominator.
+
+The two "-norm" modes differ by a batch-size factor. Dr. GRPO (Liu et al. 2025, arXiv
+2503.20783, its objective) writes 1/G sum_i 1/MAX_TOKENS sum_t: a mean over the responses,
+which we keep as "seq-mean-token-sum-norm" (the default, and TRL's loss_type="dr_grpo").
+verl's and ROLL's mode of that name (`agg_loss`) sums over the rows of the call and divides by
+the length only, with no mean over rows: on loss [[1, 2, 0], [3, 0, 0]], mask
+[[1, 1, 0], [1, 0, 0]], norm_length 3 ours gives (3/3 + 3/3) / 2 = 1.0 and theirs 6/3 = 2.0.
+Their convention is "seq-sum-token-sum-norm" here.
+It is a sum, not a mean, so its denominator is no count: it is the share of the optimizer
+step's rows this call holds, `rows / total_rows`, and the shares of the micro-batches of one
+step add up to 1 (pass total_rows, the step's row count, when a call holds part of the step;
+the train step does). The loss, its gradient and what gradient clipping sees then grow with
+the number of rows per optimizer step.
 
 "prompt-mean-token-mean" (ScaleRL, Khatri et al. 2025, arXiv 2510.13786): token-mean within
 each prompt's group of G rows, then mean over prompts. It is a token-mean with per-row weight
@@ -31,12 +46,18 @@ import chex
 import jax.numpy as jnp
 
 AggregationMode = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "prompt-mean-token-mean"
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm",
+    "prompt-mean-token-mean",
 ]
 AGGREGATION_MODES = (
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "prompt-mean-token-mean"
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm",
+    "prompt-mean-token-mean",
 )
 PROMPT_MODES = ("prompt-mean-token-mean",)
+# modes that divide by the constant norm_length
+NORM_MODES = ("seq-mean-token-sum-norm", "seq-sum-token-sum-norm")
+# sums over rows (no mean): the denominator is the call's share of the optimizer step's rows
+ROW_SUM_MODES = ("seq-sum-token-sum-norm",)
 
 
 def prompt_weights(token_counts: chex.Array, group_size: int, row_weights: chex.Array | None = None) -> chex.Array:
@@ -87,6 +108,7 @@ def aggregate_loss(
     norm_length: float | None = None,
     row_weights: chex.Array | None = None,
     group_size: int | None = None,
+    total_rows: int | None = None,
 ) -> LossTerms:
     """Reduces per-token losses to LossTerms(numerator, denominator) for `mode` (see module doc).
 
@@ -94,14 +116,19 @@ def aggregate_loss(
       loss: [B, T] per-token loss.
       mask: [B, T] 1 for counted tokens.
       mode: one of AGGREGATION_MODES (static).
-      norm_length: the constant divisor of "seq-mean-token-sum-norm" (Dr. GRPO uses the
-        maximum response length); required for that mode only.
+      norm_length: the constant divisor of the "-norm" modes (Dr. GRPO uses the maximum
+        response length; verl's `actor.loss_scale_factor`, default the padded response
+        length); required for those modes only.
       row_weights: [B] 0/1; rows with weight 0 stay out of every denominator (e.g. groups
         whose rewards are all equal, which carry no advantage signal). Their numerator
         contribution is kept. For "prompt-mean-token-mean": the per-row prompt weights
         from `prompt_weights` (they scale numerator and denominator; weight 0 removes the row).
+        "seq-sum-token-sum-norm" has no count to leave: its denominator ignores them.
       group_size: "prompt-mean-token-mean" without row_weights: computes prompt_weights from
         this call's mask (exact only when the call holds whole groups).
+      total_rows: "seq-sum-token-sum-norm" only (static): the rows of the optimizer step this
+        call is a part of (a micro-batch's step); the denominator is B / total_rows. Default
+        B (denominator 1: the call is the whole step).
 
     Returns:
       LossTerms of float32 scalars; `.value` is the loss.
@@ -131,12 +158,18 @@ def aggregate_loss(
 
     if mode == "token-mean":
         return LossTerms(jnp.sum(row_sum), jnp.sum(row_count * (weights > 0)))
+    if mode in NORM_MODES and (norm_length is None or norm_length <= 0):
+        raise ValueError(f"mode {mode!r} needs norm_length > 0, e.g. the max response length.")
+    if mode in ROW_SUM_MODES:
+        rows = loss.shape[0]
+        total = rows if total_rows is None else total_rows
+        if total < rows:
+            raise ValueError(f"total_rows={total_rows} is fewer than this call's {rows} rows.")
+        return LossTerms(jnp.sum(row_sum) / norm_length, jnp.asarray(rows / total, jnp.float32))
     if mode == "seq-mean-token-mean":
         per_row = jnp.where(row_count > 0, row_sum / jnp.maximum(row_count, 1.0), 0.0)
     elif mode == "seq-mean-token-sum":
         per_row = row_sum
     else:
-        if norm_length is None or norm_length <= 0:
-            raise ValueError("mode 'seq-mean-token-sum-norm' (Dr. GRPO) needs norm_length > 0, e.g. the max response length.")
         per_row = row_sum / norm_length
     return LossTerms(jnp.sum(per_row), jnp.sum(row_counts_in_den))

@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.core.advantages import batch_whiten, check_group_layout, normalize_advantages, rloo_advantages
-from jaxrl4llm.core.aggregation import AGGREGATION_MODES, PROMPT_MODES, LossTerms, aggregate_loss, prompt_weights
+from jaxrl4llm.core.aggregation import (
+    AGGREGATION_MODES, NORM_MODES, PROMPT_MODES, LossTerms, aggregate_loss, prompt_weights,
+)
 from jaxrl4llm.core.entropy_control import COV_CONTROLS, clip_cov_mask, kl_cov_mask, kl_cov_penalty
 from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
@@ -54,7 +56,9 @@ class Recipe:
       ratio_level: "token" (PPO), "sequence" (GSPO) or "sequence_token" (GSPO-token); PPO only.
       loss_agg_mode: one of AGGREGATION_MODES ("prompt-mean-token-mean" needs response
         lengths in compute_advantages, which puts the prompt weights in denominator_weights).
-      norm_length: divisor of "seq-mean-token-sum-norm" (Dr. GRPO: the max response length).
+      norm_length: divisor of "seq-mean-token-sum-norm" (Dr. GRPO: the max response length)
+        and of "seq-sum-token-sum-norm" (verl's / ROLL's seq-mean-token-sum-norm, which sums
+        over rows where Dr. GRPO's paper means over them; see core.aggregation).
       kl_coef, kl_kind, kl_clamp: KL(pi || pi_ref) loss term (0 = off, no reference model).
       entropy_coef: entropy bonus (0 = off).
       overlong_filter: drop truncated responses from the loss (not from advantage stats).
@@ -134,8 +138,8 @@ class Recipe:
                 problems.append(f"{key}={getattr(self, key)!r} (valid: group, batch, none)")
         if self.loss_agg_mode not in AGGREGATION_MODES:
             problems.append(f"loss_agg_mode={self.loss_agg_mode!r} (valid: {', '.join(AGGREGATION_MODES)})")
-        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.norm_length:
-            problems.append("loss_agg_mode='seq-mean-token-sum-norm' needs norm_length (e.g. the max response length)")
+        if self.loss_agg_mode in NORM_MODES and not self.norm_length:
+            problems.append(f"loss_agg_mode={self.loss_agg_mode!r} needs norm_length (e.g. the max response length)")
         if self.kl_kind not in KL_KINDS:
             problems.append(f"kl_kind={self.kl_kind!r} (valid: {', '.join(KL_KINDS)})")
         if self.ratio_level not in RATIO_LEVELS:
@@ -336,6 +340,7 @@ def policy_loss(
     sampler_logp: chex.Array | None = None,
     entropy: chex.Array | None = None,
     key: chex.PRNGKey | None = None,
+    total_rows: int | None = None,
 ) -> tuple[LossTerms, dict[str, chex.Array]]:
     """l_bt = w_bt·S(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
 
@@ -363,6 +368,8 @@ def policy_loss(
         legacy recipe.tis_cap (optional: without it TIS is off).
       entropy: [B, T] per-token policy entropy, required when recipe.entropy_coef > 0.
       key: PRNG key, required when recipe.needs_key (Clip-Cov's pick is a function of it).
+      total_rows: "seq-sum-token-sum-norm" only (static): the rows of the optimizer step when
+        this call is one micro-batch of it (aggregate_loss); default this call's rows.
 
     Returns:
       (LossTerms(numerator, denominator), metrics): metrics are scalars over this call's
@@ -454,7 +461,8 @@ def policy_loss(
     if dropped is not None:
         per_token = jnp.where(dropped, 0.0, per_token)
     terms = aggregate_loss(
-        per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights
+        per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights,
+        total_rows=total_rows,
     )
     return terms, metrics
 

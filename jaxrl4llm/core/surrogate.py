@@ -51,11 +51,14 @@ def _log_ratio(diff: chex.Array, logp: chex.Array, m: chex.Array, ratio_level: s
     """[B, T] log importance ratio at `ratio_level` (see clipped_surrogate); diff = 0 where m == 0."""
     if ratio_level == "token":
         return jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    seq = jnp.sum(diff * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
-    seq = jnp.clip(seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    mean = jnp.sum(diff * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+    seq = jnp.clip(mean, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if ratio_level == "sequence":
         return jnp.broadcast_to(seq, diff.shape)
-    safe_logp = jnp.where(m > 0, logp, 0.0)
+    # GSPO-token: the per-token gradient path exists only where the clamp does not bind, so that
+    # beyond the clamp both levels have zero gradient (as the clip's own derivative gives GSPO)
+    inside = jax.lax.stop_gradient(jnp.abs(mean) < LOG_RATIO_CLAMP)
+    safe_logp = jnp.where((m > 0) & inside, logp, 0.0)
     return jax.lax.stop_gradient(seq) + safe_logp - jax.lax.stop_gradient(safe_logp)
 
 
@@ -111,7 +114,15 @@ def clipped_surrogate(
                         the advantages of the whole row: -s_i·(1/|y_i|)·sum_t' A_t'.
       "sequence_token": GSPO-token (eq. 13), s_i,t = sg(s_i)·exp(logp_t - sg(logp_t)): the value
                         s_i on every token, the gradient per token: -s_i·A_t. With A constant
-                        over a row both levels give the same loss and gradient.
+                        over a row both levels give the same loss and gradient, at any gap:
+                        the mean log-ratio is clamped to ±LOG_RATIO_CLAMP (20) at both levels,
+                        and where it binds (|mean| >= 20) the row gets zero gradient at both
+                        levels (GSPO through the clamp's derivative, GSPO-token by dropping
+                        its per-token path), whatever the advantages.
+    Peers: verl's loss_mode="gspo" is the "sequence_token" form with the log-ratio clamped
+    at +10 only (zero gradient above), no dual clip, and seq-mean-token-mean aggregation
+    whatever loss_agg_mode says; ROLL's importance_sampling="seq" is "sequence" with no clamp.
+    verl's vanilla loss always dual-clips (clip_ratio_c = 3.0); ours only when dual_clip is set.
 
     Args:
       logp: [B, T] log-probs of the sampled tokens under the policy being optimised.

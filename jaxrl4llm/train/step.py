@@ -30,6 +30,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, policy_loss
+from jaxrl4llm.core.aggregation import ROW_SUM_MODES
 from jaxrl4llm.core.surrogate import clip_flags
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
@@ -157,10 +158,14 @@ def _unsplit(x: chex.Array, group: int = 1) -> chex.Array:
 def batch_loss_terms(
     params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss, loss_key=None,
     old_logp_from_update: bool = False, scored_tokens: int | None = None, prompt_group: int | None = None,
+    total_rows: int | None = None,
 ) -> tuple[LossTerms, dict, chex.Array]:
     """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis.
 
     loss_key: PRNG key passed to loss_fn as key= when recipe.needs_key (Clip-Cov).
+    total_rows: the optimizer step's rows when this is one micro-batch of it; passed to loss_fn
+    as total_rows= for a loss that sums over rows ("seq-sum-token-sum-norm", whose denominator
+    is the micro-batch's share of the step), else unused.
     old_logp_from_update, scored_tokens, prompt_group: see UpdateSettings. With old_logp_from_update the
     metrics also hold "sampler_trainer_logp_gap", mean |old_logp - sampler_logp| over the
     counted tokens."""
@@ -172,6 +177,8 @@ def batch_loss_terms(
         counted = batch.loss_mask * batch.row_weights[:, None]
         gap = jnp.sum(jnp.abs(old - batch.sampler_logp) * counted) / jnp.maximum(jnp.sum(counted), 1.0)
     extra = {"key": loss_key} if recipe.needs_key else {}
+    if recipe.loss_agg_mode in ROW_SUM_MODES:
+        extra["total_rows"] = total_rows
     terms, metrics = loss_fn(
         recipe,
         logp=logp,
@@ -254,12 +261,14 @@ def make_update_fn(
 
     def micro_step(params, frozen, mb: TrainBatch, key=None, loss_key=None):
         fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
+        step_rows = mb.input_tokens.shape[0] * s.micro_batches  # the mini-batch's rows (static)
 
         def num_fn(p):
             terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
                                                        loss_fn=loss_fn, loss_key=loss_key,
                                                        old_logp_from_update=s.old_logp_from_update,
-                                                       scored_tokens=s.scored_tokens, prompt_group=s.prompt_group)
+                                                       scored_tokens=s.scored_tokens, prompt_group=s.prompt_group,
+                                                       total_rows=step_rows)
             return terms.numerator, (terms, metrics, clipped)
 
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)

@@ -256,7 +256,8 @@ def surrogate_grad(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.
     d logp_t = s_i, so -A_t s_i m_t where token t's clip is inactive. GSPO ("sequence", eq.
     5-8): every token t' of row i depends on all logp_t through s_i, d s_i / d logp_t =
     s_i m_t / L_i, so g_t = -(s_i m_t / L_i) sum_{t' active} A_t' m_t'; with A constant over
-    the row it is -A s_i m_t, as GSPO-token.
+    the row it is -A s_i m_t, as GSPO-token. At both sequence levels a row whose mean
+    log-ratio reaches the clamp (|.| >= 20) has no gradient.
     """
     m = _f64(mask)
     r = ratio(logp, old_logp, m, ratio_level)
@@ -285,6 +286,10 @@ def surrogate_grad(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.
                 continue
             total = sum(A[b, t] * m[b, t] * act[b, t] for t in range(r.shape[1]))
             g[b] = -r[b, 0] * m[b] / L * total
+    if ratio_level == "sequence_token":
+        for b in range(r.shape[0]):
+            if m[b].sum() > 0 and abs(math.log(r[b, 0])) >= LOG_RATIO_CLAMP:
+                g[b] = 0.0
     return g
 
 
@@ -335,13 +340,16 @@ def sapo_surrogate(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.0
 # --------------------------------------------------------------------------------------
 
 
-def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None, group_size=None):
+def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None, group_size=None,
+                   total_rows=None):
     """(numerator, denominator) of the scalar loss; value = num / den (0 if den == 0).
 
     token-mean [DAPO] eq. (12): sum_{i,t} l / sum_i |y_i|.
     seq-mean-token-mean [GRPO] eq. (3): 1/G sum_i 1/|y_i| sum_t l.
     seq-mean-token-sum: 1/G sum_i sum_t l.
     seq-mean-token-sum-norm [DrGRPO]: 1/G sum_i sum_t l / MAX_TOKENS (a constant).
+    seq-sum-token-sum-norm [verl, ROLL agg_loss "seq-mean-token-sum-norm"]: sum_i sum_t l /
+    MAX_TOKENS, no mean over rows; the denominator is the call's share of total_rows.
     Rows with row weight 0 are left out of the denominators only.
     prompt-mean-token-mean [ScaleRL]: 1/P sum_p (sum_{i in p, t} l / sum_{i in p} |y_i|) over
     prompts with a counted token; here row_weights are 0/1 and rows with 0 leave their prompt
@@ -359,6 +367,10 @@ def aggregate_loss(loss, mask, mode, *, norm_length=None, row_weights=None, grou
                 num += sum((l[b] * m[b]).sum() for b in rows) / tokens
                 den += 1.0
         return num, den
+    if mode == "seq-sum-token-sum-norm":
+        if norm_length is None:
+            raise ValueError("norm_length required")
+        return (l * m).sum() / norm_length, B / (B if total_rows is None else total_rows)
     for b in range(B):
         row_sum = (l[b] * m[b]).sum()
         row_len = m[b].sum()

@@ -334,3 +334,118 @@ def test_prompt_mode_needs_weights_or_group_size():
 def test_prompt_mode_nothing_counts_gives_zero():
     terms = aggregate_loss(jnp.full((B, T), 3.0), jnp.zeros((B, T)), PROMPT, group_size=G_PROMPT)
     assert float(terms.value) == 0.0 and float(terms.denominator) == 0.0
+
+
+# ----------------------------------------------------------------------------- peers' sum over rows
+
+ROW_SUM = "seq-sum-token-sum-norm"
+
+
+def test_norm_modes_hand_values_paper_vs_peers():
+    """Dr. GRPO's paper means over rows (ours, the default); verl's and ROLL's agg_loss sum them."""
+    loss = jnp.array([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    m = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    paper = aggregate_loss(loss, m, "seq-mean-token-sum-norm", norm_length=3.0)
+    # (1 + 2) / 3 = 1 and 3 / 3 = 1, mean over the 2 rows
+    np.testing.assert_allclose([float(paper.numerator), float(paper.denominator), float(paper.value)],
+                               [2.0, 2.0, 1.0], rtol=1e-6)
+    peers = aggregate_loss(loss, m, ROW_SUM, norm_length=3.0)
+    # (1 + 2 + 3) / 3 = 2, what verl and ROLL return on these inputs
+    np.testing.assert_allclose([float(peers.numerator), float(peers.denominator), float(peers.value)],
+                               [2.0, 1.0, 2.0], rtol=1e-6)
+    # as one of 4 micro-batches of an 8-row step: 2 of 8 rows, denominator 1/4
+    part = aggregate_loss(loss, m, ROW_SUM, norm_length=3.0, total_rows=8)
+    np.testing.assert_allclose([float(part.numerator), float(part.denominator)], [2.0, 0.25], rtol=1e-6)
+
+
+@FAST
+@given(seed=seeds, weighted=st.booleans())
+def test_row_sum_mode_is_counted_rows_times_the_paper_mode(seed, weighted):
+    """sum_b / T = (rows with a counted token) x mean_b / T: the batch-size factor between the two."""
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    w = (g.random(B) < 0.7).astype(np.float32) if weighted else None
+    peers = _agg(jnp.asarray(loss), jnp.asarray(m), None if w is None else jnp.asarray(w), ROW_SUM, NORM)
+    paper = _terms(loss, m, "seq-mean-token-sum-norm", w)
+    num, den = ref.aggregate_loss(loss, m, ROW_SUM, norm_length=NORM, row_weights=w)
+    np.testing.assert_allclose(float(peers.numerator), num, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(peers.denominator), den, rtol=1e-7)
+    np.testing.assert_allclose(float(peers.value), float(np.sum(loss * m)) / NORM, rtol=1e-5, atol=1e-5)
+    # row weights leave the sum mode's constant denominator alone
+    np.testing.assert_allclose(float(peers.denominator), 1.0)
+    np.testing.assert_allclose(float(peers.numerator), float(paper.numerator), rtol=1e-5, atol=1e-5)
+    if not weighted:
+        counted_rows = float(np.sum(m.sum(axis=1) > 0))
+        np.testing.assert_allclose(float(peers.value), counted_rows * float(paper.value), rtol=1e-5, atol=1e-5)
+
+
+@FAST
+@given(seed=seeds, k=st.sampled_from([2, 4, 8]), strided=st.booleans())
+def test_row_sum_mode_micro_batch_sums_equal_the_full_batch(seed, k, strided):
+    g = rng(seed)
+    loss = g.normal(size=(B, T)).astype(np.float32)
+    m = mask(g)
+    split = _strided if strided else _chunks
+    full = aggregate_loss(jnp.asarray(loss), jnp.asarray(m), ROW_SUM, norm_length=NORM)
+    parts = [aggregate_loss(jnp.asarray(l), jnp.asarray(mm), ROW_SUM, norm_length=NORM, total_rows=B)
+             for l, mm in zip(split(loss, k), split(m, k))]
+    num = sum(float(p.numerator) for p in parts)
+    den = sum(float(p.denominator) for p in parts)
+    np.testing.assert_allclose(den, 1.0, rtol=1e-6)
+    np.testing.assert_allclose(num, float(full.numerator), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(num / den, float(full.value), rtol=1e-5, atol=1e-5)
+    # without total_rows every part claims the whole step: k times too small, verl's
+    # per-micro-batch sum averaged over gradient-accumulation steps
+    naive = sum(float(aggregate_loss(jnp.asarray(l), jnp.asarray(mm), ROW_SUM, norm_length=NORM).denominator)
+                for l, mm in zip(split(loss, k), split(m, k)))
+    assert naive == k
+
+
+@FEW
+@given(seed=seeds)
+def test_row_sum_mode_micro_batch_gradients_equal_the_full_batch(seed):
+    g = rng(seed)
+    logp, old = logps(g, spread=0.3)
+    adv = g.normal(size=B).astype(np.float32)
+    m = mask(g, allow_empty=False)
+    args = tuple(map(jnp.asarray, (logp, old, adv, m)))
+
+    def per_token(lp, o, a, mm):
+        return clipped_surrogate(lp, o, a, mm, eps_low=0.2, eps_high=0.28)[0]
+
+    def full(lp):
+        return aggregate_loss(per_token(lp, *args[1:]), args[3], ROW_SUM, norm_length=NORM).value
+
+    def split(lp):
+        terms = [aggregate_loss(per_token(*xs), xs[3], ROW_SUM, norm_length=NORM, total_rows=B)
+                 for xs in zip(*(jnp.split(x, 2, axis=0) for x in (lp, *args[1:])))]
+        return sum(t.numerator for t in terms) / sum(t.denominator for t in terms)
+
+    gf, gs = jax.jit(jax.grad(full))(args[0]), jax.jit(jax.grad(split))(args[0])
+    np.testing.assert_allclose(np.asarray(gs), np.asarray(gf), rtol=1e-5, atol=1e-7)
+    assert np.any(np.asarray(gf) != 0)
+
+
+def test_row_sum_mode_degenerate_inputs():
+    # nothing counts: loss 0 with a finite, zero gradient (the denominator stays the share 1)
+    loss = jnp.full((B, T), 3.0)
+    terms = aggregate_loss(loss, jnp.zeros((B, T)), ROW_SUM, norm_length=NORM)
+    assert float(terms.value) == 0.0 and float(terms.denominator) == 1.0
+    grad = jax.grad(lambda l: aggregate_loss(l, jnp.zeros((B, T)), ROW_SUM, norm_length=NORM).value)(loss)
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_loss(loss, jnp.ones((B, T)), ROW_SUM)
+    with pytest.raises(ValueError, match="total_rows"):
+        aggregate_loss(loss, jnp.ones((B, T)), ROW_SUM, norm_length=NORM, total_rows=B - 1)
+
+
+def test_row_sum_mode_under_vmap():
+    g = rng(9)
+    loss = jnp.asarray(g.normal(size=(3, B, T)).astype(np.float32))
+    m = jnp.asarray(np.stack([mask(g) for _ in range(3)]))
+    fn = functools.partial(aggregate_loss, mode=ROW_SUM, norm_length=NORM, total_rows=2 * B)
+    terms = jax.vmap(fn)(loss, m)
+    for i in range(3):
+        np.testing.assert_allclose(float(terms.numerator[i]), float(fn(loss[i], m[i]).numerator), rtol=1e-6)
+        np.testing.assert_allclose(float(jnp.broadcast_to(terms.denominator, (3,))[i]), 0.5)

@@ -235,3 +235,31 @@ def test_logprobs_under_jit_and_vmap():
         rows = np.stack([np.asarray(jitted(*(jnp.asarray(a[i]) for a in args)))
                          for i in range(2)])
         np.testing.assert_allclose(batched, rows, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- large logits
+
+
+def test_token_logprobs_at_large_logits_hand_values():
+    # logits 1e4 + (0, 1, 2) are exact in float32; log softmax = (0, 1, 2) - log(1 + e + e^2).
+    # z_tok - logsumexp(z) without the max subtracted rounds logZ = 10002.4076 to float32's
+    # 2^-10 grid and returns -2.40723 for token 0.
+    logits = jnp.array([[[1e4, 1e4 + 1.0, 1e4 + 2.0]] * 3], jnp.float32)
+    out = token_logprobs(logits, jnp.array([[0, 1, 2]]))
+    log_z = math.log(1.0 + math.e + math.e ** 2)
+    np.testing.assert_allclose(np.asarray(out), [[-log_z, 1.0 - log_z, 2.0 - log_z]], atol=2e-6)
+
+
+@FAST
+@given(seed=seeds, base=st.floats(1e3, 5e4), sign=st.sampled_from([1.0, -1.0]),
+       temperature=st.sampled_from([1.0, 2.0, 0.5]))
+def test_token_logprobs_at_large_logits_match_float64(seed, base, sign, temperature):
+    """|z| ~ 1e3-5e4 in float32: exact log-softmax of the float32 inputs (float64 reference), equal
+    to the chunked path. Temperatures that are powers of 2 divide float32 values exactly."""
+    logits, tokens = _inputs(seed, scale=3.0)
+    logits = (logits + np.float32(sign * base)).astype(np.float32)
+    out = np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), temperature=temperature))
+    expected = ref.token_logprobs(logits, tokens, temperature)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+    chunked = _chunked(jnp.asarray(logits), jnp.asarray(tokens), temperature=temperature, chunk_size=4)
+    np.testing.assert_allclose(out, np.asarray(chunked), rtol=0, atol=2e-5)

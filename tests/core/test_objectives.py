@@ -249,3 +249,42 @@ def test_under_vmap(fn, kw):
     for i in range(3):
         np.testing.assert_allclose(np.asarray(loss[i]), np.asarray(f(logp[i], old[i], adv[i], m[i])[0]),
                                    rtol=1e-6)
+
+
+@FAST
+@given(seed=seeds, gap=st.floats(20.5, 80.0), sign=st.sampled_from([1.0, -1.0]), per_token_adv=st.booleans())
+def test_gspo_levels_agree_beyond_the_log_ratio_clamp(seed, gap, sign, per_token_adv):
+    """Rows whose mean log-ratio is past ±20: both levels clamp it, and both give those rows zero
+    gradient (GSPO-token too, which would otherwise push -s_i·A_t = e^20·|A| on A < 0 tokens);
+    the other rows keep their usual gradient, equal at both levels for row-constant A."""
+    logp, old, adv, m = _inputs(seed, per_token_adv=per_token_adv, spread=0.3)
+    m[:, 0] = 1.0  # every row counted
+    far = np.arange(B) % 2 == 0
+    logp[far] = old[far] + sign * gap
+    args = tuple(map(jnp.asarray, (logp, old, adv, m)))
+    l_seq, _, g_seq = _np(*_ppo(*args, **_seq_kw("sequence")))
+    l_tok, _, g_tok = _np(*_ppo(*args, **_seq_kw("sequence_token")))
+    assert_finite(l_seq, l_tok, g_seq, g_tok)
+    np.testing.assert_allclose(l_tok, l_seq, rtol=1e-6)
+    np.testing.assert_array_equal(g_seq[far], 0.0)
+    np.testing.assert_array_equal(g_tok[far], 0.0)
+    for level, g in (("sequence", g_seq), ("sequence_token", g_tok)):
+        exp_grad = ref.surrogate_grad(logp, old, adv, m, **_seq_kw(level))
+        r = ref.ratio(logp, old, m, "sequence")
+        away = ~far & np.all((np.abs(r - 0.8) > 1e-3) & (np.abs(r - 1.28) > 1e-3), axis=1)
+        np.testing.assert_allclose(g[away], exp_grad[away], rtol=1e-4, atol=1e-6)
+    if not per_token_adv:
+        np.testing.assert_allclose(g_tok, g_seq, rtol=1e-5, atol=1e-7)
+
+
+def test_gspo_token_gradient_past_the_clamp_hand_values():
+    # one row, log-ratio 25 on both tokens, A = -1: value -A·e^20 per token at both levels;
+    # gradient 0 at both (before, GSPO-token gave -A·e^20 = 4.85e8 per token)
+    logp = jnp.array([[25.0, 25.0], [0.1, -0.1]])
+    args = (logp, jnp.zeros_like(logp), jnp.array([-1.0, 2.0]), jnp.ones_like(logp))
+    for level in ("sequence", "sequence_token"):
+        loss, _, g = _np(*_ppo(*args, **_seq_kw(level)))
+        np.testing.assert_allclose(loss[0], [np.exp(20.0)] * 2, rtol=1e-6)
+        np.testing.assert_array_equal(g[0], [0.0, 0.0])
+        # s = 1 in row 1: -A·s per token at both levels
+        np.testing.assert_allclose(g[1], [-2.0, -2.0], rtol=1e-5, err_msg=level)

@@ -95,7 +95,7 @@ CALLS = {
     "dynamic_sampling_mask": lambda a: core.dynamic_sampling_mask(a["r"], G),
 }
 for _mode in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-              "seq-mean-token-sum-norm"]:
+              "seq-mean-token-sum-norm", "seq-sum-token-sum-norm"]:
     CALLS[f"aggregate_loss/{_mode}"] = functools.partial(
         lambda a, mode: core.aggregate_loss(a["loss"], a["mask"], mode, norm_length=16.0,
                                             row_weights=a["weights"]), mode=_mode)

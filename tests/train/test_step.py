@@ -230,3 +230,33 @@ def test_shared_prompt_update_equals_the_update_of_whole_rows(micro):
     with pytest.raises(ValueError, match="prompt_group"):  # 16 rows are not 4 micro-batches of whole groups of 4
         _run(recipe, UpdateSettings(micro_batches=8, scored_tokens=5, prompt_group=4), batch, params=params,
              logprob_fn=logprob_fn)
+
+
+def test_row_sum_mode_loss_is_the_mini_batch_sum_over_norm_length():
+    """seq-sum-token-sum-norm through the accumulation path: each optimizer step's loss is
+    sum_{b,t} l·m / norm_length over its own mini-batch (verl's / ROLL's convention), and its
+    gradient is that of the core loss on the whole mini-batch, for any micro-batch split."""
+    recipe = dataclasses.replace(LITE_PPO, loss_agg_mode="seq-sum-token-sum-norm", norm_length=7.0, kl_coef=0.1)
+    batch = toy_batch(recipe=recipe)
+    params = toy_params()
+    halves = [jax.tree.map(lambda x, j=j: x[j * 8:(j + 1) * 8], batch) for j in range(2)]
+    per_half = [batch_loss_terms(params, h, logprob_fn=toy_logprob_fn, recipe=recipe)[0] for h in halves]
+    assert all(float(t.denominator) == 1.0 for t in per_half)
+    # lr 0: both optimizer steps see the same params; the logged loss is the mean over the two
+    _, metrics, _ = _run(recipe, UpdateSettings(mini_batches=2, micro_batches=4), batch, lr=0.0, params=params)
+    np.testing.assert_allclose(float(metrics["loss"]), np.mean([float(t.value) for t in per_half]), rtol=1e-5)
+    # the paper's mean over rows is smaller by the count of rows in the step
+    paper = dataclasses.replace(recipe, loss_agg_mode="seq-mean-token-sum-norm")
+    mean_terms = batch_loss_terms(params, halves[0], logprob_fn=toy_logprob_fn, recipe=paper)[0]
+    np.testing.assert_allclose(float(per_half[0].value), float(mean_terms.value) * float(mean_terms.denominator),
+                               rtol=1e-5)
+    # the accumulated gradient (SGD with lr 1) equals the gradient of the whole-batch core loss
+    import optax
+
+    direct = jax.grad(lambda p: batch_loss_terms(p, batch, logprob_fn=toy_logprob_fn, recipe=recipe)[0].value)(params)
+    sgd = optax.sgd(1.0)
+    update = make_update_fn(logprob_fn=toy_logprob_fn, recipe=recipe, optimizer=sgd, schedule=lambda s: 0.0,
+                            settings=UpdateSettings(micro_batches=4))
+    new_state, _, _ = update(init_train_state(params, sgd), batch)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(jax.tree.map(lambda x, y: x - y, params, new_state.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
