@@ -216,9 +216,10 @@ def _rerooted(text: str, comps: dict[str, Computation], root: str) -> str:
     """The module text with `root` as its entry computation (the layout attribute of the old entry dropped)."""
     out = []
     for i, line in enumerate(text.splitlines()):
-        if i == 0 and line.startswith("HloModule"):
-            line = re.sub(r"entry_computation_layout=\{.*?\}\}, ?", "", line)
-            line = re.sub(r", entry_computation_layout=\{.*?\}\}", "", line)
+        if i == 0 and line.startswith("HloModule"):  # keep what the body's ops need, not the old entry's I/O
+            kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", line)
+            line = " ".join([line.split(",")[0].split(" ")[0], line.split(",")[0].split(" ")[1]]) + \
+                "".join(", " + k for k in kept)
         elif line.startswith("ENTRY "):
             line = line[len("ENTRY "):]
         elif line.startswith(comps[root].header):

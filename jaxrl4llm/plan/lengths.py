@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxrl4llm.train.config import ConfigError
+from jaxrl4llm.train.metrics import LENGTHS_FILE
 
-LENGTHS_FILE = "response_lengths.jsonl"
 DEFAULT_SIGMA = 0.8
 
 
@@ -94,10 +94,12 @@ def logged_lengths(path: Path) -> LengthDistribution:
         raise ConfigError(f"--response-lengths {str(path)!r}: no {LENGTHS_FILE} there (runs write it since the meter "
                           f"issue; a rollout's lengths can also be written as JSON lines "
                           f'{{"step": 1, "response_lengths": [...]}})')
-    values = []
+    steps = {}  # a resumed run may log a step twice: its last line counts
     for line in file.read_text().splitlines():
         if line.strip():
-            values += [int(v) for v in json.loads(line)["response_lengths"]]
+            record = json.loads(line)
+            steps[record.get("step", len(steps))] = [int(v) for v in record["response_lengths"]]
+    values = [v for lengths in steps.values() for v in lengths]
     if not values:
         raise ConfigError(f"--response-lengths {str(file)!r} holds no lengths")
     return LengthDistribution("empirical", values=tuple(values), source=str(file))
@@ -136,11 +138,3 @@ def decode_block_trips(longest, block_size: int, max_new_tokens: int) -> list[fl
     steps = np.asarray(longest, np.float64) - 1
     return [float(np.mean(np.clip(steps - j * block_size, 0, block_size))) for j in range(num_blocks)]
 
-
-def write_lengths(out_dir: Path, step: int, response_lengths, prompt_lengths=None) -> None:
-    """Appends one step's per-row lengths to `<run>/response_lengths.jsonl` (what `plan` reads back)."""
-    record = {"step": step, "response_lengths": [int(x) for x in response_lengths]}
-    if prompt_lengths is not None:
-        record["prompt_lengths"] = [int(x) for x in prompt_lengths]
-    with open(Path(out_dir) / LENGTHS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")

@@ -51,7 +51,9 @@ def chip_spec(topology: str) -> ChipSpec:
 
 
 def _is_gpu(topology: str) -> bool:
-    return topology.split(":")[0].lower() in ("h100", "a100", "b200", "h200")
+    from jaxrl4llm.plan.gpu import is_gpu_topology
+
+    return is_gpu_topology(topology)
 
 
 def topology_devices(topology: str) -> list:
@@ -259,6 +261,8 @@ class RunPlan:
     mean_response: float = 0.0  # expected tokens a row generates under `lengths`
     prompt_tokens: float = 0.0  # real (unpadded) prompt tokens of a row
     chips: int = 1
+    decode: dict | None = dataclasses.field(default=None, repr=False)  # what `with_lengths` needs to re-price decode
+    trainer_positions: float = 0.0  # positions one trainer pass runs through the stack (all chips)
 
     @property
     def fits(self) -> bool:
@@ -311,8 +315,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     if not topology:
         raise ConfigError("plan needs a topology: pass --topology (e.g. v5p:4x4x4, h100:8, or cpu for this machine) "
                           "or set mesh.topology.")
-    if not isinstance(lengths, LengthDistribution):
-        lengths = parse_lengths(lengths, cfg.rollout.max_new_tokens)
+    lengths = parse_lengths(lengths, cfg.rollout.max_new_tokens) if not isinstance(lengths, LengthDistribution) \
+        else lengths  # parsed first: a bad --response-lengths fails before minutes of compiles
     mesh = topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     chip = chip_spec(topology)
     config = plan_model_config(cfg)
@@ -325,8 +329,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     response_len = cfg.rollout.max_new_tokens
     seq = prompt_len + response_len - 1
     recipe = cfg.recipe()
-    prompt_tokens = float(prompt_len if prompt_tokens is None else min(prompt_tokens, prompt_len))
-    mean_response = float(np.mean(lengths.sample(4096, response_len, np.random.default_rng(0))))
+    decode = None
 
     def price(program: ProgramPlan, compiled, *, dynamic_trips=(), devices=mesh.size) -> None:
         if compiled is not None:
@@ -379,20 +382,17 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         eos = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
         chunks = -(-prompts // chunk)
-        # a static decode batch runs until its longest row ends: the block loops' trips follow from that
-        work = static_decode_work(lengths, min(chunk, prompts) * g_samples, response_len)
-        block_trips = decode_block_trips(work.longest, block, response_len)
-        decode_flops = 2 * config.num_params * (kv_rows * work.steps + num_prompts * prompt_len) / dmesh.size
         analytic = decode_memory(config, prompts=num_prompts, **sizing)
         plan_s, compiled_s = _compile("sampler/decode", lambda: sample_program.lower(
             weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
             scalar(jnp.int32), config=config, num_samples=g_samples, max_new_tokens=response_len,
             top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block,
-            backend=backend, use_kernels=False), analytic, decode_flops, dmesh, log)
+            backend=backend, use_kernels=False), analytic, 0.0, dmesh, log)
         plan_s.runs = chunks
-        plan_s.padding_fraction = 1 - (prompts * g_samples * work.mean_length / chunks) / (kv_rows * (work.steps + 1))
-        price(plan_s, compiled_s, dynamic_trips=block_trips, devices=dmesh.size)
         programs.append(plan_s)
+        if compiled_s is not None:  # priced by `with_lengths`: its loops run as long as the longest row
+            decode = dict(hlo=compiled_hlo_text(compiled_s), devices=dmesh.size, block=block, kv_rows=kv_rows,
+                          rows_per_chunk=min(chunk, prompts) * g_samples, num_prompts=num_prompts)
     sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
 
@@ -426,9 +426,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
     tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass
-    # of those positions, the real ones: a row's prompt tokens (once per group when shared) and its response
-    real = rows * ((prompt_tokens if group is None else prompt_tokens / group) + mean_response - 1)
-    trainer_padding = max(0.0, 1 - real / tokens)
     plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len,
                                                                          group)).lower(
                              params, batch),
@@ -438,7 +435,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1  # as the loop's setup_run
     old_pass = cfg.trainer.old_logp_source == "recompute" and not single_step
     plan_l.runs = int(old_pass) + int(cfg.trainer.reference_model or recipe.kl_coef > 0)  # pi_old, pi_ref
-    plan_l.padding_fraction = trainer_padding
     price(plan_l, compiled_l)
     programs.append(plan_l)
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
@@ -455,13 +451,41 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                           "activations": (residuals + saved if config.remat else 3 * residuals) + 2 * layer_work + head_work
                           + 2 * attention_work},
                          6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh, log)
-    plan_u.padding_fraction = trainer_padding
     price(plan_u, compiled_u)
     programs.append(plan_u)
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
         p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
-    return RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
-                   lengths=lengths, mean_response=mean_response, prompt_tokens=prompt_tokens, chips=mesh.size)
+    plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
+                   chips=mesh.size, decode=decode, trainer_positions=tokens)
+    return with_lengths(plan, lengths, prompt_tokens)
+
+
+def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt_tokens: float | None = None) -> RunPlan:
+    """The plan re-priced at a length distribution (no recompile): the decode loops' trips (a
+    static batch runs until its longest row ends), the padding of every program, the step figures.
+    `prompt_tokens`: real prompt tokens a row (default: the plan's, else the prompt bucket)."""
+    if not isinstance(lengths, LengthDistribution):
+        lengths = parse_lengths(lengths, plan.response_len)
+    prompt_tokens = plan.prompt_tokens or plan.prompt_len if prompt_tokens is None else prompt_tokens
+    prompt_tokens = float(min(prompt_tokens, plan.prompt_len))
+    mean_response = float(np.mean(lengths.sample(4096, plan.response_len, np.random.default_rng(0))))
+    programs = [dataclasses.replace(p) for p in plan.programs]
+    n = plan.model.num_params
+    # of the positions a trainer pass runs, the real ones: a row's prompt (once per group when shared) and response
+    real = plan.rows * (prompt_tokens / (plan.prompt_group or 1) + mean_response - 1)
+    for p in programs:
+        if p.name in ("logprob pass", "update"):
+            p.padding_fraction = max(0.0, 1 - real / plan.trainer_positions)
+    d = plan.decode
+    decode = next((p for p in programs if p.name == "sampler/decode"), None)
+    if d is not None and decode is not None:
+        work = static_decode_work(lengths, d["rows_per_chunk"], plan.response_len)
+        trips = decode_block_trips(work.longest, d["block"], plan.response_len)
+        decode.price(program_cost(d["hlo"], num_devices=d["devices"], dynamic_trips=trips), plan.chip)
+        decode.model_flops = 2 * n * (d["kv_rows"] * work.steps + d["num_prompts"] * plan.prompt_len) / d["devices"]
+        decode.padding_fraction = 1 - plan.rows * mean_response / (decode.runs * d["kv_rows"] * (work.steps + 1))
+    return dataclasses.replace(plan, programs=programs, lengths=lengths, mean_response=mean_response,
+                               prompt_tokens=prompt_tokens)
 
 
 # ---------------------------------------------------------------------------- report

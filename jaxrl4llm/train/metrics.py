@@ -14,6 +14,20 @@ from typing import Iterable, Sequence
 import numpy as np
 
 
+LENGTHS_FILE = "response_lengths.jsonl"  # per-row lengths of every step; `jaxrl4llm plan --response-lengths RUN`
+
+
+def write_lengths(out_dir: str | Path, step: int, response_lengths, prompt_lengths=None) -> None:
+    """Appends one step's per-row token counts to `<run>/response_lengths.jsonl`:
+    {"step": s, "response_lengths": [...], "prompt_lengths": [...]} (a resumed step's line is rewritten
+    by appending; readers keep each step's last line)."""
+    record = {"step": int(step), "response_lengths": [int(x) for x in response_lengths]}
+    if prompt_lengths is not None:
+        record["prompt_lengths"] = [int(x) for x in prompt_lengths]
+    with open(Path(out_dir) / LENGTHS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def repetition_score(tokens: Sequence[int], n: int = 4) -> float:
     """1 - (distinct n-grams / n-grams) of a token sequence: 0 for no repeats, -> 1 for a loop."""
     if len(tokens) < n + 1:
