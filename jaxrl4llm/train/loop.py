@@ -14,7 +14,6 @@ import dataclasses
 import importlib
 import inspect
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
+from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.step import (
     UpdateSettings,
@@ -230,28 +230,6 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     return merged, np.concatenate([e[2] for e in kept]), stats
 
 
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "hf_export")  # what a run writes into trainer.out_dir
-
-
-def prepare_out_dir(cfg: RunConfig, resume: bool, log: Callable[[str], None] = print) -> Path:
-    """Creates trainer.out_dir; refuses to start a fresh run over an earlier one (its
-    checkpoints would be silently kept, its metrics mixed with the new ones) unless
-    `trainer.overwrite` is true, which deletes that run's outputs first."""
-    out = Path(cfg.trainer.out_dir)
-    found = [name for name in RUN_OUTPUTS if (out / name).exists()]
-    if not resume and found:
-        if not cfg.trainer.overwrite:
-            raise ConfigError(
-                f"trainer.out_dir={str(out)!r} already holds a run ({', '.join(found)}). Pass --resume to continue "
-                f"it, trainer.overwrite=true to delete it and start over, or choose another trainer.out_dir.")
-        for name in found:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        log(f"trainer.overwrite: removed the earlier run's {', '.join(found)} from {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 @dataclasses.dataclass
 class Run:
     """What every step of a run uses, built once by `setup_run`."""
@@ -405,8 +383,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
 
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
     if hosts.is_main():
-        out = prepare_out_dir(cfg, resume, log)
-        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
     hosts.barrier("out_dir ready")
     out = Path(cfg.trainer.out_dir)
     run, state = setup_run(cfg, _mesh(cfg), log)
@@ -418,6 +395,8 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         cursor = int(meta["data_cursor"])
         retired = meta.get("retired_prompts", [])
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
+    if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
     writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
@@ -462,5 +441,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     writer.close()
     export_dir = run.policy.with_state(state).export(out / "hf_export") if cfg.trainer.export_hf else None
     ckpt.close()
+    if hosts.is_main():
+        mark_finished(out)  # a finished run is not started over without trainer.overwrite
     return {"history": history, "eval_before": eval_before, "eval_after": eval_after, "state": state,
             "out_dir": str(out), "export_dir": None if export_dir is None else str(export_dir)}

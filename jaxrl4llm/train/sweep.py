@@ -36,6 +36,7 @@ import yaml
 
 from jaxrl4llm.core.recipes import PRESETS
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict, load_config
+from jaxrl4llm.train.run_folder import RUN_OUTPUTS, checkpoint_steps, is_run_folder, mark_run_folder
 
 GRID_KEYS = ("description", "base", "out_root", "recipes", "data", "models", "seeds", "overrides")
 # grid key -> the cell label's name (cell.json "labels", the report's arm columns), in path order
@@ -322,8 +323,6 @@ def cell_status(cell: Cell, config: dict) -> tuple[str, str]:
     """(status, detail) of a cell's folder: "done" (done.json), "resume" (a checkpoint to
     continue from), "restart" (outputs but no checkpoint: started over), "new", or "changed"
     (its cell.json was written for another config: the detail names the first difference)."""
-    from jaxrl4llm.train.loop import RUN_OUTPUTS
-
     out = Path(cell.out_dir)
     record = out / CELL_FILE
     if record.is_file():
@@ -336,7 +335,7 @@ def cell_status(cell: Cell, config: dict) -> tuple[str, str]:
             return "changed", diff
     if (out / DONE_FILE).is_file():
         return "done", "finished"
-    steps = sorted(int(p.name) for p in (out / "checkpoints").glob("*") if p.is_dir() and p.name.isdigit())
+    steps = checkpoint_steps(out)
     if steps:
         return "resume", f"from the checkpoint of step {steps[-1]}"
     found = [n for n in RUN_OUTPUTS if (out / n).exists()]
@@ -446,6 +445,8 @@ def run_cells(grid: Grid, cells: Sequence[Cell], configs: Sequence[RunConfig], *
         log(f"{head}: {'starting' if status == 'new' else detail}")
         out = Path(cell.out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if not is_run_folder(out) and {p.name for p in out.iterdir()} <= {CELL_FILE, LOG_FILE}:
+            mark_run_folder(out)  # the cell's folder is its run's: `train` starts in it next to cell.json
         args = launch_args(cell, status)
         (out / CELL_FILE).write_text(json.dumps({
             "grid": grid.path, "cell": cell.name, "index": cell.index, "labels": cell.labels,

@@ -10,6 +10,7 @@ from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.core import PRESETS
 from jaxrl4llm.train.config import ConfigError, load_config
 from jaxrl4llm.train.loop import prepare_out_dir, train
+from jaxrl4llm.train.run_folder import MARKER, mark_run_folder
 
 from tests.train.conftest import tiny_overrides
 
@@ -72,14 +73,16 @@ def test_resume_is_exact(demo_assets, tmp_path):
 def test_overwrite_removes_only_the_earlier_runs_outputs(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "2").mkdir(parents=True)
+    mark_run_folder(run)  # a run's folder (tests/train/test_run_folder.py: other folders are refused)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "notes.txt").write_text("mine")
     cfg = load_config(None, [f"trainer.out_dir={run}", "trainer.overwrite=true"])
     messages = []
     assert prepare_out_dir(cfg, resume=False, log=messages.append) == run
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [MARKER, "notes.txt"]
     assert "removed the earlier run's checkpoints, metrics.jsonl" in messages[0]
     # --resume never deletes anything.
+    (run / "checkpoints" / "2").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     prepare_out_dir(load_config(None, [f"trainer.out_dir={run}"]), resume=True)
     assert (run / "metrics.jsonl").exists()

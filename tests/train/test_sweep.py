@@ -11,6 +11,7 @@ import yaml
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.train import sweep
 from jaxrl4llm.train.config import ConfigError
+from jaxrl4llm.train.run_folder import MARKER
 from jaxrl4llm.train.sweep import (
     expand_cells, flatten_overrides, format_value, read_grid, run_cells, select_cells, validate_cells,
 )
@@ -202,6 +203,8 @@ def test_a_half_done_grid_resumes_skips_and_reports_failures(demo_assets, tmp_pa
     assert cell["labels"] == {"recipe": "grpo", "seed": 0} and cell["index"] == 2
     assert cell["config"]["algorithm"]["preset"] == "grpo" and cell["command"].startswith("jaxrl4llm train ")
     assert not (tmp_path / "out" / "grpo" / "seed0" / "done.json").exists()
+    # each cell's folder is marked as its run's before cell.json goes in: `train` may start in it
+    assert all((Path(c.out_dir) / MARKER).is_file() for c in cells)
 
     # the failed cell got as far as a checkpoint at step 1: the next sweep resumes it, skips the rest
     (tmp_path / "out" / "grpo" / "seed0" / "checkpoints" / "1").mkdir(parents=True)
