@@ -127,13 +127,15 @@ def main() -> None:
             measured = {"sampler/decode": t_rollout, "logprob pass": t_logprob, "update": t_update}
             print(f"\n{k} stop tokens: mean length {lengths.mean():.1f}, longest {lengths.max()} of {args.response} "
                   f"(CPU measured: peak {plan.chip.peak_flops / 1e12:.3f} TFLOP/s, {plan.chip.hbm_bandwidth / 1e9:.1f} GB/s)")
-            print(f"{'program':<16} {'measured s':>11} {'predicted s':>12} {'pred/meas':>9} {'binding':>8}")
+            print(f"{'program':<16} {'measured s':>11} {'predicted s':>12} {'pred/meas':>9} {'binding':>8} "
+                  f"{'compute s':>10} {'memory s':>9}")
             for p in plan.programs:
                 if p.name not in measured:
                     continue
                 m = measured[p.name]
                 ratio = predicted[p.name] / m if m else float("nan")
-                print(f"{p.name:<16} {m:>11.3f} {predicted[p.name]:>12.3f} {ratio:>9.2f} {p.binding:>8}")
+                print(f"{p.name:<16} {m:>11.3f} {predicted[p.name]:>12.3f} {ratio:>9.2f} {p.binding:>8} "
+                      f"{p.compute_seconds * p.runs:>10.3f} {p.memory_seconds * p.runs:>9.3f}")
             total_m = sum(measured.values())
             total_p = sum(predicted[n] for n in measured)
             print(f"{'step (3 programs)':<16} {total_m:>11.3f} {total_p:>12.3f} {total_p / total_m:>9.2f}")

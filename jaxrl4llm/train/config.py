@@ -91,6 +91,10 @@ class DataConfig:
     # step by step, and put your final answer within \boxed{}.")
     instruction: str | None = None
     max_prompt_tokens: int = 512
+    # the prompts' padded width: dataset = the bucket of the training set's longest prompt, fixed
+    # for the run (no step compiles a new program); step = each step's longest (less padding, a
+    # compile of the sampler and the trainer programs per new bucket)
+    prompt_bucket: Literal["dataset", "step"] = "dataset"
     on_overlong_prompt: Literal["error", "drop"] = "error"
     shuffle: bool = True
     eval_limit: int | None = None
@@ -192,6 +196,10 @@ class TrainerConfig:
     # A fresh run (no --resume) into an out_dir that already holds a run is an error unless
     # this is true; then that run's checkpoints, metrics, TensorBoard events and export go.
     overwrite: bool = False
+    # XLA's persistent compilation cache (train/compile_cache.py): auto = ~/.cache/jaxrl4llm/xla
+    # (or $JAXRL4LLM_COMPILE_CACHE), off, or a folder (a shared one on a pod); a resume loads its
+    # programs instead of compiling them.
+    compile_cache: str = "auto"
 
 
 @dataclasses.dataclass

@@ -28,7 +28,8 @@ from jaxrl4llm.train.batching import batch_program, merge_groups
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
-from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio
+from jaxrl4llm.train.compile_cache import enable_compile_cache
+from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
@@ -191,13 +192,15 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     t_sample = t_reward = 0.0
     all_rewards = []
     max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
+    # data.prompt_bucket=dataset: every step pads to the training set's longest prompt (one program)
+    prompt_len = prompts.longest if cfg.data.prompt_bucket == "dataset" else None
     while len(kept) < P and draws < max_draws:
         draws += 1
         ids = stream.take(P)
         t0 = time.perf_counter()
         rollout = policy.generate([prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                  rng=jax.random.fold_in(rng, draws))
+                                  rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len)
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
         rewards = score_rows(policy, rollout, [prompts.answers[i] for i in ids for _ in range(G)], reward_fn)
@@ -382,6 +385,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths).
 
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
     hosts.barrier("out_dir ready")
@@ -426,6 +430,9 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
             record.update({f"eval/{k}": v for k, v in evaluate_at(step + 1, state).items()})
         writer.write(step + 1, record)
+        lengths = (hosts.fetch(rollout.lengths), hosts.fetch(rollout.prompt_mask).sum(-1))  # every process gathers
+        if hosts.is_main():
+            write_lengths(out, step + 1, *lengths)
         history.append(record)
         if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
             ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed,

@@ -62,15 +62,21 @@ class Policy:
         `rng` keys LoRA dropout (the update passes it, scoring passes none)."""
         return make_logprob_fn(self.graphdef, self.temperature, self.chunk_size)
 
-    def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False):
+    def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False,
+                 prompt_len: int | None = None):
+        """`sampling.generate` with this policy; `prompt_len`: pad the prompts to this length's bucket
+        (at least the longest prompt's) whatever this call's longest is, so calls share one program."""
         from jaxrl4llm.sampling import generate
+        from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 
+        longest = max(max(map(len, prompts)), prompt_len or 0)
         return generate(
             self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
             greedy=greedy or temperature <= 0, cpu_kernels=self.cpu_kernels,
-            prompts_per_chunk=self.chunk_for(len(prompts), num_samples, max(map(len, prompts)), max_new_tokens),
+            prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
+            prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
         )
 
     @property

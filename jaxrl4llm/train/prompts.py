@@ -4,6 +4,7 @@ tokenized once, with the prompt-length budget enforced (error or drop, as config
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -19,6 +20,11 @@ class PromptSet:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @functools.cached_property
+    def longest(self) -> int:
+        """Tokens of the set's longest prompt (0 when empty)."""
+        return max(map(len, self.token_ids), default=0)
 
 
 def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSet:

@@ -1,0 +1,157 @@
+"""The meter: XLA's HLO cost with every loop trip counted (`plan.hlo_cost`), the length
+distribution as an input (`plan.lengths`), and a step model that scales as the programs do."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl4llm.plan.hlo_cost import compiled_hlo_text, program_cost
+from jaxrl4llm.plan.lengths import (LengthDistribution, decode_block_trips, parse_lengths, static_decode_work)
+from jaxrl4llm.plan.programs import plan_run, topology_mesh, with_lengths
+from jaxrl4llm.train.config import ConfigError, load_config
+from jaxrl4llm.train.metrics import write_lengths
+
+from tests.plan.test_plan import TINY
+
+
+def _chain(n: int, unrolled: bool):
+    """n matmul + tanh layers (scanned, or a Python loop XLA sees whole), and the gradient."""
+    def forward(x, w):
+        if unrolled:
+            for i in range(n):
+                x = jnp.tanh(x @ w[i])
+            return x.sum()
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()
+
+    return jax.jit(jax.grad(forward, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_a_scan_costs_what_the_unrolled_program_costs(n):
+    """XLA's own cost_analysis counts a scan body once (the same flops for n = 1 and 6): the meter
+    counts it n times and agrees with the unrolled program, where XLA sees every layer."""
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((n, 256, 256), jnp.float32)
+    scanned = _chain(n, unrolled=False).lower(x, w).compile()
+    unrolled = _chain(n, unrolled=True).lower(x, w).compile()
+    cost = program_cost(compiled_hlo_text(scanned), num_devices=1)
+    truth = unrolled.cost_analysis()
+    assert cost.flops == pytest.approx(truth["flops"], rel=0.02)
+    matmuls = 3 * n  # forward, weight gradient, input gradient
+    assert matmuls * 2 * 64 * 256 * 256 <= cost.flops <= 1.1 * matmuls * 2 * 64 * 256 * 256
+    if n > 1:
+        assert cost.once_counted_flops < cost.flops / 2  # what cost_analysis() alone reports
+        assert sorted(loop.trips for loop in cost.loops) == [n, n]  # the forward and backward scans
+
+
+def test_tpu_loops_are_counted_from_their_condition():
+    """XLA's TPU HLO carries no known_trip_count: the meter reads `i < N` from the condition,
+    nested loops multiply, and a sharded matmul's all-reduce is counted per trip."""
+    mesh = topology_mesh("v5e:2x2", 1, 4, 1)
+
+    def f(x, w):
+        def layer(c, wi):
+            return jax.lax.scan(lambda c2, _: (jnp.tanh(c2 @ wi), None), c, None, length=3)[0], None
+        return jax.lax.scan(layer, x, w)[0].sum()
+
+    costs = {}
+    for n in (1, 2, 4):
+        x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+        w = jax.ShapeDtypeStruct((n, 1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(f).lower(x, w).compile()
+        costs[n] = program_cost(compiled_hlo_text(compiled), num_devices=4)
+    matmul = 2 * 512 * 1024 * 1024 / 4 * 3  # per chip, 3 inner steps
+    assert costs[1].flops == pytest.approx(matmul, rel=0.05)
+    assert costs[4].flops == pytest.approx(4 * costs[1].flops, rel=0.02)
+    for key in ("collectives", "collective_bytes"):  # linear in the trips: c(4) - c(2) = 2 (c(2) - c(1)) > 0
+        c = {n: getattr(cost, key) for n, cost in costs.items()}
+        assert c[4] - c[2] == pytest.approx(2 * (c[2] - c[1]), rel=0.02) and c[2] - c[1] > 0, key
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """The tiny run (2 layers, 4 prompts) and one with 8 layers and 8 prompts (twice the micro-batches)."""
+    small = plan_run(load_config(None, TINY), "v5e:2x2", lengths="fixed")
+    big = plan_run(load_config(None, TINY + ["model.num_layers=8", "rollout.prompts_per_step=8"]), "v5e:2x2",
+                   lengths="fixed")
+    return small, big
+
+
+def _program(plan, name):
+    return next(p for p in plan.programs if p.name == name)
+
+
+def test_layers_and_micro_batches_scale_the_trainer_programs(plans):
+    """4x the layers and 2x the micro-batches: 8x the update's and the log-prob pass's flops
+    (within 10%), and each within 20% of our 2N / 6N count."""
+    small, big = plans
+    for name in ("update", "logprob pass"):
+        s, b = _program(small, name), _program(big, name)
+        assert b.flops == pytest.approx(8 * s.flops, rel=0.1), name
+        for p in (s, b):
+            assert p.flops == pytest.approx(p.model_flops, rel=0.2), (name, p.flops, p.model_flops)
+            assert p.once_counted_flops < 0.6 * p.flops  # the layer and micro-batch loops count once there
+
+
+def test_decode_steps_scale_the_sampler_and_the_step_figures_follow(plans):
+    """Twice the decode steps: twice the decode loop's cost (re-priced without a compile); the
+    step time, tokens/s/chip, useful MFU and padding follow from the programs."""
+    small, _ = plans
+    at = {n: with_lengths(small, f"fixed:{n}") for n in (1, 17, 33)}
+    decode = {n: _program(p, "sampler/decode") for n, p in at.items()}
+    loop_17, loop_33 = decode[17].flops - decode[1].flops, decode[33].flops - decode[1].flops
+    assert loop_33 == pytest.approx(2 * loop_17, rel=0.1)
+    assert decode[33].hbm_bytes - decode[1].hbm_bytes == pytest.approx(2 * (decode[17].hbm_bytes - decode[1].hbm_bytes),
+                                                                       rel=0.1)
+    assert decode[17].loops and all(trips is not None for _, trips in decode[17].loops)  # every block loop priced
+    assert decode[17].padding_fraction == pytest.approx(0)
+    plan = at[33]
+    assert plan.step_seconds == pytest.approx(sum(p.seconds * p.runs for p in plan.programs))
+    assert plan.generated_tokens_per_second_per_chip == pytest.approx(plan.rows * 33 / plan.step_seconds / 4)
+    assert 0 < plan.useful_mfu < 1
+    # the trainer runs [P + R - 1] positions a row whatever the lengths: shorter responses are padding
+    assert _program(at[1], "update").padding_fraction > _program(at[33], "update").padding_fraction > 0
+    assert _program(at[1], "update").seconds == _program(at[33], "update").seconds
+
+
+def test_plan_json_holds_the_meter_figures(capsys, tmp_path):
+    from jaxrl4llm.cli import main as cli_main
+
+    write_lengths(tmp_path, 1, [5, 9, 64, 12], [20, 20, 20, 20])
+    write_lengths(tmp_path, 1, [7, 7, 7, 7])  # a resumed step's line replaces the earlier one
+    assert cli_main(["plan", "--topology", "v5e:2x2", "--json", "--response-lengths", str(tmp_path), *TINY]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_seconds", "generated_tokens_per_second_per_chip", "useful_mfu", "padding_fraction"):
+        assert out[key] > 0, key
+    assert out["mean_response_tokens"] == pytest.approx(7)
+    for p in out["programs"]:
+        assert {"flops", "hbm_bytes", "collective_bytes", "seconds", "binding"} <= p.keys()
+        assert p["binding"] in ("compute", "HBM", "collectives") and p["seconds"] > 0
+    assert "xla_mfu" not in json.dumps(out)
+
+
+def test_length_distributions():
+    budget = 1000
+    rng = np.random.default_rng(0)
+    default = parse_lengths(None, budget)
+    assert default.kind == "lognormal" and default.mean == 250
+    draws = parse_lengths("lognormal:mean=100,sigma=0.5", budget).sample(200_000, budget, rng)
+    assert draws.mean() == pytest.approx(100, rel=0.02) and draws.max() <= budget
+    assert (parse_lengths("fixed", budget).sample(3, budget, rng) == budget).all()
+    assert (parse_lengths("fixed:40", budget).sample(3, budget, rng) == 40).all()
+    for bad, match in [("lognormal:mu=3", "unknown field 'mu'"), ("fixed:abc", "not a number"),
+                       ("lognormal:mean=-1", "mean must be > 0"), ("/no/such/run", "not a distribution nor a run")]:
+        with pytest.raises(ConfigError, match=match):
+            parse_lengths(bad, budget)
+    # a static batch runs until its longest row: 64 rows of mean 100 run far longer than 100 steps
+    work = static_decode_work(parse_lengths("lognormal:mean=100,sigma=0.8", budget), 64, budget)
+    assert work.steps > 2.5 * work.mean_length and 0.5 < work.idle_fraction < 0.9
+    assert static_decode_work(LengthDistribution("fixed"), 8, budget).idle_fraction == 0
+    trips = decode_block_trips([budget] * 3, 256, budget)
+    assert trips == [256, 256, 256, 231] and sum(trips) == budget - 1
+    assert decode_block_trips([100, 300], 256, budget) == [(99 + 256) / 2, 43 / 2, 0, 0]
