@@ -16,18 +16,18 @@ from pathlib import Path
 import jax
 
 
-def cache_dir(setting: str) -> Path | None:
-    """The cache folder of a `trainer.compile_cache` value (None: off)."""
-    if setting in ("off", "", "none", "false"):
+def cache_dir(setting: str | bool) -> Path | None:
+    """The cache folder of a `trainer.compile_cache` value (None: off; YAML reads `off` as false)."""
+    if setting is False or setting in ("off", "", "none", "false"):
         return None
-    if setting != "auto":
+    if setting is not True and setting != "auto":
         return Path(setting).expanduser()
     if os.environ.get("JAXRL4LLM_COMPILE_CACHE"):
         return Path(os.environ["JAXRL4LLM_COMPILE_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxrl4llm" / "xla"
 
 
-def enable_compile_cache(setting: str) -> Path | None:
+def enable_compile_cache(setting: str | bool) -> Path | None:
     """Points JAX's persistent compilation cache at `cache_dir(setting)`; every program is cached,
     however quick its compile (a run's dozens of small ones add up). Returns the folder."""
     folder = cache_dir(setting)

@@ -196,10 +196,10 @@ class TrainerConfig:
     # A fresh run (no --resume) into an out_dir that already holds a run is an error unless
     # this is true; then that run's checkpoints, metrics, TensorBoard events and export go.
     overwrite: bool = False
-    # XLA's persistent compilation cache (train/compile_cache.py): auto = ~/.cache/jaxrl4llm/xla
-    # (or $JAXRL4LLM_COMPILE_CACHE), off, or a folder (a shared one on a pod); a resume loads its
-    # programs instead of compiling them.
-    compile_cache: str = "auto"
+    # XLA's persistent compilation cache (train/compile_cache.py): auto (or true) = ~/.cache/jaxrl4llm/xla
+    # (or $JAXRL4LLM_COMPILE_CACHE), off (or false), or a folder (a shared one on a pod); a resume
+    # loads its programs instead of compiling them.
+    compile_cache: bool | str = "auto"
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from jaxrl4llm.plan.programs import plan_run, topology_mesh, with_lengths
 from jaxrl4llm.train.config import ConfigError, load_config
 from jaxrl4llm.train.metrics import write_lengths
 
-from tests.plan.test_plan import TINY
+from tests.plan.conftest import TINY
 
 
 def _chain(n: int, unrolled: bool):
@@ -74,9 +74,9 @@ def test_tpu_loops_are_counted_from_their_condition():
 
 
 @pytest.fixture(scope="module")
-def plans():
+def plans(plan):
     """The tiny run (2 layers, 4 prompts) and one with 8 layers and 8 prompts (twice the micro-batches)."""
-    small = plan_run(load_config(None, TINY), "v5e:2x2", lengths="fixed")
+    small = with_lengths(plan, "fixed")
     big = plan_run(load_config(None, TINY + ["model.num_layers=8", "rollout.prompts_per_step=8"]), "v5e:2x2",
                    lengths="fixed")
     return small, big

@@ -24,6 +24,7 @@ def tiny_overrides(assets, out_dir, **extra):
         "optim.lr": 1e-3, "trainer.steps": 2, "trainer.out_dir": str(out_dir), "trainer.progress_bar": False,
         "trainer.eval_every": -1, "trainer.export_hf": False, "trainer.clipped_tokens_every": 1,
         "reward.fn": "tests.train.custom_parts:contains_one_reward", "reward.batched": False,
+        "trainer.compile_cache": "off",  # tests/train/test_compile_cache.py covers it; keep the suite hermetic
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -68,6 +68,11 @@ def test_resume_is_exact(demo_assets, tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+    # every step's per-row lengths, for `plan --response-lengths RUN`: the resumed steps appended
+    lengths = [json.loads(line) for line in (tmp_path / "b" / "response_lengths.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lengths] == [1, 2, 3, 4]
+    for r, record in zip(lengths[2:], resumed["history"]):
+        assert len(r["response_lengths"]) == 8 and np.mean(r["response_lengths"]) == pytest.approx(record["response_length"])
 
 
 def test_overwrite_removes_only_the_earlier_runs_outputs(tmp_path):
