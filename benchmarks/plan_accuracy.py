@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plan_accuracy.py [--size 48m] [--prompts 8] [--samples 8] [--response 128]
         [--stop-tokens 0,1200] [--reps 3]
 
-A random model of --size (no download) is set up as `jaxrl4llm train` sets it up (`train.loop.setup_run`:
+vs_trl.py's random 48M Qwen3 (or a random model of another --size; no download) is set up as `jaxrl4llm train` sets it up (`train.loop.setup_run`:
 the same sampler, log-prob pass and update programs, the demo task's prompts). The rollout runs at
 two length distributions: with no stop token every row runs to the budget (`fixed`); with K of
 the vocabulary's ids as stop tokens (--stop-tokens) a random model stops a row with probability
@@ -52,13 +52,21 @@ def median_seconds(fn, reps: int) -> float:
 
 
 def run_config(args, root: Path):
-    data = write_demo_task(root / "data", num_train=256, num_test=8, seed=0, digits=2, ops="+-", steps=2)
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    size = SIZES[args.size]
+    """The run: vs_trl.py's 48M model (random Qwen3, 32000-token BPE) on GSM8K prompts (139 tokens in
+    a 192 bucket), or a random model of another --size on the demo task."""
+    if args.size == "48m":
+        from vs_trl import DATA, build_48m
+
+        model = {"model.path": str(build_48m(root / "qwen3_48m"))}
+        data = {"data.train_files": f"[{DATA}]", "data.template": "base", "data.max_prompt_tokens": 192,
+                "data.on_overlong_prompt": "drop"}
+    else:
+        tasks = write_demo_task(root / "data", num_train=256, num_test=8, seed=0, digits=2, ops="+-", steps=2)
+        model = {"model.tokenizer": build_char_tokenizer(root / "tokenizer"), "model.architecture": "qwen3",
+                 "model.tie_word_embeddings": True, **{f"model.{k}": v for k, v in SIZES[args.size].items()}}
+        data = {"data.train_files": f"[{tasks['train']}]", "data.template": "demo", "data.max_prompt_tokens": 64}
     overrides = {
-        "model.tokenizer": tokenizer, **{f"model.{k}": v for k, v in size.items()}, "model.architecture": "qwen3",
-        "model.tie_word_embeddings": True, "model.dtype": "bfloat16", "model.param_dtype": "float32",
-        "data.train_files": f"[{data['train']}]", "data.template": "demo", "data.max_prompt_tokens": args.prompt_bucket,
+        **model, **data, "model.dtype": "bfloat16", "model.param_dtype": "float32", "data.shuffle": False,
         "rollout.prompts_per_step": args.prompts, "rollout.samples_per_prompt": args.samples,
         "rollout.max_new_tokens": args.response, "rollout.cpu_kernels": False,
         "trainer.mini_batches": args.mini_batches, "trainer.micro_batch_size": args.prompts * args.samples // args.mini_batches,
@@ -74,7 +82,6 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--response", type=int, default=128)
-    ap.add_argument("--prompt-bucket", type=int, default=64, help="data.max_prompt_tokens (the demo task's prompts fit 64)")
     ap.add_argument("--mini-batches", type=int, default=2, help="2: the update runs 2 optimizer steps and the "
                     "separate pi_old log-prob pass runs")
     ap.add_argument("--stop-tokens", default="0,1200", help="stop-token counts, one length distribution each")
@@ -90,7 +97,7 @@ def main() -> None:
         vocab = run.policy.config.vocab_size
         rows = []
         for k in (int(x) for x in args.stop_tokens.split(",")):
-            # the char tokenizer uses the low ids: stop tokens are taken from the top of the vocabulary
+            # stop tokens from the top of the vocabulary (the char tokenizer's and the BPE's specials are low ids)
             k = min(k, vocab // 2)
             stop = tuple(range(vocab - k, vocab)) if k else (vocab - 1,)
             policy = run.policy.with_state(state)

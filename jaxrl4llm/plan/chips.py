@@ -13,12 +13,15 @@ GiB = 2**30
 class ChipSpec(NamedTuple):
     """One chip: `hbm` bytes (as XLA reports it in RESOURCE_EXHAUSTED messages for v5p),
     `peak_flops` dense bf16 FLOP/s, `hbm_bandwidth` bytes/s, `ici_bandwidth` bytes/s a chip moves
-    over its interconnect in one direction for collectives (TPU ICI links, GPU NVLink)."""
+    over its interconnect in one direction for collectives (TPU ICI links, GPU NVLink);
+    `overlap`: compute and memory traffic overlap (TPU, GPU: a program takes the larger of the
+    two) or add up (a CPU running XLA's ops one after another)."""
 
     hbm: float
     peak_flops: float
     hbm_bandwidth: float
     ici_bandwidth: float
+    overlap: bool = True
 
 
 # ICI: per-chip one-direction bandwidth summed over links (v4 6 x 45 GB/s... as Google's pages give
@@ -66,4 +69,4 @@ def measure_cpu_chip(*, matmul_sizes: tuple[int, ...] = (1024, 2048), copy_mib: 
     x = jax.device_put(jnp.ones((copy_mib * 2**20 // 4,), jnp.float32), cpu)
     bandwidth = 2 * x.nbytes / best(jax.jit(lambda a: a * 1.5 + 1.0), x)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ChipSpec(float(memory), float(peak), float(bandwidth), float("inf"))
+    return ChipSpec(float(memory), float(peak), float(bandwidth), float("inf"), overlap=False)

@@ -174,6 +174,7 @@ class ProgramPlan:
     memory_seconds: float = 0.0  # hbm_bytes / HBM bandwidth
     collective_seconds: float = 0.0  # collective_bytes / interconnect bandwidth
     padding_fraction: float = 0.0  # positions (trainer) or row-steps (sampler) that carry no real token
+    overlap: bool = True  # the chip's: time = max(compute, memory) (TPU, GPU) or their sum (CPU)
     loops: list = dataclasses.field(default_factory=list)  # (loop, trips) of the program
 
     @property
@@ -190,8 +191,11 @@ class ProgramPlan:
     @property
     def seconds(self) -> float:
         """One run: max(flops / peak, HBM bytes / bandwidth) + collective bytes / link bandwidth
-        (compute and memory traffic overlap on TPU and GPU; collectives are counted as exposed)."""
-        return max(self.compute_seconds, self.memory_seconds) + self.collective_seconds
+        (compute and memory traffic overlap on TPU and GPU; collectives are counted as exposed);
+        on a CPU (`ChipSpec.overlap` false) compute + memory: XLA:CPU runs one op at a time."""
+        work = max(self.compute_seconds, self.memory_seconds) if self.overlap else \
+            self.compute_seconds + self.memory_seconds
+        return work + self.collective_seconds
 
     @property
     def binding(self) -> str:
@@ -209,6 +213,7 @@ class ProgramPlan:
         self.compute_seconds = cost.flops / chip.peak_flops
         self.memory_seconds = cost.hbm_bytes / chip.hbm_bandwidth
         self.collective_seconds = cost.collective_bytes / chip.ici_bandwidth if cost.collective_bytes else 0.0
+        self.overlap = chip.overlap
         self.loops = [(loop.name, loop.trips) for loop in cost.loops]
 
 
@@ -558,6 +563,9 @@ def format_plan(plan: RunPlan) -> str:
     lines.append(f"step: {_seconds(plan.step_seconds)}, {plan.generated_tokens_per_second_per_chip:,.0f} generated "
                  f"tokens/s/chip, useful-token MFU {100 * plan.useful_mfu:.1f}%, {100 * plan.padding_fraction:.0f}% of "
                  f"the step's time on padding and finished rows")
+    lines.append(f"compiles: a run compiles these {len(plan.programs)} programs once (data.prompt_bucket=dataset; =step: "
+                 f"once per prompt bucket met), plus a sampler program per eval set; trainer.compile_cache keeps "
+                 f"them on disk for a resume")
     for p in plan.programs:
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.analytic.items())
         lines.append(f"  {p.name}: ours per chip (GiB): {parts}")
