@@ -1,5 +1,7 @@
 """A user's own reward and recipe, plugged in by import path (no fork of jaxrl4llm)."""
 
+import re
+
 from jaxrl4llm.core import policy_loss
 
 
@@ -8,13 +10,20 @@ def contains_one_reward(response: str, gold: str) -> float:
     return float("1" in response)
 
 
-def half_policy_loss(recipe, **kwargs):
-    """The core policy loss at half the numerator: a custom composition with the same signature."""
-    terms, metrics = policy_loss(recipe, **kwargs)
-    metrics["custom_loss_used"] = terms.numerator * 0 + 1.0
-    return terms._replace(numerator=terms.numerator * 0.5), metrics
-
-
 def always_correct_reward(response: str, gold: str) -> float:
     """Every response is right (a pass rate of 1 for every prompt)."""
     return 1.0
+
+
+def boxed_integer_reward(response: str, gold: str) -> float:
+    r"""1.0 when the response boxes an integer (`\boxed{7}`), right or wrong: the demo's answer format,
+    a signal a weak warm start can learn in a few steps (about a third of its responses have it)."""
+    return float(re.search(r"\\boxed\{-?\d+\}", response) is not None)
+
+
+def negated_policy_loss(recipe, **kwargs):
+    """The core policy loss with its sign flipped (learning broken: the policy moves away from
+    reward); a custom composition with the same signature, which marks its metrics."""
+    terms, metrics = policy_loss(recipe, **kwargs)
+    metrics["custom_loss_used"] = terms.numerator * 0 + 1.0
+    return terms._replace(numerator=-terms.numerator), metrics

@@ -42,13 +42,6 @@ def test_every_recipe_runs_finite_with_metrics(demo_assets, tmp_path):
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(summary["state"].params))
 
 
-def test_custom_loss_by_import_path(demo_assets, tmp_path):
-    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"algorithm.custom_loss": "tests.train.custom_parts:half_policy_loss",
-                                                                      "trainer.steps": 1}))
-    summary = train(cfg, log=lambda s: None)
-    assert summary["history"][-1]["custom_loss_used"] == 1.0
-
-
 def test_resume_is_exact(demo_assets, tmp_path):
     straight = load_config(None, tiny_overrides(demo_assets, tmp_path / "a", **{"trainer.steps": 4, "trainer.checkpoint_every": 2}))
     full = train(straight, log=lambda s: None)
