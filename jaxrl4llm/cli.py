@@ -10,10 +10,15 @@ Every command takes `--help`. Training-style commands take one or more `-c CONFI
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
 from pathlib import Path
+
+# Device files of the accelerators JAX drives: TPU (/dev/accel*, or /dev/vfio/* on v5p/v6e), NVIDIA
+# and AMD GPUs. Without one, the CLI runs JAX on the CPU (default_to_cpu).
+ACCELERATOR_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/kfd")
 
 CONFIG_HELP = "YAML config file; repeat to merge several in order (later files win)."
 OVERRIDES_HELP = "section.key=value overrides applied after the files, e.g. optim.lr=2e-6 rollout.samples_per_prompt=16."
@@ -267,7 +272,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_to_cpu(env=os.environ, device_files=ACCELERATOR_DEVICE_FILES, platform: str = sys.platform) -> bool:
+    """Sets JAX_PLATFORMS=cpu when it is unset on a Linux machine with no TPU or GPU device file;
+    True when it did.
+
+    With libtpu installed (the `tpu` and `test` extras) JAX probes for a TPU on every start and,
+    on a machine without one, prints `E0000 ... INVALID_ARGUMENT ... TPU_WORKER_HOSTNAMES` lines
+    before it falls back to the CPU. Where no accelerator can be there is nothing to probe for.
+    A JAX_PLATFORMS of the user's (even empty) is kept, and so is JAX's own choice on a TPU VM or
+    a GPU host, which have the device files.
+    """
+    if "JAX_PLATFORMS" in env or "JAX_PLATFORM_NAME" in env or not platform.startswith("linux"):
+        return False
+    if any(glob.glob(pattern) for pattern in device_files):
+        return False
+    env["JAX_PLATFORMS"] = "cpu"
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    if default_to_cpu() and "jax" in sys.modules:  # imported by a caller before us: too late for the variable
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
 

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Creates ./.venv (if missing) and installs jaxrl4llm with its test extras into it.
-# Re-installs only when pyproject.toml changed since the last install. pip's output goes to
-# .venv/install.log; on a failure its tail is printed.
+# Creates ./.venv (if missing) and installs jaxrl4llm into it: `setup_venv.sh demo` the package
+# alone (what ./scripts/demo needs: no torch, libtpu or jupyter; ~1.4 GB), `setup_venv.sh test`
+# (the default) with its test extras too (~3 GB). A venv keeps what it has: the demo after the
+# tests installs nothing, the tests after the demo add their extras. Re-installs when
+# pyproject.toml changed since the last install or when the tests find a demo-only venv.
+# pip's output goes to .venv/install.log; on a failure its tail is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+want=${1:-test}
+case "$want" in
+  demo | test) ;;
+  *) echo "usage: $0 [demo|test]" >&2; exit 2 ;;
+esac
 log=.venv/install.log
 
 run_logged() {
@@ -20,12 +28,21 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   run_logged .venv/bin/python -m pip install --upgrade pip
 fi
+# The stamp holds "<sha256 of pyproject.toml> <demo|test>" (a hash alone: test, an older stamp).
 stamp=.venv/.jaxrl4llm-install-stamp
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "installing jaxrl4llm and its test extras into .venv (log: $log)"
-  # torch (CPU build) is a test-time oracle only; pinning it keeps pip on the local CPU wheel.
-  run_logged .venv/bin/python -m pip install "torch==2.13.0"
-  run_logged .venv/bin/python -m pip install -e ".[test]"
-  echo "$want" > "$stamp"
+hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
+have_hash="" have=""
+if [ -f "$stamp" ]; then read -r have_hash have < "$stamp" || true; fi
+if [ -n "$have_hash" ] && [ -z "$have" ]; then have="test"; fi
+if [ "$have_hash" != "$hash" ] || { [ "$want" = test ] && [ "$have" != test ]; }; then
+  if [ "$want" = test ]; then
+    echo "installing jaxrl4llm and its test extras into .venv (log: $log)"
+    # torch (CPU build) is a test-time oracle only; pinning it keeps pip on the local CPU wheel.
+    run_logged .venv/bin/python -m pip install "torch==2.13.0"
+    run_logged .venv/bin/python -m pip install -e ".[test]"
+  else
+    echo "installing jaxrl4llm into .venv (log: $log)"
+    run_logged .venv/bin/python -m pip install -e .
+  fi
+  echo "$hash $want" > "$stamp"
 fi
