@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -290,11 +291,18 @@ def default_to_cpu(env=os.environ, device_files=ACCELERATOR_DEVICE_FILES, platfo
     return True
 
 
+def _no_torch_notice(record: logging.LogRecord) -> bool:
+    """Drops transformers' "PyTorch was not found" on import without torch (the demo's install):
+    jaxrl4llm needs only its tokenizers."""
+    return "PyTorch was not found" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> int:
     if default_to_cpu() and "jax" in sys.modules:  # imported by a caller before us: too late for the variable
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+    logging.getLogger("transformers").addFilter(_no_torch_notice)
     from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
 
