@@ -45,20 +45,23 @@ def tpu_chip_spec(topology: str) -> ChipSpec:
 def measure_cpu_chip(*, matmul_sizes: tuple[int, ...] = (1024, 2048), copy_mib: int = 256, reps: int = 5) -> ChipSpec:
     """This machine's CPU as the meter's chip, measured now (the machine is noisy: measure in the
     same run as what is predicted). peak_flops: the best bf16 x bf16 -> f32 matmul rate over square
-    sizes (the model's matmul form); hbm_bandwidth: bytes read + written per second by an
-    elementwise pass over a `copy_mib` MiB float32 array; hbm: the machine's memory."""
+    sizes (the model's matmul form; at the 48M model's own shapes the rate is the same within 15%);
+    hbm_bandwidth: bytes read + written per second by a copy of a `copy_mib` MiB array (main memory,
+    past the caches); hbm: the machine's memory. Compute and memory time add up on a CPU
+    (`overlap=False`): XLA:CPU runs one op at a time, each bound by one or the other."""
     import os
     import time
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     def best(f, *args) -> float:
-        f(*args).block_until_ready()
+        jax.block_until_ready(f(*args))
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            f(*args).block_until_ready()
+            jax.block_until_ready(f(*args))
             times.append(time.perf_counter() - t)
         return min(times)
 
@@ -66,7 +69,8 @@ def measure_cpu_chip(*, matmul_sizes: tuple[int, ...] = (1024, 2048), copy_mib: 
     matmul = jax.jit(lambda x, y: jnp.einsum("ij,jk->ik", x, y, preferred_element_type=jnp.float32))
     peak = max(2 * n**3 / best(matmul, *(jax.device_put(jnp.ones((n, n), jnp.bfloat16), cpu),) * 2)
                for n in matmul_sizes)
-    x = jax.device_put(jnp.ones((copy_mib * 2**20 // 4,), jnp.float32), cpu)
-    bandwidth = 2 * x.nbytes / best(jax.jit(lambda a: a * 1.5 + 1.0), x)
+    source = np.ones(copy_mib * 2**20 // 4, np.float32)
+    target = np.empty_like(source)
+    bandwidth = 2 * source.nbytes / best(lambda: np.copyto(target, source))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ChipSpec(float(memory), float(peak), float(bandwidth), float("inf"), overlap=False)

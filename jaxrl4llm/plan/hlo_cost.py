@@ -244,6 +244,12 @@ def _xla_cost(text: str) -> dict:
 
 
 def _group_size(rest: str, default: int) -> int:
+    """Devices in one replica group: `replica_groups=mesh['a'=2,'b'=8] {'b'}` (the named axes'
+    sizes multiplied), `[groups,size]<=[n]` (iota form) or explicit `{{0,1,...},...}`."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return max(math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2))), 1)
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
     if m:
         return int(m.group(2))
@@ -251,6 +257,30 @@ def _group_size(rest: str, default: int) -> int:
     if m:
         return max(len([x for x in m.group(1).split(",") if x]), 1)
     return default
+
+
+def _result_part(inst: Instruction) -> str:
+    """The result shapes of a collective: an async `-start` op's shape is ((operands), (results))
+    or, for one operand, (operand, result): its second half."""
+    shape = inst.shape.strip()
+    if not inst.opcode.endswith("-start") or not shape.startswith("("):
+        return shape
+    depth, parts, cur = 0, [], ""
+    for ch in shape[1:-1]:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    if shape.startswith("(("):
+        return parts[1] if len(parts) > 1 else parts[0]
+    if inst.opcode.removesuffix("-start") == "all-reduce":
+        return shape  # all-reduce-start of several operands: a tuple of results
+    arrays = [p for p in parts if _ARRAY.search(p)]
+    return ",".join(arrays[len(arrays) // 2:]) if len(arrays) >= 2 else shape
 
 
 def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int) -> tuple[float, float]:
@@ -265,7 +295,7 @@ def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int)
         op = inst.opcode.removesuffix("-start")
         if op not in COLLECTIVES or inst.opcode.endswith("-done"):
             continue
-        sizes = array_bytes(inst.shape)
+        sizes = array_bytes(_result_part(inst))
         if not sizes:
             continue
         n = _group_size(inst.rest, num_devices)
@@ -275,8 +305,6 @@ def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int)
             continue
         if n <= 1:
             continue
-        if inst.opcode.endswith("-start") and op in ("all-gather", "all-to-all") and len(sizes) >= 2:
-            sizes = sizes[len(sizes) // 2:]  # (operands..., results...)
         total = sum(sizes)
         if op == "all-reduce":
             sent += 2 * (n - 1) / n * total
@@ -342,3 +370,33 @@ def compiled_hlo_text(compiled) -> str:
 
     modules = compiled.runtime_executable().hlo_modules()
     return modules[0].to_string(_hlo.HloPrintOptions.short_parsable())
+
+
+def collective_breakdown(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[float] = ()) -> dict:
+    """{(op, group size, result shape): [count, bytes sent]} over the program, loops weighted by
+    trips: which collectives a program's `collective_bytes` comes from."""
+    comps = parse_module(hlo_text)
+    loops = find_loops(comps, dynamic_trips)
+    weight = {next(c.name for c in comps.values() if c.is_entry): 1.0}
+    for loop in loops:  # walk order: a parent's weight is known before its loops
+        weight[loop.body] = weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips)
+    out: dict = {}
+
+    def visit(name: str, w: float, seen: frozenset):
+        for inst in comps[name].instructions.values():
+            callee = _attr(inst.rest, "calls")
+            if callee in comps and inst.opcode != "while" and callee not in seen:
+                visit(callee, w, seen | {callee})
+            op = inst.opcode.removesuffix("-start")
+            if op in COLLECTIVES and not inst.opcode.endswith("-done"):
+                one = Computation(name, "", [], {inst.name: inst})
+                sent, count = collective_bytes({name: one}, name, num_devices)
+                key = (op, _group_size(inst.rest, num_devices), inst.shape.split("{")[0][:60])
+                entry = out.setdefault(key, [0.0, 0.0])
+                entry[0] += w * count
+                entry[1] += w * sent
+
+    for body, w in weight.items():
+        if body in comps:
+            visit(body, w, frozenset({body}))
+    return out

@@ -176,6 +176,8 @@ class ProgramPlan:
     padding_fraction: float = 0.0  # positions (trainer) or row-steps (sampler) that carry no real token
     overlap: bool = True  # the chip's: time = max(compute, memory) (TPU, GPU) or their sum (CPU)
     loops: list = dataclasses.field(default_factory=list)  # (loop, trips) of the program
+    hlo: str = dataclasses.field(default="", repr=False)  # the optimized per-chip HLO (`reprice` reads it)
+    devices: int = 1  # chips the program spans
 
     @property
     def total_bytes(self) -> int:
@@ -338,8 +340,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
 
     def price(program: ProgramPlan, compiled, *, dynamic_trips=(), devices=mesh.size) -> None:
         if compiled is not None:
-            program.price(program_cost(compiled_hlo_text(compiled), num_devices=devices,
-                                       dynamic_trips=dynamic_trips), chip)
+            program.hlo, program.devices = compiled_hlo_text(compiled), devices
+            program.price(program_cost(program.hlo, num_devices=devices, dynamic_trips=dynamic_trips), chip)
 
     graphdef, abstract = abstract_model(config)
     p_shard = param_shardings(abstract, mesh)
@@ -396,7 +398,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         plan_s.runs = chunks
         programs.append(plan_s)
         if compiled_s is not None:  # priced by `with_lengths`: its loops run as long as the longest row
-            decode = dict(hlo=compiled_hlo_text(compiled_s), devices=dmesh.size, block=block, kv_rows=kv_rows,
+            plan_s.hlo, plan_s.devices = compiled_hlo_text(compiled_s), dmesh.size
+            decode = dict(hlo=plan_s.hlo, devices=dmesh.size, block=block, kv_rows=kv_rows,
                           rows_per_chunk=min(chunk, prompts) * g_samples, num_prompts=num_prompts)
     sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
@@ -463,6 +466,17 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
                    chips=mesh.size, decode=decode, trainer_positions=tokens)
     return with_lengths(plan, lengths, prompt_tokens)
+
+
+def reprice(plan: RunPlan, chip: ChipSpec | None = None) -> RunPlan:
+    """The plan's trainer and weight programs costed again from their stored HLO (on `chip`, default
+    the plan's), e.g. after the cost model changed; the decode program is re-priced by `with_lengths`."""
+    chip = chip or plan.chip
+    programs = [dataclasses.replace(p) for p in plan.programs]
+    for p in programs:
+        if p.hlo and p.name != "sampler/decode":
+            p.price(program_cost(p.hlo, num_devices=p.devices), chip)
+    return with_lengths(dataclasses.replace(plan, programs=programs, chip=chip), plan.lengths, plan.prompt_tokens)
 
 
 def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt_tokens: float | None = None) -> RunPlan:
@@ -589,7 +603,7 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "response_len": plan.response_len, "sampler": plan.sampler,
         "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
-        "programs": [dict(dataclasses.asdict(p), total_bytes=p.total_bytes, analytic_total=p.analytic_total,
+        "programs": [dict({k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"}, total_bytes=p.total_bytes, analytic_total=p.analytic_total,
                           seconds=p.seconds, binding=p.binding, share=plan.share(p))
                      for p in plan.programs],
         "step_seconds": plan.step_seconds,
