@@ -155,3 +155,15 @@ def test_length_distributions():
     trips = decode_block_trips([budget] * 3, 256, budget)
     assert trips == [256, 256, 256, 231] and sum(trips) == budget - 1
     assert decode_block_trips([100, 300], 256, budget) == [(99 + 256) / 2, 43 / 2, 0, 0]
+
+
+def test_plan_for_this_cpu_measures_the_machine_and_adds_compute_and_memory():
+    """`--topology cpu`: the same programs compiled for this machine, priced at its matmul peak and
+    memory bandwidth measured now; compute and memory add up (XLA:CPU runs one op at a time).
+    benchmarks/plan_accuracy.py checks the prediction against the measured 48M step."""
+    plan = plan_run(load_config(None, TINY + ["mesh.fsdp=1"]), "cpu", lengths="fixed:40")
+    assert plan.chip.peak_flops > 1e9 and plan.chip.hbm_bandwidth > 1e8 and not plan.chip.overlap
+    for p in plan.programs:
+        assert p.fits and p.seconds == pytest.approx(p.compute_seconds + p.memory_seconds)
+    update = _program(plan, "update")
+    assert update.flops == pytest.approx(update.model_flops, rel=0.2)
