@@ -389,9 +389,55 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return out
 
 
+# Allowed ranges of the values that would otherwise crash (or silently misbehave) later in the
+# run: key -> (test, the range in words). `None` (an optional key left unset) always passes.
+_POSITIVE = (lambda v: v >= 1, ">= 1")
+_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+RANGES: dict[str, tuple[Any, str]] = {
+    "model.hidden_size": _POSITIVE, "model.intermediate_size": _POSITIVE, "model.num_layers": _POSITIVE,
+    "model.num_heads": _POSITIVE, "model.num_kv_heads": _POSITIVE, "model.head_dim": _POSITIVE,
+    "model.logprob_chunk_size": _POSITIVE, "model.vocab_size": _POSITIVE, "model.max_position_embeddings": _POSITIVE,
+    "model.lora.rank": _POSITIVE, "model.lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "data.max_prompt_tokens": _POSITIVE, "data.eval_limit": _NON_NEGATIVE,
+    "rollout.prompts_per_step": _POSITIVE, "rollout.samples_per_prompt": _POSITIVE,
+    "rollout.max_new_tokens": _POSITIVE, "rollout.temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "rollout.dynamic_sampling_max_draws": _POSITIVE, "rollout.tensor_parallel": (lambda v: v >= 0, ">= 0 (0 = the training mesh)"),
+    "rollout.prompts_per_chunk": (lambda v: v == "auto" or v >= 0, ">= 0 (0 = all at once) or 'auto'"),
+    "rollout.retire_pass_rate": (lambda v: 0 < v <= 1, "in (0, 1] or null (off)"),
+    "reward.timeout": (lambda v: v > 0, "> 0 (seconds)"),
+    "optim.lr": (lambda v: v > 0, "> 0"), "optim.warmup_steps": _NON_NEGATIVE,
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"), "optim.weight_decay": _NON_NEGATIVE,
+    "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"), "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.eps": (lambda v: v > 0, "> 0"), "optim.max_grad_norm": (lambda v: v >= 0, ">= 0 (0 = no clipping)"),
+    "trainer.steps": _NON_NEGATIVE, "trainer.ppo_epochs": _POSITIVE, "trainer.mini_batches": _POSITIVE,
+    "trainer.micro_batch_size": _POSITIVE, "trainer.eval_every": (lambda v: v >= -1, ">= -1 (0 = before and after training only, -1 = never)"),
+    "trainer.eval_samples": _POSITIVE, "trainer.eval_temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "trainer.checkpoint_every": (lambda v: v >= 0, ">= 0 (0 = off)"), "trainer.keep_checkpoints": _POSITIVE,
+    "trainer.clipped_tokens_every": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
+    "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
+    "mesh.tensor": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
+}
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """Raises ConfigError naming the key, its value and the allowed range for a value out of
+    range (RANGES), e.g. `rollout.samples_per_prompt=0 is out of range; it must be >= 1.`"""
+    for key, (ok, allowed) in RANGES.items():
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if node is not None and not ok(node):
+            raise ConfigError(f"{key}={node!r} is out of range; it must be {allowed}.")
+
+
 def config_from_dict(raw: dict) -> RunConfig:
     """Builds and validates a RunConfig from a nested dict."""
     cfg = _build(RunConfig, raw, "")
+    check_ranges(cfg)
     cfg.recipe()  # validates preset and overrides early
     return cfg
 

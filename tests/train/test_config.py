@@ -116,3 +116,23 @@ def test_rollout_cpu_kernels_switch_reaches_the_sampler():
     finally:
         sampling.generate = original
     assert seen["cpu_kernels"] is False
+
+
+@pytest.mark.parametrize("override, allowed", [
+    ("rollout.samples_per_prompt=0", ">= 1"), ("rollout.prompts_per_step=-2", ">= 1"),
+    ("rollout.max_new_tokens=0", ">= 1"), ("rollout.top_p=0", "in (0, 1]"), ("rollout.top_p=1.5", "in (0, 1]"),
+    ("rollout.temperature=-0.5", ">= 0"), ("optim.lr=-1", "> 0"), ("optim.lr=0", "> 0"),
+    ("optim.b2=1", "in [0, 1)"), ("trainer.mini_batches=0", ">= 1"), ("trainer.ppo_epochs=0", ">= 1"),
+    ("trainer.micro_batch_size=0", ">= 1"), ("trainer.steps=-1", ">= 0"), ("trainer.eval_samples=0", ">= 1"),
+    ("data.max_prompt_tokens=0", ">= 1"), ("rollout.retire_pass_rate=0", "in (0, 1]"), ("mesh.data=0", "-1"),
+])
+def test_out_of_range_value_names_key_value_and_range(override, allowed):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key}={value}(\.0)? is out of range; it must be .*{allowed.replace('(', '.').replace(')', '.').replace('[', '.')}"):
+        load_config(None, [override])
+
+
+def test_in_range_edges_load():
+    cfg = load_config(None, ["rollout.top_p=1", "rollout.temperature=0", "trainer.steps=0", "trainer.micro_batch_size=null",
+                             "optim.max_grad_norm=0", "rollout.prompts_per_chunk=auto", "mesh.data=-1"])
+    assert cfg.rollout.top_p == 1.0 and cfg.trainer.micro_batch_size is None
