@@ -1,10 +1,12 @@
 """Command line: `jaxrl4llm train | eval | sample | plot | convert | plan | bin-difficulty | demo | sweep | report`.
 
 Every command takes `--help`. Training-style commands take one or more `-c CONFIG.yaml`
-(merged in order) followed by `section.key=value` overrides, e.g.
+(merged in order) and `section.key=value` overrides anywhere among the flags, e.g.
 
     jaxrl4llm train -c configs/models/qwen3_4b_base.yaml -c configs/lite_ppo.yaml \\
-        model.path=/data/Qwen3-4B-Base data.train_files=[/data/train.jsonl] trainer.out_dir=runs/lite
+        model.path=/data/Qwen3-4B-Base data.train_files=[/data/train.jsonl] trainer.out_dir=runs/lite --resume
+
+`bin-difficulty` takes its options as `--name value` or `name=value` (`rollouts=16`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from pathlib import Path
 ACCELERATOR_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/kfd")
 
 CONFIG_HELP = "YAML config file; repeat to merge several in order (later files win)."
-OVERRIDES_HELP = "section.key=value overrides applied after the files, e.g. optim.lr=2e-6 rollout.samples_per_prompt=16."
+OVERRIDES_HELP = ("section.key=value overrides applied after the files, in order, anywhere on the command line, "
+                  "e.g. optim.lr=2e-6 rollout.samples_per_prompt=16.")
+# Commands whose options may also be written `name=value` (for `--name value`), like overrides.
+KEY_VALUE_OPTIONS = ("bin-difficulty",)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -273,6 +278,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The parser's namespace, with a command's positionals (the `key=value` overrides) taken
+    from anywhere among its flags: `train -c a.yaml trainer.steps=3 --resume optim.lr=1e-5`.
+    An unknown `--flag` is still an error. For KEY_VALUE_OPTIONS commands, `name=value` stands
+    for `--name=value` when --name (underscores as dashes) is one of the command's options."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if command not in subparsers.choices:  # no or an unknown command, -h: argparse's own message
+        return parser.parse_args(argv)
+    sub = subparsers.choices[command]
+    rest = argv[argv.index(command) + 1:]
+    if command in KEY_VALUE_OPTIONS:
+        options = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
+        rest = [f"--{a.split('=', 1)[0].replace('_', '-')}={a.split('=', 1)[1]}"
+                if "=" in a and not a.startswith("-") and f"--{a.split('=', 1)[0].replace('_', '-')}" in options else a
+                for a in rest]
+    args = sub.parse_intermixed_args(rest)
+    args.command = command
+    return args
+
+
 def default_to_cpu(env=os.environ, device_files=ACCELERATOR_DEVICE_FILES, platform: str = sys.platform) -> bool:
     """Sets JAX_PLATFORMS=cpu when it is unset on a Linux machine with no TPU or GPU device file;
     True when it did.
@@ -306,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
     # Like `python -m`: a reward or loss named by import path (`reward.fn=my_rewards:fn`) may
     # live in the working directory, which a console script does not put on sys.path.
     if os.getcwd() not in sys.path:

@@ -44,3 +44,30 @@ def test_no_tpu_errors_on_this_machine_without_jax_platforms():
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "cpu"
     assert "TPU_WORKER_HOSTNAMES" not in p.stderr and "INVALID_ARGUMENT" not in p.stderr
+
+
+def test_overrides_anywhere_on_the_command_line():
+    parse = lambda line: cli.parse_args(cli.build_parser(), line.split())  # noqa: E731
+    args = parse("train -c cfg.yaml trainer.steps=3 --resume optim.lr=1e-5 -c more.yaml rollout.top_k=5")
+    assert args.resume and args.config == ["cfg.yaml", "more.yaml"] and args.command == "train"
+    assert args.overrides == ["trainer.steps=3", "optim.lr=1e-5", "rollout.top_k=5"]  # in order: later wins
+    args = parse("sample --prompt 1+1=? rollout.top_k=5 -n 2 rollout.temperature=0")
+    assert args.prompt == ["1+1=?"] and args.num_samples == 2
+    assert args.overrides == ["rollout.top_k=5", "rollout.temperature=0"]
+    args = parse("eval optim.lr=1 -c a.yaml data.eval_limit=3")
+    assert args.overrides == ["optim.lr=1", "data.eval_limit=3"] and args.config == ["a.yaml"]
+
+
+def test_unknown_flag_is_still_an_error(capsys):
+    for line in ("train -c cfg.yaml a.b=1 --nope", "convert RUN --out o extra=1"):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(cli.build_parser(), line.split())
+        assert e.value.code == 2
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def test_bin_difficulty_options_as_key_value():
+    args = cli.parse_args(cli.build_parser(), "bin-difficulty --model m data=d.jsonl rollouts=4 max_new_tokens=9 top-p=0.5".split())
+    assert (args.data, args.rollouts, args.max_new_tokens, args.top_p) == ("d.jsonl", 4, 9, 0.5)
+    with pytest.raises(SystemExit):
+        cli.parse_args(cli.build_parser(), "bin-difficulty --model m --data d nope=1".split())
