@@ -41,14 +41,50 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, `kill`) during `jaxrl4llm train`, raised like Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def cmd_train(args) -> int:
+    """Runs `train`; on Ctrl-C (exit status 130) or SIGTERM (143) prints one line with the
+    command that continues the run from its last checkpoint, and no traceback."""
+    import signal
+
     from jaxrl4llm.train.loop import train
     from jaxrl4llm.train.report import print_run_report
 
     cfg = _load(args)
-    summary = train(cfg, resume=args.resume)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        summary = train(cfg, resume=args.resume)
+    except KeyboardInterrupt as e:
+        print(interrupted_line(args, cfg.trainer.out_dir), file=sys.stderr, flush=True)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_run_report(summary)
     return 0
+
+
+def interrupted_line(args, out_dir: str) -> str:
+    """`jaxrl4llm train: interrupted; checkpoint step 7 in runs/x; resume with: jaxrl4llm train ... --resume`:
+    the user's own arguments (args.argv), --resume added."""
+    import shlex
+
+    from jaxrl4llm.train.run_folder import checkpoint_steps
+
+    argv = list(getattr(args, "argv", None) or ["train"])
+    steps = checkpoint_steps(out_dir)
+    if not steps:
+        return (f"jaxrl4llm train: interrupted before the first checkpoint (trainer.checkpoint_every); "
+                f"start over with: jaxrl4llm {shlex.join(argv)}")
+    if "--resume" not in argv:
+        argv.append("--resume")
+    return f"jaxrl4llm train: interrupted; last checkpoint: step {steps[-1]} in {out_dir}; resume with: jaxrl4llm {shlex.join(argv)}"
 
 
 def cmd_eval(args) -> int:
@@ -332,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
 
-    args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(build_parser(), argv)
+    args.argv = argv  # the user's own words, for the resume line of an interrupted train
     # Like `python -m`: a reward or loss named by import path (`reward.fn=my_rewards:fn`) may
     # live in the working directory, which a console script does not put on sys.path.
     if os.getcwd() not in sys.path:
@@ -349,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"jaxrl4llm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (train says how to resume, above)
+        print(f"jaxrl4llm {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -71,3 +71,29 @@ def test_bin_difficulty_options_as_key_value():
     assert (args.data, args.rollouts, args.max_new_tokens, args.top_p) == ("d.jsonl", 4, 9, 0.5)
     with pytest.raises(SystemExit):
         cli.parse_args(cli.build_parser(), "bin-difficulty --model m --data d nope=1".split())
+
+
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_interrupted_train_prints_the_resume_command(tmp_path, monkeypatch, capsys, signal_name, status):
+    import signal
+
+    import jaxrl4llm.train.loop as loop
+
+    (tmp_path / "checkpoints" / "7").mkdir(parents=True)
+
+    def interrupted_train(cfg, resume):
+        if signal_name == "SIGINT":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # cmd_train's handler turns it into an exception
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(loop, "train", interrupted_train)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["train", f"trainer.out_dir={tmp_path}", "trainer.steps=9"]) == status
+    err = capsys.readouterr().err.strip()
+    assert err == (f"jaxrl4llm train: interrupted; last checkpoint: step 7 in {tmp_path}; resume with: "
+                   f"jaxrl4llm train trainer.out_dir={tmp_path} trainer.steps=9 --resume")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is train's only
+    (tmp_path / "checkpoints" / "7").rmdir()
+    assert cli.main(["train", f"trainer.out_dir={tmp_path}"]) == status
+    assert "interrupted before the first checkpoint" in capsys.readouterr().err
