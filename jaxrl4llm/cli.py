@@ -95,6 +95,7 @@ def cmd_eval(args) -> int:
     from jaxrl4llm.train.loop import _mesh, make_reward_fn
     from jaxrl4llm.train.policy import load_policy
     from jaxrl4llm.train.prompts import build_prompt_set, _load_file
+    from jaxrl4llm.train.run_folder import is_run_folder
 
     cfg = _load(args)
     if not cfg.data.eval_files:
@@ -106,7 +107,17 @@ def cmd_eval(args) -> int:
         if cfg.data.eval_limit:
             problems = problems[: cfg.data.eval_limit]
         sets.append(build_prompt_set(Path(f).stem, problems, policy.tokenizer, cfg))
-    result = evaluate(policy, sets, cfg, make_reward_fn(cfg), jax.random.PRNGKey(cfg.trainer.seed))
+    records = [] if args.output else None
+    result = evaluate(policy, sets, cfg, make_reward_fn(cfg), jax.random.PRNGKey(cfg.trainer.seed), records=records)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.output, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        print(f"generations: {args.output} ({len(records)} lines)", file=sys.stderr)
+    run = Path(cfg.model.path).parent if cfg.model.path else None  # model.path=RUN/hf_export: a run's model
+    if run is not None and is_run_folder(run):
+        (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"aggregate: {run / 'eval.json'}", file=sys.stderr)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -207,8 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a model on data.eval_files (accuracy, pass@k, length)",
                        description="Samples trainer.eval_samples responses per problem at trainer.eval_temperature "
-                       "(0 = greedy) and prints accuracy, pass@k and mean response length per file as JSON.")
+                       "(0 = greedy) and prints accuracy, pass@k and mean response length per file as JSON (also to "
+                       "RUN/eval.json when model.path is a run's RUN/hf_export); --output writes every generation.")
     _add_config_args(p)
+    p.add_argument("--output", default=None, metavar="FILE.jsonl",
+                   help="write every generation: one JSON line per (problem, sample) with the prompt, response, "
+                   "extracted answer, gold answer and reward")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("sample", help="sample completions for prompts from a model",

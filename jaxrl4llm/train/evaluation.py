@@ -17,12 +17,14 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(num_samples - num_correct + 1, num_samples + 1)))
 
 
-def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng) -> dict:
+def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | None = None) -> dict:
     """Samples `trainer.eval_samples` responses per problem at `trainer.eval_temperature`
     (0 = greedy, one sample) in batches of rollout.prompts_per_step prompts.
 
     Returns {"<set>/accuracy", "<set>/pass@k", "<set>/response_length", ...} plus the
-    unweighted means over sets as "accuracy" etc.
+    unweighted means over sets as "accuracy" etc. With a `records` list, appends one dict per
+    (problem, sample): set, problem, sample, prompt, response, extracted (the math verifier's
+    final answer, None when there is none), gold and reward (`jaxrl4llm eval --output`).
     """
     greedy = cfg.trainer.eval_temperature <= 0
     k = 1 if greedy else max(cfg.trainer.eval_samples, 1)
@@ -45,6 +47,8 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng) -> dict:
             golds = [ps.answers[i] for i in ids for _ in range(k)]
             golds += [golds[-1]] * (rollout.num_rows - len(golds))  # the repeats' rows, scored and dropped
             rewards = score_rows(policy, rollout, golds, reward_fn)[: len(ids) * k].reshape(len(ids), k)
+            if records is not None:
+                _record(records, policy, rollout, ps, ids, k, rewards)
             correct[ids] = rewards > 0.5
             lengths.extend(hosts.fetch(rollout.lengths)[: len(ids) * k].tolist())
         n = ps.name
@@ -55,3 +59,16 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng) -> dict:
         vals = [v for key, v in out.items() if key.endswith("/" + metric)]
         out[metric] = float(np.mean(vals))
     return out
+
+
+def _record(records: list, policy, rollout, ps, ids: list[int], k: int, rewards: np.ndarray) -> None:
+    """One dict per (problem, sample) of a chunk's real rows (the padding repeats left out)."""
+    from jaxrl4llm.rewards import extract_answer
+
+    tokens = hosts.fetch(rollout.response_tokens)[: len(ids) * k]
+    lengths = hosts.fetch(rollout.lengths)[: len(ids) * k]
+    texts = policy.decode_rows([t[:n].tolist() for t, n in zip(tokens, lengths)])
+    for row, text in enumerate(texts):
+        i, sample = ids[row // k], row % k
+        records.append({"set": ps.name, "problem": i, "sample": sample, "prompt": ps.texts[i], "response": text,
+                        "extracted": extract_answer(text), "gold": ps.answers[i], "reward": float(rewards[row // k, sample])})
