@@ -16,8 +16,6 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl4llm.models.config import ModelConfig
-
 MESH_AXES = ("data", "fsdp", "tensor")
 
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -91,14 +89,6 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _abstract_state(state_or_config):
-    if isinstance(state_or_config, ModelConfig):
-        from jaxrl4llm.models.causal_lm import abstract_model
-
-        return abstract_model(state_or_config)[1]
-    return state_or_config
-
-
 def _names(v: nnx.Variable) -> tuple:
     """A parameter's logical axis names (`out_sharding` metadata; None per dim when absent)."""
     names = v.get_metadata().get("out_sharding")
@@ -116,16 +106,15 @@ def logical_axes(state) -> nnx.State:
     return jax.tree.map(lambda v: v.replace(_names(v)), state, is_leaf=_is_variable)
 
 
-def param_shardings(state_or_config, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
+def param_shardings(state, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
     """NamedSharding of every parameter (same structure as the state), from its logical axes.
 
-    state_or_config: a model state (arrays or ShapeDtypeStructs, e.g. from `abstract_model`),
-    or a ModelConfig (our model of that config). Pass the result to `jax.device_put` or as a
-    jit's in/out shardings.
+    state: a model state (arrays or ShapeDtypeStructs; for a config, `abstract_model(config)[1]`).
+    Pass the result to `jax.device_put` or as a jit's in/out shardings.
     """
     def sharding(v: nnx.Variable):
         return v.replace(NamedSharding(mesh, logical_to_spec(_names(v), rules, shape=tuple(v.shape), mesh=mesh)))
-    return jax.tree.map(sharding, _abstract_state(state_or_config), is_leaf=_is_variable)
+    return jax.tree.map(sharding, state, is_leaf=_is_variable)
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...], rules=DEFAULT_RULES) -> NamedSharding:

@@ -11,7 +11,6 @@ steps equals 4 steps.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import json
 import time
@@ -44,18 +43,7 @@ from jaxrl4llm.train.step import (
     make_update_fn,
     train_state_shardings,
 )
-
-
-def import_object(path: str, what: str) -> Any:
-    """'package.module:attr' (or 'package.module.attr') -> the object, with a clear error."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{what}={path!r}: cannot import module {module_name!r} ({e}). Use 'package.module:function'.") from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"{what}={path!r}: module {module_name!r} has no attribute {attr!r}.")
-    return getattr(module, attr)
+from jaxrl4llm.train.user_code import import_object
 
 
 def make_reward_fn(cfg: RunConfig) -> Callable[[list[str], list[str]], list[float]]:

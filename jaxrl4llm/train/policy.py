@@ -166,7 +166,7 @@ def _user_module(m, tokenizer, rng):
     """model.module = "package.module:factory" -> (graphdef, state) of the user's NNX model."""
     from flax import nnx
 
-    from jaxrl4llm.train.loop import import_object
+    from jaxrl4llm.train.user_code import import_object
 
     factory = import_object(m.module, "model.module")
     model = factory(vocab_size=len(tokenizer), rngs=nnx.Rngs(params=rng))

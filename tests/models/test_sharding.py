@@ -37,8 +37,8 @@ def test_every_param_has_logical_axes_of_its_rank():
     assert names <= set(dict(DEFAULT_RULES))
     assert shapes["layers/attn/q_proj/kernel"].shape == (2, 64, 4, 16)
     assert axes["layers/attn/k_proj/bias"].get_value() == ("layers", "kv_heads", "head_dim")
-    # param_shardings of the config is the same structure, one NamedSharding per parameter
-    shardings = _flat(param_shardings(config, make_mesh(1, 1, 1)))
+    # param_shardings of the abstract state is the same structure, one NamedSharding per parameter
+    shardings = _flat(param_shardings(abstract_model(config)[1], make_mesh(1, 1, 1)))
     assert sorted(shardings) == sorted(shapes)
     assert all(isinstance(s.get_value(), NamedSharding) for s in shardings.values())
     assert shardings["lm_head/kernel"].get_value().spec == P("fsdp", "tensor")
