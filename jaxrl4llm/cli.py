@@ -149,7 +149,7 @@ def cmd_sample(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from jaxrl4llm.train.plot import plot_runs
+    from jaxrl4llm.study.plot import plot_runs
 
     path = plot_runs(args.run_dirs, args.out, metrics=args.metrics)
     print(f"curves: {path}")
@@ -192,13 +192,13 @@ def cmd_demo(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from jaxrl4llm.train.sweep import sweep_command
+    from jaxrl4llm.study.sweep import sweep_command
 
     return sweep_command(args)
 
 
 def cmd_report(args) -> int:
-    from jaxrl4llm.train.study_report import write_report
+    from jaxrl4llm.study.study_report import write_report
 
     path = write_report(args.run_dirs, args.out, baseline=args.baseline, plots=not args.no_plots)
     print(f"report: {path}")

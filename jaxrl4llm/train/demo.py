@@ -100,7 +100,7 @@ def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, qui
     from jaxrl4llm.data import write_demo_task
     from jaxrl4llm.train.config import load_config
     from jaxrl4llm.train.loop import train
-    from jaxrl4llm.train.plot import plot_runs
+    from jaxrl4llm.study.plot import plot_runs
     from jaxrl4llm.train.report import print_run_report
 
     t0 = time.perf_counter()

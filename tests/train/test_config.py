@@ -23,7 +23,7 @@ def test_every_shipped_config_loads(path):
 @pytest.mark.parametrize("path", sorted(GRIDS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_sweep_grid_validates(path):
     """Every cell of every shipped grid loads as a RunConfig (paths to run outputs not checked)."""
-    from jaxrl4llm.train.sweep import expand_cells, read_grid, validate_cells
+    from jaxrl4llm.study.sweep import expand_cells, read_grid, validate_cells
 
     cells = expand_cells(read_grid(path))
     assert cells

@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxrl4llm.train.stats import (
+from jaxrl4llm.study.stats import (
     mean_interval, regularized_incomplete_beta, student_t_cdf, student_t_ppf, student_t_sf2, welch_test,
 )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl4llm.cli import main as cli_main
-from jaxrl4llm.train.study_report import (
+from jaxrl4llm.study.study_report import (
     benchmarks, curve, find_run_dirs, group_arms, load_run, significance_words, tail_mean, write_report,
 )
 

@@ -6,7 +6,7 @@ evaluated by its continued fraction (modified Lentz, Numerical Recipes 3rd ed., 
 
     P(|T| > t) = I_x(df / 2, 1 / 2),   x = df / (df + t^2)
 
-tests/train/test_stats.py checks it against closed forms (df = 1, 2), tabulated quantiles and,
+tests/study/test_stats.py checks it against closed forms (df = 1, 2), tabulated quantiles and,
 when it is installed, scipy.
 """
 

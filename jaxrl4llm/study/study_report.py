@@ -6,7 +6,7 @@ but trainer.seed (and out_dir). Writes OUT/report.md with
 - learning curves (PNG): mean over seeds and its 95% t-interval per step;
 - final held-out accuracy per benchmark and arm: mean, 95% t-interval, per-seed values;
 - every arm against the baseline arm (the first, or `baseline=`): difference of means, its 95%
-  interval and the Welch t-test p-value (jaxrl4llm.train.stats), in plain words;
+  interval and the Welch t-test p-value (jaxrl4llm.study.stats), in plain words;
 - the training metrics of the last 10% of steps, and the list of runs.
 This is the comparison of many runs; jaxrl4llm.train.report is the one run's terminal table.
 """
@@ -23,7 +23,7 @@ from typing import Sequence
 
 from jaxrl4llm.train.config import ConfigError
 from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.stats import Interval, mean_interval, welch_test
+from jaxrl4llm.study.stats import Interval, mean_interval, welch_test
 
 # (metric key in metrics.jsonl, plot title); a curve is drawn when some run logged the metric
 CURVES = (

@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from jaxrl4llm.cli import main as cli_main
-from jaxrl4llm.train import sweep
+from jaxrl4llm.study import sweep
 from jaxrl4llm.train.config import ConfigError
 from jaxrl4llm.train.run_folder import MARKER
-from jaxrl4llm.train.sweep import (
+from jaxrl4llm.study.sweep import (
     expand_cells, flatten_overrides, format_value, read_grid, run_cells, select_cells, validate_cells,
 )
 
