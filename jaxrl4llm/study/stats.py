@@ -149,6 +149,7 @@ def welch_test(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> C
     if se2 == 0.0:
         return Comparison(diff, diff, diff, 1.0 if diff == 0 else 0.0, float(ia.n + ib.n - 2), ia.n, ib.n)
     se = math.sqrt(se2)
-    df = se2 * se2 / (va * va / (ia.n - 1) + vb * vb / (ib.n - 1))
+    ra, rb = va / se2, vb / se2  # the same df, scaled so tiny variances do not underflow to 0 / 0
+    df = 1.0 / (ra * ra / (ia.n - 1) + rb * rb / (ib.n - 1))
     half = student_t_ppf(0.5 + level / 2.0, df) * se
     return Comparison(diff, diff - half, diff + half, student_t_sf2(diff / se, df), df, ia.n, ib.n)
