@@ -82,7 +82,6 @@ class ProgramCost:
 
     flops: float
     hbm_bytes: float
-    transcendentals: float
     collective_bytes: float
     collectives: float
     loops: list[Loop]
@@ -218,8 +217,7 @@ def _rerooted(text: str, comps: dict[str, Computation], root: str) -> str:
     for i, line in enumerate(text.splitlines()):
         if i == 0 and line.startswith("HloModule"):  # keep what the body's ops need, not the old entry's I/O
             kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", line)
-            line = " ".join([line.split(",")[0].split(" ")[0], line.split(",")[0].split(" ")[1]]) + \
-                "".join(", " + k for k in kept)
+            line = ", ".join([line.split(",")[0], *kept])
         elif line.startswith("ENTRY "):
             line = line[len("ENTRY "):]
         elif line.startswith(comps[root].header):
@@ -283,6 +281,28 @@ def _result_part(inst: Instruction) -> str:
     return ",".join(arrays[len(arrays) // 2:]) if len(arrays) >= 2 else shape
 
 
+def collective_sent(inst: Instruction, num_devices: int) -> float | None:
+    """Bytes one chip sends for a collective instruction (ring model, see the module docstring);
+    None when the instruction is no collective that moves data."""
+    op = inst.opcode.removesuffix("-start")
+    if op not in COLLECTIVES or inst.opcode.endswith("-done"):
+        return None
+    sizes = array_bytes(_result_part(inst))
+    if not sizes:
+        return None
+    if op == "collective-permute":
+        return max(sizes)
+    n = _group_size(inst.rest, num_devices)
+    if n <= 1:
+        return None
+    total = sum(sizes)
+    if op == "all-reduce":
+        return 2 * (n - 1) / n * total
+    if op == "reduce-scatter":
+        return (n - 1) * total  # the result is one n-th of the reduced array
+    return (n - 1) / n * total
+
+
 def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int) -> tuple[float, float]:
     """(bytes one chip sends, number of collective ops) of the collectives in computation `name`
     and in what it calls (fusions, async wrappers), not in its loops."""
@@ -292,27 +312,9 @@ def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int)
         if callee in comps and inst.opcode != "while":
             s, c = collective_bytes(comps, callee, num_devices)
             sent, count = sent + s, count + c
-        op = inst.opcode.removesuffix("-start")
-        if op not in COLLECTIVES or inst.opcode.endswith("-done"):
-            continue
-        sizes = array_bytes(_result_part(inst))
-        if not sizes:
-            continue
-        n = _group_size(inst.rest, num_devices)
-        if op == "collective-permute":
-            sent += max(sizes)
-            count += 1
-            continue
-        if n <= 1:
-            continue
-        total = sum(sizes)
-        if op == "all-reduce":
-            sent += 2 * (n - 1) / n * total
-        elif op == "reduce-scatter":
-            sent += (n - 1) * total  # the result is one n-th of the reduced array
-        else:
-            sent += (n - 1) / n * total
-        count += 1
+        one = collective_sent(inst, num_devices)
+        if one is not None:
+            sent, count = sent + one, count + 1
     return sent, count
 
 
@@ -335,17 +337,14 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
         if name not in once:
             comp = comps[name]
             c = _xla_cost(hlo_text if comp.is_entry else _rerooted(hlo_text, comps, name))
-            once[name] = {"flops": c.get("flops", 0.0), "bytes": c.get("bytes accessed", 0.0),
-                          "transcendentals": c.get("transcendentals", 0.0)}
+            once[name] = {"flops": c.get("flops", 0.0), "bytes": c.get("bytes accessed", 0.0)}
         return once[name]
 
-    def own_collectives(name: str) -> tuple[float, float]:
-        return collective_bytes(comps, name, num_devices)
-
     @functools.cache
-    def full(name: str) -> tuple[float, float, float, float, float]:
+    def full(name: str) -> tuple[float, float, float, float]:
+        """(flops, HBM bytes, collective bytes, collectives) of `name`, its loops x their trips."""
         c = cost(name)
-        totals = [c["flops"], c["bytes"], c["transcendentals"], *own_collectives(name)]
+        totals = [c["flops"], c["bytes"], *collective_bytes(comps, name, num_devices)]
         for loop in by_body.get(name, []):
             if loop.body not in comps:
                 continue
@@ -353,15 +352,14 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
             inner, once_body = full(loop.body), cost(loop.body)
             totals[0] += trips * inner[0] - once_body["flops"]
             totals[1] += trips * inner[1] - once_body["bytes"]
-            totals[2] += trips * inner[2] - once_body["transcendentals"]
-            totals[3] += trips * inner[3]  # collectives are read per computation, not from XLA's once-count
-            totals[4] += trips * inner[4]
+            totals[2] += trips * inner[2]  # collectives are read per computation, not from XLA's once-count
+            totals[3] += trips * inner[3]
         return tuple(totals)
 
     entry = next(c.name for c in comps.values() if c.is_entry)
-    flops, hbm, trans, coll, count = full(entry)
-    return ProgramCost(flops=flops, hbm_bytes=hbm, transcendentals=trans, collective_bytes=coll, collectives=count,
-                       loops=loops, once_counted_flops=cost(entry)["flops"])
+    flops, hbm, coll, count = full(entry)
+    return ProgramCost(flops=flops, hbm_bytes=hbm, collective_bytes=coll, collectives=count, loops=loops,
+                       once_counted_flops=cost(entry)["flops"])
 
 
 def compiled_hlo_text(compiled) -> str:
@@ -387,13 +385,12 @@ def collective_breakdown(hlo_text: str, *, num_devices: int, dynamic_trips: Sequ
             callee = _attr(inst.rest, "calls")
             if callee in comps and inst.opcode != "while" and callee not in seen:
                 visit(callee, w, seen | {callee})
-            op = inst.opcode.removesuffix("-start")
-            if op in COLLECTIVES and not inst.opcode.endswith("-done"):
-                one = Computation(name, "", [], {inst.name: inst})
-                sent, count = collective_bytes({name: one}, name, num_devices)
-                key = (op, _group_size(inst.rest, num_devices), inst.shape.split("{")[0][:60])
+            sent = collective_sent(inst, num_devices)
+            if sent is not None:
+                key = (inst.opcode.removesuffix("-start"), _group_size(inst.rest, num_devices),
+                       inst.shape.split("{")[0][:60])
                 entry = out.setdefault(key, [0.0, 0.0])
-                entry[0] += w * count
+                entry[0] += w
                 entry[1] += w * sent
 
     for body, w in weight.items():

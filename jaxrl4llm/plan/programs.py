@@ -399,8 +399,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         programs.append(plan_s)
         if compiled_s is not None:  # priced by `with_lengths`: its loops run as long as the longest row
             plan_s.hlo, plan_s.devices = compiled_hlo_text(compiled_s), dmesh.size
-            decode = dict(hlo=plan_s.hlo, devices=dmesh.size, block=block, kv_rows=kv_rows,
-                          rows_per_chunk=min(chunk, prompts) * g_samples, num_prompts=num_prompts)
+            decode = dict(block=block, kv_rows=kv_rows, rows_per_chunk=min(chunk, prompts) * g_samples,
+                          num_prompts=num_prompts)
     sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
 
@@ -500,8 +500,8 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     if d is not None and decode is not None:
         work = static_decode_work(lengths, d["rows_per_chunk"], plan.response_len)
         trips = decode_block_trips(work.longest, d["block"], plan.response_len)
-        decode.price(program_cost(d["hlo"], num_devices=d["devices"], dynamic_trips=trips), plan.chip)
-        decode.model_flops = 2 * n * (d["kv_rows"] * work.steps + d["num_prompts"] * plan.prompt_len) / d["devices"]
+        decode.price(program_cost(decode.hlo, num_devices=decode.devices, dynamic_trips=trips), plan.chip)
+        decode.model_flops = 2 * n * (d["kv_rows"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - plan.rows * mean_response / (decode.runs * d["kv_rows"] * (work.steps + 1))
     return dataclasses.replace(plan, programs=programs, lengths=lengths, mean_response=mean_response,
                                prompt_tokens=prompt_tokens)

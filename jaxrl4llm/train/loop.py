@@ -326,6 +326,13 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
 
 
 @jax.jit
+def _prompt_lengths(prompt_mask) -> jax.Array:
+    """[N, P] -> [N] real prompt tokens of each row, summed on the devices (the host fetches [N],
+    not the mask)."""
+    return jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
+
+
+@jax.jit
 def _batch_scalars(batch, adv, prompt_mask) -> dict:
     """The step's device-side figures in one program (scalars, replicated on every process)."""
     counted = batch.loss_mask * batch.row_weights[:, None]
@@ -418,7 +425,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
             record.update({f"eval/{k}": v for k, v in evaluate_at(step + 1, state).items()})
         writer.write(step + 1, record)
-        lengths = (hosts.fetch(rollout.lengths), hosts.fetch(rollout.prompt_mask).sum(-1))  # every process gathers
+        lengths = [hosts.fetch(x) for x in (rollout.lengths, _prompt_lengths(rollout.prompt_mask))]  # all processes
         if hosts.is_main():
             write_lengths(out, step + 1, *lengths)
         history.append(record)
