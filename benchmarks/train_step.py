@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from jaxrl4llm.core import LITE_PPO  # noqa: E402
 from jaxrl4llm.models import ModelConfig, init_model, score_tokens  # noqa: E402
+from jaxrl4llm.plan.chips import cpu_matmul_peak  # noqa: E402
 from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_optimizer, make_update_fn  # noqa: E402
 
 SIZES = {
@@ -33,20 +34,8 @@ SIZES = {
 
 def matmul_peak(sizes: tuple[int, ...] = (1024, 2048, 4096), reps: int = 5) -> float:
     """Best bf16 x bf16 -> f32 matmul FLOP/s over square sizes (the highest the machine shows,
-    so the MFU below is a conservative figure)."""
-    f = jax.jit(lambda x, y: jnp.einsum("ij,jk->ik", x, y, preferred_element_type=jnp.float32))
-    best_rate = 0.0
-    for n in sizes:
-        a = jnp.ones((n, n), jnp.bfloat16)
-        b = jnp.ones((n, n), jnp.bfloat16)
-        f(a, b).block_until_ready()
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            f(a, b).block_until_ready()
-            best = min(best, time.perf_counter() - t)
-        best_rate = max(best_rate, 2 * n**3 / best)
-    return best_rate
+    so the MFU below is a conservative figure): `plan.chips.cpu_matmul_peak`, as `plan --topology cpu`."""
+    return cpu_matmul_peak(sizes, reps)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:

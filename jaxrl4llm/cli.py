@@ -342,12 +342,17 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     rest = argv[argv.index(command) + 1:]
     if command in KEY_VALUE_OPTIONS:
         options = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
-        rest = [f"--{a.split('=', 1)[0].replace('_', '-')}={a.split('=', 1)[1]}"
-                if "=" in a and not a.startswith("-") and f"--{a.split('=', 1)[0].replace('_', '-')}" in options else a
-                for a in rest]
+        rest = [_as_option(token, options) for token in rest]
     args = sub.parse_intermixed_args(rest)
     args.command = command
     return args
+
+
+def _as_option(token: str, options: set[str]) -> str:
+    """`name=value` -> `--name=value` when `--name` (underscores as dashes) is one of `options`."""
+    name, eq, value = token.partition("=")
+    flag = "--" + name.replace("_", "-")
+    return f"{flag}={value}" if eq and not token.startswith("-") and flag in options else token
 
 
 def default_to_cpu(env=os.environ, device_files=ACCELERATOR_DEVICE_FILES, platform: str = sys.platform) -> bool:

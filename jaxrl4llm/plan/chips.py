@@ -42,35 +42,47 @@ def tpu_chip_spec(topology: str) -> ChipSpec:
     return TPU_CHIPS[generation]
 
 
-def measure_cpu_chip(*, matmul_sizes: tuple[int, ...] = (1024, 2048), copy_mib: int = 256, reps: int = 5) -> ChipSpec:
-    """This machine's CPU as the meter's chip, measured now (the machine is noisy: measure in the
-    same run as what is predicted). peak_flops: the best bf16 x bf16 -> f32 matmul rate over square
-    sizes (the model's matmul form; at the 48M model's own shapes the rate is the same within 15%);
-    hbm_bandwidth: bytes read + written per second by a copy of a `copy_mib` MiB array (main memory,
-    past the caches); hbm: the machine's memory. Compute and memory time add up on a CPU
-    (`overlap=False`): XLA:CPU runs one op at a time, each bound by one or the other."""
-    import os
+def _best_seconds(f, *args, reps: int = 5) -> float:
+    """The fastest of `reps` timed calls of f(*args), after one untimed call (the compile)."""
     import time
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    def best(f, *args) -> float:
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
         jax.block_until_ready(f(*args))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t)
-        return min(times)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def cpu_matmul_peak(sizes: tuple[int, ...] = (1024, 2048), reps: int = 5) -> float:
+    """This CPU's best bf16 x bf16 -> f32 matmul FLOP/s over square sizes, measured now (the
+    model's matmul form; benchmarks/train_step.py's MFU divides by it too)."""
+    import jax
+    import jax.numpy as jnp
 
     cpu = jax.devices("cpu")[0]
     matmul = jax.jit(lambda x, y: jnp.einsum("ij,jk->ik", x, y, preferred_element_type=jnp.float32))
-    peak = max(2 * n**3 / best(matmul, *(jax.device_put(jnp.ones((n, n), jnp.bfloat16), cpu),) * 2)
-               for n in matmul_sizes)
+    return max(2 * n**3 / _best_seconds(matmul, *(jax.device_put(jnp.ones((n, n), jnp.bfloat16), cpu),) * 2,
+                                        reps=reps) for n in sizes)
+
+
+def measure_cpu_chip(*, matmul_sizes: tuple[int, ...] = (1024, 2048), copy_mib: int = 256, reps: int = 5) -> ChipSpec:
+    """This machine's CPU as the meter's chip, measured now (the machine is noisy: measure in the
+    same run as what is predicted). peak_flops: `cpu_matmul_peak` (at the 48M model's own matmul
+    shapes the rate is the same within 15%); hbm_bandwidth: bytes read + written per second by a
+    copy of a `copy_mib` MiB array (main memory, past the caches); hbm: the machine's memory.
+    Compute and memory time add up on a CPU (`overlap=False`): XLA:CPU runs one op at a time,
+    each bound by one or the other."""
+    import os
+
+    import numpy as np
+
+    peak = cpu_matmul_peak(matmul_sizes, reps)
     source = np.ones(copy_mib * 2**20 // 4, np.float32)
     target = np.empty_like(source)
-    bandwidth = 2 * source.nbytes / best(lambda: np.copyto(target, source))
+    bandwidth = 2 * source.nbytes / _best_seconds(lambda: np.copyto(target, source), reps=reps)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ChipSpec(float(memory), float(peak), float(bandwidth), float("inf"), overlap=False)

@@ -34,6 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
+from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
 from jaxrl4llm.plan.hlo_cost import ProgramCost, compiled_hlo_text, program_cost
 from jaxrl4llm.plan.lengths import LengthDistribution, decode_block_trips, parse_lengths, static_decode_work
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -43,17 +44,9 @@ def chip_spec(topology: str) -> ChipSpec:
     """The chip of a topology name: `cpu` (this machine, measured now), a GPU (`h100:8`), or a TPU slice."""
     if topology == "cpu":
         return measure_cpu_chip()
-    if _is_gpu(topology):
-        from jaxrl4llm.plan.gpu import gpu_chip_spec
-
+    if is_gpu_topology(topology):
         return gpu_chip_spec(topology)
     return tpu_chip_spec(topology)
-
-
-def _is_gpu(topology: str) -> bool:
-    from jaxrl4llm.plan.gpu import is_gpu_topology
-
-    return is_gpu_topology(topology)
 
 
 def topology_devices(topology: str) -> list:
@@ -62,9 +55,7 @@ def topology_devices(topology: str) -> list:
     libtpu, the `tpu` extra)."""
     if topology == "cpu":
         return jax.devices("cpu")
-    if _is_gpu(topology):
-        from jaxrl4llm.plan.gpu import gpu_topology_devices
-
+    if is_gpu_topology(topology):
         return gpu_topology_devices(topology)
     # Compiling takes no chip: let several processes (tests, a plan beside a run) load libtpu at
     # once instead of the first one holding its lockfile; no TPU host worker list to discover.
