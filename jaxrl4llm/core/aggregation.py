@@ -109,6 +109,7 @@ def aggregate_loss(
     row_weights: chex.Array | None = None,
     group_size: int | None = None,
     total_rows: int | None = None,
+    rows: int | None = None,
 ) -> LossTerms:
     """Reduces per-token losses to LossTerms(numerator, denominator) for `mode` (see module doc).
 
@@ -129,6 +130,9 @@ def aggregate_loss(
       total_rows: "seq-sum-token-sum-norm" only (static): the rows of the optimizer step this
         call is a part of (a micro-batch's step); the denominator is B / total_rows. Default
         B (denominator 1: the call is the whole step).
+      rows: "seq-sum-token-sum-norm" only: the rows this call really holds when some of its B
+        rows are empty slots (a packed micro-batch, train/packing.py; a traced count is fine);
+        default B.
 
     Returns:
       LossTerms of float32 scalars; `.value` is the loss.
@@ -161,11 +165,11 @@ def aggregate_loss(
     if mode in NORM_MODES and (norm_length is None or norm_length <= 0):
         raise ValueError(f"mode {mode!r} needs norm_length > 0, e.g. the max response length.")
     if mode in ROW_SUM_MODES:
-        rows = loss.shape[0]
-        total = rows if total_rows is None else total_rows
-        if total < rows:
-            raise ValueError(f"total_rows={total_rows} is fewer than this call's {rows} rows.")
-        return LossTerms(jnp.sum(row_sum) / norm_length, jnp.asarray(rows / total, jnp.float32))
+        held = loss.shape[0] if rows is None else rows
+        total = loss.shape[0] if total_rows is None else total_rows
+        if rows is None and total < held:
+            raise ValueError(f"total_rows={total_rows} is fewer than this call's {held} rows.")
+        return LossTerms(jnp.sum(row_sum) / norm_length, jnp.asarray(held, jnp.float32) / total)
     if mode == "seq-mean-token-mean":
         per_row = jnp.where(row_count > 0, row_sum / jnp.maximum(row_count, 1.0), 0.0)
     elif mode == "seq-mean-token-sum":

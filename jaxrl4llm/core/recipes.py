@@ -341,6 +341,7 @@ def policy_loss(
     entropy: chex.Array | None = None,
     key: chex.PRNGKey | None = None,
     total_rows: int | None = None,
+    rows: int | None = None,
 ) -> tuple[LossTerms, dict[str, chex.Array]]:
     """l_bt = w_bt·S(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
 
@@ -370,6 +371,8 @@ def policy_loss(
       key: PRNG key, required when recipe.needs_key (Clip-Cov's pick is a function of it).
       total_rows: "seq-sum-token-sum-norm" only (static): the rows of the optimizer step when
         this call is one micro-batch of it (aggregate_loss); default this call's rows.
+      rows: "seq-sum-token-sum-norm" only: the rows this call really holds when some rows are
+        empty slots (a packed micro-batch); default B.
 
     Returns:
       (LossTerms(numerator, denominator), metrics): metrics are scalars over this call's
@@ -462,7 +465,7 @@ def policy_loss(
         per_token = jnp.where(dropped, 0.0, per_token)
     terms = aggregate_loss(
         per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights,
-        total_rows=total_rows,
+        total_rows=total_rows, rows=rows,
     )
     return terms, metrics
 

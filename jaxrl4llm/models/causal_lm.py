@@ -95,14 +95,19 @@ class CausalLM(nnx.Module):
             param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std, name="lm_head")
 
     def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                      attention_mask: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+                      attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
+                      ) -> Float[Array, "B T D"]:
         """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real).
 
-        Under a mesh context (`jax.set_mesh`), the residual stream is constrained at every
-        layer boundary to rows split over (data, fsdp) (`sharding.constrain`)."""
+        segment_ids: packed rows (train/packing.py): several sequences in a row, token t attends
+        to s <= t of its own segment only (ids 1, 2, ...; 0 = padding); positions restart in
+        each segment. Under a mesh context (`jax.set_mesh`), the residual stream is constrained
+        at every layer boundary to rows split over (data, fsdp) (`sharding.constrain`)."""
         c = self.config
         cos, sin = rope_tables(c, positions)
         mask = causal_padding_mask(attention_mask)
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         attend = lambda q, k, v: (dot_product_attention(q, k, v, mask, jnp.dtype(c.dtype),
                                                         query_chunk=c.attention_query_chunk), None)
 
@@ -259,7 +264,8 @@ def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, p
 def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
                  positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
                  chunk_size: int = 128, dropout_rng: jax.Array | None = None, first_scored: int = 0,
-                 prompt_group: int = 1) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+                 prompt_group: int = 1, segment_ids: Int[Array, "B T"] | None = None
+                 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
 
     logp[b, t] = log_softmax(z)[targets[b, t]], entropy = logZ - E_p[z] (max-subtracted,
@@ -275,14 +281,15 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
     prompt_group: static; G > 1 says rows n*G .. n*G+G-1 share their first `first_scored + 1`
       tokens (one prompt, its G responses): each prompt then runs once
       (`CausalLM.hidden_states_shared_prompt`), same values. Needs first_scored > 0.
+    segment_ids: packed rows (`CausalLM.hidden_states`); only for models with hidden_states.
     """
     with lora_dropout(dropout_rng):
         return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size,
-                      first_scored, prompt_group)
+                      first_scored, prompt_group, segment_ids)
 
 
 def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0,
-           prompt_group=1):
+           prompt_group=1, segment_ids=None):
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     own = hasattr(model, "hidden_states") and hasattr(model, "logits")  # else: a module that returns logits
     if prompt_group > 1:
@@ -297,6 +304,11 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
             attention_mask[:, p:], g)
         # the first scored position is the prompt's last: its hidden state is the prompt's
         h = jnp.concatenate([jnp.repeat(h_prompt[:, -1:], g, axis=0), h_rows], axis=1)
+    elif segment_ids is not None:
+        if not own:
+            raise ValueError("segment_ids (packed rows) need a model with hidden_states (jaxrl4llm's CausalLM); "
+                             "set trainer.packing=false for this model.")
+        h = model.hidden_states(tokens, positions, attention_mask, segment_ids)[:, first_scored:]
     else:
         h = (model.hidden_states if own else model)(tokens, positions, attention_mask)[:, first_scored:]
     if own:

@@ -131,16 +131,18 @@ class Policy:
 
 def make_logprob_fn(graphdef, temperature: float, chunk_size: int):
     """The train step's logprob_fn for an NNX model: (state, inputs, targets, positions,
-    attention_mask, rng=None, last=None, group=1) -> (logp, entropy) at `temperature` (0 = greedy:
-    scored at 1); `last` = n scores only the last n positions (the others are 0); `group` = G
-    (with `last`): rows n*G .. n*G+G-1 share the prompt before those n positions, run once."""
+    attention_mask, rng=None, last=None, group=1, segment_ids=None) -> (logp, entropy) at `temperature`
+    (0 = greedy: scored at 1); `last` = n scores only the last n positions (the others are 0);
+    `group` = G (with `last`): rows n*G .. n*G+G-1 share the prompt before those n positions, run
+    once; `segment_ids`: packed rows (train/packing.py)."""
     from jaxrl4llm.models import score_tokens
 
-    def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None, last=None, group=1):
+    def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None, last=None, group=1, segment_ids=None):
         first = 0 if last is None else max(inputs.shape[1] - last, 0)
         return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
                             temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
-                            dropout_rng=rng, first_scored=first, prompt_group=group if first else 1)
+                            dropout_rng=rng, first_scored=first, prompt_group=group if first else 1,
+                            segment_ids=segment_ids)
     return logprob_fn
 
 

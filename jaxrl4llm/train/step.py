@@ -94,6 +94,8 @@ class UpdateSettings:
     # G: rows n*G .. n*G+G-1 answer one prompt; micro-batches take whole groups and each prompt's
     # forward runs once for its G rows (logprob_fn(..., group=G); needs scored_tokens). None: per row.
     prompt_group: int | None = None
+    # the update takes a PackedBatch of this layout (train/packing.py) instead of a TrainBatch
+    packing: Any = None  # train.packing.PackLayout | None
 
 
 def make_optimizer(
@@ -160,16 +162,27 @@ def batch_loss_terms(
     old_logp_from_update: bool = False, scored_tokens: int | None = None, prompt_group: int | None = None,
     total_rows: int | None = None,
 ) -> tuple[LossTerms, dict, chex.Array]:
-    """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis.
+    """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis:
+    `score_batch` then `loss_terms_from_scores` (see there for the arguments)."""
+    logp, entropy = score_batch(logprob_fn, params, batch, scored_tokens, prompt_group)
+    return loss_terms_from_scores(logp, entropy, batch, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
+                                  old_logp_from_update=old_logp_from_update, total_rows=total_rows)
+
+
+def loss_terms_from_scores(
+    logp: chex.Array, entropy: chex.Array, batch: TrainBatch, *, recipe: Recipe, loss_fn=policy_loss, loss_key=None,
+    old_logp_from_update: bool = False, total_rows: int | None = None, rows=None,
+) -> tuple[LossTerms, dict, chex.Array]:
+    """LossTerms and metrics of the rows of `batch` given the model's logp, entropy [B, W] on
+    them, plus per-token clip flags [B, W] for analysis.
 
     loss_key: PRNG key passed to loss_fn as key= when recipe.needs_key (Clip-Cov).
     total_rows: the optimizer step's rows when this is one micro-batch of it; passed to loss_fn
     as total_rows= for a loss that sums over rows ("seq-sum-token-sum-norm", whose denominator
-    is the micro-batch's share of the step), else unused.
-    old_logp_from_update, scored_tokens, prompt_group: see UpdateSettings. With old_logp_from_update the
-    metrics also hold "sampler_trainer_logp_gap", mean |old_logp - sampler_logp| over the
-    counted tokens."""
-    logp, entropy = score_batch(logprob_fn, params, batch, scored_tokens, prompt_group)
+    is the micro-batch's share of the step), else unused. rows: the real rows among the B (a
+    packed micro-batch's view has empty slots), passed as rows= with total_rows.
+    old_logp_from_update: see UpdateSettings. With it the metrics also hold
+    "sampler_trainer_logp_gap", mean |old_logp - sampler_logp| over the counted tokens."""
     gap = None
     if old_logp_from_update:
         old = jax.lax.stop_gradient(logp) * batch.loss_mask
@@ -179,6 +192,8 @@ def batch_loss_terms(
     extra = {"key": loss_key} if recipe.needs_key else {}
     if recipe.loss_agg_mode in ROW_SUM_MODES:
         extra["total_rows"] = total_rows
+        if rows is not None:
+            extra["rows"] = rows
     terms, metrics = loss_fn(
         recipe,
         logp=logp,
@@ -274,55 +289,109 @@ def make_update_fn(
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
         return grads, terms, metrics, clipped
 
-    def mini_step(state: TrainState, mini: TrainBatch):
-        micros = jax.tree.map(lambda x: _split(x, s.micro_batches, group), mini)
-        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-        # Metrics structure from an abstract evaluation, so the scan carry is fixed.
-        probe_key = jax.random.PRNGKey(0) if recipe.needs_key else None
-        _, terms_shape, metrics_shape, _ = jax.eval_shape(micro_step, state.params, state.frozen,
-                                                          jax.tree.map(lambda x: x[0], micros), None, probe_key)
-        zero_metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
+    def packed_micro_step(params, frozen, mb, key=None, loss_key=None):
+        """micro_step on one packed micro-batch (train/packing.py): the model on its [RR, S]
+        rows, the loss on their per-sequence view."""
+        from jaxrl4llm.train.packing import scatter_slots, unpack_micro
 
-        def body(carry, xs):
-            mb, index = xs
-            g_acc, num, den, met = carry
-            key = None
-            if dropout_seed is not None:
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state.step), index)
-            loss_key = None
-            if recipe.needs_key:
-                loss_key = jax.random.fold_in(jax.random.fold_in(
-                    jax.random.fold_in(jax.random.PRNGKey(loss_seed), 1), state.step), index)
-            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, key, loss_key)
-            g_acc = jax.tree.map(jnp.add, g_acc, g)
-            return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
+        lay = s.packing
+        fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
 
-        zero = jnp.zeros((), jnp.float32)
-        (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics),
-                                                           (micros, jnp.arange(s.micro_batches)))
+        def num_fn(p):
+            logp, entropy = score_packed(fn, join_params(p, frozen), mb)
+            view, logp, entropy, rows = unpack_micro(mb, logp, entropy, lay.response_width)
+            terms, metrics, clipped = loss_terms_from_scores(
+                logp, entropy, view, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
+                old_logp_from_update=s.old_logp_from_update, total_rows=lay.sequences // lay.mini_batches, rows=rows)
+            return terms.numerator, (terms, metrics, scatter_slots(clipped, mb, lay.row_width))
+
+        grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
+        return grads, terms, metrics, clipped
+
+    def keys_of(step, index):
+        """(dropout key or None, loss key or None) of micro-batch `index` of optimizer step `step`."""
+        key = None
+        if dropout_seed is not None:
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), step), index)
+        loss_key = None
+        if recipe.needs_key:
+            loss_key = jax.random.fold_in(jax.random.fold_in(
+                jax.random.fold_in(jax.random.PRNGKey(loss_seed), 1), step), index)
+        return key, loss_key
+
+    def optimizer_step(state: TrainState, grads, num, den, metrics):
         scale = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen)
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
+
+    def zero_metrics_of(step_fn, state, first_micro):
+        # Metrics structure from an abstract evaluation, so the loop carry is fixed.
+        probe_key = jax.random.PRNGKey(0) if recipe.needs_key else None
+        _, _, metrics_shape, _ = jax.eval_shape(step_fn, state.params, state.frozen, first_micro, None, probe_key)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
+
+    def mini_step(state: TrainState, mini: TrainBatch):
+        micros = jax.tree.map(lambda x: _split(x, s.micro_batches, group), mini)
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        zero_metrics = zero_metrics_of(micro_step, state, jax.tree.map(lambda x: x[0], micros))
+
+        def body(carry, xs):
+            mb, index = xs
+            g_acc, num, den, met = carry
+            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, *keys_of(state.step, index))
+            g_acc = jax.tree.map(jnp.add, g_acc, g)
+            return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
+
+        zero = jnp.zeros((), jnp.float32)
+        (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics),
+                                                           (micros, jnp.arange(s.micro_batches)))
+        new_state, metrics = optimizer_step(state, grads, num, den, metrics)
         return new_state, (metrics, _unsplit(clipped, group))
 
-    def update(state: TrainState, batch: TrainBatch):
-        b = batch.input_tokens.shape[0]
-        if b % (s.mini_batches * s.micro_batches * group):
-            raise ValueError(
-                f"batch of {b} rows is not divisible by mini_batches*micro_batches*prompt_group = "
-                f"{s.mini_batches}*{s.micro_batches}*{group}; change trainer.mini_batches / trainer.micro_batch_size "
-                "or rollout sizes (or trainer.share_prompt=false)."
-            )
-        # Mini-batch j holds the contiguous rows [j*B/n, (j+1)*B/n): whole groups stay together.
-        minis = jax.tree.map(lambda x: x.reshape(s.mini_batches, b // s.mini_batches, *x.shape[1:]), batch)
+    def packed_mini_step(state: TrainState, mini):
+        """mini_step over a packed mini-batch: a while loop over its `num_micro` micro-batches
+        (the rest of the [M, ...] buffers are empty and never run)."""
+        micros = mini._replace(num_micro=None)
+        at = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micros)
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        zero_metrics = zero_metrics_of(packed_micro_step, state, jax.tree.map(lambda x: x[0], micros))
+
+        def body(carry):
+            index, g_acc, num, den, met, flags = carry
+            g, terms, metrics, clipped = packed_micro_step(state.params, state.frozen, at(index),
+                                                           *keys_of(state.step, index))
+            g_acc = jax.tree.map(jnp.add, g_acc, g)
+            flags = jax.lax.dynamic_update_index_in_dim(flags, clipped, index, 0)
+            return index + 1, g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics), flags
+
+        zero = jnp.zeros((), jnp.float32)
+        init = (jnp.zeros((), jnp.int32), zero_grads, zero, zero, zero_metrics, jnp.zeros(micros.input_tokens.shape, bool))
+        _, grads, num, den, metrics, clipped = jax.lax.while_loop(lambda c: c[0] < mini.num_micro, body, init)
+        new_state, metrics = optimizer_step(state, grads, num, den, metrics)
+        return new_state, (metrics, clipped)
+
+    def update(state: TrainState, batch):
+        if s.packing is not None:
+            minis, step_fn = batch, packed_mini_step  # PackedBatch [n, M, ...]: one mini-batch per n
+        else:
+            b = batch.input_tokens.shape[0]
+            if b % (s.mini_batches * s.micro_batches * group):
+                raise ValueError(
+                    f"batch of {b} rows is not divisible by mini_batches*micro_batches*prompt_group = "
+                    f"{s.mini_batches}*{s.micro_batches}*{group}; change trainer.mini_batches / "
+                    "trainer.micro_batch_size or rollout sizes (or trainer.share_prompt=false)."
+                )
+            # Mini-batch j holds the contiguous rows [j*B/n, (j+1)*B/n): whole groups stay together.
+            minis = jax.tree.map(lambda x: x.reshape(s.mini_batches, b // s.mini_batches, *x.shape[1:]), batch)
+            step_fn = mini_step
 
         def epoch(state: TrainState, _):
-            state, (metrics, clipped) = jax.lax.scan(mini_step, state, minis)
-            return state, (metrics, clipped.reshape(b, -1))
+            state, (metrics, clipped) = jax.lax.scan(step_fn, state, minis)
+            return state, (metrics, clipped if s.packing is not None else clipped.reshape(b, -1))
 
         state, (metrics, clipped) = jax.lax.scan(epoch, state, None, length=s.ppo_epochs)
         last = jax.tree.map(lambda m: m[-1], metrics)  # last epoch, one entry per mini-batch
@@ -344,10 +413,19 @@ def make_update_fn(
     return update
 
 
+def score_packed(logprob_fn: LogprobFn, params, micro):
+    """logprob_fn on one packed micro-batch's rows [RR, S] (segment ids keep its sequences apart)
+    -> (logp, entropy) [RR, S]."""
+    attention_mask = (micro.segment_ids > 0).astype(jnp.int32)
+    return logprob_fn(params, micro.input_tokens, micro.targets, micro.positions, attention_mask,
+                      segment_ids=micro.segment_ids)
+
+
 def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: int | None = None,
                       prompt_group: int | None = None):
-    """(params, batch) -> (logp [B, L], entropy [B, L]) computed micro-batch by micro-batch
-    (scored_tokens, prompt_group: as in UpdateSettings)."""
+    """(params, batch) -> (logp, entropy) computed micro-batch by micro-batch: [B, L] for a
+    TrainBatch (scored_tokens, prompt_group: as in UpdateSettings), [n, M, RR, S] for a
+    PackedBatch (its num_micro micro-batches per mini-batch run, the empty ones stay 0)."""
     group = prompt_group or 1
 
     def run(params, batch: TrainBatch):
@@ -359,4 +437,27 @@ def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: 
         logp, ent = jax.lax.map(one, parts)
         return _unsplit(logp, group), _unsplit(ent, group)
 
-    return run
+    def run_packed(params, packed):
+        micros = packed._replace(num_micro=None)
+
+        def mini(_, xs):
+            one_mini, count = xs
+
+            def body(carry):
+                i, logp, ent = carry
+                micro = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), one_mini)
+                lp, en = score_packed(logprob_fn, params, micro)
+                put = lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v.astype(buf.dtype), i, 0)
+                return i + 1, put(logp, lp), put(ent, en)
+
+            zeros = jnp.zeros(one_mini.input_tokens.shape, jnp.float32)
+            _, logp, ent = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.zeros((), jnp.int32), zeros, zeros))
+            return None, (logp, ent)
+
+        _, (logp, ent) = jax.lax.scan(mini, None, (micros, packed.num_micro))
+        return logp, ent
+
+    def dispatch(params, batch):
+        return run(params, batch) if isinstance(batch, TrainBatch) else run_packed(params, batch)
+
+    return dispatch

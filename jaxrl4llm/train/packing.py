@@ -1,0 +1,295 @@
+"""Packed training rows: whole sequences side by side in fixed [rows, S] buffers, no padding rows.
+
+A step's padded TrainBatch holds every response in a row of L = P + R - 1 positions; at the
+study's lengths (8k budget, responses averaging 1-3k) most of those positions are padding.
+Packing puts several sequences in one row, each a segment with its own id and positions that
+restart at 0, and cuts the mini-batch into micro-batches of a fixed token budget
+(`trainer.tokens_per_micro_batch` per data-parallel device) whose number follows the data:
+
+    plan   = pack_plan(prompt_lengths, response_lengths, ...)      host, numpy (first-fit decreasing)
+    packed = pack(batch, plan)                                     device, one gather program
+    view   = unpack_micro(micro, logp, entropy)                    inside the update, per micro-batch
+
+The model runs on the packed rows (segment ids keep the sequences apart in attention); the loss
+runs on `unpack_micro`'s view: every sequence of the micro-batch as a row of its W scored
+positions, the same [rows, W] layout the padded update scores, with empty slots weighted 0 and
+counted nowhere. So every aggregation mode and every recipe is computed by the same
+`core.policy_loss` on the same per-sequence rows, and the normalisers stay global: token counts
+and sequence counts are sums over real rows, summed over micro-batches and divided once per
+optimizer step (train/step.py), the prompt weights come from the whole batch
+(`compute_advantages`), and a row-sum mode counts the micro-batch's real rows (`rows=`).
+
+The layout (the verl / NeMo-RL "remove padding + dynamic batch size", MaxText and tunix segment
+ids) in shapes: n mini-batches, M micro-batches (a bound; `num_micro[j]` of them hold data),
+RR = data-parallel devices x rows per device, S = L, c = sequences per row at most, W = R.
+Rows are dealt to devices by fill so that every device gets a near-equal share of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl4llm.train.step import TrainBatch
+
+# a packed row holds at most this many sequences (the loss view has c slots per row)
+SEQUENCES_PER_ROW = 8
+# default budget per data-parallel device and micro-batch (verl's ppo_max_token_len_per_gpu)
+DEFAULT_TOKENS_PER_MICRO_BATCH = 16384
+
+
+class PackedBatch(NamedTuple):
+    """A step's TrainBatch packed into micro-batches of whole sequences.
+
+    Token arrays [n, M, RR, S] (mini-batch, micro-batch, row, position):
+      input_tokens, targets, positions (restart at 0 in each segment) int32; segment_ids int32
+      (k = the row's k-th sequence, 0 = padding); loss_mask, old_logp, ref_logp, sampler_logp
+      float32 as in TrainBatch; token_row_weights float32 (the row weight of the token's sequence).
+    Slot arrays [n, M, RR, c] (the c sequences a row may hold):
+      slot_first int32 (the packed column of the sequence's first scored position), slot_valid
+      float32 (1 = a sequence, 0 = empty slot); advantages, row_weights, denominator_weights float32.
+    num_micro [n] int32: micro-batches of mini-batch j that hold sequences (the rest are empty).
+    """
+
+    input_tokens: chex.Array
+    targets: chex.Array
+    positions: chex.Array
+    segment_ids: chex.Array
+    loss_mask: chex.Array
+    old_logp: chex.Array
+    ref_logp: chex.Array
+    sampler_logp: chex.Array
+    token_row_weights: chex.Array
+    slot_first: chex.Array
+    slot_valid: chex.Array
+    advantages: chex.Array
+    row_weights: chex.Array
+    denominator_weights: chex.Array
+    num_micro: chex.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """The static shape of a packed step (part of the jit key of the update).
+
+    mini_batches n, micro_batches M (upper bound), shards = data-parallel devices, rows_per_shard
+    R (rows per device and micro-batch), row_width S (= the padded width L), response_width W
+    (the scored positions of a sequence: max_new_tokens), sequences B (the step's rows),
+    sequences_per_row c."""
+
+    mini_batches: int
+    micro_batches: int
+    shards: int
+    rows_per_shard: int
+    row_width: int
+    response_width: int
+    sequences: int
+    sequences_per_row: int = SEQUENCES_PER_ROW
+
+    @property
+    def rows(self) -> int:
+        """RR: the rows of one micro-batch over all devices."""
+        return self.shards * self.rows_per_shard
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.rows * self.row_width
+
+
+def pack_layout(*, rows: int, mini_batches: int, shards: int, prompt_width: int, response_width: int,
+                tokens_per_micro_batch: int | None) -> PackLayout:
+    """The layout of `rows` sequences of prompt_width + response_width - 1 positions at most:
+    rows_per_shard = tokens_per_micro_batch // S (at least 1), M = the micro-batches the worst
+    case (every sequence full length, one per row) needs. tokens_per_micro_batch None:
+    DEFAULT_TOKENS_PER_MICRO_BATCH, at most the padded mini-batch's share of a device."""
+    s = prompt_width + response_width - 1
+    per_shard = -(-rows // (mini_batches * shards))  # sequences of a mini-batch on one device
+    budget = tokens_per_micro_batch or min(DEFAULT_TOKENS_PER_MICRO_BATCH, per_shard * s)
+    r = max(1, budget // s)
+    return PackLayout(mini_batches=mini_batches, micro_batches=-(-per_shard // r), shards=shards, rows_per_shard=r,
+                      row_width=s, response_width=response_width, sequences=rows)
+
+
+class PackPlan(NamedTuple):
+    """Where every packed position comes from (host numpy; see PackedBatch for the shapes).
+
+    source [n, M, RR, S] int32: flat index b * L + column into the padded [B, L] arrays, -1 = padding.
+    segment_ids [n, M, RR, S] int32; slot_sequence [n, M, RR, c] int32 (b, -1 = empty);
+    slot_first [n, M, RR, c] int32; num_micro [n] int32."""
+
+    source: np.ndarray
+    segment_ids: np.ndarray
+    slot_sequence: np.ndarray
+    slot_first: np.ndarray
+    num_micro: np.ndarray
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int, max_items: int) -> list[list[int]]:
+    """Bins of item indices, longest item first into the first bin it fits (tokens <= capacity,
+    items <= max_items), a new bin when none does. Every length must be <= capacity."""
+    bins: list[list[int]] = []
+    free = np.zeros(0, np.int64)
+    counts = np.zeros(0, np.int64)
+    for i in np.argsort(-lengths, kind="stable"):
+        fits = np.flatnonzero((free >= lengths[i]) & (counts < max_items))
+        if fits.size:
+            k = int(fits[0])
+        else:
+            bins.append([])
+            free, counts, k = np.append(free, capacity), np.append(counts, 0), len(bins)
+            k -= 1
+        bins[k].append(int(i))
+        free[k] -= lengths[i]
+        counts[k] += 1
+    return bins
+
+
+def pack_plan(prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: PackLayout,
+              prompt_width: int) -> PackPlan:
+    """The packing of B sequences (rows of the padded batch, mini-batch j = rows [j B/n, (j+1) B/n)).
+
+    Sequence b needs plen_b + rlen_b - 1 positions (its prompt and response minus the last
+    token, which is only a target): padded columns [P - plen_b, P - 1 + rlen_b). Its scored
+    positions (targets = response tokens) start at its offset + plen_b - 1. Rows of a mini-batch
+    are packed first-fit decreasing, then dealt to the devices fullest first, round robin.
+
+    Raises ValueError if a mini-batch needs more micro-batches than layout.micro_batches (it
+    cannot: the bound is the all-full-length case)."""
+    lay, p = layout, prompt_width
+    plen = np.asarray(prompt_lengths, np.int64)
+    rlen = np.asarray(response_lengths, np.int64)
+    b, n, s, c = plen.shape[0], lay.mini_batches, lay.row_width, lay.sequences_per_row
+    need = np.maximum(plen + rlen - 1, 0)
+    if need.max(initial=0) > s:
+        raise ValueError(f"a sequence of {need.max()} positions does not fit a packed row of {s}.")
+    shape = (n, lay.micro_batches, lay.rows, s)
+    source = np.full(shape, -1, np.int32)
+    segments = np.zeros(shape, np.int32)
+    slot_seq = np.full(shape[:3] + (c,), -1, np.int32)
+    slot_first = np.zeros(shape[:3] + (c,), np.int32)
+    num_micro = np.zeros(n, np.int32)
+    per_mini = b // n
+    for j in range(n):
+        ids = np.arange(j * per_mini, (j + 1) * per_mini)
+        bins = first_fit_decreasing(need[ids], s, c)
+        fill = [int(need[ids[k]].sum()) for k in (np.asarray(bb) for bb in bins)]
+        order = np.argsort(-np.asarray(fill), kind="stable")
+        per_shard: list[list[list[int]]] = [[] for _ in range(lay.shards)]
+        for rank, k in enumerate(order):
+            per_shard[rank % lay.shards].append(bins[k])
+        micro = max(-(-len(rows) // lay.rows_per_shard) for rows in per_shard)
+        if micro > lay.micro_batches:
+            raise ValueError(f"mini-batch {j} needs {micro} micro-batches, more than the layout's {lay.micro_batches}.")
+        num_micro[j] = micro
+        for d, rows in enumerate(per_shard):
+            for i, row in enumerate(rows):
+                m, r = divmod(i, lay.rows_per_shard)
+                rr = d * lay.rows_per_shard + r
+                offset = 0
+                for slot, k in enumerate(row):
+                    seq = int(ids[k])
+                    width = int(need[seq])
+                    start = p - int(plen[seq])  # the sequence's first padded column
+                    source[j, m, rr, offset:offset + width] = seq * s + start + np.arange(width)
+                    segments[j, m, rr, offset:offset + width] = slot + 1
+                    slot_seq[j, m, rr, slot] = seq
+                    slot_first[j, m, rr, slot] = offset + int(plen[seq]) - 1
+                    offset += width
+    return PackPlan(source, segments, slot_seq, slot_first, num_micro)
+
+
+def pack(batch: TrainBatch, plan: PackPlan) -> PackedBatch:
+    """The padded TrainBatch [B, L] (advantages [B] or [B, L]) gathered into the plan's packed
+    layout; jit it with the packed shardings (`packed_shardings`). Padding positions hold 0."""
+    valid = plan.source >= 0
+    flat_index = jnp.maximum(plan.source, 0)
+    rows_of = flat_index // batch.input_tokens.shape[1]
+    tokens = lambda x: jnp.where(valid, x.reshape(-1)[flat_index], 0).astype(x.dtype)
+    used = plan.slot_sequence >= 0
+    slots = lambda x: jnp.where(used, x[jnp.maximum(plan.slot_sequence, 0)], 0).astype(x.dtype)
+    if batch.advantages.ndim == 2:
+        raise ValueError("token-level advantages [B, L] are not packed yet; set trainer.packing=false.")
+    return PackedBatch(
+        input_tokens=tokens(batch.input_tokens), targets=tokens(batch.targets), positions=tokens(batch.positions),
+        segment_ids=jnp.asarray(plan.segment_ids), loss_mask=tokens(batch.loss_mask), old_logp=tokens(batch.old_logp),
+        ref_logp=tokens(batch.ref_logp), sampler_logp=tokens(batch.sampler_logp),
+        token_row_weights=jnp.where(valid, batch.row_weights[rows_of], 0.0).astype(jnp.float32),
+        slot_first=jnp.asarray(plan.slot_first), slot_valid=used.astype(jnp.float32),
+        advantages=slots(batch.advantages), row_weights=slots(batch.row_weights),
+        denominator_weights=slots(batch.denominator_weights), num_micro=jnp.asarray(plan.num_micro),
+    )
+
+
+def packed_shardings(mesh, rules=None) -> PackedBatch:
+    """PackedBatch of shardings: the row axis (2) split as the rules' "batch" axis, num_micro
+    replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
+
+    batch_axes = logical_to_spec(("batch",), rules or DEFAULT_RULES)[0]
+    rows = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
+    return PackedBatch(*([rows] * (len(PackedBatch._fields) - 1)), num_micro=NamedSharding(mesh, PartitionSpec()))
+
+
+def _gather_slots(x: chex.Array, columns: chex.Array) -> chex.Array:
+    """x [RR, S] at columns [RR, c, W] (row-local) -> [RR * c, W]."""
+    rr, c, w = columns.shape
+    return jnp.take_along_axis(x, columns.reshape(rr, c * w), axis=1).reshape(rr * c, w)
+
+
+def slot_columns(slot_first: chex.Array, width: int, row_width: int) -> chex.Array:
+    """[RR, c] first scored columns -> [RR, c, W] columns first + t (clipped into the row)."""
+    return jnp.minimum(slot_first[..., None] + jnp.arange(width, dtype=jnp.int32), row_width - 1)
+
+
+def unpack_micro(micro: PackedBatch, logp: chex.Array, entropy: chex.Array, width: int
+                 ) -> tuple[TrainBatch, chex.Array, chex.Array, chex.Array]:
+    """One packed micro-batch as the loss's per-sequence view.
+
+    Args: micro: a PackedBatch slice [RR, S] / [RR, c] (no n, M axes); logp, entropy [RR, S] of
+      the model on micro's rows; width: W, the scored positions of a sequence.
+    Returns: (TrainBatch [RR*c, W] of loss_mask, old/ref/sampler log-probs and the slot weights,
+      its token fields None; logp [RR*c, W]; entropy [RR*c, W]; rows: the real sequences, a
+      scalar). Position t of slot k is the packed column slot_first + t, counted while it is
+      in the slot's segment and in the loss mask.
+    """
+    rr, s = logp.shape
+    cols = slot_columns(micro.slot_first, width, s)
+    inside = (micro.slot_first[..., None] + jnp.arange(width, dtype=jnp.int32) < s).reshape(-1, width)
+    slot_ids = jnp.arange(1, micro.slot_first.shape[1] + 1, dtype=jnp.int32)
+    own = _gather_slots(micro.segment_ids, cols) == jnp.tile(slot_ids, rr)[:, None]
+    own = own & inside & (micro.slot_valid.reshape(-1, 1) > 0)
+    view = lambda x: jnp.where(own, _gather_slots(x, cols), 0.0)
+    batch = TrainBatch(
+        input_tokens=None, targets=None, positions=None, attention_mask=None,
+        loss_mask=view(micro.loss_mask), old_logp=view(micro.old_logp), ref_logp=view(micro.ref_logp),
+        sampler_logp=view(micro.sampler_logp), advantages=micro.advantages.reshape(-1),
+        row_weights=micro.row_weights.reshape(-1), denominator_weights=micro.denominator_weights.reshape(-1),
+    )
+    return batch, view(logp), view(entropy), jnp.sum(micro.slot_valid)
+
+
+def scatter_slots(values: chex.Array, micro: PackedBatch, row_width: int) -> chex.Array:
+    """The inverse placement of `unpack_micro` for flags: values [RR*c, W] bool -> [RR, S] bool
+    (True where a slot position holding True maps)."""
+    rr, c = micro.slot_first.shape
+    w = values.shape[1]
+    cols = slot_columns(micro.slot_first, w, row_width).reshape(rr, c * w)
+    out = jnp.zeros((rr, row_width), jnp.int32)
+    out = jax.vmap(lambda o, i, v: o.at[i].max(v))(out, cols, values.reshape(rr, c * w).astype(jnp.int32))
+    return out > 0
+
+
+def to_padded(packed_values: np.ndarray, plan: PackPlan, rows: int, width: int) -> np.ndarray:
+    """Packed token values [n, M, RR, S] -> the padded layout [B, L] (host numpy; 0 on padding),
+    by the plan's sources: for checks and tests."""
+    out = np.zeros(rows * width, np.asarray(packed_values).dtype)
+    valid = plan.source >= 0
+    out[plan.source[valid]] = np.asarray(packed_values)[valid]
+    return out.reshape(rows, width)
