@@ -3,6 +3,9 @@ split into its stages, each jitted and timed alone, beside XLA's own FLOP and bu
 
     .venv/bin/python benchmarks/update_profile.py [--size 48m] [--rows 64] [--prompt 256] [--response 128]
         [--reps 3] [--remat full,save_attention,save_dots,off] [--prompt-group 1,8]
+    .venv/bin/python benchmarks/update_profile.py --lengths lognormal:mean=256,sigma=0.8 --max-new-tokens 1024
+        (padded rows, padded rows sharing each prompt's forward, and packed rows on one ragged
+        rollout: update and log-prob pass seconds, their ratio, the losses side by side)
         [--stages forward,score,grad,optimizer,update,logprob_pass]
 
 Stages (the update is `train.step.make_update_fn` with one micro-batch, one optimizer step, the
@@ -72,6 +75,87 @@ def make_batch(cfg: ModelConfig, rows: int, prompt: int, response: int, real_pro
         truncated=jnp.zeros((rows,), bool))
     rewards = jnp.asarray(rng.integers(0, 2, rows), jnp.float32)
     return rollout_to_batch(rollout, compute_advantages(rewards, group, LITE_PPO))
+
+
+def ragged_rollout(cfg: ModelConfig, rows: int, prompt: int, real_prompt: int, lengths: np.ndarray, response: int,
+                   seed: int = 0):
+    """A synthetic rollout whose row b has lengths[b] response tokens (of `response` =
+    max_new_tokens) and `real_prompt` prompt tokens left-padded to a `prompt` bucket; rows in
+    groups of 8 share a prompt; rewards 0/1. Returns (rollout, rewards, group)."""
+    rng = np.random.default_rng(seed)
+    group = 8 if rows % 8 == 0 else 1
+    prompt_mask = np.zeros((rows, prompt), np.float32)
+    prompt_mask[:, prompt - real_prompt:] = 1.0
+    response_mask = (np.arange(response)[None] < lengths[:, None]).astype(np.float32)
+    logp = -np.abs(rng.standard_normal((rows, response))).astype(np.float32) * response_mask
+    rollout = Rollout(
+        prompt_tokens=jnp.asarray(np.repeat(rng.integers(0, cfg.vocab_size, (rows // group, prompt)), group, 0),
+                                  jnp.int32),
+        prompt_mask=jnp.asarray(prompt_mask),
+        response_tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, response)), jnp.int32),
+        response_mask=jnp.asarray(response_mask), logprobs=jnp.asarray(logp), logprobs_untruncated=jnp.asarray(logp),
+        lengths=jnp.asarray(lengths, jnp.int32), truncated=jnp.asarray(lengths >= response))
+    return rollout, jnp.asarray(rng.integers(0, 2, rows), jnp.float32), group
+
+
+def compare_layouts(args) -> None:
+    """--lengths: one Lite PPO update and one log-prob pass of the same ragged rollout with padded
+    rows, padded rows sharing each prompt's forward (group 8), and packed rows
+    (train/packing.py), timed in one run; the losses must agree."""
+    from jaxrl4llm.plan.lengths import parse_lengths
+    from jaxrl4llm.train.packing import pack, pack_layout, pack_plan
+
+    cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32",
+                      remat=True, remat_policy="full", **SIZES[args.size])
+    graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
+    W = args.max_new_tokens
+    dist = parse_lengths(args.lengths, W)
+    lengths = dist.sample(args.rows, W, np.random.default_rng(0)).astype(np.int64)
+    rollout, rewards, group = ragged_rollout(cfg, args.rows, args.prompt, args.real_prompt, lengths, W)
+    batch = rollout_to_batch(rollout, compute_advantages(rewards, group, LITE_PPO))
+    logprob_fn = make_logprob_fn(graphdef, 1.0, args.chunk)
+    opt, sched = make_optimizer(lr=1e-6)
+    layout = pack_layout(rows=args.rows, mini_batches=1, shards=1, prompt_width=args.prompt, response_width=W,
+                         tokens_per_micro_batch=args.tokens_per_micro_batch)
+    plan = pack_plan(np.full(args.rows, args.real_prompt), lengths, layout, args.prompt)
+    packed = jax.jit(pack)(batch, plan)
+    tokens = int(lengths.sum()) + args.rows * (args.real_prompt - 1)
+    padded_positions = args.rows * (args.prompt + W - 1)
+    packed_positions = int(plan.num_micro.sum()) * layout.tokens_per_micro_batch
+    print(f"  {cfg.num_params / 1e6:.1f}M params, {args.rows} rows, responses {dist.describe(W)}: mean "
+          f"{lengths.mean():.0f}, max {lengths.max()} of {W}; real positions {tokens}; padded {padded_positions}; "
+          f"packed {packed_positions} ({int(plan.num_micro.sum())} micro-batches of {layout.rows_per_shard} rows x "
+          f"{layout.row_width})", flush=True)
+    arms = {
+        "padded": (UpdateSettings(old_logp_from_update=True, scored_tokens=W), batch, (1, W, None)),
+        "padded-shared-prompt": (UpdateSettings(old_logp_from_update=True, scored_tokens=W, prompt_group=group),
+                                 batch, (1, W, group)),
+        "packed": (UpdateSettings(old_logp_from_update=True, packing=layout), packed, (1, None, None)),
+    }
+    results = {}
+    print(f"{'layout':<22} {'update s':>9} {'logprob s':>9} {'compile s':>9} {'loss':>12} {'XLA GFLOP':>10}")
+    for name in args.layouts.split(","):
+        settings, data, pass_args = arms[name]
+        state = init_train_state(jax.tree.map(jnp.copy, params), opt)
+        update = jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=LITE_PPO, optimizer=opt, schedule=sched,
+                                        settings=settings), donate_argnums=(0,))
+        t = time.perf_counter()
+        compiled = update.lower(state, data).compile()
+        compile_s = time.perf_counter() - t
+        flops = xla_counts(compiled)[0]
+        _, metrics, _ = compiled(state, data)  # the loss of the first step, from the same parameters
+        loss = float(metrics["loss"])
+        state = init_train_state(jax.tree.map(jnp.copy, params), opt)
+        _, update_s = timed(compiled, (state, data), args.reps, donate_state=True)
+        lp = jax.jit(make_logprob_pass(logprob_fn, *pass_args)).lower(params, data).compile()
+        _, pass_s = timed(lp, (params, data), args.reps)
+        results[name] = (update_s, pass_s, loss)
+        print(f"{name:<22} {update_s:>9.2f} {pass_s:>9.2f} {compile_s:>9.1f} {loss:>12.6f} {flops / 1e9:>10.0f}",
+              flush=True)
+    if "padded" in results and "packed" in results:
+        (u0, p0, l0), (u1, p1, l1) = results["padded"], results["packed"]
+        print(f"packed vs padded: update {u0 / u1:.2f}x less time, log-prob pass {p0 / p1:.2f}x; "
+              f"loss {l1:.6f} vs {l0:.6f} (relative difference {abs(l1 - l0) / max(abs(l0), 1e-12):.1e})")
 
 
 def timed(compiled, args, reps: int, donate_state: bool = False) -> tuple[float, float]:
@@ -164,7 +248,19 @@ def main() -> None:
     ap.add_argument("--prompt-group", default="1,8",
                     help="comma-separated rows per shared prompt forward: 1 (every row whole) and/or 8")
     ap.add_argument("--stages", default="forward,score,grad,optimizer,update,logprob_pass")
+    ap.add_argument("--lengths", default=None,
+                    help="a response-length distribution (plan/lengths.py: lognormal:mean=256,sigma=0.8, fixed, ...): "
+                         "compare padded, shared-prompt and packed rows on one ragged rollout instead of the stages")
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="with --lengths: the response width")
+    ap.add_argument("--tokens-per-micro-batch", type=int, default=None,
+                    help="with --lengths: the packed micro-batch budget (trainer.tokens_per_micro_batch)")
+    ap.add_argument("--layouts", default="padded,padded-shared-prompt,packed", help="with --lengths: which layouts")
     args = ap.parse_args()
+    if args.lengths:
+        print(f"update layouts, {args.size}, jax {jax.__version__} on {jax.devices()[0].platform}, "
+              f"1-min load average {os.getloadavg()[0]:.1f}")
+        compare_layouts(args)
+        return
     if args.real_prompt > args.prompt:
         ap.error(f"--real-prompt {args.real_prompt} is longer than the --prompt bucket {args.prompt}")
     print(f"update profile, {args.size}, jax {jax.__version__} on {jax.devices()[0].platform}, "

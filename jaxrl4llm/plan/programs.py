@@ -261,6 +261,8 @@ class RunPlan:
     chips: int = 1
     decode: dict | None = dataclasses.field(default=None, repr=False)  # what `with_lengths` needs to re-price decode
     trainer_positions: float = 0.0  # positions one trainer pass runs through the stack (all chips)
+    packing: Any = None  # trainer.packing: the PackLayout the trainer programs were compiled for, or None
+    trainer_hlo_flops: dict = dataclasses.field(default_factory=dict, repr=False)  # 2N/6N per position, by program
 
     @property
     def fits(self) -> bool:
@@ -409,11 +411,23 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     logprob_fn = make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
     micro_rows = rows // cfg.trainer.mini_batches // micro
     per_chip_rows = micro_rows / dp
-    group = shared_prompt_group(cfg, True, micro, dp)  # trainer.share_prompt: each prompt's forward once per group
+    from jaxrl4llm.train.loop import packing_layout
+
+    layout = packing_layout(cfg, True, dp, prompt_len, log=lambda _: None)
+    group = None if layout else shared_prompt_group(cfg, True, micro, dp)  # each prompt's forward once per group
+    if layout is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
+        from jaxrl4llm.train.packing import packed_abstract
+
+        batch = packed_abstract(layout, mesh)
+        micro, micro_rows = layout.micro_batches, layout.rows
+        per_chip_rows = layout.rows_per_shard
+        seq = layout.row_width
     # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
     per_chip_positions = per_chip_rows * (seq if group is None else response_len - 1 + prompt_len / group)
+    if layout is not None:
+        chunk_rows = per_chip_rows  # a packed micro-batch scores every position (the head too)
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    chunk = min(cfg.model.logprob_chunk_size, response_len)  # the head scores the response positions only
+    chunk = min(cfg.model.logprob_chunk_size, response_len if layout is None else seq)  # head positions at once
     residuals = config.num_layers * per_chip_positions * d * 4  # the scan's saved residual stream (remat)
     saved = config.num_layers * per_chip_positions * 4 * saved_floats_per_token(  # what the remat policy keeps
         config.remat_policy, hidden=d, intermediate=f, heads=config.num_heads, kv_heads=config.num_kv_heads,
@@ -424,10 +438,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     query_block = min(seq, config.attention_query_chunk or seq)
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
-    tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass
-    plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(logprob_fn, micro, response_len,
-                                                                         group)).lower(
-                             params, batch),
+    tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass (at most)
+    plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(
+                             logprob_fn, micro, None if layout else response_len, group)).lower(params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
                          2 * config.num_params * tokens / mesh.size, mesh, log)
@@ -437,8 +450,10 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     price(plan_l, compiled_l)
     programs.append(plan_l)
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
-                              micro_batches=micro, scored_tokens=response_len, prompt_group=group,
-                              old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute")
+                              micro_batches=micro, scored_tokens=None if layout else response_len, prompt_group=group,
+                              old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute",
+                              packing=layout)
+    b_sh = batch_shardings(mesh) if layout is None else jax.tree.map(lambda x: x.sharding, batch)
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                             settings=settings, loss_fn=policy_loss)
     plan_u, compiled_u = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
@@ -455,7 +470,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
         p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
     plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
-                   chips=mesh.size, decode=decode, trainer_positions=tokens)
+                   chips=mesh.size, decode=decode, trainer_positions=tokens, packing=layout,
+                   trainer_hlo_flops={"logprob pass": 2 * config.num_params / mesh.size,
+                                      "update": 6 * config.num_params * cfg.trainer.ppo_epochs / mesh.size})
     return with_lengths(plan, lengths, prompt_tokens)
 
 
@@ -483,9 +500,19 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     n = plan.model.num_params
     # of the positions a trainer pass runs, the real ones: a row's prompt (once per group when shared) and response
     real = plan.rows * (prompt_tokens / (plan.prompt_group or 1) + mean_response - 1)
+    positions = plan.trainer_positions
+    if plan.packing is not None:  # the packed passes run as many micro-batches as the lengths fill
+        from jaxrl4llm.train.packing import expected_micro_batches
+
+        micro = expected_micro_batches(plan.packing, lengths, prompt_tokens, plan.prompt_len)
+        positions = micro * plan.packing.mini_batches * plan.packing.tokens_per_micro_batch
+        for p in programs:
+            if p.name in ("logprob pass", "update") and p.hlo:
+                p.price(program_cost(p.hlo, num_devices=p.devices, dynamic_trips=[micro]), plan.chip)
+                p.model_flops = plan.trainer_hlo_flops[p.name] * positions
     for p in programs:
         if p.name in ("logprob pass", "update"):
-            p.padding_fraction = max(0.0, 1 - real / plan.trainer_positions)
+            p.padding_fraction = max(0.0, 1 - real / positions)
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
     if d is not None and decode is not None:
@@ -495,7 +522,7 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
         decode.model_flops = 2 * n * (d["kv_rows"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - plan.rows * mean_response / (decode.runs * d["kv_rows"] * (work.steps + 1))
     return dataclasses.replace(plan, programs=programs, lengths=lengths, mean_response=mean_response,
-                               prompt_tokens=prompt_tokens)
+                               prompt_tokens=prompt_tokens, trainer_positions=positions)
 
 
 # ---------------------------------------------------------------------------- report

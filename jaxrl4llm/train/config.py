@@ -181,6 +181,16 @@ class TrainerConfig:
     # FLOPs: docs/training.md). auto = when the run allows it (jaxrl4llm's models, micro-batches
     # of whole groups); true = required (an error says why it cannot); false = every row whole.
     share_prompt: Literal["auto"] | bool = "auto"
+    # Whole sequences packed side by side into rows of the padded width, each a segment that
+    # attends only to itself (train/packing.py, docs/training.md): the update and the log-prob
+    # passes run on about as many positions as the step's sequences hold, not rows x (prompt +
+    # max_new_tokens). Same losses, metrics and gradients as padded rows. jaxrl4llm's models
+    # only (a model.module scores padded rows); share_prompt=true keeps padded rows instead.
+    packing: bool = True
+    # Positions of one packed micro-batch on each data-parallel device (verl's
+    # ppo_max_token_len_per_gpu): its memory bound. null = micro_batch_size's padded rows when
+    # set, else min(16384, the padded mini-batch's share of a device).
+    tokens_per_micro_batch: int | None = None
     old_logp_source: Literal["sampler", "recompute"] = "recompute"
     reference_model: bool = False
     seed: int = 0
@@ -411,7 +421,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"), "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.eps": (lambda v: v > 0, "> 0"), "optim.max_grad_norm": (lambda v: v >= 0, ">= 0 (0 = no clipping)"),
     "trainer.steps": _NON_NEGATIVE, "trainer.ppo_epochs": _POSITIVE, "trainer.mini_batches": _POSITIVE,
-    "trainer.micro_batch_size": _POSITIVE, "trainer.eval_every": (lambda v: v >= -1, ">= -1 (0 = before and after training only, -1 = never)"),
+    "trainer.micro_batch_size": _POSITIVE, "trainer.tokens_per_micro_batch": _POSITIVE, "trainer.eval_every": (lambda v: v >= -1, ">= -1 (0 = before and after training only, -1 = never)"),
     "trainer.eval_samples": _POSITIVE, "trainer.eval_temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "trainer.checkpoint_every": (lambda v: v >= 0, ">= 0 (0 = off)"), "trainer.keep_checkpoints": _POSITIVE,
     "trainer.clipped_tokens_every": (lambda v: v >= 0, ">= 0 (0 = off)"),

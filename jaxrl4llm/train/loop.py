@@ -33,7 +33,9 @@ from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
+from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
 from jaxrl4llm.train.step import (
+    TrainBatch,
     UpdateSettings,
     batch_shardings,
     init_train_state,
@@ -238,6 +240,7 @@ class Run:
     base_key: jax.Array
     batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
     settings: UpdateSettings = UpdateSettings()  # old_logp_from_update: the update scores pi_old itself
+    pack: Callable | None = None  # (TrainBatch, PackPlan) -> PackedBatch on the training mesh (trainer.packing)
 
 
 def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, Any]:
@@ -270,11 +273,14 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     # One optimizer step per rollout (no dropout): pi_old is the policy the update itself scores, so
     # old_logp is its own forward pass (detached) and the separate recompute pass is skipped.
     single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not policy.dropout
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    layout = packing_layout(cfg, policy.config is not None, dp, train_set.longest, log)
     settings = UpdateSettings(
         ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
         old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute",
         scored_tokens=cfg.rollout.max_new_tokens if policy.config is not None else None,
-        prompt_group=shared_prompt_group(cfg, policy.config is not None, micro, mesh.shape["data"] * mesh.shape["fsdp"]))
+        prompt_group=None if layout else shared_prompt_group(cfg, policy.config is not None, micro, dp),
+        packing=layout)
     # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
     # the update keeps every leaf where it is.
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -283,16 +289,17 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     state = jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings)(
         policy.params, policy.frozen)
     batch_in = batch_shardings(mesh)
+    update_in = packed_shardings(mesh) if layout else batch_in
     update = jax.jit(
         make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                        settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None,
                        loss_seed=cfg.trainer.seed),
-        in_shardings=(state_shardings, batch_in),
+        in_shardings=(state_shardings, update_in),
         out_shardings=(state_shardings, None, None),
         donate_argnums=(0,),
     )
     logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro, settings.scored_tokens, settings.prompt_group),
-                           in_shardings=(sharding_of(policy.state), batch_in))
+                           in_shardings=(sharding_of(policy.state), update_in))
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
         cfg=cfg, recipe=recipe, policy=policy, train_set=train_set, eval_sets=eval_sets,
@@ -306,8 +313,49 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
         batch_shardings=batch_in,
         settings=settings,
+        pack=jax.jit(pack, out_shardings=update_in) if layout else None,
     )
     return run, state
+
+
+def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_prompt: int, log) -> PackLayout | None:
+    """The PackLayout of `trainer.packing` (its micro-batch count and prompt width are per step:
+    see `pack_step`), or None: padded rows (packing off, a model.module, share_prompt=true)."""
+    t = cfg.trainer
+    if not t.packing:
+        return None
+    if not own_model:
+        log("trainer.packing: a model.module model scores padded rows (packed rows need jaxrl4llm's models); "
+            "set trainer.packing=false to silence this.")
+        return None
+    if t.share_prompt is True:
+        return None  # the user asked for the shared-prompt forward of padded rows
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    return packing_layout_for(cfg, rows, data_parallel, longest_prompt)
+
+
+def packing_layout_for(cfg: RunConfig, rows: int, data_parallel: int, prompt_width: int) -> PackLayout:
+    """pack_layout of this run for prompts padded to `prompt_width`; the token budget is
+    trainer.tokens_per_micro_batch, or micro_batch_size's padded rows per device when set."""
+    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+
+    t = cfg.trainer
+    width = bucket(prompt_width, PROMPT_BUCKETS)
+    budget = t.tokens_per_micro_batch
+    if budget is None and t.micro_batch_size:
+        budget = max(t.micro_batch_size // data_parallel, 1) * (width + cfg.rollout.max_new_tokens - 1)
+    return pack_layout(rows=rows, mini_batches=t.mini_batches, shards=data_parallel, prompt_width=width,
+                       response_width=cfg.rollout.max_new_tokens, tokens_per_micro_batch=budget)
+
+
+def pack_step(run: Run, rollout, batch):
+    """The step's padded TrainBatch packed (train/packing.py) by its real prompt and response
+    lengths; the plan is computed alike on every process."""
+    rows, width = rollout.prompt_tokens.shape
+    layout = packing_layout_for(run.cfg, rows, run.settings.packing.shards, width)
+    prompt_lengths = hosts.fetch(_prompt_lengths(rollout.prompt_mask))
+    plan = pack_plan(prompt_lengths, hosts.fetch(rollout.lengths), layout, width)
+    return run.pack(batch, plan)
 
 
 def build_batch(run: Run, state, rollout, rewards: np.ndarray):
@@ -316,6 +364,8 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     UpdateSettings.old_logp_from_update) and the reference's when needed."""
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch lands on the trainer's
     batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32))
+    if run.pack is not None:
+        batch = pack_step(run, rollout, batch)
     if run.cfg.trainer.old_logp_source == "recompute" and not run.settings.old_logp_from_update:
         old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
         batch = batch._replace(old_logp=old_logp * batch.loss_mask)
@@ -334,8 +384,10 @@ def _prompt_lengths(prompt_mask) -> jax.Array:
 
 @jax.jit
 def _batch_scalars(batch, adv, prompt_mask) -> dict:
-    """The step's device-side figures in one program (scalars, replicated on every process)."""
-    counted = batch.loss_mask * batch.row_weights[:, None]
+    """The step's device-side figures in one program (scalars, replicated on every process);
+    batch: the TrainBatch or its PackedBatch."""
+    weights = batch.row_weights[:, None] if isinstance(batch, TrainBatch) else batch.token_row_weights
+    counted = batch.loss_mask * weights
     return {
         # the update's own figure (in `metrics`) replaces it when the update scored pi_old itself
         "sampler_trainer_logp_gap": jnp.sum(jnp.abs(batch.old_logp - batch.sampler_logp) * counted)

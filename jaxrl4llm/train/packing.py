@@ -293,3 +293,30 @@ def to_padded(packed_values: np.ndarray, plan: PackPlan, rows: int, width: int) 
     valid = plan.source >= 0
     out[plan.source[valid]] = np.asarray(packed_values)[valid]
     return out.reshape(rows, width)
+
+
+def packed_abstract(layout: PackLayout, mesh) -> PackedBatch:
+    """PackedBatch of ShapeDtypeStructs (with `packed_shardings`) of the layout's largest step:
+    what `jaxrl4llm plan` compiles the packed update and log-prob pass for."""
+    shardings = packed_shardings(mesh)
+    tokens = (layout.mini_batches, layout.micro_batches, layout.rows, layout.row_width)
+    slots = tokens[:3] + (layout.sequences_per_row,)
+    shapes = dict(num_micro=(layout.mini_batches,), advantages=slots, row_weights=slots, denominator_weights=slots,
+                  slot_first=slots, slot_valid=slots)
+    ints = ("input_tokens", "targets", "positions", "segment_ids", "slot_first", "num_micro")
+    return PackedBatch(**{name: jax.ShapeDtypeStruct(shapes.get(name, tokens), jnp.int32 if name in ints else jnp.float32,
+                                                     sharding=getattr(shardings, name))
+                          for name in PackedBatch._fields})
+
+
+def expected_micro_batches(layout: PackLayout, lengths, prompt_tokens: float, prompt_width: int, *,
+                           draws: int = 4, seed: int = 0) -> float:
+    """The mean number of micro-batches a mini-batch of the layout fills when its responses'
+    lengths follow `lengths` (plan.lengths.LengthDistribution) and every prompt has
+    `prompt_tokens` real tokens: `pack_plan` on `draws` sampled steps (the trips of the packed
+    update's and log-prob pass's micro-batch loop, for `jaxrl4llm plan`)."""
+    rng = np.random.default_rng(seed)
+    plen = np.full(layout.sequences, max(int(round(prompt_tokens)), 1))
+    counts = [pack_plan(plen, lengths.sample(layout.sequences, layout.response_width, rng), layout,
+                        prompt_width).num_micro.mean() for _ in range(draws)]
+    return float(np.mean(counts))

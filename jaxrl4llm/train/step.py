@@ -94,7 +94,8 @@ class UpdateSettings:
     # G: rows n*G .. n*G+G-1 answer one prompt; micro-batches take whole groups and each prompt's
     # forward runs once for its G rows (logprob_fn(..., group=G); needs scored_tokens). None: per row.
     prompt_group: int | None = None
-    # the update takes a PackedBatch of this layout (train/packing.py) instead of a TrainBatch
+    # the update takes a PackedBatch (train/packing.py) instead of a TrainBatch; of its layout it
+    # reads response_width, sequences and mini_batches (the rest comes from the batch's shapes)
     packing: Any = None  # train.packing.PackLayout | None
 
 
@@ -303,7 +304,7 @@ def make_update_fn(
             terms, metrics, clipped = loss_terms_from_scores(
                 logp, entropy, view, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
                 old_logp_from_update=s.old_logp_from_update, total_rows=lay.sequences // lay.mini_batches, rows=rows)
-            return terms.numerator, (terms, metrics, scatter_slots(clipped, mb, lay.row_width))
+            return terms.numerator, (terms, metrics, scatter_slots(clipped, mb, mb.input_tokens.shape[1]))
 
         grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
         return grads, terms, metrics, clipped
