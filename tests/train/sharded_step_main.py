@@ -103,8 +103,51 @@ def main() -> int:
     for a, b in zip(jax.tree.leaves(whole[0].params), jax.tree.leaves(shared[0].params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(whole[2]), np.asarray(shared[2]))
+    check_packed(graphdef, params, opt, sched, mesh, pinned, sharded_params)
     print(f"OK sharded params: {n_sharded}, loss {float(single[1]['loss']):.6f} vs {float(multi[1]['loss']):.6f}")
     return 0
+
+
+def check_packed(graphdef, params, opt, sched, mesh, pinned, sharded_params):
+    """Packed rows (train/packing.py) on the 4 data x fsdp devices, as the loop runs them, equal
+    the padded update on one device: loss, metrics, parameters and clip flags."""
+    from jaxrl4llm.sampling import Rollout
+    from jaxrl4llm.train.batching import rollout_to_batch
+    from jaxrl4llm.train.packing import pack, pack_layout, pack_plan, packed_shardings, to_padded
+    from jaxrl4llm.train.policy import make_logprob_fn
+
+    rng = np.random.default_rng(3)
+    B, P, R, G = 16, 5, 8, 4
+    plen = np.repeat(rng.integers(1, P + 1, B // G), G)
+    prompt_mask = (np.arange(P)[None] >= P - plen[:, None]).astype(np.float32)
+    lengths = rng.integers(0, R + 1, B)
+    response_mask = (np.arange(R)[None] < lengths[:, None]).astype(np.float32)
+    logp = -np.abs(rng.standard_normal((B, R))).astype(np.float32) * response_mask
+    rollout = Rollout(jnp.asarray(rng.integers(1, 64, (B, P)), jnp.int32) * prompt_mask.astype(np.int32),
+                      jnp.asarray(prompt_mask), jnp.asarray(rng.integers(1, 64, (B, R)), jnp.int32),
+                      jnp.asarray(response_mask), jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(lengths, jnp.int32),
+                      jnp.asarray(lengths == R))
+    adv = compute_advantages(jnp.asarray(rng.integers(0, 2, B), jnp.float32), G, DAPO, truncated=rollout.truncated,
+                             lengths=rollout.lengths)
+    batch = rollout_to_batch(rollout, adv)
+    batch = batch._replace(old_logp=batch.old_logp + 0.05 * batch.loss_mask)
+    layout = pack_layout(rows=B, mini_batches=2, shards=4, prompt_width=P, response_width=R, tokens_per_micro_batch=12)
+    plan = pack_plan(plen, lengths, layout, P)
+    logprob_fn = make_logprob_fn(graphdef, 1.0, 8)
+    make = lambda settings: make_update_fn(logprob_fn=logprob_fn, recipe=DAPO, optimizer=opt, schedule=sched,
+                                           settings=settings)
+    padded = jax.jit(make(UpdateSettings(mini_batches=2, micro_batches=2)))(init_train_state(params, opt), batch)
+    with jax.set_mesh(mesh):
+        packed = jax.jit(pack, out_shardings=packed_shardings(mesh))(batch, plan)
+        state = jax.jit(lambda p: init_train_state(p, opt), out_shardings=pinned)(sharded_params)
+        run = jax.jit(make(UpdateSettings(mini_batches=2, packing=layout)),
+                      in_shardings=(pinned, packed_shardings(mesh)), out_shardings=(pinned, None, None))(state, packed)
+    assert packed.input_tokens.sharding.spec[2] is not None, packed.input_tokens.sharding  # rows split over devices
+    for k in padded[1]:
+        np.testing.assert_allclose(padded[1][k], run[1][k], rtol=1e-4, atol=1e-6, err_msg=f"packed {k}")
+    for a, b in zip(jax.tree.leaves(padded[0].params), jax.tree.leaves(run[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+    np.testing.assert_array_equal(to_padded(np.asarray(run[2]), plan, *batch.loss_mask.shape), np.asarray(padded[2]))
 
 
 if __name__ == "__main__":
