@@ -1,0 +1,194 @@
+"""Causal attention within segments, given as ids (never as a [T, T] mask), with one backend per platform.
+
+    out_t = sum_s softmax_s(q_t . k_s / sqrt(Dh) ; s <= t and segment_ids[s] == segment_ids[t]) v_s
+
+One interface for both row layouts of the trainer: packed rows (several sequences per row,
+segment ids 1, 2, 3, ... and 0 on the trailing padding; MaxText's `segmentation`) and
+left-padded rows (segment_ids = attention_mask: 1 real, 0 padding). A token always sees
+itself, so no softmax row is empty: padding tokens produce finite values and gradients.
+
+Backends (`impl`):
+- "xla": block-causal XLA. Query blocks of `block` rows attend only to the keys of their own and
+  earlier blocks (a static prefix per block: the masked upper triangle of blocks is never
+  computed), the [block, prefix] mask is built from the ids inside the block, and each block
+  is rematerialised in backward. Runs everywhere; the CPU default.
+- "splash": `jax.experimental.pallas.ops.tpu.splash_attention` (causal mask + SegmentIds; masked
+  blocks skipped), inside a shard_map over the mesh when one is set. The TPU default.
+- "pallas_gpu": `jax.experimental.pallas.ops.gpu.attention.mha` (Triton flash attention with
+  causal + segment ids). The GPU default.
+- "cudnn": cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) does
+  not take segment ids, only per-row lengths of right-padded rows: refused with an error.
+- "auto": by the platform of the mesh being compiled for (`jax.set_mesh`), else the default backend.
+A Pallas backend forced on a platform that cannot run it natively (splash on CPU) runs the
+kernel in Pallas interpret mode: the kernel's own semantics, slowly (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxrl4llm.models.layers.attention import attend
+from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
+
+ATTENTION_IMPLS = ("auto", "xla", "splash", "pallas_gpu", "cudnn")
+_AUTO = {"tpu": "splash", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+_PAD_SEGMENT = -1  # the segment of the positions a backend pads T with (after every real token)
+_SPLASH_LANES = 128  # splash block sizes are multiples of the TPU lane width
+
+
+def compile_platform() -> str:
+    """The platform being compiled for: the mesh's (`jax.set_mesh(mesh)`, e.g. a TPU topology
+    on this CPU host) when one is set, else `jax.default_backend()` ("cpu", "tpu", "gpu")."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.abstract_device is not None:
+        return mesh.abstract_device.platform
+    return jax.default_backend()
+
+
+def resolve_impl(impl: str) -> str:
+    """"auto" -> the backend of `compile_platform()` (TPU splash, GPU pallas_gpu, else xla);
+    a forced name is returned as is. Unknown names raise ValueError listing the valid ones."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl {impl!r} is unknown; valid: {', '.join(ATTENTION_IMPLS)} "
+                         f"(model.attention_impl)")
+    return _AUTO.get(compile_platform(), "xla") if impl == "auto" else impl
+
+
+def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                             dtype: jnp.dtype, impl: str = "auto", block: int = 512) -> jax.Array:
+    """out_t = softmax_s(q_t . k_s / sqrt(Dh) ; s <= t, segment_ids[s] == segment_ids[t]) v_s.
+
+    Args:
+      q [B, T, H, Dh]; k, v [B, T, KVH, Dh] (RoPE applied; H a multiple of KVH: grouped-query).
+      segment_ids [B, T] int: tokens attend within their segment (packed: 1, 2, ... and 0 on
+        padding; left-padded: the attention mask).
+      dtype: matmul input dtype (bf16 x bf16 -> f32 accumulation); scores and softmax are float32.
+      impl: "auto" | "xla" | "splash" | "pallas_gpu" | "cudnn" (module docstring).
+      block: query/key block size of the "xla" path and the largest kernel block.
+    Returns [B, T, H, Dh] float32. No [B, T, T] array is built by any backend.
+    """
+    b, t, h, dh = q.shape
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != dh or h % k.shape[2]:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected q [B, T, H, Dh] and k, v [B, T, KVH, Dh] "
+                         f"with H a multiple of KVH")
+    if segment_ids.shape != (b, t):
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
+    dtype = jnp.dtype(dtype)
+    segment_ids = segment_ids.astype(jnp.int32)
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return block_causal_attention(q, k, v, segment_ids, dtype=dtype, block=block)
+    if impl == "splash":
+        return _on_mesh(functools.partial(_splash_attention, dtype=dtype, block=block,
+                                          interpret=compile_platform() != "tpu"), q, k, v, segment_ids)
+    if impl == "pallas_gpu":
+        return _on_mesh(functools.partial(_pallas_gpu_attention, dtype=dtype, block=block,
+                                          interpret=compile_platform() not in ("gpu", "cuda", "rocm")),
+                        q, k, v, segment_ids)
+    raise ValueError("attention impl 'cudnn' is not available: cuDNN flash attention takes per-row lengths of "
+                     "right-padded rows, not segment ids (packed or left-padded rows); set "
+                     "model.attention_impl=pallas_gpu (or auto) on GPU")
+
+
+def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                           dtype: jnp.dtype, block: int = 512) -> jax.Array:
+    """The "xla" backend: query block i attends to key blocks 0..i only (static prefix per block).
+
+    q [B, T, H, Dh]; k, v [B, T, KVH, Dh]; segment_ids [B, T]. Returns [B, T, H, Dh] float32.
+    T is padded up to a multiple of `block` (padded positions form their own segment after
+    every real token). Block i builds a [B, block, (i + 1) block] mask from the ids and runs
+    `attention.attend` (GQA heads folded into the matmul rows), rematerialised in backward:
+    about (n + 1) / 2n of the dense scores are computed for n blocks.
+    """
+    b, t, h, dh = q.shape
+    block = min(block, t)
+    n = -(-t // block)
+    pad = n * block - t
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    q, k, v = widen(q), widen(k), widen(v)
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=_PAD_SEGMENT)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, Dh]
+
+    def one_block(lo, q_blk, k_pre, v_pre, seg_blk, seg_pre):
+        hi = k_pre.shape[2]
+        causal = jnp.arange(lo, lo + q_blk.shape[1])[:, None] >= jnp.arange(hi)[None, :]  # [block, hi]
+        mask = causal[None] & (seg_blk[:, :, None] == seg_pre[:, None, :])  # [B, block, hi]
+        return attend(q_blk, k_pre, v_pre, mask, dtype)
+
+    outs = []
+    for i in range(n):
+        lo, hi = i * block, (i + 1) * block
+        fn = jax.checkpoint(functools.partial(one_block, lo))
+        outs.append(fn(q[:, lo:hi], k[:, :, :hi], v[:, :, :hi], segment_ids[:, lo:hi], segment_ids[:, :hi]))
+    return jnp.concatenate(outs, axis=1)[:, :t]
+
+
+def _on_mesh(kernel, q, k, v, segment_ids):
+    """Run a per-device kernel(q, k, v, segment_ids) on the current mesh (`jax.set_mesh`): a
+    shard_map with the batch over the "batch" rule's axes and the heads over "tensor" (the kv
+    heads repeated to H when "tensor" divides H but not KVH). Without a mesh, or already inside
+    a shard_map, the kernel runs directly."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return kernel(q, k, v, segment_ids)
+    b, t, h, _ = q.shape
+    kvh = k.shape[2]
+    heads = logical_to_spec(("heads",), DEFAULT_RULES, shape=(h,), mesh=mesh)[0]
+    if heads is not None and logical_to_spec(("kv_heads",), DEFAULT_RULES, shape=(kvh,), mesh=mesh)[0] != heads:
+        k, v = jnp.repeat(k, h // kvh, axis=2), jnp.repeat(v, h // kvh, axis=2)
+    batch = logical_to_spec(("batch",), DEFAULT_RULES, shape=(b,), mesh=mesh)[0]
+    qkv_spec = PartitionSpec(batch, None, heads, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch, None)),
+                         out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids)
+
+
+def _pad_sequence(q, k, v, segment_ids, multiple: int):
+    """Pad T up to a multiple of `multiple` (padded positions: their own segment, after all real ones)."""
+    t = q.shape[1]
+    pad = -(-t // multiple) * multiple - t
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return widen(q), widen(k), widen(v), jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=_PAD_SEGMENT)
+
+
+def _splash_attention(q, k, v, segment_ids, *, dtype, block: int, interpret: bool):
+    """The "splash" backend on one device's shard: q [B, T, H, Dh], k, v [B, T, KVH, Dh].
+
+    The kernel takes [H, T, Dh] / [KVH, T, Dh] per row (grouped-query heads natively), applies
+    no 1/sqrt(Dh) (q is scaled first) and needs T a multiple of its blocks (padded here).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, h, dh = q.shape
+    blk = min(max(block // _SPLASH_LANES, 1) * _SPLASH_LANES, -(-t // _SPLASH_LANES) * _SPLASH_LANES)
+    q = (q * dh**-0.5).astype(dtype)
+    q, k, v, segment_ids = _pad_sequence(q, k.astype(dtype), v.astype(dtype), segment_ids, blk)
+    tp = q.shape[1]
+    mask = splash.MultiHeadMask([splash.CausalMask((tp, tp)) for _ in range(h)])
+    sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                              block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    heads_major = lambda x: x.transpose(0, 2, 1, 3)
+    out = jax.vmap(kernel)(heads_major(q), heads_major(k), heads_major(v),
+                           splash.SegmentIds(q=segment_ids, kv=segment_ids))  # [B, H, T, Dh]
+    return heads_major(out)[:, :t].astype(jnp.float32)
+
+
+def _pallas_gpu_attention(q, k, v, segment_ids, *, dtype, block: int, interpret: bool):
+    """The "pallas_gpu" backend on one device's shard: Pallas/Triton flash attention (`mha`,
+    causal + segment ids), kv heads repeated to H (the kernel has no grouped-query heads)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    b, t, h, dh = q.shape
+    g = h // k.shape[2]
+    blk = min(block, 128, -(-t // 16) * 16)
+    q, k, v, segment_ids = _pad_sequence(q.astype(dtype), jnp.repeat(k, g, axis=2).astype(dtype),
+                                         jnp.repeat(v, g, axis=2).astype(dtype), segment_ids, blk)
+    sizes = gpu_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=blk, block_kv_dkv=blk, block_q_dq=blk,
+                                     block_kv_dq=blk)
+    out = gpu_attention.mha(q, k, v, segment_ids, sm_scale=dh**-0.5, causal=True, block_sizes=sizes,
+                            interpret=interpret)
+    return out[:, :t].astype(jnp.float32)
