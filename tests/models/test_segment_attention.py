@@ -1,0 +1,196 @@
+"""segment_causal_attention: every backend against a dense masked-softmax reference, on packed,
+left-padded and all-padding rows, values and gradients; "auto" by the compiled-for platform; the
+splash kernel in a program compiled for a TPU topology."""
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxrl4llm.models.config import ConfigError, ModelConfig
+from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, block_causal_attention, resolve_impl,
+                                                       segment_causal_attention)
+
+H, KVH = 4, 2
+
+
+def dense_reference(q, k, v, segment_ids):
+    """softmax over s <= t with equal ids, from the explicit [B, H, T, T] mask (float32, -inf masked)."""
+    t = q.shape[1]
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") / np.sqrt(q.shape[-1])
+    allowed = jnp.tril(jnp.ones((t, t), bool))[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    probs = jax.nn.softmax(jnp.where(allowed[:, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, v, precision="highest")
+
+
+def packed_row(lengths, t):
+    """ids 1, 2, ... over consecutive segments of `lengths`, 0 on the trailing padding."""
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    return np.pad(ids, (0, t - len(ids)))
+
+
+def left_padded_row(pad, t):
+    """The attention mask of a left-padded row: `pad` zeros then ones."""
+    return (np.arange(t) >= pad).astype(np.int32)
+
+
+def qkv(seed, b, t, dh):
+    """q [B, T, H, Dh], k, v [B, T, KVH, Dh] and the loss weights w [B, T, H, Dh], standard normal."""
+    rng = np.random.default_rng(seed)
+    shapes = [(b, t, H, dh), (b, t, KVH, dh), (b, t, KVH, dh), (b, t, H, dh)]
+    return [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in shapes]
+
+
+@functools.lru_cache(maxsize=None)
+def value_and_grads(attention):
+    """jit of (q, k, v, ids, w) -> (out, d sum(out * w) / d(q, k, v)): one compile per attention and shape."""
+    def loss(q, k, v, ids, w):
+        out = attention(q, k, v, ids)
+        return jnp.sum(out * w), out
+    grads = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    return jax.jit(lambda q, k, v, ids, w: grads(q, k, v, ids, w)[::-1])
+
+
+@functools.lru_cache(maxsize=None)
+def attention_of(impl, block, dtype=jnp.float32):
+    return functools.partial(_attention, impl=impl, block=block, dtype=dtype)
+
+
+def _attention(q, k, v, ids, *, impl, block, dtype):
+    return segment_causal_attention(q, k, v, ids, dtype=dtype, impl=impl, block=block)
+
+
+# ---------------------------------------------------------------- xla: a property test against the dense reference
+T_SMALL, BLOCK_SMALL = 44, 16  # 3 key blocks, the last one padded
+
+
+@st.composite
+def segment_row(draw, t=T_SMALL):
+    kind = draw(st.sampled_from(["packed", "left_padded", "all_padding"]))
+    if kind == "left_padded":
+        return left_padded_row(draw(st.integers(0, t)), t)
+    if kind == "all_padding":
+        return np.zeros(t, np.int32)
+    lengths = draw(st.lists(st.integers(1, t), min_size=1, max_size=6))
+    lengths = np.array(lengths)[np.cumsum(lengths) <= t]
+    return packed_row(lengths if len(lengths) else [t], t)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.lists(segment_row(), min_size=2, max_size=2), seed=st.integers(0, 2**16))
+def test_xla_block_causal_equals_the_dense_masked_softmax_values_and_gradients(rows, seed):
+    ids = jnp.asarray(np.stack(rows), jnp.int32)
+    q, k, v, w = qkv(seed, 2, T_SMALL, 8)
+    out, grads = value_and_grads(attention_of("xla", BLOCK_SMALL))(q, k, v, ids, w)
+    ref, ref_grads = value_and_grads(dense_reference)(q, k, v, ids, w)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_xla_path_never_builds_a_t_by_t_array():
+    """Every intermediate of the forward and backward of T = 64 in blocks of 16 is smaller than [T, T]."""
+    t = 64
+    q, k, v, w = qkv(0, 2, t, 8)
+    ids = jnp.ones((2, t), jnp.int32)
+    loss = lambda q, k, v: jnp.sum(block_causal_attention(q, k, v, ids, dtype=jnp.float32, block=16) * w)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (var.aval.shape for var in eqn.outvars if hasattr(var.aval, "shape"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from shapes(sub)
+
+    seen = list(shapes(jaxpr.jaxpr))
+    assert any(s[-2:] == (16, 64) for s in seen)  # the last block's [.., block, T] mask: the walk sees the blocks
+    assert not [s for s in seen if sum(d >= t for d in s) >= 2]
+
+
+# ---------------------------------------------------------------- the kernels (Pallas interpret mode on CPU) == xla
+T_KERNEL = 200  # padded to 256 inside the kernels' wrappers: two splash blocks of 128
+KERNEL_ROWS = np.stack([packed_row([90, 70, 25], T_KERNEL), left_padded_row(57, T_KERNEL), np.zeros(T_KERNEL)])
+
+
+@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+def test_kernel_in_interpret_mode_equals_xla_values_and_gradients(impl):
+    ids = jnp.asarray(KERNEL_ROWS, jnp.int32)
+    q, k, v, w = qkv(1, 3, T_KERNEL, 32)
+    out, grads = value_and_grads(attention_of(impl, 128))(q, k, v, ids, w)
+    ref, ref_grads = value_and_grads(attention_of("xla", 128))(q, k, v, ids, w)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_all_padding_rows_give_finite_values_and_gradients(impl):
+    ids = jnp.zeros((3, T_KERNEL), jnp.int32)
+    q, k, v, w = qkv(2, 3, T_KERNEL, 32)
+    out, grads = value_and_grads(attention_of(impl, 128))(q, k, v, ids, w)
+    assert all(bool(jnp.isfinite(x).all()) for x in (out, *grads))
+
+
+def test_bfloat16_matmuls_stay_close_to_float32():
+    ids = jnp.asarray(KERNEL_ROWS, jnp.int32)
+    q, k, v, _ = qkv(3, 3, T_KERNEL, 32)
+    out = jax.jit(attention_of("xla", 128, jnp.bfloat16))(q, k, v, ids)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, dense_reference(q, k, v, ids), atol=3e-2)
+
+
+# ---------------------------------------------------------------- choosing a backend
+def test_auto_is_xla_on_cpu_and_names_are_validated():
+    assert resolve_impl("auto") == "xla"
+    assert resolve_impl("splash") == "splash"
+    with pytest.raises(ValueError, match="valid: auto, xla, splash, pallas_gpu, cudnn"):
+        resolve_impl("flash")
+    q, k, v, _ = qkv(0, 1, 8, 8)
+    with pytest.raises(ValueError, match="model.attention_impl=pallas_gpu"):
+        segment_causal_attention(q, k, v, jnp.ones((1, 8), jnp.int32), dtype=jnp.float32, impl="cudnn")
+    with pytest.raises(ValueError, match=r"segment_ids \(1, 7\) must be \[B, T\]"):
+        segment_causal_attention(q, k, v, jnp.ones((1, 7), jnp.int32), dtype=jnp.float32)
+
+
+def test_model_config_validates_attention_impl():
+    assert ModelConfig().attention_impl == "auto"
+    assert {ModelConfig(attention_impl=name).attention_impl for name in ATTENTION_IMPLS} == set(ATTENTION_IMPLS)
+    with pytest.raises(ConfigError, match="attention_impl='flash'; choose one of auto, xla, splash, pallas_gpu"):
+        ModelConfig(attention_impl="flash")
+
+
+def tpu_mesh():
+    from jaxrl4llm.plan.programs import topology_mesh
+    try:
+        return topology_mesh("v5e:2x2", data=1, fsdp=2, tensor=2)
+    except ConfigError as e:  # libtpu not installed
+        pytest.skip(str(e))
+
+
+def test_auto_compiles_the_splash_kernel_for_a_tpu_topology():
+    """Under jax.set_mesh(a v5e:2x2 mesh) on this CPU host, "auto" is splash: the forward and
+    gradient compile for the TPU with the kernel (a tpu_custom_call), batch over fsdp, heads over tensor."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = tpu_mesh()
+    b, t, dh = 4, 256, 128
+    spec = lambda shape, pspec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, pspec))
+    args = (spec((b, t, H, dh), P("fsdp", None, "tensor")), spec((b, t, KVH, dh), P("fsdp", None, "tensor")),
+            spec((b, t, KVH, dh), P("fsdp", None, "tensor")),
+            jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P("fsdp"))))
+
+    def loss(q, k, v, ids):
+        return jnp.sum(segment_causal_attention(q, k, v, ids, dtype=jnp.bfloat16) ** 2)
+
+    with jax.set_mesh(mesh):
+        assert resolve_impl("auto") == "splash"
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    hlo = compiled.as_text()
+    assert hlo.count("tpu_custom_call") >= 2  # the forward kernel and the backward (dq, dkv) kernels
