@@ -166,20 +166,22 @@ def test_model_config_validates_attention_impl():
         ModelConfig(attention_impl="flash")
 
 
-def tpu_mesh():
+def topology_mesh_or_skip(topology):
     from jaxrl4llm.plan.programs import topology_mesh
     try:
-        return topology_mesh("v5e:2x2", data=1, fsdp=2, tensor=2)
-    except ConfigError as e:  # libtpu not installed
+        return topology_mesh(topology, data=1, fsdp=2, tensor=2)
+    except ConfigError as e:  # XLA's TPU compiler (libtpu) or CUDA compiler (the gpu extra) not installed
         pytest.skip(str(e))
 
 
-def test_auto_compiles_the_splash_kernel_for_a_tpu_topology():
-    """Under jax.set_mesh(a v5e:2x2 mesh) on this CPU host, "auto" is splash: the forward and
-    gradient compile for the TPU with the kernel (a tpu_custom_call), batch over fsdp, heads over tensor."""
+@pytest.mark.parametrize("topology, impl, kernel", [("v5e:2x2", "splash", "tpu_custom_call"),
+                                                    ("h100:4", "pallas_gpu", "__gpu$xla.gpu.triton")])
+def test_auto_compiles_the_platform_kernel_for_a_topology(topology, impl, kernel):
+    """Under jax.set_mesh(a TPU or GPU topology mesh) on this CPU host, "auto" picks the platform's
+    kernel: the forward and gradient compile with it (batch over fsdp, heads over tensor)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = tpu_mesh()
+    mesh = topology_mesh_or_skip(topology)
     b, t, dh = 4, 256, 128
     spec = lambda shape, pspec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, pspec))
     args = (spec((b, t, H, dh), P("fsdp", None, "tensor")), spec((b, t, KVH, dh), P("fsdp", None, "tensor")),
@@ -190,7 +192,6 @@ def test_auto_compiles_the_splash_kernel_for_a_tpu_topology():
         return jnp.sum(segment_causal_attention(q, k, v, ids, dtype=jnp.bfloat16) ** 2)
 
     with jax.set_mesh(mesh):
-        assert resolve_impl("auto") == "splash"
+        assert resolve_impl("auto") == impl
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-    hlo = compiled.as_text()
-    assert hlo.count("tpu_custom_call") >= 2  # the forward kernel and the backward (dq, dkv) kernels
+    assert compiled.as_text().count(kernel) >= 2  # the forward kernel and the backward kernels
