@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.models.config import ConfigError, ModelConfig
-from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, block_causal_attention, resolve_impl,
-                                                       segment_causal_attention)
+from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, block_causal_attention,
+                                                       kernel_attention_flops, resolve_impl, segment_causal_attention)
 
 H, KVH = 4, 2
 
@@ -164,6 +164,13 @@ def test_model_config_validates_attention_impl():
     assert {ModelConfig(attention_impl=name).attention_impl for name in ATTENTION_IMPLS} == set(ATTENTION_IMPLS)
     with pytest.raises(ConfigError, match="attention_impl='flash'; choose one of auto, xla, splash, pallas_gpu"):
         ModelConfig(attention_impl="flash")
+
+
+def test_kernel_attention_flops_counts_the_blocks_on_and_below_the_diagonal():
+    # T = 1000 in blocks of 512: 2 x 2 blocks, 3 computed; 2 matmuls x 2 FLOPs x 512^2 x 128 each, per row and head
+    assert kernel_attention_flops(2, 1000, 4, 128) == 2 * 4 * 3 * 4 * 512 * 512 * 128
+    assert kernel_attention_flops(2, 1000, 4, 128, backward=True) == 2 * 4 * 3 * 10 * 512 * 512 * 128
+    assert kernel_attention_flops(1, 100, 1, 64) == 4 * 128 * 128 * 64  # one block of 128 lanes
 
 
 def topology_mesh_or_skip(topology):

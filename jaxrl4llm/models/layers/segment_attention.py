@@ -127,6 +127,22 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     return jnp.concatenate(outs, axis=1)[:, :t]
 
 
+def kernel_attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, block: int = 512,
+                           backward: bool = False) -> int:
+    """FLOPs of the causal kernels (splash, pallas_gpu) that XLA's cost analysis cannot see (a
+    custom call counts as no FLOPs): the n (n + 1) / 2 query x key blocks of n = ceil(T / block)
+    on and below the diagonal, 2 matmuls of 2 block^2 Dh FLOPs each per block and query head:
+
+        forward = B H n (n + 1) / 2 * 4 block^2 Dh;  backward = 2.5 forward (scores recomputed,
+        then dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q: 5 matmuls against 2).
+    Segment ids mask inside the blocks and skip none of them.
+    """
+    block = _splash_block(seq, block)
+    n = -(-seq // block)
+    forward = batch * heads * n * (n + 1) // 2 * 4 * block * block * head_dim
+    return int(forward * 2.5) if backward else forward
+
+
 def _on_mesh(kernel, q, k, v, segment_ids):
     """Run a per-device kernel(q, k, v, segment_ids) on the current mesh (`jax.set_mesh`): a
     shard_map with the batch over the "batch" rule's axes and the heads over "tensor" (the kv
@@ -154,6 +170,12 @@ def _pad_sequence(q, k, v, segment_ids, multiple: int):
     return widen(q), widen(k), widen(v), jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=_PAD_SEGMENT)
 
 
+def _splash_block(t: int, block: int) -> int:
+    """The splash block size for rows of T: `block` rounded down to the lane width (128), at most T
+    rounded up to it."""
+    return min(max(block // _SPLASH_LANES, 1) * _SPLASH_LANES, -(-t // _SPLASH_LANES) * _SPLASH_LANES)
+
+
 def _splash_attention(q, k, v, segment_ids, *, dtype, block: int, interpret: bool):
     """The "splash" backend on one device's shard: q [B, T, H, Dh], k, v [B, T, KVH, Dh].
 
@@ -163,7 +185,7 @@ def _splash_attention(q, k, v, segment_ids, *, dtype, block: int, interpret: boo
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, t, h, dh = q.shape
-    blk = min(max(block // _SPLASH_LANES, 1) * _SPLASH_LANES, -(-t // _SPLASH_LANES) * _SPLASH_LANES)
+    blk = _splash_block(t, block)
     q = (q * dh**-0.5).astype(dtype)
     q, k, v, segment_ids = _pad_sequence(q, k.astype(dtype), v.astype(dtype), segment_ids, blk)
     tp = q.shape[1]
