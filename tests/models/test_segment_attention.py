@@ -3,6 +3,10 @@ left-padded and all-padding rows, values and gradients; "auto" by the compiled-f
 splash kernel in a program compiled for a TPU topology."""
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.extend
@@ -202,3 +206,14 @@ def test_auto_compiles_the_platform_kernel_for_a_topology(topology, impl, kernel
         assert resolve_impl("auto") == impl
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     assert compiled.as_text().count(kernel) >= 2  # the forward kernel and the backward kernels
+
+
+def test_splash_in_a_shard_map_over_8_devices_equals_single_device_xla():
+    """splash under jax.set_mesh((data 2, fsdp 2, tensor 2)): batch and heads split by the shard_map,
+    grouped kv heads kept (KVH 2) or repeated (KVH 1): values and gradients."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "tests.models.segment_attention_sharded_main"], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr[-3000:]
