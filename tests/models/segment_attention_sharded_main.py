@@ -1,8 +1,9 @@
 """Run by test_segment_attention.py in a subprocess with 8 simulated CPU devices.
 
-Under jax.set_mesh(a (data=2, fsdp=2, tensor=2) mesh), the splash backend runs in a shard_map (batch over data x fsdp, heads over tensor; with KVH = 1 the kv heads are repeated
-to H first) in Pallas interpret mode (pallas_gpu shares the wrapper): its values and gradients must equal the single-device
-"xla" ones. Prints "OK" on success.
+Under jax.set_mesh(a (data=2, fsdp=2, tensor=2) mesh) the splash backend runs in a shard_map
+(batch over data x fsdp, heads over tensor; with KVH = 1 the kv heads are repeated to H first)
+in Pallas interpret mode (pallas_gpu shares the wrapper): its values and gradients must equal
+the single-device "xla" ones. Prints "OK" on success.
 """
 
 import jax
