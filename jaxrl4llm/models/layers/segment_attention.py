@@ -101,8 +101,9 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     q [B, T, H, Dh]; k, v [B, T, KVH, Dh]; segment_ids [B, T]. Returns [B, T, H, Dh] float32.
     T is padded up to a multiple of `block` (padded positions form their own segment after
     every real token). Block i builds a [B, block, (i + 1) block] mask from the ids and runs
-    `attention.attend` (GQA heads folded into the matmul rows), rematerialised in backward:
-    about (n + 1) / 2n of the dense scores are computed for n blocks.
+    `attention.attend` (GQA heads folded into the matmul rows), rematerialised in backward when
+    n > 1 (the saved scores would otherwise add up to the [T, T] triangle): about (n + 1) / 2n
+    of the dense scores are computed for n blocks.
     """
     b, t, h, dh = q.shape
     block = min(block, t)
@@ -122,7 +123,8 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     outs = []
     for i in range(n):
         lo, hi = i * block, (i + 1) * block
-        fn = jax.checkpoint(functools.partial(one_block, lo))
+        fn = functools.partial(one_block, lo)
+        fn = jax.checkpoint(fn) if n > 1 else fn  # one block: its residuals are [B, H, block, block] already
         outs.append(fn(q[:, lo:hi], k[:, :, :hi], v[:, :, :hi], segment_ids[:, lo:hi], segment_ids[:, :hi]))
     return jnp.concatenate(outs, axis=1)[:, :t]
 
