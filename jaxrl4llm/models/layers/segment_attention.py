@@ -8,10 +8,10 @@ left-padded rows (segment_ids = attention_mask: 1 real, 0 padding). A token alwa
 itself, so no softmax row is empty: padding tokens produce finite values and gradients.
 
 Backends (`impl`):
-- "xla": block-causal XLA. Query blocks of `block` rows attend only to the keys of their own and
-  earlier blocks (a static prefix per block: the masked upper triangle of blocks is never
-  computed), the [block, prefix] mask is built from the ids inside the block, and each block
-  is rematerialised in backward. Runs everywhere; the CPU default.
+- "xla": block-causal flash attention in XLA loops: query block i visits key blocks 0..i only
+  (the masked upper triangle of blocks is never computed), each [block, block] mask built from
+  the ids, online softmax forward and a recomputing custom backward (one score tile live at a
+  time, O(T) residuals). Runs everywhere; the CPU default.
 - "splash": `jax.experimental.pallas.ops.tpu.splash_attention` (causal mask + SegmentIds; masked
   blocks skipped), inside a shard_map over the mesh when one is set. The TPU default.
 - "pallas_gpu": `jax.experimental.pallas.ops.gpu.attention.mha` (Triton flash attention with
@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrl4llm.models.layers.attention import attend
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
 ATTENTION_IMPLS = ("auto", "xla", "splash", "pallas_gpu", "cudnn")
 _AUTO = {"tpu": "splash", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+_MASKED = -1e30  # the score of a masked pair (finite: no inf - inf in the online softmax)
 _PAD_SEGMENT = -1  # the segment of the positions a backend pads T with (after every real token)
 _SPLASH_LANES = 128  # splash block sizes are multiples of the TPU lane width
 
@@ -96,37 +96,109 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
 
 def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                            dtype: jnp.dtype, block: int = 512) -> jax.Array:
-    """The "xla" backend: query block i attends to key blocks 0..i only (static prefix per block).
+    """The "xla" backend: flash attention in XLA loops over the blocks on and below the diagonal.
 
     q [B, T, H, Dh]; k, v [B, T, KVH, Dh]; segment_ids [B, T]. Returns [B, T, H, Dh] float32.
-    T is padded up to a multiple of `block` (padded positions form their own segment after
-    every real token). Block i builds a [B, block, (i + 1) block] mask from the ids and runs
-    `attention.attend` (GQA heads folded into the matmul rows), rematerialised in backward when
-    n > 1 (the saved scores would otherwise add up to the [T, T] triangle): about (n + 1) / 2n
-    of the dense scores are computed for n blocks.
+    T is padded up to n blocks of `block` (padded positions form their own segment after every
+    real token). For query block i a loop runs over key blocks j = 0..i only (the upper
+    triangle of blocks is never computed), each [block, block] mask built from the ids, with the
+    online softmax of FlashAttention (Dao et al. 2022, arXiv 2205.14135):
+        m' = max(m, rowmax S_ij), l' = l e^(m - m') + rowsum e^(S_ij - m'),
+        acc' = acc e^(m - m') + e^(S_ij - m') V_j,  O_i = acc / l,  LSE_i = m + log l.
+    The backward (a custom VJP) recomputes P_ij = e^(S_ij - LSE_i) block by block:
+        dS = P (dO V^T - rowsum(dO O)),  dQ_i += dS K_j,  dK_j += dS^T Q_i,  dV_j += P^T dO_i.
+    Loops, not unrolled blocks, so one [B, H, block, block] score tile is live at a time (XLA may
+    schedule unrolled blocks all at once), and only O(T) residuals (q, k, v, O, LSE) are kept.
+    The G = H / KVH query heads of a kv head share its key tiles ([B, KVH, G, block, Dh]).
     """
     b, t, h, dh = q.shape
+    kvh = k.shape[2]
     block = min(block, t)
     n = -(-t // block)
     pad = n * block - t
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-    q, k, v = widen(q), widen(k), widen(v)
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=_PAD_SEGMENT)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, Dh]
+    qb = widen(q).reshape(b, n, block, kvh, h // kvh, dh).transpose(1, 0, 3, 4, 2, 5)  # [n, B, KVH, G, blk, Dh]
+    kb, vb = (widen(x).reshape(b, n, block, kvh, dh).transpose(1, 0, 3, 2, 4) for x in (k, v))  # [n, B, KVH, blk, Dh]
+    sb = segment_ids.reshape(b, n, block).transpose(1, 0, 2)  # [n, B, blk]
+    out = _flash(qb, kb, vb, sb, jnp.dtype(dtype))  # [n, B, KVH, G, blk, Dh]
+    return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, h, dh)[:, :t]
 
-    def one_block(lo, q_blk, k_pre, v_pre, seg_blk, seg_pre):
-        hi = k_pre.shape[2]
-        causal = jnp.arange(lo, lo + q_blk.shape[1])[:, None] >= jnp.arange(hi)[None, :]  # [block, hi]
-        mask = causal[None] & (seg_blk[:, :, None] == seg_pre[:, None, :])  # [B, block, hi]
-        return attend(q_blk, k_pre, v_pre, mask, dtype)
 
-    outs = []
-    for i in range(n):
-        lo, hi = i * block, (i + 1) * block
-        fn = functools.partial(one_block, lo)
-        fn = jax.checkpoint(fn) if n > 1 else fn  # one block: its residuals are [B, H, block, block] already
-        outs.append(fn(q[:, lo:hi], k[:, :, :hi], v[:, :, :hi], segment_ids[:, lo:hi], segment_ids[:, :hi]))
-    return jnp.concatenate(outs, axis=1)[:, :t]
+def _mm(spec: str, x: jax.Array, y: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """einsum of x and y cast to `dtype`, accumulated and returned in float32 (as linear.einsum)."""
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), preferred_element_type=jnp.float32, precision=precision)
+
+
+def _tile_mask(sb: jax.Array, i, j) -> jax.Array:
+    """May query block i see key block j: [B, 1, 1, blk, blk] (same segment, key position <= query position)."""
+    blk = sb.shape[-1]
+    causal = (i * blk + jnp.arange(blk))[:, None] >= (j * blk + jnp.arange(blk))[None, :]
+    return (causal[None] & (sb[i][:, :, None] == sb[j][:, None, :]))[:, None, None]
+
+
+def _flash_forward(qb, kb, vb, sb, dtype):
+    """(O [n, B, KVH, G, blk, Dh], LSE [n, B, KVH, G, blk]) of `block_causal_attention`."""
+    scale = qb.shape[-1] ** -0.5
+
+    def query_block(i):
+        q_i = qb[i]
+
+        def key_block(j, carry):
+            m, l, acc = carry
+            allowed = _tile_mask(sb, i, j)
+            s = jnp.where(allowed, _mm("bkgqd,bksd->bkgqs", q_i, kb[j], dtype) * scale, _MASKED)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
+            correction = jnp.exp(m - m_new)
+            return m_new, l * correction + p.sum(-1), acc * correction[..., None] + _mm("bkgqs,bksd->bkgqd", p, vb[j],
+                                                                                        dtype)
+
+        m0 = jnp.full(q_i.shape[:-1], _MASKED, jnp.float32)
+        m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, (m0, jnp.zeros_like(m0), jnp.zeros(q_i.shape, jnp.float32)))
+        return acc / l[..., None], m + jnp.log(l)  # l >= 1: a token always sees itself
+
+    return jax.lax.map(query_block, jnp.arange(qb.shape[0]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(qb, kb, vb, sb, dtype):
+    return _flash_forward(qb, kb, vb, sb, dtype)[0]
+
+
+def _flash_fwd(qb, kb, vb, sb, dtype):
+    out, lse = _flash_forward(qb, kb, vb, sb, dtype)
+    return out, (qb, kb, vb, sb, out, lse)
+
+
+def _flash_bwd(dtype, residuals, d_out):
+    qb, kb, vb, sb, out, lse = residuals
+    scale = qb.shape[-1] ** -0.5
+    delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO O) [n, B, KVH, G, blk]
+
+    def query_block(carry, i):
+        q_i, do_i, lse_i, delta_i = qb[i], d_out[i], lse[i], delta[i]
+
+        def key_block(j, c):
+            dq_i, dk, dv = c
+            s = _mm("bkgqd,bksd->bkgqs", q_i, kb[j], dtype) * scale
+            p = jnp.where(_tile_mask(sb, i, j), jnp.exp(s - lse_i[..., None]), 0.0)
+            ds = p * (_mm("bkgqd,bksd->bkgqs", do_i, vb[j], dtype) - delta_i[..., None])
+            dq_i = dq_i + _mm("bkgqs,bksd->bkgqd", ds, kb[j], dtype) * scale
+            dk = dk.at[j].add(_mm("bkgqs,bkgqd->bksd", ds, q_i, dtype) * scale)
+            dv = dv.at[j].add(_mm("bkgqs,bkgqd->bksd", p, do_i, dtype))
+            return dq_i, dk, dv
+
+        dq_i, dk, dv = jax.lax.fori_loop(0, i + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *carry))
+        return (dk, dv), dq_i
+
+    zeros = jnp.zeros(kb.shape, jnp.float32)
+    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(qb.shape[0]))
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def kernel_attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, block: int = 512,
