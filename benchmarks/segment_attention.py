@@ -1,13 +1,13 @@
 """One attention layer's forward + backward on this CPU: the block-causal "xla" backend of
-`segment_causal_attention` (segment ids, no [T, T] mask) against today's dense masked attention
-(`attention.dot_product_attention` on a [B, T, T] mask, in query chunks of 1024), same run.
+`segment_causal_attention` (segment ids, flash attention in XLA loops) against today's dense masked
+attention (`attention.dot_product_attention` on a [B, T, T] mask, in query chunks of 1024), same run.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/segment_attention.py [--rows 2] [--lengths 1024,2048,4096]
         [--blocks 256,512,1024] [--reps 3]
 
 Heads as vs_trl.py's 48M Qwen3 (H 8, KVH 4, Dh 64), bf16 matmul inputs. The loss is sum(out * w)
 and its gradient with respect to q, k, v. Per row length: the median wall seconds of each side
-and the ratio dense / block-causal (> 1: the new path is faster). The segment layout does not
+and the ratio dense / block-causal (> 1: the new path is faster), and XLA's temporaries. The segment layout does not
 change the block-causal cost (its blocks are static); the rows here are packed with 3 segments.
 """
 
@@ -28,6 +28,11 @@ from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_a
 from jaxrl4llm.models.layers.segment_attention import segment_causal_attention  # noqa: E402
 
 H, KVH, DH = 8, 4, 64
+
+
+def temp_mib(fn, args) -> float:
+    """XLA's temporary bytes of the compiled program, MiB."""
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
 def median_seconds(fn, args, reps: int) -> float:
@@ -62,12 +67,13 @@ def main() -> None:
 
         grad = lambda attention: jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, ids) * w), (0, 1, 2)))
         base = median_seconds(grad(dense), (q, k, v), args.reps)
-        line = f"T {t:5d}: dense (query chunks of 1024) {base:.3f} s"
+        line = f"T {t:5d}: dense (query chunks of 1024) {base:.3f} s, {temp_mib(grad(dense), (q, k, v)):.0f} MiB"
         for block in (int(x) for x in args.blocks.split(",")):
             attention = lambda q, k, v, ids, block=block: segment_causal_attention(q, k, v, ids, dtype=dtype,
                                                                                    impl="xla", block=block)
             ours = median_seconds(grad(attention), (q, k, v), args.reps)
-            line += f" | block-causal {block}: {ours:.3f} s ({base / ours:.2f}x)"
+            mib = temp_mib(grad(attention), (q, k, v))
+            line += f" | block-causal {block}: {ours:.3f} s ({base / ours:.2f}x), {mib:.0f} MiB"
         print(line, flush=True)
 
 
