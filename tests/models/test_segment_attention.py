@@ -13,11 +13,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.models.config import ConfigError, ModelConfig
-from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, block_causal_attention,
+from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, block_causal_attention, first_key_blocks,
                                                        kernel_attention_flops, resolve_impl, segment_causal_attention)
 
 H, KVH = 4, 2
@@ -89,6 +89,7 @@ def segment_row(draw, t=T_SMALL):
 
 @settings(max_examples=20, deadline=None)
 @given(rows=st.lists(segment_row(), min_size=2, max_size=2), seed=st.integers(0, 2**16))
+@example(rows=[packed_row([20, 24], T_SMALL), packed_row([18, 20], T_SMALL)], seed=0)  # block 2 skips key block 0
 def test_xla_block_causal_equals_the_dense_masked_softmax_values_and_gradients(rows, seed):
     ids = jnp.asarray(np.stack(rows), jnp.int32)
     q, k, v, w = qkv(seed, 2, T_SMALL, 8)
@@ -116,6 +117,17 @@ def test_xla_path_never_builds_a_t_by_t_array():
     seen = list(shapes(jaxpr.jaxpr))
     assert (2, KVH, H // KVH, 16, 16) in seen  # a [B, KVH, G, block, block] score tile: the walk sees the loops
     assert not [s for s in seen if sum(d >= t for d in s) >= 2]
+
+
+def test_first_key_blocks_is_where_the_segments_of_a_query_block_begin():
+    packed = packed_row([5, 6, 3], 16)  # segments start at 0, 5, 11; padding at 14: blocks of 4 start at 0, 0, 1, 2
+    left = left_padded_row(6, 16)  # padding from 0, the sequence from 6: 0, 0, 1, 1
+    recurring = np.tile([1, 1, 2, 2], 4)  # ids 1 and 2 recur along the row: every query may see block 0
+    first = lambda *rows: first_key_blocks(jnp.asarray(np.stack(rows), jnp.int32), 4).tolist()
+    assert first(packed) == [0, 0, 1, 2]
+    assert first(left) == [0, 0, 1, 1]
+    assert first(packed, left) == [0, 0, 1, 1]  # one loop serves all rows: the earliest row's start
+    assert first(recurring) == [0, 0, 0, 0]
 
 
 # ---------------------------------------------------------------- the kernels (Pallas interpret mode on CPU) == xla

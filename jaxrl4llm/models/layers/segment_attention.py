@@ -100,9 +100,10 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
 
     q [B, T, H, Dh]; k, v [B, T, KVH, Dh]; segment_ids [B, T]. Returns [B, T, H, Dh] float32.
     T is padded up to n blocks of `block` (padded positions form their own segment after every
-    real token). For query block i a loop runs over key blocks j = 0..i only (the upper
-    triangle of blocks is never computed), each [block, block] mask built from the ids, with the
-    online softmax of FlashAttention (Dao et al. 2022, arXiv 2205.14135):
+    real token). For query block i a loop runs over key blocks j = first_key_blocks[i]..i only:
+    neither the upper triangle of blocks nor the blocks before the segments of block i's queries
+    begin are computed (packed rows of short sequences skip most of the triangle). Each
+    [block, block] mask is built from the ids, with the online softmax of FlashAttention (Dao et al. 2022, arXiv 2205.14135):
         m' = max(m, rowmax S_ij), l' = l e^(m - m') + rowsum e^(S_ij - m'),
         acc' = acc e^(m - m') + e^(S_ij - m') V_j,  O_i = acc / l,  LSE_i = m + log l.
     The backward (a custom VJP) recomputes P_ij = e^(S_ij - LSE_i) block by block:
@@ -121,8 +122,26 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     qb = widen(q).reshape(b, n, block, kvh, h // kvh, dh).transpose(1, 0, 3, 4, 2, 5)  # [n, B, KVH, G, blk, Dh]
     kb, vb = (widen(x).reshape(b, n, block, kvh, dh).transpose(1, 0, 3, 2, 4) for x in (k, v))  # [n, B, KVH, blk, Dh]
     sb = segment_ids.reshape(b, n, block).transpose(1, 0, 2)  # [n, B, blk]
-    out = _flash(qb, kb, vb, sb, jnp.dtype(dtype))  # [n, B, KVH, G, blk, Dh]
+    out = _flash(qb, kb, vb, sb, first_key_blocks(segment_ids, block), jnp.dtype(dtype))  # [n, B, KVH, G, blk, Dh]
     return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, h, dh)[:, :t]
+
+
+def first_key_blocks(segment_ids: jax.Array, block: int) -> jax.Array:
+    """first[i] = min over rows b and queries t of block i of (first position of segment_ids[b, t]
+    in row b) // block: no query of block i sees a key before block first[i].
+
+    segment_ids [B, T] (T a multiple of `block`) -> [T / block] int32. Exact for any layout (a
+    segment id may recur anywhere in its row): the first position of each token's id comes from a
+    stable sort of the row's ids.
+    """
+    b, t = segment_ids.shape
+    order = jnp.argsort(segment_ids, axis=1, stable=True)  # positions grouped by id, ascending within an id
+    ids = jnp.take_along_axis(segment_ids, order, axis=1)
+    new_id = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    group_start = jax.lax.cummax(jnp.where(new_id, jnp.arange(t), 0), axis=1)
+    first_sorted = jnp.take_along_axis(order, group_start, axis=1)  # the smallest position of each id
+    first = jnp.take_along_axis(first_sorted, jnp.argsort(order, axis=1), axis=1)  # [B, T], back in row order
+    return (first.reshape(b, t // block, block).min(axis=(0, 2)) // block).astype(jnp.int32)
 
 
 def _mm(spec: str, x: jax.Array, y: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -138,7 +157,7 @@ def _tile_mask(sb: jax.Array, i, j) -> jax.Array:
     return (causal[None] & (sb[i][:, :, None] == sb[j][:, None, :]))[:, None, None]
 
 
-def _flash_forward(qb, kb, vb, sb, dtype):
+def _flash_forward(qb, kb, vb, sb, first, dtype):
     """(O [n, B, KVH, G, blk, Dh], LSE [n, B, KVH, G, blk]) of `block_causal_attention`."""
     scale = qb.shape[-1] ** -0.5
 
@@ -156,24 +175,25 @@ def _flash_forward(qb, kb, vb, sb, dtype):
                                                                                         dtype)
 
         m0 = jnp.full(q_i.shape[:-1], _MASKED, jnp.float32)
-        m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, (m0, jnp.zeros_like(m0), jnp.zeros(q_i.shape, jnp.float32)))
+        m, l, acc = jax.lax.fori_loop(first[i], i + 1, key_block,
+                                      (m0, jnp.zeros_like(m0), jnp.zeros(q_i.shape, jnp.float32)))
         return acc / l[..., None], m + jnp.log(l)  # l >= 1: a token always sees itself
 
     return jax.lax.map(query_block, jnp.arange(qb.shape[0]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(qb, kb, vb, sb, dtype):
-    return _flash_forward(qb, kb, vb, sb, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(qb, kb, vb, sb, first, dtype):
+    return _flash_forward(qb, kb, vb, sb, first, dtype)[0]
 
 
-def _flash_fwd(qb, kb, vb, sb, dtype):
-    out, lse = _flash_forward(qb, kb, vb, sb, dtype)
-    return out, (qb, kb, vb, sb, out, lse)
+def _flash_fwd(qb, kb, vb, sb, first, dtype):
+    out, lse = _flash_forward(qb, kb, vb, sb, first, dtype)
+    return out, (qb, kb, vb, sb, first, out, lse)
 
 
 def _flash_bwd(dtype, residuals, d_out):
-    qb, kb, vb, sb, out, lse = residuals
+    qb, kb, vb, sb, first, out, lse = residuals
     scale = qb.shape[-1] ** -0.5
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO O) [n, B, KVH, G, blk]
 
@@ -190,12 +210,12 @@ def _flash_bwd(dtype, residuals, d_out):
             dv = dv.at[j].add(_mm("bkgqs,bkgqd->bksd", p, do_i, dtype))
             return dq_i, dk, dv
 
-        dq_i, dk, dv = jax.lax.fori_loop(0, i + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *carry))
+        dq_i, dk, dv = jax.lax.fori_loop(first[i], i + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *carry))
         return (dk, dv), dq_i
 
     zeros = jnp.zeros(kb.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(qb.shape[0]))
-    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
