@@ -3,12 +3,13 @@
 attention (`attention.dot_product_attention` on a [B, T, T] mask, in query chunks of 1024), same run.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/segment_attention.py [--rows 2] [--lengths 1024,2048,4096]
-        [--blocks 256,512,1024] [--reps 3]
+        [--blocks 256,512,1024] [--segment-tokens 256] [--reps 3]
 
 Heads as vs_trl.py's 48M Qwen3 (H 8, KVH 4, Dh 64), bf16 matmul inputs. The loss is sum(out * w)
-and its gradient with respect to q, k, v. Per row length: the median wall seconds of each side
-and the ratio dense / block-causal (> 1: the new path is faster), and XLA's temporaries. The segment layout does not
-change the block-causal cost (its blocks are static); the rows here are packed with 3 segments.
+and its gradient with respect to q, k, v. Per row length: the median wall seconds of each side,
+the ratio dense / block-causal (> 1: the new path is faster), and XLA's temporaries. Rows are
+packed with 3 sequences (T/2, T/4, T/4) or, with --segment-tokens, with sequences of that many
+tokens: the block-causal path then also skips the key blocks before each query block's sequences.
 """
 
 from __future__ import annotations
@@ -50,16 +51,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--lengths", default="1024,2048,4096")
     ap.add_argument("--blocks", default="512")
+    ap.add_argument("--segment-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     dtype = jnp.bfloat16
-    print(f"rows {args.rows}, H {H}, KVH {KVH}, Dh {DH}, bf16 matmuls; seconds of forward + backward (median of "
-          f"{args.reps})")
+    layout = f"sequences of {args.segment_tokens} tokens" if args.segment_tokens else "3 sequences (T/2, T/4, T/4)"
+    print(f"rows {args.rows} packed with {layout}, H {H}, KVH {KVH}, Dh {DH}, bf16 matmuls; seconds of forward + "
+          f"backward (median of {args.reps})")
     for t in (int(x) for x in args.lengths.split(",")):
         rng = np.random.default_rng(0)
         q, w = (jnp.asarray(rng.standard_normal((args.rows, t, H, DH)), jnp.float32) for _ in range(2))
         k, v = (jnp.asarray(rng.standard_normal((args.rows, t, KVH, DH)), jnp.float32) for _ in range(2))
-        ids = jnp.asarray(np.tile(np.repeat([1, 2, 3], [t // 2, t // 4, t - t // 2 - t // 4]), (args.rows, 1)))
+        lengths = [t // 2, t // 4, t - t // 2 - t // 4] if not args.segment_tokens else \
+            [args.segment_tokens] * (t // args.segment_tokens) + [t % args.segment_tokens]
+        ids = jnp.asarray(np.tile(np.repeat(np.arange(1, len(lengths) + 1), lengths), (args.rows, 1)))
 
         def dense(q, k, v, ids):
             mask = causal_padding_mask(jnp.ones_like(ids)) & (ids[:, :, None] == ids[:, None, :])
