@@ -8,12 +8,13 @@ left-padded rows (segment_ids = attention_mask: 1 real, 0 padding). A token alwa
 itself, so no softmax row is empty: padding tokens produce finite values and gradients.
 
 Backends (`impl`):
-- "xla": block-causal flash attention in XLA loops: query block i visits key blocks 0..i only
-  (the masked upper triangle of blocks is never computed), each [block, block] mask built from
-  the ids, online softmax forward and a recomputing custom backward (one score tile live at a
-  time, O(T) residuals). Runs everywhere; the CPU default.
-- "splash": `jax.experimental.pallas.ops.tpu.splash_attention` (causal mask + SegmentIds; masked
-  blocks skipped), inside a shard_map over the mesh when one is set. The TPU default.
+- "xla": block-causal flash attention in XLA loops: query block i visits key blocks from the one
+  where its queries' segments begin up to i only (the upper triangle of blocks, and in packed
+  rows the blocks of earlier sequences, are never computed), each [block, block] mask built
+  from the ids, online softmax forward and a recomputing custom backward (one score tile live
+  at a time, O(T) residuals). Runs everywhere; the CPU default.
+- "splash": `jax.experimental.pallas.ops.tpu.splash_attention` (causal mask + SegmentIds; the
+  causally masked blocks skipped), inside a shard_map over the mesh when one is set. The TPU default.
 - "pallas_gpu": `jax.experimental.pallas.ops.gpu.attention.mha` (Triton flash attention with
   causal + segment ids). The GPU default.
 - "cudnn": cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) does
@@ -103,7 +104,8 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     real token). For query block i a loop runs over key blocks j = first_key_blocks[i]..i only:
     neither the upper triangle of blocks nor the blocks before the segments of block i's queries
     begin are computed (packed rows of short sequences skip most of the triangle). Each
-    [block, block] mask is built from the ids, with the online softmax of FlashAttention (Dao et al. 2022, arXiv 2205.14135):
+    [block, block] mask is built from the ids, with the online softmax of FlashAttention
+    (Dao et al. 2022, arXiv 2205.14135):
         m' = max(m, rowmax S_ij), l' = l e^(m - m') + rowsum e^(S_ij - m'),
         acc' = acc e^(m - m') + e^(S_ij - m') V_j,  O_i = acc / l,  LSE_i = m + log l.
     The backward (a custom VJP) recomputes P_ij = e^(S_ij - LSE_i) block by block:
