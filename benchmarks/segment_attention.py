@@ -50,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--lengths", default="1024,2048,4096")
-    ap.add_argument("--blocks", default="512")
+    ap.add_argument("--blocks", default="128,256")
     ap.add_argument("--segment-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()

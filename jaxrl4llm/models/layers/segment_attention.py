@@ -36,6 +36,7 @@ from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
 ATTENTION_IMPLS = ("auto", "xla", "splash", "pallas_gpu", "cudnn")
 _AUTO = {"tpu": "splash", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+DEFAULT_BLOCKS = {"xla": 128, "splash": 512, "pallas_gpu": 128}
 _MASKED = -1e30  # the score of a masked pair (finite: no inf - inf in the online softmax)
 _PAD_SEGMENT = -1  # the segment of the positions a backend pads T with (after every real token)
 _SPLASH_LANES = 128  # splash block sizes are multiples of the TPU lane width
@@ -60,7 +61,7 @@ def resolve_impl(impl: str) -> str:
 
 
 def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                             dtype: jnp.dtype, impl: str = "auto", block: int = 512) -> jax.Array:
+                             dtype: jnp.dtype, impl: str = "auto", block: int | None = None) -> jax.Array:
     """out_t = softmax_s(q_t . k_s / sqrt(Dh) ; s <= t, segment_ids[s] == segment_ids[t]) v_s.
 
     Args:
@@ -69,7 +70,9 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
         padding; left-padded: the attention mask).
       dtype: matmul input dtype (bf16 x bf16 -> f32 accumulation); scores and softmax are float32.
       impl: "auto" | "xla" | "splash" | "pallas_gpu" | "cudnn" (module docstring).
-      block: query/key block size of the "xla" path and the largest kernel block.
+      block: query/key block size of the "xla" path and the largest kernel block; None: the
+        backend's default (`DEFAULT_BLOCKS`: xla 128, the fastest measured on CPU by
+        benchmarks/segment_attention.py; splash 512, MaxText's; pallas_gpu 128).
     Returns [B, T, H, Dh] float32. No [B, T, T] array is built by any backend.
     """
     b, t, h, dh = q.shape
@@ -81,6 +84,7 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
     dtype = jnp.dtype(dtype)
     segment_ids = segment_ids.astype(jnp.int32)
     impl = resolve_impl(impl)
+    block = block or DEFAULT_BLOCKS.get(impl, 128)
     if impl == "xla":
         return block_causal_attention(q, k, v, segment_ids, dtype=dtype, block=block)
     if impl == "splash":
@@ -96,7 +100,7 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
 
 
 def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                           dtype: jnp.dtype, block: int = 512) -> jax.Array:
+                           dtype: jnp.dtype, block: int = 128) -> jax.Array:
     """The "xla" backend: flash attention in XLA loops over the blocks on and below the diagonal.
 
     q [B, T, H, Dh]; k, v [B, T, KVH, Dh]; segment_ids [B, T]. Returns [B, T, H, Dh] float32.
