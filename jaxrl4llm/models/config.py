@@ -14,6 +14,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
+from jaxrl4llm.models.layers.segment_attention import ATTENTION_IMPLS
 from jaxrl4llm.models.remat import REMAT_POLICIES
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
@@ -70,6 +71,9 @@ class ModelConfig:
         "save_dots"; models/remat.py).
     attention_query_chunk: sequences longer than this attend in blocks of this many queries
       (bounds the [B, H, T, T] score memory of training/scoring; None = never).
+    attention_impl: the backend of segment-id attention (models/layers/segment_attention.py):
+      "auto" (by platform: TPU splash, GPU pallas_gpu, CPU xla) or one forced: "xla", "splash",
+      "pallas_gpu", "cudnn".
     """
 
     architecture: str = "qwen3"
@@ -96,6 +100,7 @@ class ModelConfig:
     remat: bool = False
     remat_policy: str = "full"
     attention_query_chunk: int | None = 1024
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):  # jnp.bfloat16 / np.dtype / "bfloat16" all name the same dtype
@@ -112,6 +117,9 @@ class ModelConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"remat_policy={self.remat_policy!r}; choose one of {', '.join(REMAT_POLICIES)} "
                               f"(models/remat.py)")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"attention_impl={self.attention_impl!r}; choose one of {', '.join(ATTENTION_IMPLS)} "
+                              f"(models/layers/segment_attention.py)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         for name in ("dtype", "param_dtype"):
