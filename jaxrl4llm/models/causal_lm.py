@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 from jaxrl4llm.core.logprobs import token_logprobs_from_head
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
+from jaxrl4llm.models.layers.segment_attention import segment_causal_attention
 from jaxrl4llm.models.layers.decoder import DecoderLayer
 from jaxrl4llm.models.layers.linear import (Linear, LoraSettings, current_dropout_key, einsum, lora_dropout,
                                             normal_init, param)
@@ -97,7 +98,8 @@ class CausalLM(nnx.Module):
     def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                       attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
                       ) -> Float[Array, "B T D"]:
-        """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real).
+        """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real), by
+        `segment_causal_attention` (`config.attention_impl`; never a [T, T] mask).
 
         segment_ids: packed rows (train/packing.py): several sequences in a row, token t attends
         to s <= t of its own segment only (ids 1, 2, ...; 0 = padding); positions restart in
@@ -105,11 +107,10 @@ class CausalLM(nnx.Module):
         at every layer boundary to rows split over (data, fsdp) (`sharding.constrain`)."""
         c = self.config
         cos, sin = rope_tables(c, positions)
-        mask = causal_padding_mask(attention_mask)
-        if segment_ids is not None:
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask, jnp.dtype(c.dtype),
-                                                        query_chunk=c.attention_query_chunk), None)
+        # left-padded rows are segments too: 1 real, 0 padding (a pad token sees only pads)
+        ids = (attention_mask > 0).astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        attend = lambda q, k, v: (segment_causal_attention(q, k, v, ids, dtype=jnp.dtype(c.dtype),
+                                                           impl=c.attention_impl), None)
 
         def layer_fn(layer, x, key):
             with lora_dropout(key):

@@ -96,7 +96,7 @@ def plan_model_config(cfg: RunConfig):
     m = cfg.model
     if m.path and (Path(m.path) / "config.json").is_file():
         return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                                                remat_policy=m.remat_policy)
+                                                remat_policy=m.remat_policy, attention_impl=m.attention_impl)
     if m.vocab_size is None:
         raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
                           "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
@@ -106,7 +106,8 @@ def plan_model_config(cfg: RunConfig):
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
         attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
         max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
-        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_policy=m.remat_policy)
+        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_policy=m.remat_policy,
+        attention_impl=m.attention_impl)
 
 
 # ---------------------------------------------------------------------------- per-chip bytes

@@ -67,6 +67,9 @@ class ModelConfigSection:
     # what a rematerialised layer keeps for the backward (models/remat.py): "full" keeps nothing
     # (least memory), "save_dots" every matmul output (least recompute), "save_attention" between
     remat_policy: Literal["full", "save_attention", "save_dots"] = "full"
+    # the training forward's attention (models/layers/segment_attention.py): auto = by platform
+    # (TPU splash kernel, GPU Pallas flash attention, CPU block-causal XLA), or force one
+    attention_impl: Literal["auto", "xla", "splash", "pallas_gpu"] = "auto"
     # positions per LM-head chunk when scoring: a chunk's logits hold rows x chunk x vocab floats
     # (64 rows x 64 x 32k vocab = 0.5 GiB); measured on a 48M model, 64 rows x 255 tokens, remat:
     # update temporaries 1.95 GiB at 64 against 2.57 GiB at 256

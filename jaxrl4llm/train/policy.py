@@ -194,7 +194,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         if not Path(m.path).is_dir():
             raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a local Hugging Face checkpoint (config.json + *.safetensors).")
         model = load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat,
-                                remat_policy=m.remat_policy)
+                                remat_policy=m.remat_policy, attention_impl=m.attention_impl)
         model_config = model.config
         graphdef, state = nnx.split(model)
         tokenizer = load_tokenizer(m.tokenizer or m.path)
@@ -211,7 +211,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
                 attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
                 rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                remat_policy=m.remat_policy,
+                remat_policy=m.remat_policy, attention_impl=m.attention_impl,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             )
             graphdef, state = init_model(model_config, rng)
