@@ -157,7 +157,8 @@ class ProgramPlan:
     error: str = ""
     resident_bytes: int = 0  # the train state's bytes that stay in HBM beside the program (not its arguments)
     runs: float = 1.0  # how many times a step runs it (the sampler: once per chunk)
-    flops: float = 0.0  # XLA's count per chip per run, every loop body times its trips
+    flops: float = 0.0  # XLA's count per chip per run, every loop body times its trips (+ kernel_flops)
+    kernel_flops: float = 0.0  # what XLA cannot count: the attention kernels' custom calls (Pallas), per run
     hbm_bytes: float = 0.0  # bytes per chip per run to and from HBM (XLA's "bytes accessed", trips counted)
     collective_bytes: float = 0.0  # bytes a chip sends over its links per run (ring model)
     collectives: float = 0.0  # collective ops per run
@@ -201,10 +202,10 @@ class ProgramPlan:
 
     def price(self, cost: ProgramCost, chip: ChipSpec) -> None:
         """Sets the per-run figures from `cost` on `chip`."""
-        self.flops, self.hbm_bytes = cost.flops, cost.hbm_bytes
+        self.flops, self.hbm_bytes = cost.flops + self.kernel_flops, cost.hbm_bytes
         self.collective_bytes, self.collectives = cost.collective_bytes, cost.collectives
         self.once_counted_flops = cost.once_counted_flops
-        self.compute_seconds = cost.flops / chip.peak_flops
+        self.compute_seconds = self.flops / chip.peak_flops
         self.memory_seconds = cost.hbm_bytes / chip.hbm_bandwidth
         self.collective_seconds = cost.collective_bytes / chip.ici_bandwidth if cost.collective_bytes else 0.0
         self.overlap = chip.overlap
@@ -263,6 +264,7 @@ class RunPlan:
     decode: dict | None = dataclasses.field(default=None, repr=False)  # what `with_lengths` needs to re-price decode
     trainer_positions: float = 0.0  # positions one trainer pass runs through the stack (all chips)
     packing: Any = None  # trainer.packing: the PackLayout the trainer programs were compiled for, or None
+    attention_kernel: dict | None = None  # a Pallas attention kernel's FLOPs per micro-batch (`kernel_flops`)
     trainer_hlo_flops: dict = dataclasses.field(default_factory=dict, repr=False)  # 2N/6N per position, by program
 
     @property
@@ -440,6 +442,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
     tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass (at most)
+    kernel = attention_kernel_flops(config, mesh, per_chip_rows, seq, remat=config.remat,
+                                    epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
     plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(
                              logprob_fn, micro, None if layout else response_len, group)).lower(params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
@@ -448,6 +452,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1  # as the loop's setup_run
     old_pass = cfg.trainer.old_logp_source == "recompute" and not single_step
     plan_l.runs = int(old_pass) + int(cfg.trainer.reference_model or recipe.kl_coef > 0)  # pi_old, pi_ref
+    plan_l.kernel_flops = kernel_flops_of(kernel, "logprob pass", micro)
     price(plan_l, compiled_l)
     programs.append(plan_l)
     settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
@@ -466,15 +471,47 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                           "activations": (residuals + saved if config.remat else 3 * residuals) + 2 * layer_work + head_work
                           + 2 * attention_work},
                          6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh, log)
+    plan_u.kernel_flops = kernel_flops_of(kernel, "update", micro)
     price(plan_u, compiled_u)
     programs.append(plan_u)
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
         p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
     plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
-                   chips=mesh.size, decode=decode, trainer_positions=tokens, packing=layout,
+                   chips=mesh.size, decode=decode, trainer_positions=tokens, packing=layout, attention_kernel=kernel,
                    trainer_hlo_flops={"logprob pass": 2 * config.num_params / mesh.size,
                                       "update": 6 * config.num_params * cfg.trainer.ppo_epochs / mesh.size})
     return with_lengths(plan, lengths, prompt_tokens)
+
+
+def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *, remat: bool, epochs: int,
+                           minis: int) -> dict | None:
+    """The FLOPs per chip and micro-batch of the training attention when the model's
+    `attention_impl` resolves to a Pallas kernel on `mesh` (splash on TPU, Triton flash on GPU):
+    XLA's cost analysis counts a custom call as no FLOPs, so the meter adds them
+    (`segment_attention.kernel_attention_flops`, every layer). None on the XLA path."""
+    from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_attention_flops, resolve_impl
+
+    with jax.set_mesh(mesh):
+        impl = resolve_impl(config.attention_impl)
+    if impl not in ("splash", "pallas_gpu"):
+        return None
+    tp = mesh.shape["tensor"]
+    heads = config.num_heads // tp if config.num_heads % tp == 0 else config.num_heads
+    per = lambda backward: config.num_layers * kernel_attention_flops(
+        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward)
+    return dict(impl=impl, forward=per(False), backward=per(True), remat=remat, epochs=epochs, minis=minis)
+
+
+def kernel_flops_of(kernel: dict | None, program: str, micro: float) -> float:
+    """A trainer program's attention-kernel FLOPs per chip per run, `micro` micro-batches a
+    mini-batch: the log-prob pass runs the forward, the update forward (twice under remat) and
+    backward, every epoch."""
+    if kernel is None:
+        return 0.0
+    if program == "logprob pass":
+        return kernel["forward"] * micro * kernel["minis"]
+    per_micro = kernel["forward"] * (2 if kernel["remat"] else 1) + kernel["backward"]
+    return per_micro * micro * kernel["minis"] * kernel["epochs"]
 
 
 def reprice(plan: RunPlan, chip: ChipSpec | None = None) -> RunPlan:
@@ -509,6 +546,7 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
         positions = micro * plan.packing.mini_batches * plan.packing.tokens_per_micro_batch
         for p in programs:
             if p.name in ("logprob pass", "update") and p.hlo:
+                p.kernel_flops = kernel_flops_of(plan.attention_kernel, p.name, micro)
                 p.price(program_cost(p.hlo, num_devices=p.devices, dynamic_trips=[micro]), plan.chip)
                 p.model_flops = plan.trainer_hlo_flops[p.name] * positions
     for p in programs:
