@@ -92,23 +92,21 @@ def cmd_eval(args) -> int:
 
     from jaxrl4llm.train.config import ConfigError
     from jaxrl4llm.train.evaluation import evaluate
-    from jaxrl4llm.train.loop import _mesh, make_reward_fn
+    from jaxrl4llm.train.loop import _mesh
     from jaxrl4llm.train.policy import load_policy
-    from jaxrl4llm.train.prompts import build_prompt_set, _load_file
+    from jaxrl4llm.train.prompts import load_eval_sets, run_tokenizer
+    from jaxrl4llm.train.reward_fn import make_reward_fn
     from jaxrl4llm.train.run_folder import is_run_folder
 
     cfg = _load(args)
     if not cfg.data.eval_files:
         raise ConfigError("jaxrl4llm eval needs data.eval_files=[FILE, ...].")
+    # the data and the reward before the model (the tokenizer alone): a bad one fails in seconds
+    sets = load_eval_sets(cfg, run_tokenizer(cfg))
+    reward_fn = make_reward_fn(cfg, log=lambda line: print(line, file=sys.stderr))
     policy = load_policy(cfg, _mesh(cfg))
-    sets = []
-    for f in cfg.data.eval_files:
-        problems = _load_file(f, cfg)
-        if cfg.data.eval_limit:
-            problems = problems[: cfg.data.eval_limit]
-        sets.append(build_prompt_set(Path(f).stem, problems, policy.tokenizer, cfg))
     records = [] if args.output else None
-    result = evaluate(policy, sets, cfg, make_reward_fn(cfg), jax.random.PRNGKey(cfg.trainer.seed), records=records)
+    result = evaluate(policy, sets, cfg, reward_fn, jax.random.PRNGKey(cfg.trainer.seed), records=records)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as f:
@@ -387,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").addFilter(_no_torch_notice)
     from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
+    from jaxrl4llm.train.reward_fn import RewardError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(build_parser(), argv)
@@ -401,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts.initialize()  # many hosts (docs/scaling.md): must run before any device use
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, RewardError, FileNotFoundError, ValueError) as e:
         # Our errors name the problem and the fix; JAXRL4LLM_DEBUG=1 shows the traceback too.
         if os.environ.get("JAXRL4LLM_DEBUG"):
             raise

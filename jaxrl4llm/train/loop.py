@@ -11,7 +11,6 @@ steps equals 4 steps.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
-from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
+from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets, run_tokenizer
+from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.step import (
@@ -44,19 +44,6 @@ from jaxrl4llm.train.step import (
     train_state_shardings,
 )
 from jaxrl4llm.train.user_code import import_object
-
-
-def make_reward_fn(cfg: RunConfig) -> Callable[[list[str], list[str]], list[float]]:
-    """Batch reward fn (responses, golds) -> rewards from `reward.fn` (batched or per sample)."""
-    fn = import_object(cfg.reward.fn, "reward.fn")
-    if cfg.reward.batched:
-        try:
-            takes_timeout = "timeout" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            takes_timeout = False
-        kwargs = {"timeout": cfg.reward.timeout} if takes_timeout else {}
-        return lambda responses, golds: [float(r) for r in fn(responses, golds, **kwargs)]
-    return lambda responses, golds: [float(fn(r, g)) for r, g in zip(responses, golds)]
 
 
 class PromptStream:
@@ -191,7 +178,9 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                                   rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len)
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
-        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in ids for _ in range(G)], reward_fn)
+        rows = [i for i in ids for _ in range(G)]
+        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
+                             [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
         t2 = time.perf_counter()
         t_sample += t1 - t0
         t_reward += t2 - t1
@@ -216,6 +205,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
     }
+    if hasattr(reward_fn, "drain"):  # a RewardFn: responses whose reward failed (scored 0), warned once
+        stats["reward_errors"] = reward_fn.drain("sampling")
     if cfg.rollout.retire_pass_rate is not None:
         stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
     return merged, np.concatenate([e[2] for e in kept]), stats
@@ -259,8 +250,10 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
     G = cfg.rollout.samples_per_prompt
     micro = _rows_per_micro(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])
+    # the data and the reward first (the tokenizer alone, no weights): a bad one fails in seconds
+    train_set, eval_sets = load_prompt_sets(cfg, run_tokenizer(cfg))
+    reward_fn = make_reward_fn(cfg, log if hosts.is_main() else lambda line: None)
     policy = load_policy(cfg, mesh)
-    train_set, eval_sets = load_prompt_sets(cfg, policy.tokenizer)
     optimizer, schedule = make_optimizer(
         lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
         total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
@@ -296,7 +289,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
         cfg=cfg, recipe=recipe, policy=policy, train_set=train_set, eval_sets=eval_sets,
-        reward_fn=make_reward_fn(cfg),
+        reward_fn=reward_fn,
         # under the mesh context the model constrains its activations (rows over data x fsdp)
         update=_in_mesh(update, mesh), logprob_pass=_in_mesh(logprob_pass, mesh),
         make_batch=batch_program(lambda r, t, l: compute_advantages(
