@@ -151,21 +151,24 @@ def _number(value: Any) -> float:
     return out
 
 
-_USER_POOLS: dict[str, Any] = {}
+_USER_POOL: dict[str, Any] = {}  # {path: pool}: one at a time (a run has one reward.fn)
 
 
 def _user_pool(path: str):
     """Worker processes for the user's function at `path` (one per core, no memory cap, the
     caller's sys.path, the function imported at start, before any call's time limit), started on
-    first use and kept for the process (closed at exit)."""
+    first use and kept for the process (closed at exit, or when another function needs them)."""
     from jaxrl4llm.rewards.sandbox import SandboxPool
 
-    pool = _USER_POOLS.get(path)
+    pool = _USER_POOL.get(path)
     if pool is None or pool._closed:
+        for other in _USER_POOL.values():
+            other.close()
+        _USER_POOL.clear()
+        pool = _USER_POOL[path] = SandboxPool(memory_bytes=None, pythonpath=[p for p in sys.path if p],
+                                              preload=[path])
         import atexit
 
-        pool = _USER_POOLS[path] = SandboxPool(memory_bytes=None, pythonpath=[p for p in sys.path if p],
-                                                 preload=[path])
         atexit.register(pool.close)
     return pool
 
