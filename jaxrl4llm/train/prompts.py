@@ -89,9 +89,9 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
             found = f"{setting}={e.explicit!r}, but the file has no field {e.explicit!r}"
         else:
             found = f"{setting} is unset and none of the usual names ({', '.join(e.tried)}) is a field of the file"
+        others = [c for c in e.columns if c not in (cfg.data.problem_key, cfg.data.answer_key)] or ["FIELD"]
         raise ConfigError(f"{where}: {found}; its fields are {e.columns}. Set {setting} to the field that holds "
-                          f"{what}, e.g. {setting}={e.columns[0] if e.columns else 'FIELD'} "
-                          f"(docs/own_data_and_reward.md).") from None
+                          f"{what}, e.g. {setting}={others[0]} (docs/own_data_and_reward.md).") from None
     except BadRowError as e:
         raise ConfigError(f"{where}: {e}. Fix or remove row {e.row}, or set data.{e.kwarg} to the field that holds "
                           f"{_FIELD_WHAT[e.kwarg]} (docs/own_data_and_reward.md).") from None

@@ -27,3 +27,12 @@ def negated_policy_loss(recipe, **kwargs):
     terms, metrics = policy_loss(recipe, **kwargs)
     metrics["custom_loss_used"] = terms.numerator * 0 + 1.0
     return terms._replace(numerator=-terms.numerator), metrics
+
+
+def checks_problem_and_metadata(response: str, gold: str, problem: str, metadata: dict) -> float:
+    """1.0 when the reward was given the row's own problem text and metadata (the demo task's
+    fields), raising on a response that contains '1' (reward.on_error: counted, scored 0)."""
+    if "1" in response:
+        raise ValueError("a '1' in the response")
+    return float(problem.endswith("How many?") and metadata["solution"].endswith("\\boxed{%s}" % gold)
+                 and metadata["digits"] == 1)
