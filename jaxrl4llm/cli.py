@@ -60,7 +60,7 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        summary = train(cfg, resume=args.resume)
+        summary = train(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
     except KeyboardInterrupt as e:
         print(interrupted_line(args, cfg.trainer.out_dir), file=sys.stderr, flush=True)
         return 143 if isinstance(e, Terminated) else 130
@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "Writes OUT/metrics.jsonl, OUT/tb (TensorBoard), OUT/checkpoints and OUT/hf_export.")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in trainer.out_dir")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept changes to the keys that fix the checkpoint's shapes, the data, the "
+                   "reward, the objective or the seed (model.*, data.train_files, rollout sizes, trainer.seed, ...); "
+                   "other changes are always accepted, and every change is listed")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a model on data.eval_files (accuracy, pass@k, length)",

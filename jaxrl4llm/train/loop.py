@@ -30,6 +30,7 @@ from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets, run_tokenizer
+from jaxrl4llm.train.resume import check_config_changes, earlier_eval, finished_summary, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
@@ -369,14 +370,26 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
     return record
 
 
-def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
-    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths).
+def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = False,
+          log: Callable[[str], None] = print) -> dict:
+    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths,
+    start_step: the checkpoint step a resume continued from).
 
+    A resume of a run that already reached trainer.steps changes nothing and returns that run's
+    summary (finished_before: its last step); a resume whose config differs from the run's lists
+    the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    if resume and (done := finished_summary(cfg)) is not None:
+        log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
+            f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
+        return done
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
     hosts.barrier("out_dir ready")
+    # every process reads the run's config.json: a refused change stops them all, before the model loads
+    changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
+        if resume else {}
     out = Path(cfg.trainer.out_dir)
     run, state = setup_run(cfg, _mesh(cfg), log)
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
@@ -388,6 +401,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         retired = meta.get("retired_prompts", [])
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
+        record_config_changes(out, start_step, changes)
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
@@ -397,7 +411,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     evaluate_at = lambda step, st: evaluate(run.policy.with_state(st), run.eval_sets, cfg, run.reward_fn,
                                             jax.random.fold_in(run.base_key, 10**9 + step))
 
-    eval_before = None
+    eval_before = earlier_eval(out) if start_step > 0 else None  # a resumed run's, from before its first step
     if run.eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
         eval_before = evaluate_at(0, state)
         writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
@@ -439,4 +453,4 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     if hosts.is_main():
         mark_finished(out)  # a finished run is not started over without trainer.overwrite
     return {"history": history, "eval_before": eval_before, "eval_after": eval_after, "state": state,
-            "out_dir": str(out), "export_dir": None if export_dir is None else str(export_dir)}
+            "out_dir": str(out), "export_dir": None if export_dir is None else str(export_dir), "start_step": start_step}

@@ -135,21 +135,19 @@ def test_bad_data_or_reward_fails_before_the_model_naming_the_key(demo_assets, t
         assert re.search(message, err), (message, err)
 
 
-def test_a_run_gives_the_reward_problem_and_metadata_and_counts_its_failures(demo_assets, tmp_path):
-    """One tiny run, auto batching of a per-sample reward that asks for the problem and the row's
-    metadata and raises on some responses (scored 0, counted, warned once per step)."""
-    lines = []
-    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path / "run", **{
-        "reward.fn": "tests.train.custom_parts:checks_problem_and_metadata", "reward.batched": "auto",
-        "trainer.clipped_tokens_every": 0}))
-    summary = loop.train(cfg, log=lines.append)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    errors = [r["reward_errors"] for r in records]
-    assert sum(errors) > 0  # the seed's responses hold some '1's
-    for r, h in zip(records, summary["history"]):
+def test_a_run_gives_the_reward_problem_and_metadata_and_counts_its_failures(finished_run):
+    """A tiny run (tests/train/conftest.py) with auto batching of a per-sample reward that asks
+    for the problem and the row's metadata and raises on some responses: scored 0, counted,
+    warned once per step."""
+    records = [json.loads(line) for line in (finished_run["out"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    errors = [r["reward_errors"] for r in steps]
+    assert len(steps) == 2 and sum(errors) > 0  # the seed's responses hold some '1's
+    for r, h in zip(steps, finished_run["summary"]["history"]):
         assert r["reward_errors"] == h["reward_errors"]
         # every response without a '1' got its own problem and metadata (1.0), the others failed (0.0)
         np.testing.assert_allclose(r["reward"], 1 - r["reward_errors"] / 8)
-    warnings = [line for line in lines if line.startswith("warning: sampling: reward.fn=")]
+    warnings = [line for line in finished_run["log"] if line.startswith("warning: sampling: reward.fn=")]
     assert len(warnings) == sum(e > 0 for e in errors)
     assert all("ValueError: a '1' in the response" in w for w in warnings)
+    assert all("eval/reward_errors" in r for r in records if r["step"] in (0, 2) and "eval/accuracy" in r)
