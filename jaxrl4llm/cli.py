@@ -94,16 +94,16 @@ def cmd_eval(args) -> int:
     from jaxrl4llm.train.evaluation import evaluate
     from jaxrl4llm.train.loop import _mesh
     from jaxrl4llm.train.policy import load_policy
-    from jaxrl4llm.train.prompts import load_eval_sets, run_tokenizer
+    from jaxrl4llm.train.prompts import load_eval_sets
     from jaxrl4llm.train.reward_fn import make_reward_fn
     from jaxrl4llm.train.run_folder import is_run_folder
 
     cfg = _load(args)
     if not cfg.data.eval_files:
         raise ConfigError("jaxrl4llm eval needs data.eval_files=[FILE, ...].")
-    # the data and the reward before the model (the tokenizer alone): a bad one fails in seconds
-    sets = load_eval_sets(cfg, run_tokenizer(cfg))
+    # the reward and the data before the model (then the tokenizer alone): a bad one fails in seconds
     reward_fn = make_reward_fn(cfg, log=lambda line: print(line, file=sys.stderr))
+    sets = load_eval_sets(cfg)
     policy = load_policy(cfg, _mesh(cfg))
     records = [] if args.output else None
     result = evaluate(policy, sets, cfg, reward_fn, jax.random.PRNGKey(cfg.trainer.seed), records=records)

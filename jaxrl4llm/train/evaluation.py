@@ -49,7 +49,8 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
             rows = [i for i in ids for _ in range(k)]
             rows += [rows[-1]] * (rollout.num_rows - len(rows))
             rewards = score_rows(policy, rollout, golds, reward_fn, [ps.problems[i] for i in rows] if ps.problems else None,
-                                 [ps.metadata[i] for i in rows] if ps.metadata else None)[: len(ids) * k].reshape(len(ids), k)
+                                 [ps.metadata[i] for i in rows] if ps.metadata else None,
+                                 counted=len(ids) * k)[: len(ids) * k].reshape(len(ids), k)
             if records is not None:
                 _record(records, policy, rollout, ps, ids, k, rewards)
             correct[ids] = rewards > 0.5

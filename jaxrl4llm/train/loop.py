@@ -29,7 +29,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
-from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets, run_tokenizer
+from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, earlier_eval, finished_summary, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
@@ -251,9 +251,9 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
     G = cfg.rollout.samples_per_prompt
     micro = _rows_per_micro(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])
-    # the data and the reward first (the tokenizer alone, no weights): a bad one fails in seconds
-    train_set, eval_sets = load_prompt_sets(cfg, run_tokenizer(cfg))
+    # the reward and the data first (then the tokenizer alone, no weights): a bad one fails in seconds
     reward_fn = make_reward_fn(cfg, log if hosts.is_main() else lambda line: None)
+    train_set, eval_sets = load_prompt_sets(cfg)
     policy = load_policy(cfg, mesh)
     optimizer, schedule = make_optimizer(
         lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,

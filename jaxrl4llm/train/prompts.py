@@ -103,23 +103,31 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
     return problems
 
 
-def load_eval_sets(cfg: RunConfig, tokenizer) -> list[PromptSet]:
-    """[eval sets] from data.eval_files (the first data.eval_limit problems of each)."""
-    evals = []
+def _read_eval_files(cfg: RunConfig) -> list[tuple[str, list]]:
+    out = []
     for i, f in enumerate(cfg.data.eval_files):
         problems = _load_file(f, cfg, f"data.eval_files[{i}]")
-        if cfg.data.eval_limit:
-            problems = problems[: cfg.data.eval_limit]
-        evals.append(build_prompt_set(Path(f).stem, problems, tokenizer, cfg))
-    return evals
+        out.append((Path(f).stem, problems[: cfg.data.eval_limit] if cfg.data.eval_limit else problems))
+    return out
 
 
-def load_prompt_sets(cfg: RunConfig, tokenizer) -> tuple[PromptSet, list[PromptSet]]:
-    """(train set, [eval sets]) from data.train_files / data.eval_files."""
+def load_eval_sets(cfg: RunConfig, tokenizer=None) -> list[PromptSet]:
+    """[eval sets] from data.eval_files (the first data.eval_limit problems of each); the files
+    are read and checked before the tokenizer (default: `run_tokenizer(cfg)`) loads."""
+    files = _read_eval_files(cfg)
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(cfg)
+    return [build_prompt_set(name, problems, tokenizer, cfg) for name, problems in files]
+
+
+def load_prompt_sets(cfg: RunConfig, tokenizer=None) -> tuple[PromptSet, list[PromptSet]]:
+    """(train set, [eval sets]) from data.train_files / data.eval_files; every file is read and
+    checked before the tokenizer (default: `run_tokenizer(cfg)`) loads."""
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: list at least one JSONL/JSON/parquet file of problems.")
     train_problems = []
     for i, f in enumerate(cfg.data.train_files):
         train_problems.extend(_load_file(f, cfg, f"data.train_files[{i}]"))
+    evals = _read_eval_files(cfg)
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(cfg)
     train = build_prompt_set("train", train_problems, tokenizer, cfg)
-    return train, load_eval_sets(cfg, tokenizer)
+    return train, [build_prompt_set(name, problems, tokenizer, cfg) for name, problems in evals]
