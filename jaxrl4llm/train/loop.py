@@ -30,7 +30,7 @@ from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
-from jaxrl4llm.train.resume import check_config_changes, earlier_eval, finished_summary, record_config_changes
+from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
@@ -411,7 +411,7 @@ def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = F
     evaluate_at = lambda step, st: evaluate(run.policy.with_state(st), run.eval_sets, cfg, run.reward_fn,
                                             jax.random.fold_in(run.base_key, 10**9 + step))
 
-    eval_before = earlier_eval(out) if start_step > 0 else None  # a resumed run's, from before its first step
+    eval_before = logged_eval(out, 0) if start_step > 0 else None  # a resumed run's, from before its first step
     if run.eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
         eval_before = evaluate_at(0, state)
         writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
@@ -444,6 +444,8 @@ def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = F
     if run.eval_sets and cfg.trainer.eval_every >= 0:
         if history and any(k.startswith("eval/") for k in history[-1]):
             eval_after = {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
+        elif not history and (logged := logged_eval(out, cfg.trainer.steps)) is not None:
+            eval_after = logged  # a resume at the last step (the run stopped after its evaluation): not again
         else:
             eval_after = evaluate_at(cfg.trainer.steps, state)
             writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)

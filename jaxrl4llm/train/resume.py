@@ -3,7 +3,7 @@
     finished_summary(cfg)          a run that already reached trainer.steps: its summary, nothing to do
     config_changes(cfg)            {key: (run's value, new value)} against the run's config.json
     check_config_changes(cfg, ...) lists them; refuses FIXED_ON_RESUME keys unless --allow-config-change
-    earlier_eval(out)              the held-out scores the run logged before its first step
+    logged_eval(out, step)         the held-out scores the run logged at a step (0: before its first)
 
 A resume whose config differs from the run's lists every changed key. Keys that fix the shapes
 the checkpoint was made with, the data and reward the run learns from, or its randomness
@@ -102,12 +102,10 @@ def _eval_of(record: dict) -> dict:
     return {k[5:]: v for k, v in record.items() if k.startswith("eval/")}
 
 
-def earlier_eval(out: str | Path) -> dict | None:
-    """The held-out scores the run logged at step 0 (before training), or None."""
-    for record in _records(Path(out)):
-        if record.get("step") == 0 and _eval_of(record):
-            return _eval_of(record)
-    return None
+def logged_eval(out: str | Path, step: int = 0) -> dict | None:
+    """The held-out scores the run in OUT logged at `step` (0: before training), or None."""
+    found = [_eval_of(r) for r in _records(Path(out)) if r.get("step") == step and _eval_of(r)]
+    return found[-1] if found else None
 
 
 def finished_summary(cfg: RunConfig) -> dict | None:
@@ -127,5 +125,5 @@ def finished_summary(cfg: RunConfig) -> dict | None:
         return None
     after = next((_eval_of(r) for r in reversed(records) if _eval_of(r) and r["step"] > 0), None)
     export = out / "hf_export"
-    return {"history": steps, "eval_before": earlier_eval(out), "eval_after": after, "state": None, "out_dir": str(out),
+    return {"history": steps, "eval_before": logged_eval(out, 0), "eval_after": after, "state": None, "out_dir": str(out),
             "export_dir": str(export) if export.is_dir() else None, "start_step": 0, "finished_before": last}

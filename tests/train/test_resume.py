@@ -87,3 +87,22 @@ def test_a_resumed_run_numbers_its_steps_from_the_checkpoint_and_prints_held_out
     assert [json.loads(line) for line in (out / CHANGES_FILE).read_text().splitlines()] == [
         {"step": 2, "changes": {"optim.lr": [0.001, 0.5], "trainer.steps": [2, 3]}}]
     assert json.loads((out / "config.json").read_text())["optim"]["lr"] == 0.5
+
+
+def test_a_resume_at_the_last_step_of_a_run_that_stopped_after_its_evaluation_does_not_evaluate_again(
+        finished_run, tmp_path, capsys):
+    """The run stopped after its final evaluation, before it was marked finished (e.g. its export
+    failed): the resume restores step 2, runs no step, reuses the logged evaluation (no second
+    eval row) and exports."""
+    from jaxrl4llm.train.run_folder import MARKER
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_run["out"], out)
+    marker = json.loads((out / MARKER).read_text())
+    (out / MARKER).write_text(json.dumps({**marker, "finished": None}))
+    shutil.rmtree(out / "hf_export")
+    rows = (out / "metrics.jsonl").read_text()
+    assert cli_main(["train", *_moved(finished_run["overrides"], out), "--resume"]) == 0
+    assert (out / "metrics.jsonl").read_text() == rows
+    assert (out / "hf_export" / "config.json").is_file() and json.loads((out / MARKER).read_text())["finished"]
+    assert "held-out accuracy: " in capsys.readouterr().out
