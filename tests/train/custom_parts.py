@@ -1,8 +1,9 @@
-"""A user's own reward and recipe, plugged in by import path (no fork of jaxrl4llm)."""
+"""A user's own reward and recipe, plugged in by import path (no fork of jaxrl4llm).
+
+Standard library at import: the rewards' sandbox workers import this module when they start
+(train/reward_fn.py), and JAX is imported by the loss alone, when it is called."""
 
 import re
-
-from jaxrl4llm.core import policy_loss
 
 
 def contains_one_reward(response: str, gold: str) -> float:
@@ -24,6 +25,8 @@ def boxed_integer_reward(response: str, gold: str) -> float:
 def negated_policy_loss(recipe, **kwargs):
     """The core policy loss with its sign flipped (learning broken: the policy moves away from
     reward); a custom composition with the same signature, which marks its metrics."""
+    from jaxrl4llm.core import policy_loss
+
     terms, metrics = policy_loss(recipe, **kwargs)
     metrics["custom_loss_used"] = terms.numerator * 0 + 1.0
     return terms._replace(numerator=-terms.numerator), metrics
