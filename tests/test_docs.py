@@ -37,7 +37,7 @@ def test_own_data_and_reward_page_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     scope: dict = {}
     code = [text for lang, file, text in blocks if lang == "python" and not file]
-    assert len(code) == 4
+    assert len(code) == 5
     for text in code:
         exec(compile(text, "docs/own_data_and_reward.md", "exec"), scope)
     sys.modules.pop("my_rewards", None)
