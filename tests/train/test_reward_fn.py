@@ -9,7 +9,7 @@ import pytest
 
 import jaxrl4llm.train.loop as loop
 from jaxrl4llm.cli import main as cli_main
-from jaxrl4llm.train.config import ConfigError, load_config
+from jaxrl4llm.train.config import ConfigError
 from jaxrl4llm.train.reward_fn import RewardError, RewardFn, reward_signature
 
 from tests.train.conftest import tiny_overrides
