@@ -60,7 +60,7 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        summary = train(cfg, resume=args.resume)
+        summary = train(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
     except KeyboardInterrupt as e:
         print(interrupted_line(args, cfg.trainer.out_dir), file=sys.stderr, flush=True)
         return 143 if isinstance(e, Terminated) else 130
@@ -92,23 +92,21 @@ def cmd_eval(args) -> int:
 
     from jaxrl4llm.train.config import ConfigError
     from jaxrl4llm.train.evaluation import evaluate
-    from jaxrl4llm.train.loop import _mesh, make_reward_fn
+    from jaxrl4llm.train.loop import _mesh
     from jaxrl4llm.train.policy import load_policy
-    from jaxrl4llm.train.prompts import build_prompt_set, _load_file
+    from jaxrl4llm.train.prompts import load_eval_sets
+    from jaxrl4llm.train.reward_fn import make_reward_fn
     from jaxrl4llm.train.run_folder import is_run_folder
 
     cfg = _load(args)
     if not cfg.data.eval_files:
         raise ConfigError("jaxrl4llm eval needs data.eval_files=[FILE, ...].")
+    # the reward and the data before the model (then the tokenizer alone): a bad one fails in seconds
+    reward_fn = make_reward_fn(cfg, log=lambda line: print(line, file=sys.stderr))
+    sets = load_eval_sets(cfg)
     policy = load_policy(cfg, _mesh(cfg))
-    sets = []
-    for f in cfg.data.eval_files:
-        problems = _load_file(f, cfg)
-        if cfg.data.eval_limit:
-            problems = problems[: cfg.data.eval_limit]
-        sets.append(build_prompt_set(Path(f).stem, problems, policy.tokenizer, cfg))
     records = [] if args.output else None
-    result = evaluate(policy, sets, cfg, make_reward_fn(cfg), jax.random.PRNGKey(cfg.trainer.seed), records=records)
+    result = evaluate(policy, sets, cfg, reward_fn, jax.random.PRNGKey(cfg.trainer.seed), records=records)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as f:
@@ -214,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "Writes OUT/metrics.jsonl, OUT/tb (TensorBoard), OUT/checkpoints and OUT/hf_export.")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in trainer.out_dir")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept changes to the keys that fix the checkpoint's shapes, the data, the "
+                   "reward, the objective or the seed (model.*, data.train_files, rollout sizes, trainer.seed, ...); "
+                   "other changes are always accepted, and every change is listed")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a model on data.eval_files (accuracy, pass@k, length)",
@@ -387,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").addFilter(_no_torch_notice)
     from jaxrl4llm.train.checkpointing import CheckpointError
     from jaxrl4llm.train.config import ConfigError
+    from jaxrl4llm.train.reward_fn import RewardError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(build_parser(), argv)
@@ -401,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts.initialize()  # many hosts (docs/scaling.md): must run before any device use
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, RewardError, FileNotFoundError, ValueError) as e:
         # Our errors name the problem and the fix; JAXRL4LLM_DEBUG=1 shows the traceback too.
         if os.environ.get("JAXRL4LLM_DEBUG"):
             raise

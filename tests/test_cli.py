@@ -81,7 +81,7 @@ def test_interrupted_train_prints_the_resume_command(tmp_path, monkeypatch, caps
 
     (tmp_path / "checkpoints" / "7").mkdir(parents=True)
 
-    def interrupted_train(cfg, resume):
+    def interrupted_train(cfg, resume, **kwargs):
         if signal_name == "SIGINT":
             raise KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGTERM)  # cmd_train's handler turns it into an exception

@@ -96,10 +96,38 @@ def _resolve(path: Path, split: str | None) -> Path:
     )
 
 
+class MissingFieldError(KeyError):
+    """A field ``load_problems`` needs is not in the file. ``kwarg`` is the argument that picks
+    it (``problem_key`` or ``answer_key``), ``explicit`` its value (None: automatic), ``tried``
+    the names looked for, ``columns`` the file's fields: a caller can say which setting to fix."""
+
+    def __init__(self, message: str, *, kwarg: str, explicit: str | None, tried: list[str], columns: list[str]):
+        super().__init__(message)
+        self.message, self.kwarg, self.explicit, self.tried, self.columns = message, kwarg, explicit, tried, columns
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BadRowError(ValueError):
+    """A row has an empty problem or no usable answer; ``kwarg`` names the argument that picks
+    the field (``problem_key`` or ``answer_key``), ``row`` the row's index in the file."""
+
+    def __init__(self, message: str, *, kwarg: str, row: int):
+        super().__init__(message)
+        self.kwarg, self.row = kwarg, row
+
+
+def _head(file: Path, size: int = 1 << 16) -> bytes:
+    with open(file, "rb") as f:
+        return f.read(size)
+
+
 def _pick(columns: list[str], explicit: str | None, candidates: tuple[str, ...], what: str, kwarg: str) -> str | None:
     if explicit is not None:
         if explicit not in columns:
-            raise KeyError(f"{what} field {explicit!r} not found; available fields: {columns}. Fix {kwarg}=...")
+            raise MissingFieldError(f"{what} field {explicit!r} not found; available fields: {columns}. Fix {kwarg}=...",
+                                    kwarg=kwarg, explicit=explicit, tried=[explicit], columns=columns)
         return explicit
     return next((c for c in candidates if c in columns), None)
 
@@ -125,8 +153,9 @@ def load_problems(
 
     Raises:
       FileNotFoundError: the file (or split) does not exist.
-      KeyError: a needed field is missing; the message lists the available fields.
-      ValueError: a row has an empty problem or no usable answer.
+      MissingFieldError (a KeyError): a needed field is missing; the message lists the available fields.
+      BadRowError (a ValueError): a row has an empty problem or no usable answer.
+      ValueError: the file is empty or cannot be parsed.
     """
     import datasets
 
@@ -134,6 +163,9 @@ def load_problems(
     builder = _SUFFIXES.get(file.suffix)
     if builder is None:
         raise ValueError(f"unsupported file type {file.suffix!r} for {file}; use .jsonl, .json or .parquet")
+    if builder == "json" and not _head(file).strip():
+        raise ValueError(f"{file} is empty: it holds no problems (one JSON object a line, each with a problem and an "
+                         f"answer field)")
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -148,13 +180,15 @@ def load_problems(
     columns = list(ds.column_names)
     pkey = _pick(columns, problem_key, PROBLEM_KEYS, "problem", "problem_key")
     if pkey is None:
-        raise KeyError(f"{file}: no problem field (tried {list(PROBLEM_KEYS)}); available fields: {columns}. "
-                       "Pass problem_key=...")
+        raise MissingFieldError(f"{file}: no problem field (tried {list(PROBLEM_KEYS)}); available fields: {columns}. "
+                                "Pass problem_key=...", kwarg="problem_key", explicit=None, tried=list(PROBLEM_KEYS),
+                                columns=columns)
     akey = _pick(columns, answer_key, ANSWER_KEYS, "answer", "answer_key")
     skey = None if akey is not None else next((c for c in SOLUTION_KEYS if c in columns), None)
     if akey is None and skey is None:
-        raise KeyError(f"{file}: no answer field (tried {list(ANSWER_KEYS + SOLUTION_KEYS)}); available fields: "
-                       f"{columns}. Pass answer_key=...")
+        raise MissingFieldError(f"{file}: no answer field (tried {list(ANSWER_KEYS + SOLUTION_KEYS)}); available "
+                                f"fields: {columns}. Pass answer_key=...", kwarg="answer_key", explicit=None,
+                                tried=list(ANSWER_KEYS + SOLUTION_KEYS), columns=columns)
     ikey = next((c for c in ID_KEYS if c in columns), None)
     ckey = next((c for c in CONTEXT_KEYS if c in columns and c not in (pkey, akey)), None)
 
@@ -162,7 +196,7 @@ def load_problems(
     for row_index, row in enumerate(ds):
         text = row[pkey]
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{file}: row {row_index} has an empty {pkey!r} field")
+            raise BadRowError(f"{file}: row {row_index} has an empty {pkey!r} field", kwarg="problem_key", row=row_index)
         context = row[ckey] if ckey is not None else None
         if isinstance(context, str) and context.strip():
             text = context.strip() + "\n\n" + text
@@ -174,8 +208,8 @@ def load_problems(
             solution = row[skey] or ""
             answer = gold_answer(solution).strip() if "\\boxed" in solution or "\\fbox" in solution else ""
         if not answer:
-            raise ValueError(f"{file}: row {row_index} has no usable answer in {akey or skey!r}; fix the row or "
-                             "pass answer_key=...")
+            raise BadRowError(f"{file}: row {row_index} has no usable answer in {akey or skey!r}; fix the row or "
+                              "pass answer_key=...", kwarg="answer_key", row=row_index)
         pid = str(row[ikey]) if ikey is not None and row[ikey] is not None else f"{file.stem}-{row_index}"
         metadata = {k: v for k, v in row.items() if k not in (pkey, akey)}
         problems.append(Problem(problem=text, answer=answer, id=pid, metadata=metadata))

@@ -42,7 +42,8 @@ def _on_alarm(signum, frame):  # pragma: no cover - runs in the worker
     raise _SoftTimeout()
 
 
-def _worker_main(conn, memory_bytes: int | None, warmup: Callable[[], Any] | None) -> None:  # pragma: no cover
+def _worker_main(conn, memory_bytes: int | None, warmup: Callable[[], Any] | None,
+                 preload: Sequence[str] = ()) -> None:  # pragma: no cover
     """Worker loop: receive (fn, args, soft_timeout), send ("ok", result) or ("error", text)."""
     if memory_bytes:
         try:
@@ -57,6 +58,11 @@ def _worker_main(conn, memory_bytes: int | None, warmup: Callable[[], Any] | Non
         try:
             warmup()
         except Exception:  # noqa: BLE001 - a failed warm-up only costs speed
+            pass
+    for path in preload:  # the caller's functions, imported before the first timed call
+        try:
+            _import_by_path(path)
+        except Exception:  # noqa: BLE001 - the call reports the import error itself
             pass
     conn.send(("ready", os.getpid()))
     while True:
@@ -86,7 +92,8 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def _worker_entry() -> None:  # pragma: no cover - runs in the worker
-    """Entry point of a worker subprocess: argv = [fd, memory_bytes, warmup 'module:function']."""
+    """Entry point of a worker subprocess: argv = [fd, memory_bytes, warmup 'module:function',
+    preload paths (comma-separated)]."""
     import importlib
 
     fd, memory, warmup_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -94,7 +101,7 @@ def _worker_entry() -> None:  # pragma: no cover - runs in the worker
     if warmup_name:
         module, _, attr = warmup_name.partition(":")
         warmup = getattr(importlib.import_module(module), attr)
-    _worker_main(Connection(fd), memory or None, warmup)
+    _worker_main(Connection(fd), memory or None, warmup, [p for p in sys.argv[4].split(",") if p])
 
 
 class _Worker:
@@ -104,14 +111,15 @@ class _Worker:
     ``__main__`` and never forks a process that may already run JAX threads.
     """
 
-    def __init__(self, memory_bytes, warmup):
+    def __init__(self, memory_bytes, warmup, pythonpath: Sequence[str] = (), preload: Sequence[str] = ()):
         parent_sock, child_sock = socket.socketpair()
         warmup_name = f"{warmup.__module__}:{warmup.__qualname__}" if warmup is not None else ""
         env = dict(os.environ)
-        env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        paths = [_PACKAGE_ROOT, *pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
         code = "from jaxrl4llm.rewards.sandbox import _worker_entry; _worker_entry()"
         self.process = subprocess.Popen(
-            [sys.executable, "-c", code, str(child_sock.fileno()), str(memory_bytes or 0), warmup_name],
+            [sys.executable, "-c", code, str(child_sock.fileno()), str(memory_bytes or 0), warmup_name, ",".join(preload)],
             pass_fds=(child_sock.fileno(),),
             stdin=subprocess.DEVNULL,
             env=env,
@@ -143,32 +151,41 @@ class SandboxPool:
       memory_bytes: address-space cap per worker (None: no cap).
       warmup: picklable no-argument function each worker calls once at start (e.g. to load
         parsers), not counted against any call's time limit.
+      pythonpath: folders the workers import from before their own ``sys.path`` (e.g. the
+        caller's ``sys.path``, so that they find the modules it imported).
+      preload: functions ('package.module:function') each worker imports at start for
+        ``call_by_path``, so that no call's time limit pays for the import.
     """
 
     def __init__(self, num_workers: int | None = None, *, memory_bytes: int | None = _WORKER_MEMORY_BYTES,
-                 warmup: Callable[[], Any] | None = None):
+                 warmup: Callable[[], Any] | None = None, pythonpath: Sequence[str] = (), preload: Sequence[str] = ()):
         self.num_workers = max(1, num_workers or os.cpu_count() or 1)
         self._memory = memory_bytes
         self._warmup = warmup
+        self._pythonpath, self._preload = tuple(pythonpath), tuple(preload)
         self._workers = [self._spawn() for _ in range(self.num_workers)]
         self._lock = threading.Lock()
         self.restarts = 0
         self._closed = False
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._memory, self._warmup)
+        return _Worker(self._memory, self._warmup, self._pythonpath, self._preload)
 
-    def run(self, fn: Callable[..., Any], calls: Sequence[tuple], *, timeout: float, default: Any = None) -> list:
+    def run(self, fn: Callable[..., Any], calls: Sequence[tuple], *, timeout: float, default: Any = None,
+            errors: list | None = None) -> list:
         """Run ``fn(*args)`` for every tuple in ``calls`` in parallel; results in input order.
 
         A call that raises, or does not finish within ``timeout`` seconds of starting on a
-        worker, yields ``default``. Worker start-up time is not charged to any call.
+        worker, yields ``default``. Worker start-up time is not charged to any call. With an
+        ``errors`` list, it receives one entry per call: None, or why the call yielded
+        ``default`` ("ValueError: ...", "timed out after 5 s", "the worker process died").
         """
         if self._closed:
             raise RuntimeError("SandboxPool is closed; create a new one")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         results = [default] * len(calls)
+        why = [f"timed out after {timeout:g} s"] * len(calls)  # what a call that never reports hit
         pending = deque(range(len(calls)))
         soft = max(timeout * 0.85, timeout - 0.5)
         with self._lock:
@@ -205,6 +222,8 @@ class SandboxPool:
                                 f"sandbox worker exited during start-up (exit code {code}); run "
                                 "`python -c 'import jaxrl4llm.rewards.symbolic'` to see the import error"
                             )
+                        if w.task is not None:
+                            why[w.task] = "the worker process died (a crash in C code, or out of memory)"
                         w.task = None  # the worker died mid-call (e.g. a crash in C code)
                         self._replace(w)
                         continue
@@ -212,13 +231,17 @@ class SandboxPool:
                         w.ready = True
                         continue
                     if status == "ok" and w.task is not None:
-                        results[w.task] = value
+                        results[w.task], why[w.task] = value, None
+                    elif status == "error" and w.task is not None:
+                        why[w.task] = value
                     w.task = None
                 now = time.monotonic()
                 for w in list(self._workers):
                     if w.task is not None and now >= w.deadline:
                         w.task = None
                         self._replace(w)
+        if errors is not None:
+            errors.extend(why)
         return results
 
     def _replace(self, worker: _Worker) -> None:
@@ -248,6 +271,26 @@ class SandboxPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_IMPORTED: dict[str, Any] = {}
+
+
+def call_by_path(path: str, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` for the function named by ``path`` ('package.module:function' or
+    'package.module.function'), imported once per process: lets a worker run the user's code
+    named by a config key without pickling the function itself."""
+    return _import_by_path(path)(*args, **kwargs)
+
+
+def _import_by_path(path: str) -> Any:
+    fn = _IMPORTED.get(path)
+    if fn is None:
+        import importlib
+
+        module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+        fn = _IMPORTED[path] = getattr(importlib.import_module(module), attr)
+    return fn
 
 
 _POOLS: dict[int, SandboxPool] = {}

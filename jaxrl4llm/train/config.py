@@ -143,12 +143,25 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    """Reward function by import path. batched=true: fn(responses, golds, timeout=...) -> list of
-    floats (the default math verifier, on all cores); batched=false: fn(response, gold) -> float."""
+    """Reward function by import path ('package.module:function'; docs/own_data_and_reward.md).
+    A per-sample fn(response, gold) -> float or a batched fn(responses, golds) -> list of floats;
+    batched=auto tells them apart by the signature (train/reward_fn.py). The function also gets
+    `problem=` / `metadata=` (batched: `problems=` / `metadata=`, lists) and `timeout=` when its
+    signature names them."""
 
     fn: str = "jaxrl4llm.rewards:batch_math_reward"
-    batched: bool = True
+    batched: Literal["auto"] | bool = "auto"
+    # seconds per response: a per-sample function without a `timeout` argument runs in worker
+    # processes (reward.sandbox) and a call still running after this scores 0 (counted as an error);
+    # a function with a `timeout` argument gets it (the built-in verifier applies it to each comparison)
     timeout: float = 5.0
+    # a reward that raises (or times out, or returns no finite number): zero = that response scores
+    # 0, counted in the step's `reward_errors` metric and warned once per step; raise = the run stops
+    on_error: Literal["zero", "raise"] = "zero"
+    # a per-sample function without a `timeout` argument runs in worker processes, one per core, each
+    # call stopped at reward.timeout; false = in the trainer's process, no time limit (for a function
+    # that needs the trainer's process, or a debugger)
+    sandbox: bool = True
     # The training reward is scale * fn + offset (before DAPO's overlong penalty, which keeps its
     # own units): scale=2, offset=-1 turns the verifier's {0, 1} into the study's {-1, 1} reward
     # setting (Tricks or Traps, Sec. 4.1). Accuracy, pass rates and evaluation read fn's own value.

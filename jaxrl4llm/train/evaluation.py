@@ -46,7 +46,11 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
             )
             golds = [ps.answers[i] for i in ids for _ in range(k)]
             golds += [golds[-1]] * (rollout.num_rows - len(golds))  # the repeats' rows, scored and dropped
-            rewards = score_rows(policy, rollout, golds, reward_fn)[: len(ids) * k].reshape(len(ids), k)
+            rows = [i for i in ids for _ in range(k)]
+            rows += [rows[-1]] * (rollout.num_rows - len(rows))
+            rewards = score_rows(policy, rollout, golds, reward_fn, [ps.problems[i] for i in rows] if ps.problems else None,
+                                 [ps.metadata[i] for i in rows] if ps.metadata else None,
+                                 counted=len(ids) * k)[: len(ids) * k].reshape(len(ids), k)
             if records is not None:
                 _record(records, policy, rollout, ps, ids, k, rewards)
             correct[ids] = rewards > 0.5
@@ -58,6 +62,8 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
     for metric in ("accuracy", "response_length"):
         vals = [v for key, v in out.items() if key.endswith("/" + metric)]
         out[metric] = float(np.mean(vals))
+    if hasattr(reward_fn, "drain"):  # a RewardFn: responses whose reward failed (scored 0), warned once
+        out["reward_errors"] = reward_fn.drain("evaluation")
     return out
 
 

@@ -11,7 +11,6 @@ steps equals 4 steps.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
+from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
+from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
@@ -46,19 +47,6 @@ from jaxrl4llm.train.step import (
     train_state_shardings,
 )
 from jaxrl4llm.train.user_code import import_object
-
-
-def make_reward_fn(cfg: RunConfig) -> Callable[[list[str], list[str]], list[float]]:
-    """Batch reward fn (responses, golds) -> rewards from `reward.fn` (batched or per sample)."""
-    fn = import_object(cfg.reward.fn, "reward.fn")
-    if cfg.reward.batched:
-        try:
-            takes_timeout = "timeout" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            takes_timeout = False
-        kwargs = {"timeout": cfg.reward.timeout} if takes_timeout else {}
-        return lambda responses, golds: [float(r) for r in fn(responses, golds, **kwargs)]
-    return lambda responses, golds: [float(fn(r, g)) for r, g in zip(responses, golds)]
 
 
 class PromptStream:
@@ -193,7 +181,9 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                                   rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len)
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
-        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in ids for _ in range(G)], reward_fn)
+        rows = [i for i in ids for _ in range(G)]
+        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
+                             [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
         t2 = time.perf_counter()
         t_sample += t1 - t0
         t_reward += t2 - t1
@@ -218,6 +208,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
     }
+    if hasattr(reward_fn, "drain"):  # a RewardFn: responses whose reward failed (scored 0), warned once
+        stats["reward_errors"] = reward_fn.drain("sampling")
     if cfg.rollout.retire_pass_rate is not None:
         stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
     return merged, np.concatenate([e[2] for e in kept]), stats
@@ -262,8 +254,10 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
     G = cfg.rollout.samples_per_prompt
     micro = _rows_per_micro(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])
+    # the reward and the data first (then the tokenizer alone, no weights): a bad one fails in seconds
+    reward_fn = make_reward_fn(cfg, log if hosts.is_main() else lambda line: None)
+    train_set, eval_sets = load_prompt_sets(cfg)
     policy = load_policy(cfg, mesh)
-    train_set, eval_sets = load_prompt_sets(cfg, policy.tokenizer)
     optimizer, schedule = make_optimizer(
         lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
         total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
@@ -303,7 +297,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
         cfg=cfg, recipe=recipe, policy=policy, train_set=train_set, eval_sets=eval_sets,
-        reward_fn=make_reward_fn(cfg),
+        reward_fn=reward_fn,
         # under the mesh context the model constrains its activations (rows over data x fsdp)
         update=_in_mesh(update, mesh), logprob_pass=_in_mesh(logprob_pass, mesh),
         make_batch=batch_program(lambda r, t, l: compute_advantages(
@@ -428,14 +422,26 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
     return record
 
 
-def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
-    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths).
+def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = False,
+          log: Callable[[str], None] = print) -> dict:
+    """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths,
+    start_step: the checkpoint step a resume continued from).
 
+    A resume of a run that already reached trainer.steps changes nothing and returns that run's
+    summary (finished_before: its last step); a resume whose config differs from the run's lists
+    the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    if resume and (done := finished_summary(cfg)) is not None:
+        log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
+            f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
+        return done
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
     hosts.barrier("out_dir ready")
+    # every process reads the run's config.json: a refused change stops them all, before the model loads
+    changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
+        if resume else {}
     out = Path(cfg.trainer.out_dir)
     run, state = setup_run(cfg, _mesh(cfg), log)
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
@@ -447,6 +453,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         retired = meta.get("retired_prompts", [])
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
+        record_config_changes(out, start_step, changes)
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
@@ -456,7 +463,7 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     evaluate_at = lambda step, st: evaluate(run.policy.with_state(st), run.eval_sets, cfg, run.reward_fn,
                                             jax.random.fold_in(run.base_key, 10**9 + step))
 
-    eval_before = None
+    eval_before = logged_eval(out, 0) if start_step > 0 else None  # a resumed run's, from before its first step
     if run.eval_sets and start_step == 0 and cfg.trainer.eval_every >= 0:
         eval_before = evaluate_at(0, state)
         writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
@@ -489,6 +496,8 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     if run.eval_sets and cfg.trainer.eval_every >= 0:
         if history and any(k.startswith("eval/") for k in history[-1]):
             eval_after = {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
+        elif not history and (logged := logged_eval(out, cfg.trainer.steps)) is not None:
+            eval_after = logged  # a resume at the last step (the run stopped after its evaluation): not again
         else:
             eval_after = evaluate_at(cfg.trainer.steps, state)
             writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
@@ -498,4 +507,4 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
     if hosts.is_main():
         mark_finished(out)  # a finished run is not started over without trainer.overwrite
     return {"history": history, "eval_before": eval_before, "eval_after": eval_after, "state": state,
-            "out_dir": str(out), "export_dir": None if export_dir is None else str(export_dir)}
+            "out_dir": str(out), "export_dir": None if export_dir is None else str(export_dir), "start_step": start_step}

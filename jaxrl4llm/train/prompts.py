@@ -1,5 +1,9 @@
 """Prompt sets of a run: problems from local files, formatted with the configured template and
-tokenized once, with the prompt-length budget enforced (error or drop, as configured)."""
+tokenized once, with the prompt-length budget enforced (error or drop, as configured).
+
+They load before the model (`run_tokenizer` reads the tokenizer alone, not the weights): a bad
+path, an empty file or a missing field fails in seconds, with an error that names the config key
+(`data.train_files[0]`, `data.problem_key`, ...) and the fix."""
 
 from __future__ import annotations
 
@@ -12,11 +16,17 @@ from jaxrl4llm.train.config import ConfigError, RunConfig
 
 @dataclasses.dataclass(frozen=True)
 class PromptSet:
+    """Prompts of one file: token ids, gold answers, the formatted prompt texts, and each row's
+    problem text and metadata (its other fields; what a reward asks for with `problem=` /
+    `metadata=`, docs/own_data_and_reward.md)."""
+
     name: str
     token_ids: list[list[int]]
     answers: list[str]
     texts: list[str]
     dropped: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+    metadata: list[dict] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -25,6 +35,21 @@ class PromptSet:
     def longest(self) -> int:
         """Tokens of the set's longest prompt (0 when empty)."""
         return max(map(len, self.token_ids), default=0)
+
+
+def run_tokenizer(cfg: RunConfig):
+    """The tokenizer of `model.tokenizer` (or `model.path`), without the model's weights; a
+    ConfigError that names the key when the folder is missing or holds no tokenizer."""
+    from jaxrl4llm.models import load_tokenizer
+
+    key, path = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
+    if not path:
+        raise ConfigError("Set model.path (an HF checkpoint folder) or, for a random model, model.tokenizer (a tokenizer folder).")
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}={path!r}: {e}; point {key} at a local folder with tokenizer.json or "
+                          f"tokenizer_config.json (nothing is downloaded).") from None
 
 
 def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSet:
@@ -40,29 +65,69 @@ def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSe
     texts = [format_prompt(problems[i], cfg.data.template, tokenizer=tokenizer, instruction=cfg.data.instruction)
              for i in kept]
     return PromptSet(name=name, token_ids=[list(x) for x in ids], answers=[str(problems[i].answer) for i in kept],
-                     texts=texts, dropped=dropped)
+                     texts=texts, dropped=dropped, problems=[problems[i].problem for i in kept],
+                     metadata=[dict(problems[i].metadata) for i in kept])
 
 
-def _load_file(path: str, cfg: RunConfig):
-    from jaxrl4llm.data import load_problems
+_FIELD_WHAT = {"problem_key": "the problem text", "answer_key": "the gold answer"}
 
+
+def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.eval_files"):
+    """The problems of one data file; `key` (e.g. "data.train_files[0]") names the setting in errors."""
+    from jaxrl4llm.data.problems import BadRowError, MissingFieldError, load_problems
+
+    where = f"{key}={path!r}"
     if not Path(path).is_file():
-        raise ConfigError(f"Data file {path!r} does not exist; check data.train_files / data.eval_files (paths are relative to {Path.cwd()}).")
-    return load_problems(path, problem_key=cfg.data.problem_key, answer_key=cfg.data.answer_key)
+        raise ConfigError(f"Data file {path!r} does not exist ({key}; paths are relative to {Path.cwd()}): point it "
+                          f"at a local .jsonl, .json or .parquet file of problems (nothing is downloaded).")
+    try:
+        problems = load_problems(path, problem_key=cfg.data.problem_key, answer_key=cfg.data.answer_key)
+    except MissingFieldError as e:
+        setting = f"data.{e.kwarg}"
+        what = _FIELD_WHAT[e.kwarg]
+        if e.explicit is not None:
+            found = f"{setting}={e.explicit!r}, but the file has no field {e.explicit!r}"
+        else:
+            found = f"{setting} is unset and none of the usual names ({', '.join(e.tried)}) is a field of the file"
+        others = [c for c in e.columns if c not in (cfg.data.problem_key, cfg.data.answer_key)] or ["FIELD"]
+        raise ConfigError(f"{where}: {found}; its fields are {e.columns}. Set {setting} to the field that holds "
+                          f"{what}, e.g. {setting}={others[0]} (docs/own_data_and_reward.md).") from None
+    except BadRowError as e:
+        raise ConfigError(f"{where}: {e}. Fix or remove row {e.row}, or set data.{e.kwarg} to the field that holds "
+                          f"{_FIELD_WHAT[e.kwarg]} (docs/own_data_and_reward.md).") from None
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{where}: {e}.") from None
+    if not problems:
+        raise ConfigError(f"{where} holds no problems: give it at least one row with a problem and an answer field "
+                          f"(docs/own_data_and_reward.md).")
+    return problems
 
 
-def load_prompt_sets(cfg: RunConfig, tokenizer) -> tuple[PromptSet, list[PromptSet]]:
-    """(train set, [eval sets]) from data.train_files / data.eval_files."""
+def _read_eval_files(cfg: RunConfig) -> list[tuple[str, list]]:
+    out = []
+    for i, f in enumerate(cfg.data.eval_files):
+        problems = _load_file(f, cfg, f"data.eval_files[{i}]")
+        out.append((Path(f).stem, problems[: cfg.data.eval_limit] if cfg.data.eval_limit else problems))
+    return out
+
+
+def load_eval_sets(cfg: RunConfig, tokenizer=None) -> list[PromptSet]:
+    """[eval sets] from data.eval_files (the first data.eval_limit problems of each); the files
+    are read and checked before the tokenizer (default: `run_tokenizer(cfg)`) loads."""
+    files = _read_eval_files(cfg)
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(cfg)
+    return [build_prompt_set(name, problems, tokenizer, cfg) for name, problems in files]
+
+
+def load_prompt_sets(cfg: RunConfig, tokenizer=None) -> tuple[PromptSet, list[PromptSet]]:
+    """(train set, [eval sets]) from data.train_files / data.eval_files; every file is read and
+    checked before the tokenizer (default: `run_tokenizer(cfg)`) loads."""
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: list at least one JSONL/JSON/parquet file of problems.")
     train_problems = []
-    for f in cfg.data.train_files:
-        train_problems.extend(_load_file(f, cfg))
+    for i, f in enumerate(cfg.data.train_files):
+        train_problems.extend(_load_file(f, cfg, f"data.train_files[{i}]"))
+    evals = _read_eval_files(cfg)
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(cfg)
     train = build_prompt_set("train", train_problems, tokenizer, cfg)
-    evals = []
-    for f in cfg.data.eval_files:
-        problems = _load_file(f, cfg)
-        if cfg.data.eval_limit:
-            problems = problems[: cfg.data.eval_limit]
-        evals.append(build_prompt_set(Path(f).stem, problems, tokenizer, cfg))
-    return train, evals
+    return train, [build_prompt_set(name, problems, tokenizer, cfg) for name, problems in evals]

@@ -15,7 +15,11 @@ def import_object(path: str, what: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"{what}={path!r}: cannot import module {module_name!r} ({e}). Use 'package.module:function'.") from None
+        raise ConfigError(f"{what}={path!r}: cannot import module {module_name!r} ({e}). Use 'package.module:function' "
+                          f"with the module on the Python path (the working directory is).") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing (SyntaxError, NameError, ...)
+        raise ConfigError(f"{what}={path!r}: importing module {module_name!r} failed: {type(e).__name__}: {e}. "
+                          f"Fix the module (JAXRL4LLM_DEBUG=1 shows the traceback).") from e
     if not hasattr(module, attr):
         raise ConfigError(f"{what}={path!r}: module {module_name!r} has no attribute {attr!r}.")
     return getattr(module, attr)

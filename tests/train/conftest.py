@@ -28,3 +28,23 @@ def tiny_overrides(assets, out_dir, **extra):
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="session")
+def finished_run(demo_assets, tmp_path_factory):
+    """One tiny finished run that several tests read (copy it before changing it): 2 steps, a
+    checkpoint at each, held-out accuracy before and after, an HF export, and a reward of the
+    user's that asks for the problem and the row's metadata and raises on some responses
+    (tests.train.custom_parts:checks_problem_and_metadata). Returns {"out", "overrides",
+    "summary", "log"}: the folder, its train overrides, train's summary and its log lines."""
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.loop import train
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    overrides = tiny_overrides(demo_assets, out, **{
+        "reward.fn": "tests.train.custom_parts:checks_problem_and_metadata", "reward.batched": "auto",
+        "trainer.checkpoint_every": 1, "trainer.eval_every": 0, "trainer.export_hf": True,
+        "trainer.clipped_tokens_every": 0, "data.eval_limit": 4})
+    lines = []
+    summary = train(load_config(None, overrides), log=lines.append)
+    return {"out": out, "overrides": overrides, "summary": summary, "log": lines}

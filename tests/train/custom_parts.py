@@ -1,8 +1,9 @@
-"""A user's own reward and recipe, plugged in by import path (no fork of jaxrl4llm)."""
+"""A user's own reward and recipe, plugged in by import path (no fork of jaxrl4llm).
+
+Standard library at import: the rewards' sandbox workers import this module when they start
+(train/reward_fn.py), and JAX is imported by the loss alone, when it is called."""
 
 import re
-
-from jaxrl4llm.core import policy_loss
 
 
 def contains_one_reward(response: str, gold: str) -> float:
@@ -24,6 +25,17 @@ def boxed_integer_reward(response: str, gold: str) -> float:
 def negated_policy_loss(recipe, **kwargs):
     """The core policy loss with its sign flipped (learning broken: the policy moves away from
     reward); a custom composition with the same signature, which marks its metrics."""
+    from jaxrl4llm.core import policy_loss
+
     terms, metrics = policy_loss(recipe, **kwargs)
     metrics["custom_loss_used"] = terms.numerator * 0 + 1.0
     return terms._replace(numerator=-terms.numerator), metrics
+
+
+def checks_problem_and_metadata(response: str, gold: str, problem: str, metadata: dict) -> float:
+    """1.0 when the reward was given the row's own problem text and metadata (the demo task's
+    fields), raising on a response that contains '1' (reward.on_error: counted, scored 0)."""
+    if "1" in response:
+        raise ValueError("a '1' in the response")
+    return float(problem.endswith("How many?") and metadata["solution"].endswith("\\boxed{%s}" % gold)
+                 and metadata["digits"] == 1)

@@ -17,3 +17,23 @@ def test_eval_output_writes_every_generation(demo_assets, tmp_path, capsys):
     assert all(set(r) == {"set", "problem", "sample", "prompt", "response", "extracted", "gold", "reward"} for r in lines)
     assert all(r["set"] == "test" and r["prompt"] and r["gold"] for r in lines)
     assert result["test/accuracy"] == sum(r["reward"] > 0.5 for r in lines) / 6
+
+
+def test_eval_of_a_runs_export_writes_the_aggregate_into_the_run_folder(finished_run, tmp_path, capsys):
+    """model.path=RUN/hf_export: the printed aggregate is also RUN/eval.json (a copy of the shared
+    finished run, which the other tests keep as it is)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run["out"], run)
+    overrides = [o for o in finished_run["overrides"] if not o.startswith(("trainer.out_dir=", "data.eval_limit="))]
+    out = tmp_path / "results.jsonl"
+    assert cli_main(["eval", *overrides, f"model.path={run / 'hf_export'}", "data.eval_limit=2",
+                     "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert json.loads((run / "eval.json").read_text()) == result
+    assert f"aggregate: {run / 'eval.json'}" in captured.err
+    assert set(result) >= {"test/accuracy", "test/pass@1", "test/response_length", "accuracy", "reward_errors"}
+    assert len(out.read_text().splitlines()) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "run"]  # nothing else written

@@ -153,7 +153,8 @@ def test_a_reward_that_raises_leaves_a_folder_a_plain_rerun_starts_over(demo_ass
     tiny = {"trainer.steps": 1, "trainer.eval_every": -1, "trainer.clipped_tokens_every": 0}
     with pytest.raises(RuntimeError, match="reward server down"):
         train(load_config(None, tiny_overrides(demo_assets, run, **tiny,
-                                               **{"reward.fn": "tests.train.test_run_folder:raising_reward"})),
+                                               **{"reward.fn": "tests.train.test_run_folder:raising_reward",
+                                                  "reward.on_error": "raise"})),
               log=lambda s: None)
     assert (run / "checkpoints").is_dir() and (run / "config.json").is_file()
     messages = []
