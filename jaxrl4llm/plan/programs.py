@@ -608,9 +608,19 @@ def format_plan(plan: RunPlan) -> str:
         lines.append(f"sampler: decode mesh data {sm['data_parallel']} x tensor {sm['tensor_parallel']} "
                      f"(rollout.tensor_parallel), {sm['prompts_per_chunk']} prompts per chunk x {sm['chunks']} "
                      f"(rollout.prompts_per_chunk; the largest that fits by our count: {sm['fitting_chunk']})")
-    lines.append(f"trainer: each prompt's forward runs once for its {plan.prompt_group} rows (trainer.share_prompt)"
-                 if plan.prompt_group else "trainer: every row runs its own prompt (trainer.share_prompt is off or "
-                 "cannot apply: micro-batches must give every data-parallel chip whole groups)")
+    lay = plan.packing
+    if lay is not None:
+        lines.append(f"trainer: packed rows (trainer.packing): micro-batches of {lay.rows_per_shard} rows x {lay.row_width} "
+                     f"positions a chip (trainer.tokens_per_micro_batch), {plan.trainer_positions / max(lay.mini_batches, 1) / lay.tokens_per_micro_batch:.1f} "
+                     f"of at most {lay.micro_batches} filled a mini-batch at these lengths")
+    else:
+        lines.append(f"trainer: each prompt's forward runs once for its {plan.prompt_group} rows (trainer.share_prompt)"
+                     if plan.prompt_group else "trainer: padded rows, every row runs its own prompt (trainer.packing "
+                     "off; trainer.share_prompt off or not applicable: micro-batches must give every data-parallel "
+                     "chip whole groups)")
+    if plan.attention_kernel:
+        lines.append(f"trainer attention: the {plan.attention_kernel['impl']} kernel (model.attention_impl); its FLOPs "
+                     f"are counted from its blocks (XLA cannot see into the kernel)")
     lines.append("")
     header = f"{'program':<16} {'fits':>4} {'XLA GiB/chip':>12} {'+state':>7} {'HBM %':>6} {'args':>7} {'temp':>7} " \
              f"{'ours GiB':>8} {'ours/XLA':>8}"
