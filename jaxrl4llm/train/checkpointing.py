@@ -1,12 +1,19 @@
 """Orbax checkpoints of a run: train state (params, optimizer state, step) + JSON metadata
 (data position, RNG key, config). Orbax writes each step to a temporary folder and renames it
 when complete, so a run killed mid-write leaves the previous checkpoint usable; only the last
-`keep` checkpoints are kept. A checkpoint that cannot be read is a CheckpointError naming its
+`keep` checkpoints are kept.
+
+Saves are asynchronous: `save` returns once the arrays are copied to host memory and a
+background thread writes them, so the next step starts at once; the next `save`, `wait` and
+`close` wait for the write in flight (a run's end, a preemption). Until its commit (the
+rename, or on gs:// the `commit_success.txt` orbax writes last) a step is not a checkpoint:
+`latest_step` and `run_folder.checkpoint_steps` never return it. A checkpoint that cannot be read is a CheckpointError naming its
 step folder, the cause and the newest earlier step that can be read.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +50,16 @@ class RunCheckpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict) -> float:
+        """Starts writing checkpoint `step` and returns the seconds the caller was blocked: the
+        wait for the previous save, if still writing, and the copy of `state` to host memory
+        (after which its device buffers may be donated). The write goes on in the background."""
+        t0 = time.perf_counter()
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Returns when the save in flight (if any) is committed."""
         self._mngr.wait_until_finished()
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, int]:
@@ -108,4 +123,5 @@ class RunCheckpointer:
         return True
 
     def close(self) -> None:
+        """Waits for the save in flight, then releases orbax's threads."""
         self._mngr.close()

@@ -1,0 +1,72 @@
+"""RunCheckpointer's asynchronous saves: the caller goes on while a save writes, and a process
+killed in the middle of a save leaves the previous checkpoint as the latest."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxrl4llm.train.checkpointing import RunCheckpointer
+from jaxrl4llm.train.run_folder import checkpoint_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Saves step 1 and waits; then starts step 2 with orbax's commit (the last act of a save, after
+# every array is written) held forever, says so, and waits to be killed.
+KILLED_MID_SAVE = r"""
+import asyncio, os, sys, time
+import jax.numpy as jnp
+from orbax.checkpoint._src.path import atomicity
+from jaxrl4llm.train.checkpointing import RunCheckpointer
+
+out = sys.argv[1]
+ckpt = RunCheckpointer(out, keep=3)
+ckpt.save(1, {"w": jnp.full((64, 64), 1.0)}, {"step": 1})
+ckpt.wait()
+
+async def held(self):
+    open(os.path.join(out, "commit_held"), "w").close()
+    await asyncio.sleep(3600)
+
+atomicity.AtomicRenameTemporaryPath.finalize = held
+ckpt.save(2, {"w": jnp.full((64, 64), 2.0)}, {"step": 2})
+open(os.path.join(out, "save_returned"), "w").close()  # the caller goes on while the write is in flight
+time.sleep(3600)
+"""
+
+
+def test_a_save_killed_before_its_commit_never_becomes_latest(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, str(out)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        signs = (out / "commit_held", out / "save_returned")
+        while not all(p.exists() for p in signs) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # the commit is held, and save() returned all the same: it did not wait for the write
+        assert all(p.exists() for p in signs), (tmp_path / "log").read_text()[-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # step 2's arrays are on disk, in orbax's temporary folder: not a checkpoint
+    assert any(p.name.startswith("2.") for p in (out / "checkpoints").iterdir())
+    assert checkpoint_steps(out) == [1]
+    ckpt = RunCheckpointer(out, keep=3)
+    assert ckpt.latest_step() == 1
+    state, meta, step = ckpt.restore({"w": np.zeros((64, 64), np.float32)})
+    assert step == 1 and meta == {"step": 1} and float(state["w"][0, 0]) == 1.0
+    # the resumed run saves step 2 again, over the leftover
+    ckpt.save(2, {"w": np.full((64, 64), 3.0, np.float32)}, {"step": 2})
+    ckpt.close()
+    assert checkpoint_steps(out) == [1, 2]
+    state, _, step = RunCheckpointer(out, keep=3).restore({"w": np.zeros((64, 64), np.float32)})
+    assert step == 2 and float(state["w"][0, 0]) == 3.0
