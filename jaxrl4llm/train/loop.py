@@ -30,6 +30,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
+from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
@@ -376,11 +377,15 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
     return record
 
 
-def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
+def train(cfg: RunConfig, *, resume: bool | str = False, log: Callable[[str], None] = print) -> dict:
     """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths).
+    resume: True (continue from the latest checkpoint), False, or "auto" (continue if there is
+    a complete checkpoint, else start fresh). After a SIGTERM under `preemption.watch()`, saves
+    the step in progress once it ends and raises `preemption.Preempted`.
 
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
+    resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
     hosts.barrier("out_dir ready")
@@ -429,9 +434,19 @@ def train(cfg: RunConfig, *, resume: bool = False, log: Callable[[str], None] = 
         if hosts.is_main():
             write_lengths(out, step + 1, *lengths)
         history.append(record)
-        if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
-            ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed,
-                                                             "step": step + 1, "retired_prompts": sorted(stream.retired)})
+        save = lambda: ckpt.save(step + 1, state.replace(frozen=None), {  # asynchronous: the next step starts at once
+            "data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
+            "retired_prompts": sorted(stream.retired)})
+        checkpoint_now = cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0
+        if checkpoint_now:
+            save()
+        if stop_requested():  # a SIGTERM reached some process: all save this step and stop together
+            if not checkpoint_now:
+                save()
+            writer.close()
+            ckpt.close()  # waits for the write
+            log(f"preempted: checkpoint of step {step + 1} saved in {ckpt.dir}")
+            raise Preempted(step + 1, str(ckpt.dir / str(step + 1)))
 
     eval_after = None
     if run.eval_sets and cfg.trainer.eval_every >= 0:
