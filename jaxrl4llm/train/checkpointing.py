@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxrl4llm.train import hosts
 
 
 class CheckpointError(Exception):
@@ -67,12 +69,50 @@ class RunCheckpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.dir}: nothing to resume (start without --resume).")
+        out = self._read(step, self._state_args(abstract_state), "delete {bad} to resume from it")
+        return out["state"], dict(out["meta"]), step
+
+    def restore_newest_readable(self, abstract_state: Any, warn: Callable[[str], None] = print) -> tuple[Any, dict, int]:
+        """`restore` of the latest step, or, when it cannot be read (a corrupt or truncated file),
+        of the newest earlier step that can, with one warning naming the unreadable steps and
+        their causes: what an unattended relaunch (`--resume auto`) does, where an error would
+        stop the run for good. The unreadable steps are renamed `<step>.unreadable` (kept for a
+        look, no longer checkpoints), so the run writes those steps again. A step counts as read
+        only when every process read its part."""
+        steps = sorted(self._mngr.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"No checkpoint in {self.dir}: nothing to resume.")
+        args, bad = self._state_args(abstract_state), []
+        for step in steps:
+            try:
+                out, cause = self._mngr.restore(step, args=args), None
+            except Exception as e:  # noqa: BLE001 (any failure to read is handled the same way)
+                out, cause = None, _cause(e)
+            if not hosts.all_true(cause is None):
+                bad.append((step, cause or "another process could not read its part"))
+                continue
+            if bad:
+                hosts.barrier("checkpoint fallback")
+                if hosts.is_main():
+                    for s, _ in bad:
+                        (self.dir / str(s)).rename(self.dir / f"{s}.unreadable")
+                hosts.barrier("checkpoint fallback done")
+                self._mngr.reload()
+                warn("warning: " + "; ".join(f"checkpoint step {s} at {self.dir / str(s)} cannot be read ({c})"
+                                             for s, c in bad)
+                     + f"; resuming from step {step}, the newest readable one (the unreadable ones are kept as "
+                     + ", ".join(f"{s}.unreadable" for s, _ in bad) + ")")
+            return out["state"], dict(out["meta"]), step
+        raise CheckpointError(f"none of the checkpoints in {self.dir} can be read: "
+                              + "; ".join(f"step {s}: {c}" for s, c in bad)
+                              + " (a cause naming shapes or keys may mean a config other than the run's config.json).")
+
+    @staticmethod
+    def _state_args(abstract_state: Any) -> ocp.args.Composite:
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state
         )
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        out = self._read(step, args, "delete {bad} to resume from it")
-        return out["state"], dict(out["meta"]), step
+        return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
 
     def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
         """Restores only the parameters of a checkpoint (no optimizer state: an export reads a

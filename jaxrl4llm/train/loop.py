@@ -380,11 +380,12 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
 def train(cfg: RunConfig, *, resume: bool | str = False, log: Callable[[str], None] = print) -> dict:
     """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths).
     resume: True (continue from the latest checkpoint), False, or "auto" (continue if there is
-    a complete checkpoint, else start fresh). After a SIGTERM under `preemption.watch()`, saves
+    a complete checkpoint, from the newest readable one with a warning, else start fresh). After a SIGTERM under `preemption.watch()`, saves
     the step in progress once it ends and raises `preemption.Preempted`.
 
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
+    unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
     resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
@@ -394,7 +395,9 @@ def train(cfg: RunConfig, *, resume: bool | str = False, log: Callable[[str], No
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
     start_step, cursor, retired = 0, 0, []
     if resume:
-        restored, meta, start_step = ckpt.restore(state.replace(frozen=None))  # checkpoints hold no frozen base
+        abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
+        restored, meta, start_step = (ckpt.restore_newest_readable(abstract, log) if unattended else
+                                      ckpt.restore(abstract))
         state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
         retired = meta.get("retired_prompts", [])

@@ -28,8 +28,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import jax
-import numpy as np
+from jaxrl4llm.train import hosts
 
 RESUME_EXIT_CODE = 75
 
@@ -77,12 +76,7 @@ def stop_requested() -> bool:
     Outside `watch` (the library's `train()` called directly): False, with no collective."""
     if not _state["watching"]:
         return False
-    if jax.process_count() == 1:
-        return _state["signalled"]
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.asarray([_state["signalled"]], np.int32))
-    return bool(np.asarray(flags).any())
+    return not hosts.all_true(not _state["signalled"])
 
 
 def resume_from_checkpoint(resume: bool | str, out_dir: str | Path, log: Callable[[str], None] = print) -> bool:

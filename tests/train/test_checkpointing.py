@@ -70,3 +70,34 @@ def test_a_save_killed_before_its_commit_never_becomes_latest(tmp_path):
     assert checkpoint_steps(out) == [1, 2]
     state, _, step = RunCheckpointer(out, keep=3).restore({"w": np.zeros((64, 64), np.float32)})
     assert step == 2 and float(state["w"][0, 0]) == 3.0
+
+
+def _truncate_largest_shard(step_dir: Path) -> None:
+    shard = max((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path):
+    """`--resume auto` (restore_newest_readable): step 4 truncated -> step 2, one warning; step 4
+    kept as 4.unreadable and written again by the resumed run."""
+    ckpt = RunCheckpointer(tmp_path, keep=3)
+    noise = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)  # incompressible: a shard of its own
+    for step in (2, 4):
+        ckpt.save(step, {"w": noise + step}, {"step": step})
+    ckpt.close()
+    _truncate_largest_shard(tmp_path / "checkpoints" / "4")
+    warnings = []
+    ckpt = RunCheckpointer(tmp_path, keep=3)
+    state, meta, step = ckpt.restore_newest_readable({"w": np.zeros((64, 64), np.float32)}, warnings.append)
+    assert step == 2 and meta == {"step": 2}
+    np.testing.assert_array_equal(state["w"], noise + 2)
+    [warning] = warnings
+    assert warning.startswith(f"warning: checkpoint step 4 at {tmp_path / 'checkpoints' / '4'} cannot be read (")
+    assert warning.endswith("; resuming from step 2, the newest readable one (the unreadable ones are kept as "
+                            "4.unreadable)")
+    assert checkpoint_steps(tmp_path) == [2] and (tmp_path / "checkpoints" / "4.unreadable").is_dir()
+    ckpt.save(4, {"w": np.full((64, 64), 5.0, np.float32)}, {"step": 4})
+    ckpt.close()
+    assert checkpoint_steps(tmp_path) == [2, 4]
+
