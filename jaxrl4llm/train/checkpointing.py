@@ -20,6 +20,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl4llm.storage import run_path
 from jaxrl4llm.train import hosts
 
 
@@ -44,7 +45,8 @@ class RunCheckpointer:
     METADATA_FILES = ("state/_METADATA", "meta/metadata")  # what orbax writes next to the arrays of a step
 
     def __init__(self, out_dir: str | Path, *, keep: int = 2):
-        self.dir = Path(out_dir).absolute() / "checkpoints"
+        """out_dir: the run folder, local or gs://bucket/path."""
+        self.dir = run_path(out_dir) / "checkpoints"  # a local folder or gs:// (jaxrl4llm.storage)
         self._mngr = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True)
         )
