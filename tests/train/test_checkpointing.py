@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.run_folder import checkpoint_steps
@@ -101,3 +102,23 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_with_a_warni
     ckpt.close()
     assert checkpoint_steps(tmp_path) == [2, 4]
 
+
+
+def test_a_write_that_fails_in_the_background_raises_at_the_next_wait_and_is_no_checkpoint(tmp_path, monkeypatch):
+    """A disk that fills up during an asynchronous save: the error comes out of the next wait
+    (or save, or close: the run stops there), and the step never becomes a checkpoint."""
+    from orbax.checkpoint._src.path import atomicity
+
+    ckpt = RunCheckpointer(tmp_path, keep=3)
+    ckpt.save(1, {"w": np.ones((8, 8), np.float32)}, {"step": 1})
+    ckpt.wait()
+
+    async def disk_full(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+    ckpt.save(2, {"w": np.full((8, 8), 2.0, np.float32)}, {"step": 2})  # returns: the write goes on
+    with pytest.raises(Exception, match="No space left on device"):
+        ckpt.wait()
+    monkeypatch.undo()
+    assert checkpoint_steps(tmp_path) == [1] and RunCheckpointer(tmp_path).latest_step() == 1
