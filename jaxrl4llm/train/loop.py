@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
+from jaxrl4llm.storage import is_remote
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import batch_program, merge_groups
 from jaxrl4llm.train.checkpointing import RunCheckpointer
@@ -384,6 +385,11 @@ def train(cfg: RunConfig, *, resume: bool | str = False, log: Callable[[str], No
     the step in progress once it ends and raises `preemption.Preempted`.
 
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    if is_remote(cfg.trainer.out_dir):
+        raise ConfigError(f"trainer.out_dir={cfg.trainer.out_dir!r}: `jaxrl4llm train` appends to files in its run folder "
+                          f"(metrics, TensorBoard), which gs:// objects cannot do; use a local folder or the bucket "
+                          f"mounted with gcsfuse (tpu_scripts/setup.sh). Checkpoints, `jaxrl4llm convert` and "
+                          f"model.path read and write gs:// directly.")
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
     resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)

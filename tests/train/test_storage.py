@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import socket
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -48,9 +49,17 @@ def bucket():
 
 
 def test_run_path_keeps_local_paths_and_opens_gs_urls(tmp_path):
-    assert storage.run_path("runs/x") == storage.Path("runs/x").absolute() and not storage.is_remote("runs/x")
+    assert storage.run_path("runs/x") == Path("runs/x").absolute() and not storage.is_remote("runs/x")
     assert storage.is_remote("gs://b/runs/x")
     assert storage.local_copy(tmp_path) == tmp_path  # a local folder is used in place
+
+
+def test_train_on_a_gs_out_dir_is_refused_with_the_way_on(demo_assets):
+    from jaxrl4llm.train.config import ConfigError, load_config
+    from jaxrl4llm.train.loop import train
+
+    with pytest.raises(ConfigError, match=r"trainer.out_dir='gs://b/run': .* gcsfuse"):
+        train(load_config(None, tiny_overrides(demo_assets, "gs://b/run")))
 
 
 def test_checkpoints_export_and_load_on_gcs(bucket, demo_assets, tmp_path, monkeypatch):
