@@ -34,7 +34,7 @@ RESUME_EXIT_CODE = 75
 
 
 class Terminated(KeyboardInterrupt):
-    """A second SIGTERM (or one outside `watch`'s step checks): stop at once, like Ctrl-C."""
+    """A second SIGTERM under `watch`: stop at once, like Ctrl-C (exit status 143)."""
 
 
 class Preempted(Exception):
