@@ -41,36 +41,35 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's preemption, `kill`) during `jaxrl4llm train`, raised like Ctrl-C."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated()
+RESUME_CHOICES = {None: False, "latest": True, "auto": "auto"}  # args.resume -> train(resume=...)
 
 
 def cmd_train(args) -> int:
-    """Runs `train`; on Ctrl-C (exit status 130) or SIGTERM (143) prints one line with the
-    command that continues the run from its last checkpoint, and no traceback."""
-    import signal
-
+    """Runs `train`. The first SIGTERM (a preemption, `kill`) lets the step in progress end, saves
+    its checkpoint and exits with status 75 (`preemption.RESUME_EXIT_CODE`: resume me); Ctrl-C
+    (130) or a second SIGTERM (143) stop at once. Each prints one line with the command that
+    continues the run from its last checkpoint, and no traceback."""
+    from jaxrl4llm.train import preemption
     from jaxrl4llm.train.loop import train
     from jaxrl4llm.train.report import print_run_report
 
     cfg = _load(args)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        summary = train(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
-    except KeyboardInterrupt as e:
-        print(interrupted_line(args, cfg.trainer.out_dir), file=sys.stderr, flush=True)
-        return 143 if isinstance(e, Terminated) else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with preemption.watch():
+        try:
+            summary = train(cfg, resume=RESUME_CHOICES[args.resume], allow_config_change=args.allow_config_change)
+        except preemption.Preempted as p:
+            print(interrupted_line(args, cfg.trainer.out_dir, f"preempted after step {p.step} (SIGTERM), its "
+                                   f"checkpoint saved; exit status {preemption.RESUME_EXIT_CODE}"), file=sys.stderr,
+                  flush=True)
+            return preemption.RESUME_EXIT_CODE
+        except KeyboardInterrupt as e:
+            print(interrupted_line(args, cfg.trainer.out_dir), file=sys.stderr, flush=True)
+            return 143 if isinstance(e, preemption.Terminated) else 130
     print_run_report(summary)
     return 0
 
 
-def interrupted_line(args, out_dir: str) -> str:
+def interrupted_line(args, out_dir: str, what: str = "interrupted") -> str:
     """`jaxrl4llm train: interrupted; checkpoint step 7 in runs/x; resume with: jaxrl4llm train ... --resume`:
     the user's own arguments (args.argv), --resume added."""
     import shlex
@@ -80,11 +79,11 @@ def interrupted_line(args, out_dir: str) -> str:
     argv = list(getattr(args, "argv", None) or ["train"])
     steps = checkpoint_steps(out_dir)
     if not steps:
-        return (f"jaxrl4llm train: interrupted before the first checkpoint (trainer.checkpoint_every); "
+        return (f"jaxrl4llm train: {what} before the first checkpoint (trainer.checkpoint_every); "
                 f"start over with: jaxrl4llm {shlex.join(argv)}")
-    if "--resume" not in argv:
+    if not any(a == "--resume" or a.startswith("--resume=") for a in argv):
         argv.append("--resume")
-    return f"jaxrl4llm train: interrupted; last checkpoint: step {steps[-1]} in {out_dir}; resume with: jaxrl4llm {shlex.join(argv)}"
+    return f"jaxrl4llm train: {what}; last checkpoint: step {steps[-1]} in {out_dir}; resume with: jaxrl4llm {shlex.join(argv)}"
 
 
 def cmd_eval(args) -> int:
@@ -211,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Sample, reward, update, evaluate and checkpoint, as the configs say. "
                        "Writes OUT/metrics.jsonl, OUT/tb (TensorBoard), OUT/checkpoints and OUT/hf_export.")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in trainer.out_dir")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, choices=("latest", "auto"),
+                   help="continue from the latest checkpoint in trainer.out_dir; `--resume auto`: continue if it holds "
+                   "a complete checkpoint, else start fresh (what a launcher that relaunches runs uses)")
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: accept changes to the keys that fix the checkpoint's shapes, the data, the "
                    "reward, the objective or the seed (model.*, data.train_files, rollout sizes, trainer.seed, ...); "
@@ -345,9 +346,23 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     if command in KEY_VALUE_OPTIONS:
         options = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
         rest = [_as_option(token, options) for token in rest]
+    if command == "train":
+        rest = _resume_flag(rest)
     args = sub.parse_intermixed_args(rest)
     args.command = command
     return args
+
+
+def _resume_flag(words: list[str]) -> list[str]:
+    """`--resume auto` -> `--resume=auto`, a bare `--resume` -> `--resume=latest`: argparse would
+    take an override after a bare `--resume` (`--resume optim.lr=1e-5`) as its value."""
+    out = []
+    for word in words:
+        if word == "auto" and out[-1:] == ["--resume=latest"]:
+            out[-1] = "--resume=auto"
+        else:
+            out.append("--resume=latest" if word == "--resume" else word)
+    return out
 
 
 def _as_option(token: str, options: set[str]) -> str:

@@ -49,8 +49,11 @@ def test_no_tpu_errors_on_this_machine_without_jax_platforms():
 def test_overrides_anywhere_on_the_command_line():
     parse = lambda line: cli.parse_args(cli.build_parser(), line.split())  # noqa: E731
     args = parse("train -c cfg.yaml trainer.steps=3 --resume optim.lr=1e-5 -c more.yaml rollout.top_k=5")
-    assert args.resume and args.config == ["cfg.yaml", "more.yaml"] and args.command == "train"
+    assert args.resume == "latest" and args.config == ["cfg.yaml", "more.yaml"] and args.command == "train"
     assert args.overrides == ["trainer.steps=3", "optim.lr=1e-5", "rollout.top_k=5"]  # in order: later wins
+    args = parse("train --resume auto optim.lr=1e-5")
+    assert args.resume == "auto" and args.overrides == ["optim.lr=1e-5"]
+    assert parse("train optim.lr=1e-5").resume is None
     args = parse("sample --prompt 1+1=? rollout.top_k=5 -n 2 rollout.temperature=0")
     assert args.prompt == ["1+1=?"] and args.num_samples == 2
     assert args.overrides == ["rollout.top_k=5", "rollout.temperature=0"]
@@ -84,13 +87,14 @@ def test_interrupted_train_prints_the_resume_command(tmp_path, monkeypatch, caps
     def interrupted_train(cfg, resume, **kwargs):
         if signal_name == "SIGINT":
             raise KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGTERM)  # cmd_train's handler turns it into an exception
+        os.kill(os.getpid(), signal.SIGTERM)  # the first asks for a stop after the step (preemption.stop_requested)
+        os.kill(os.getpid(), signal.SIGTERM)  # the second: cmd_train's handler turns it into an exception
         raise AssertionError("SIGTERM did not stop the run")
 
     monkeypatch.setattr(loop, "train", interrupted_train)
     before = signal.getsignal(signal.SIGTERM)
     assert cli.main(["train", f"trainer.out_dir={tmp_path}", "trainer.steps=9"]) == status
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"jaxrl4llm train: interrupted; last checkpoint: step 7 in {tmp_path}; resume with: "
                    f"jaxrl4llm train trainer.out_dir={tmp_path} trainer.steps=9 --resume")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is train's only

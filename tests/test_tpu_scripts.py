@@ -29,7 +29,8 @@ if [[ ${FAKE_GCLOUD_EXEC:-} == 1 && $4 == ssh ]]; then
 fi
 """
 
-# Stands in for a worker's .venv/bin/jaxrl4llm: writes its argv, env and process facts to ~/probe.
+# Stands in for a worker's .venv/bin/jaxrl4llm: writes its argv, env and process facts to ~/probe
+# (its session's leader: supervise.sh, its parent), then exits with the next status of ~/statuses.
 FAKE_TRAIN = r"""#!/usr/bin/env bash
 read -r -a stat < /proc/$$/stat
 stdin=$(readlink /proc/$$/fd/0) stdout=$(readlink /proc/$$/fd/1)
@@ -38,10 +39,14 @@ stdin=$(readlink /proc/$$/fd/0) stdout=$(readlink /proc/$$/fd/1)
   echo "distributed:${JAXRL4LLM_DISTRIBUTED:-}"
   echo "stdin:$stdin"
   echo "stdout:$stdout"
-  echo "session_leader:$([[ ${stat[5]} == "$$" ]] && echo yes || echo no)"
+  echo "session_leader:$([[ ${stat[5]} == "$PPID" ]] && echo parent || echo other)"
 } > "$HOME/probe.tmp"
 echo "training output"
+status=0
+if [[ -s $HOME/statuses ]]; then status=$(head -n 1 "$HOME/statuses"); sed -i 1d "$HOME/statuses"; fi
+echo "$status" >> "$HOME/exits"
 mv "$HOME/probe.tmp" "$HOME/probe"
+exit "$status"
 """
 
 TRAIN_ARGS = [
@@ -128,10 +133,11 @@ def test_launch_starts_train_detached_on_all_workers(sandbox):
     [argv] = dry(run, "launch.sh", *TRAIN_ARGS)
     assert argv[:5] == PREFIX + ["ssh"] and argv[5:8] == SLICE and "--worker=all" in argv
     command = remote_command(argv)
-    for part in ("JAXRL4LLM_DISTRIBUTED=1 setsid nohup ", "< /dev/null &", ">> ~/jaxrl4llm-run.log 2>&1"):
+    for part in ("JAXRL4LLM_DISTRIBUTED=1 JAXRL4LLM_MAX_RESTARTS=5 setsid nohup tpu_scripts/supervise.sh ",
+                 "< /dev/null &", ">> ~/jaxrl4llm-run.log 2>&1"):
         assert part in command
     words = shlex.split(command)  # the remote shell's words: the arguments come back unchanged
-    start = words.index("train") + 1
+    start = words.index("tpu_scripts/supervise.sh") + 1
     assert words[start:start + len(TRAIN_ARGS)] == TRAIN_ARGS
     assert run("launch.sh", DRY_RUN="1").returncode == 2  # no arguments: usage
 
@@ -145,6 +151,9 @@ def test_logs_kill_delete(sandbox):
     [kill] = dry(run, "kill.sh")
     assert kill[:5] == PREFIX + ["ssh"] and "--worker=all" in kill
     assert "pkill -TERM -f '[j]axrl4llm train'" in remote_command(kill)
+    # the supervisor goes first (it would relaunch the run the SIGTERM stops)
+    assert remote_command(kill).startswith("pkill -TERM -f 'tpu_scripts/[s]upervise.sh' || true; ")
+    assert "$(seq 600)" in remote_command(dry(run, "kill.sh", KILL_AFTER="600")[0])
     assert "delete" not in " ".join(kill)
     [delete] = dry(run, "delete.sh")
     assert delete == PREFIX + ["delete"] + SLICE + ["--quiet"]
@@ -187,29 +196,93 @@ def test_delete_asks_first(sandbox):
     assert p.returncode == 0 and [argv[4] for argv in calls()] == ["delete"]
 
 
+def fake_worker(home: Path) -> None:
+    """A worker's clone in `home`: tpu_scripts/supervise.sh and the fake .venv/bin/jaxrl4llm."""
+    clone = home / "jaxrl4llm"
+    (clone / ".venv" / "bin").mkdir(parents=True)
+    (clone / ".venv" / "bin" / "jaxrl4llm").write_text(FAKE_TRAIN)
+    (clone / ".venv" / "bin" / "jaxrl4llm").chmod(0o755)
+    (clone / "tpu_scripts").mkdir()
+    shutil.copy2(SCRIPTS / "supervise.sh", clone / "tpu_scripts" / "supervise.sh")
+
+
+def wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_launch_command_detaches_and_passes_arguments(sandbox):
     """The ssh command launch.sh sends, run here in a fake worker home: the train process gets the
-    arguments unchanged, JAXRL4LLM_DISTRIBUTED=1, /dev/null as stdin, the log as stdout and its own session."""
+    arguments unchanged plus --resume auto, JAXRL4LLM_DISTRIBUTED=1, /dev/null as stdin, the log
+    as stdout, and runs in supervise.sh's own session."""
     run, _ = sandbox
-    venv_bin = run.home / "jaxrl4llm" / ".venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    (venv_bin / "jaxrl4llm").write_text(FAKE_TRAIN)
-    (venv_bin / "jaxrl4llm").chmod(0o755)
+    fake_worker(run.home)
     p = run("launch.sh", *TRAIN_ARGS, FAKE_GCLOUD_EXEC="1")
     assert p.returncode == 0, p.stderr
     probe = run.home / "probe"
-    deadline = time.monotonic() + 30
-    while not probe.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(probe)
     lines = probe.read_text().splitlines()
-    assert [line.removeprefix("arg:") for line in lines if line.startswith("arg:")] == ["train", *TRAIN_ARGS]
+    assert [line.removeprefix("arg:") for line in lines if line.startswith("arg:")] == [
+        "train", *TRAIN_ARGS, "--resume", "auto"]
     log = run.home / "jaxrl4llm-run.log"
-    assert {"distributed:1", "stdin:/dev/null", f"stdout:{log}", "session_leader:yes"} <= set(lines)
-    assert "training output" in log.read_text()
+    assert {"distributed:1", "stdin:/dev/null", f"stdout:{log}", "session_leader:parent"} <= set(lines)
+    wait_for(run.home / "exits")
+    deadline = time.monotonic() + 30
+    while "the run finished" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "training output" in log.read_text() and "supervise.sh" in log.read_text()
+
+
+def supervise(home: Path, statuses: list[int], **env) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """tpu_scripts/supervise.sh run in a fake worker clone whose train exits with `statuses` in
+    turn (0 after them): (the supervisor's result, the exit statuses of the runs it made)."""
+    fake_worker(home)
+    (home / "statuses").write_text("".join(f"{s}\n" for s in statuses))
+    p = subprocess.run([str(home / "jaxrl4llm" / "tpu_scripts" / "supervise.sh"), "-c", "a b.yaml"],
+                       cwd=home / "jaxrl4llm", env={**os.environ, "HOME": str(home), "JAXRL4LLM_RESTART_DELAY": "0",
+                                                    **env}, capture_output=True, text=True, timeout=60)
+    return p, [int(x) for x in (home / "exits").read_text().split()]
+
+
+def test_supervise_relaunches_after_preemption_and_crash_then_stops(tmp_path):
+    p, runs = supervise(tmp_path, [75, 1])  # preempted, then a crash (a peer host died), then it finishes
+    assert p.returncode == 0 and runs == [75, 1, 0], p.stdout + p.stderr
+    lines = [line.split(": ", 1)[1] for line in p.stdout.splitlines() if "supervise.sh" in line]
+    assert lines == ["exit status 75, preempted (SIGTERM): its step was saved; relaunch 1 of 5 in 0s with --resume auto",
+                     "exit status 1, crashed (a peer host lost, out of memory, ...); relaunch 2 of 5 in 0s with "
+                     "--resume auto", "the run finished"]
+
+
+def test_supervise_runs_once_a_worker(tmp_path):
+    """A second supervise.sh on a worker whose run is still supervised (launch.sh run again after
+    a host came back) starts nothing: the lock is held by the first, or the train it started."""
+    fake_worker(tmp_path)
+    lock = open(tmp_path / ".jaxrl4llm-supervise.lock", "a")
+    import fcntl
+
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live supervisor holds it
+    p = subprocess.run([str(tmp_path / "jaxrl4llm" / "tpu_scripts" / "supervise.sh")], cwd=tmp_path / "jaxrl4llm",
+                       env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    lock.close()
+    assert p.returncode == 0 and "already supervised" in p.stdout and not (tmp_path / "exits").exists()
+
+
+@pytest.mark.parametrize("statuses, runs, status, said", [
+    ([75, 75, 75, 75], [75, 75, 75], 75, "giving up after 2 relaunches (JAXRL4LLM_MAX_RESTARTS)"),
+    ([2], [2], 2, "not relaunching"),  # a bad config: relaunching would fail the same way
+    ([143], [143], 143, "stopped by hand"),
+])
+def test_supervise_relaunches_a_bounded_number_of_times(tmp_path, statuses, runs, status, said):
+    p, made = supervise(tmp_path, statuses, JAXRL4LLM_MAX_RESTARTS="2")
+    assert p.returncode == status and made == runs, p.stdout + p.stderr
+    assert said in p.stdout.splitlines()[-1]
 
 
 def test_script_conventions():
-    scripts = sorted(p for p in SCRIPTS.glob("*.sh") if p.name not in ("common.sh", "env.sh"))
+    # supervise.sh runs on the workers (launch.sh starts it there): no settings, no gcloud
+    assert os.access(SCRIPTS / "supervise.sh", os.X_OK)
+    scripts = sorted(p for p in SCRIPTS.glob("*.sh") if p.name not in ("common.sh", "env.sh", "supervise.sh"))
     assert {p.name for p in scripts} == {"create.sh", "setup.sh", "launch.sh", "logs.sh", "kill.sh", "delete.sh"}
     for path in scripts:
         text = path.read_text()

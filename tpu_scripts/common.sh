@@ -11,6 +11,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 REMOTE_DIR=jaxrl4llm              # the clone on every worker, relative to its home directory
 # shellcheck disable=SC2034
 TRAIN_PATTERN='[j]axrl4llm train' # pgrep/pkill -f pattern; [j] keeps it from matching the shell that runs it
+# shellcheck disable=SC2034
+SUPERVISE_PATTERN='tpu_scripts/[s]upervise.sh' # the same for launch.sh's supervisor
 
 # q WORD: WORD quoted for the remote shell (printf %q).
 q() { printf '%q' "$1"; }

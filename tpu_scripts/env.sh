@@ -12,3 +12,4 @@ export JAXRL4LLM_REF=${JAXRL4LLM_REF:-main}  # branch, tag or commit checked out
 export BUCKET=${BUCKET:-}                    # bucket name (no gs://) mounted on every worker; empty: no mount
 export MOUNT=${MOUNT:-/mnt/bucket}           # where BUCKET is mounted
 export RUN_LOG=${RUN_LOG:-jaxrl4llm-run.log} # each worker's training log, in its home directory
+export MAX_RESTARTS=${MAX_RESTARTS:-5}       # relaunches after a preemption or a crash (tpu_scripts/supervise.sh)

@@ -1,17 +1,27 @@
 """Orbax checkpoints of a run: train state (params, optimizer state, step) + JSON metadata
 (data position, RNG key, config). Orbax writes each step to a temporary folder and renames it
 when complete, so a run killed mid-write leaves the previous checkpoint usable; only the last
-`keep` checkpoints are kept. A checkpoint that cannot be read is a CheckpointError naming its
+`keep` checkpoints are kept.
+
+Saves are asynchronous: `save` returns once the arrays are copied to host memory and a
+background thread writes them, so the next step starts at once; the next `save`, `wait` and
+`close` wait for the write in flight (a run's end, a preemption). Until its commit (the
+rename, or on gs:// the `commit_success.txt` orbax writes last) a step is not a checkpoint:
+`latest_step` and `run_folder.checkpoint_steps` never return it. A checkpoint that cannot be read is a CheckpointError naming its
 step folder, the cause and the newest earlier step that can be read.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxrl4llm.storage import run_path
+from jaxrl4llm.train import hosts
 
 
 class CheckpointError(Exception):
@@ -35,7 +45,8 @@ class RunCheckpointer:
     METADATA_FILES = ("state/_METADATA", "meta/metadata")  # what orbax writes next to the arrays of a step
 
     def __init__(self, out_dir: str | Path, *, keep: int = 2):
-        self.dir = Path(out_dir).absolute() / "checkpoints"
+        """out_dir: the run folder, local or gs://bucket/path."""
+        self.dir = run_path(out_dir) / "checkpoints"  # a local folder or gs:// (jaxrl4llm.storage)
         self._mngr = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True)
         )
@@ -43,8 +54,16 @@ class RunCheckpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict) -> float:
+        """Starts writing checkpoint `step` and returns the seconds the caller was blocked: the
+        wait for the previous save, if still writing, and the copy of `state` to host memory
+        (after which its device buffers may be donated). The write goes on in the background."""
+        t0 = time.perf_counter()
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Returns when the save in flight (if any) is committed."""
         self._mngr.wait_until_finished()
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, int]:
@@ -52,12 +71,50 @@ class RunCheckpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.dir}: nothing to resume (start without --resume).")
+        out = self._read(step, self._state_args(abstract_state), "delete {bad} to resume from it")
+        return out["state"], dict(out["meta"]), step
+
+    def restore_newest_readable(self, abstract_state: Any, warn: Callable[[str], None] = print) -> tuple[Any, dict, int]:
+        """`restore` of the latest step, or, when it cannot be read (a corrupt or truncated file),
+        of the newest earlier step that can, with one warning naming the unreadable steps and
+        their causes: what an unattended relaunch (`--resume auto`) does, where an error would
+        stop the run for good. The unreadable steps are renamed `<step>.unreadable` (kept for a
+        look, no longer checkpoints), so the run writes those steps again. A step counts as read
+        only when every process read its part."""
+        steps = sorted(self._mngr.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"No checkpoint in {self.dir}: nothing to resume.")
+        args, bad = self._state_args(abstract_state), []
+        for step in steps:
+            try:
+                out, cause = self._mngr.restore(step, args=args), None
+            except Exception as e:  # noqa: BLE001 (any failure to read is handled the same way)
+                out, cause = None, _cause(e)
+            if not hosts.all_true(cause is None):
+                bad.append((step, cause or "another process could not read its part"))
+                continue
+            if bad:
+                hosts.barrier("checkpoint fallback")
+                if hosts.is_main():
+                    for s, _ in bad:
+                        (self.dir / str(s)).rename(self.dir / f"{s}.unreadable")
+                hosts.barrier("checkpoint fallback done")
+                self._mngr.reload()
+                warn("warning: " + "; ".join(f"checkpoint step {s} at {self.dir / str(s)} cannot be read ({c})"
+                                             for s, c in bad)
+                     + f"; resuming from step {step}, the newest readable one (the unreadable ones are kept as "
+                     + ", ".join(f"{s}.unreadable" for s, _ in bad) + ")")
+            return out["state"], dict(out["meta"]), step
+        raise CheckpointError(f"none of the checkpoints in {self.dir} can be read: "
+                              + "; ".join(f"step {s}: {c}" for s, c in bad)
+                              + " (a cause naming shapes or keys may mean a config other than the run's config.json).")
+
+    @staticmethod
+    def _state_args(abstract_state: Any) -> ocp.args.Composite:
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state
         )
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        out = self._read(step, args, "delete {bad} to resume from it")
-        return out["state"], dict(out["meta"]), step
+        return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
 
     def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
         """Restores only the parameters of a checkpoint (no optimizer state: an export reads a
@@ -108,4 +165,5 @@ class RunCheckpointer:
         return True
 
     def close(self) -> None:
+        """Waits for the save in flight, then releases orbax's threads."""
         self._mngr.close()

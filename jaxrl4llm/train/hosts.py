@@ -61,6 +61,15 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def all_true(flag: bool) -> bool:
+    """Whether `flag` holds on every process (the same answer everywhere; no-op with one)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32))).all())
+
+
 def fetch(x) -> np.ndarray:
     """The whole value of a (global) array on this host: [N, ...] -> np.ndarray [N, ...].
 

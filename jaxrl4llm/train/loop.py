@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
+from jaxrl4llm.storage import is_remote
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import batch_program, merge_groups
 from jaxrl4llm.train.checkpointing import RunCheckpointer
@@ -29,6 +30,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy
+from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
@@ -422,20 +424,31 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
     return record
 
 
-def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = False,
+def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bool = False,
           log: Callable[[str], None] = print) -> dict:
     """Runs the configured RL experiment; returns a summary dict (final metrics, eval, paths,
     start_step: the checkpoint step a resume continued from).
+    resume: True (continue from the latest checkpoint), False, or "auto" (continue if there is
+    a complete checkpoint, from the newest readable one with a warning, else start fresh). After
+    a SIGTERM under `preemption.watch()`, saves the step in progress once it ends and raises
+    `preemption.Preempted`.
 
     A resume of a run that already reached trainer.steps changes nothing and returns that run's
     summary (finished_before: its last step); a resume whose config differs from the run's lists
     the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    if is_remote(cfg.trainer.out_dir):
+        raise ConfigError(f"trainer.out_dir={cfg.trainer.out_dir!r}: `jaxrl4llm train` appends to files in its run folder "
+                          f"(metrics, TensorBoard), which gs:// objects cannot do; use a local folder or the bucket "
+                          f"mounted with gcsfuse (tpu_scripts/setup.sh). Checkpoints, `jaxrl4llm convert` and "
+                          f"model.path read and write gs:// directly.")
     if resume and (done := finished_summary(cfg)) is not None:
         log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
         return done
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
+    unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
+    resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
     hosts.barrier("out_dir ready")
@@ -447,7 +460,9 @@ def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = F
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
     start_step, cursor, retired = 0, 0, []
     if resume:
-        restored, meta, start_step = ckpt.restore(state.replace(frozen=None))  # checkpoints hold no frozen base
+        abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
+        restored, meta, start_step = (ckpt.restore_newest_readable(abstract, log) if unattended else
+                                      ckpt.restore(abstract))
         state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
         retired = meta.get("retired_prompts", [])
@@ -488,9 +503,19 @@ def train(cfg: RunConfig, *, resume: bool = False, allow_config_change: bool = F
         if hosts.is_main():
             write_lengths(out, step + 1, *lengths)
         history.append(record)
-        if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
-            ckpt.save(step + 1, state.replace(frozen=None), {"data_cursor": stream.cursor, "seed": cfg.trainer.seed,
-                                                             "step": step + 1, "retired_prompts": sorted(stream.retired)})
+        save = lambda: ckpt.save(step + 1, state.replace(frozen=None), {  # asynchronous: the next step starts at once
+            "data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
+            "retired_prompts": sorted(stream.retired)})
+        checkpoint_now = cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0
+        if checkpoint_now:
+            save()
+        if stop_requested():  # a SIGTERM reached some process: all save this step and stop together
+            if not checkpoint_now:
+                save()
+            writer.close()
+            ckpt.close()  # waits for the write
+            log(f"preempted: checkpoint of step {step + 1} saved in {ckpt.dir}")
+            raise Preempted(step + 1, str(ckpt.dir / str(step + 1)))
 
     eval_after = None
     if run.eval_sets and cfg.trainer.eval_every >= 0:

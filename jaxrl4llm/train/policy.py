@@ -186,22 +186,24 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
 
     from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer,
                                   param_shardings)
+    from jaxrl4llm.storage import local_copy
 
     m = cfg.model
     rng = jax.random.PRNGKey(cfg.trainer.seed)
     model_config = None
     if m.path:
-        if not Path(m.path).is_dir():
-            raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a local Hugging Face checkpoint (config.json + *.safetensors).")
-        model = load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat,
+        path = local_copy(m.path)  # gs://: copied once into a local cache (jaxrl4llm.storage)
+        if not path.is_dir():
+            raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a Hugging Face checkpoint folder (config.json + *.safetensors), local or gs://.")
+        model = load_pretrained(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat,
                                 remat_policy=m.remat_policy, attention_impl=m.attention_impl)
         model_config = model.config
         graphdef, state = nnx.split(model)
-        tokenizer = load_tokenizer(m.tokenizer or m.path)
+        tokenizer = load_tokenizer(local_copy(m.tokenizer) if m.tokenizer else path)
     else:
         if not m.tokenizer:
             raise ConfigError("Set model.path (an HF checkpoint folder) or, for a random model, model.tokenizer (a tokenizer folder).")
-        tokenizer = load_tokenizer(m.tokenizer)
+        tokenizer = load_tokenizer(local_copy(m.tokenizer))
         if m.module:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:

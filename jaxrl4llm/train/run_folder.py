@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxrl4llm import __version__
+from jaxrl4llm.storage import is_remote, run_path
 from jaxrl4llm.train.config import ConfigError, RunConfig
 
 MARKER = ".jaxrl4llm-run"
@@ -80,8 +81,13 @@ def is_run_folder(out: str | Path) -> bool:
 
 def checkpoint_steps(out: str | Path) -> list[int]:
     """The steps of OUT's complete checkpoints, ascending (orbax writes a step to a temporary
-    folder and renames it to `checkpoints/<step>` when complete)."""
-    return sorted(int(p.name) for p in (Path(out) / "checkpoints").glob("*") if p.is_dir() and p.name.isdigit())
+    folder and renames it to `checkpoints/<step>` when complete; on gs://, where a rename is
+    not atomic, it writes `checkpoints/<step>/commit_success.txt` last)."""
+    folder = run_path(out) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()
+                  and (not is_remote(out) or (p / "commit_success.txt").exists()))
 
 
 def check_resumable(out: str | Path) -> int:

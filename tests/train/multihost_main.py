@@ -4,7 +4,9 @@
 
 SPEC_JSON: {"process_id", "num_processes", "port", "devices" (per process), "assets" (the
 demo_assets paths), "out_dir", "steps", "resume", "result" (where process 0 writes the
-history and final parameters), "hold" (seconds to sleep after each step: the kill test)}.
+history and final parameters), "hold" (seconds to sleep after each step: the kill and SIGTERM
+tests), "watch" (run under preemption.watch, as `jaxrl4llm train` does: a SIGTERM'd run writes
+{"preempted": step} to the result and exits 75)}.
 """
 
 import json
@@ -52,6 +54,17 @@ def main() -> int:
             time.sleep(spec["hold"])
             return record
         loop.step_record = slow
+    if spec.get("watch"):
+        from jaxrl4llm.train import preemption
+
+        with preemption.watch():
+            try:
+                loop.train(load_config(None, overrides()), resume=spec["resume"], log=lambda s: None)
+            except preemption.Preempted as p:
+                with open(f"{spec['result']}_{jax.process_index()}.json", "w") as f:
+                    json.dump({"preempted": p.step}, f)
+                return preemption.RESUME_EXIT_CODE
+        return 0
     summary = loop.train(load_config(None, overrides()), resume=spec["resume"], log=lambda s: None)
     params = jax.tree.map(hosts.fetch, summary["state"].params)  # every process takes part in the gather
     if hosts.is_main():

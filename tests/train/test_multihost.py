@@ -24,14 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(assets, out_dir, result, *, processes: int, steps: int, resume: bool = False, hold: float = 0.0):
+def launch(assets, out_dir, result, *, processes: int, steps: int, resume: bool = False, hold: float = 0.0,
+           watch: bool = False):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
     procs = []  # each process logs to a file: a full pipe would block it inside a collective
     for pid in range(processes):
         spec = dict(process_id=pid, num_processes=processes, port=port, devices=8 // processes,
                     assets={k: str(v) for k, v in assets.items()}, out_dir=str(out_dir), steps=steps, resume=resume,
-                    result=str(result), hold=hold)
+                    result=str(result), hold=hold, watch=watch)
         log = open(f"{result}_{pid}.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "tests.train.multihost_main", json.dumps(spec)], cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -138,3 +139,26 @@ def test_a_killed_process_stops_the_other_within_60s(demo_assets, tmp_path):
     finish(restored)
     summary, _ = load(tmp_path / "restored")
     assert len(summary["history"]) == 1  # resumed from the step-2 checkpoint, ran step 3
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(demo_assets, tmp_path):
+    """SIGTERM reaches only process 1 (a maintenance event on one host): both processes finish the
+    step, agree (an all-gather of the flags), save that step's checkpoint and exit 75."""
+    procs = launch(demo_assets, tmp_path / "run", tmp_path / "result", processes=2, steps=50, hold=1.0, watch=True)
+    try:
+        deadline = time.time() + 600
+        while "step 1 done" not in output(procs[1]) and time.time() < deadline and procs[1].poll() is None:
+            time.sleep(0.2)
+        assert procs[1].poll() is None and "step 1 done" in output(procs[1]), output(procs[1])[-3000:]
+        procs[1].send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [75, 75], output(procs[0])[-3000:] + output(procs[1])[-3000:]
+    steps = [json.load(open(f"{tmp_path / 'result'}_{i}.json"))["preempted"] for i in range(2)]
+    assert steps[0] == steps[1] < 50
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == steps[0]  # the step both stopped after, committed (2 = the periodic one, if reached)

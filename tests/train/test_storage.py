@@ -1,0 +1,100 @@
+"""gs:// paths against a local GCS emulator (gcp-storage-emulator, in memory, on 127.0.0.1; no
+network): a run's checkpoints saved and resumed on gs://, exported from gs:// to gs://, and the
+export loaded back as model.path. STORAGE_EMULATOR_HOST alone points every layer at it."""
+
+import importlib
+import importlib.util
+import json
+import os
+import socket
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm import storage
+from tests.train.conftest import tiny_overrides
+
+
+def _need(module: str) -> None:
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        if os.environ.get("CI") == "1":
+            pytest.fail(f"{module} not installed; pip install -e '.[test]'")
+        pytest.skip(f"{module} not installed (the test extra has it)")
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """gs://jaxrl4llm-test on an in-memory emulator; STORAGE_EMULATOR_HOST set for the module."""
+    _need("gcsfs")
+    _need("gcp_storage_emulator")
+    server_module = importlib.import_module("gcp_storage_emulator.server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = server_module.create_server("127.0.0.1", port, in_memory=True, default_bucket="jaxrl4llm-test")
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+                                            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    os.environ["STORAGE_EMULATOR_HOST"] = f"127.0.0.1:{port}"
+    assert storage.use_storage_emulator() == f"http://127.0.0.1:{port}"
+    assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == f"http://127.0.0.1:{port}"
+    try:
+        yield "gs://jaxrl4llm-test"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_run_path_keeps_local_paths_and_opens_gs_urls(tmp_path):
+    assert storage.run_path("runs/x") == Path("runs/x").absolute() and not storage.is_remote("runs/x")
+    assert storage.is_remote("gs://b/runs/x")
+    assert storage.local_copy(tmp_path) == tmp_path  # a local folder is used in place
+
+
+def test_train_on_a_gs_out_dir_is_refused_with_the_way_on(demo_assets):
+    from jaxrl4llm.train.config import ConfigError, load_config
+    from jaxrl4llm.train.loop import train
+
+    with pytest.raises(ConfigError, match=r"trainer.out_dir='gs://b/run': .* gcsfuse"):
+        train(load_config(None, tiny_overrides(demo_assets, "gs://b/run")))
+
+
+def test_checkpoints_export_and_load_on_gcs(bucket, demo_assets, tmp_path, monkeypatch):
+    from jaxrl4llm.train.checkpointing import RunCheckpointer
+    from jaxrl4llm.train.config import config_to_dict, load_config
+    from jaxrl4llm.train.export import export_checkpoint
+    from jaxrl4llm.train.policy import load_policy
+    from jaxrl4llm.train.run_folder import checkpoint_steps
+
+    run = f"{bucket}/runs/a"
+    cfg = load_config(None, tiny_overrides(demo_assets, run))
+    policy = load_policy(cfg, None)
+    storage.run_path(run).mkdir(parents=True, exist_ok=True)
+    (storage.run_path(run) / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+    # save: asynchronous, straight to gs:// (tensorstore's GCS driver); a step counts once committed
+    ckpt = RunCheckpointer(run, keep=3)
+    moved = jax.tree.map(lambda x: x + 1, policy.params)
+    for step, params in ((1, policy.params), (2, moved)):
+        ckpt.save(step, {"params": params}, {"step": step})
+    ckpt.close()
+    assert checkpoint_steps(run) == [1, 2]
+    assert (storage.run_path(run) / "checkpoints" / "2" / "commit_success.txt").exists()
+    # resume: the latest step restores from gs://
+    state, meta, step = RunCheckpointer(run).restore({"params": policy.params})
+    assert step == 2 and meta == {"step": 2}
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(moved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # export: gs:// run -> gs:// Hugging Face folder
+    out = export_checkpoint(run, f"{bucket}/exports/a")
+    assert str(out) == f"{bucket}/exports/a" and (out / "model.safetensors").exists()
+    assert json.loads((out / "jaxrl4llm_source.json").read_text())["step"] == 2
+    # load: model.path=gs://... is copied once into a local cache and loaded
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    loaded = load_policy(load_config(None, tiny_overrides(demo_assets, tmp_path / "b", **{
+        "model.path": f"{bucket}/exports/a", "model.tokenizer": "null"})), None)
+    assert (tmp_path / "cache" / "jaxrl4llm" / "gcs" / "jaxrl4llm-test" / "exports" / "a" / "model.safetensors").is_file()
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(moved)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
