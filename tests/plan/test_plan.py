@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.models import ModelConfig, abstract_model, param_shardings, score_tokens
 from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.plan.programs import per_chip_bytes, plan_run, topology_mesh
+from jaxrl4llm.plan.programs import format_plan, per_chip_bytes, plan_run, topology_mesh
 
 from tests.plan.conftest import TINY  # noqa: E402
 
@@ -24,6 +24,19 @@ def test_every_program_compiles_for_the_topology_and_fits(plan):
     assert plan.fits and plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
     for p in plan.programs:
         assert p.fits and p.argument_bytes > 0 and p.total_bytes < plan.chip.hbm
+
+
+def test_trainer_programs_run_packed_rows_with_the_splash_kernel(plan):
+    """trainer.packing (the default): the update and log-prob pass take packed micro-batches
+    (their loop priced at the expected count), and on TPU their attention is the splash kernel,
+    whose FLOPs the meter adds (XLA counts a custom call as none)."""
+    assert plan.packing is not None and plan.attention_kernel["impl"] == "splash"
+    for name in ("update", "logprob pass"):
+        program = next(p for p in plan.programs if p.name == name)
+        assert "tpu_custom_call" in program.hlo, name
+        assert 0 < program.kernel_flops < program.flops
+    text = format_plan(plan)
+    assert "packed rows (trainer.packing)" in text and "the splash kernel" in text
 
 
 def test_analytic_arguments_equal_xla_arguments(plan):
