@@ -121,7 +121,7 @@ def compare_layouts(args) -> None:
     packed = jax.jit(pack)(batch, plan)
     tokens = int(lengths.sum()) + args.rows * (args.real_prompt - 1)
     padded_positions = args.rows * (args.prompt + W - 1)
-    packed_positions = int(plan.num_micro.sum()) * layout.tokens_per_micro_batch
+    packed_positions = int(plan.num_micro.sum()) * layout.positions
     print(f"  {cfg.num_params / 1e6:.1f}M params, {args.rows} rows, responses {dist.describe(W)}: mean "
           f"{lengths.mean():.0f}, max {lengths.max()} of {W}; real positions {tokens}; padded {padded_positions}; "
           f"packed {packed_positions} ({int(plan.num_micro.sum())} micro-batches of {layout.rows_per_shard} rows x "

@@ -543,7 +543,7 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
         from jaxrl4llm.train.packing import expected_micro_batches
 
         micro = expected_micro_batches(plan.packing, lengths, prompt_tokens, plan.prompt_len)
-        positions = micro * plan.packing.mini_batches * plan.packing.tokens_per_micro_batch
+        positions = micro * plan.packing.mini_batches * plan.packing.positions
         for p in programs:
             if p.name in ("logprob pass", "update") and p.hlo:
                 p.kernel_flops = kernel_flops_of(plan.attention_kernel, p.name, micro)
@@ -611,7 +611,7 @@ def format_plan(plan: RunPlan) -> str:
     lay = plan.packing
     if lay is not None:
         lines.append(f"trainer: packed rows (trainer.packing): micro-batches of {lay.rows_per_shard} rows x {lay.row_width} "
-                     f"positions a chip (trainer.tokens_per_micro_batch), {plan.trainer_positions / max(lay.mini_batches, 1) / lay.tokens_per_micro_batch:.1f} "
+                     f"positions a chip (trainer.tokens_per_micro_batch), {plan.trainer_positions / max(lay.mini_batches, 1) / lay.positions:.1f} "
                      f"of at most {lay.micro_batches} filled a mini-batch at these lengths")
     else:
         lines.append(f"trainer: each prompt's forward runs once for its {plan.prompt_group} rows (trainer.share_prompt)"

@@ -97,7 +97,9 @@ class PackLayout:
         return self.shards * self.rows_per_shard
 
     @property
-    def tokens_per_micro_batch(self) -> int:
+    def positions(self) -> int:
+        """Positions of one micro-batch over all devices (the per-device budget is
+        rows_per_shard x row_width)."""
         return self.rows * self.row_width
 
 
@@ -139,10 +141,10 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int, max_items: int) -> 
         fits = np.flatnonzero((free >= lengths[i]) & (counts < max_items))
         if fits.size:
             k = int(fits[0])
-        else:
+        else:  # a new bin
+            k = len(bins)
             bins.append([])
-            free, counts, k = np.append(free, capacity), np.append(counts, 0), len(bins)
-            k -= 1
+            free, counts = np.append(free, capacity), np.append(counts, 0)
         bins[k].append(int(i))
         free[k] -= lengths[i]
         counts[k] += 1

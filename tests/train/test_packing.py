@@ -99,7 +99,7 @@ def test_plan_places_every_sequence_once_in_its_own_segment():
     np.testing.assert_array_equal(to_padded(packed.targets, plan, *batch.targets.shape) * np.asarray(batch.loss_mask),
                                   np.asarray(batch.targets) * np.asarray(batch.loss_mask))
     # fewer positions than the padded rows
-    assert plan.num_micro[0] * layout.tokens_per_micro_batch < batch.input_tokens.size
+    assert plan.num_micro[0] * layout.positions < batch.input_tokens.size
 
 
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=40), st.integers(1, 4))
