@@ -15,6 +15,12 @@ called with `last=n` and scores only the last n positions (the response targets;
 come back 0): the LM head never runs over the prompt. With `UpdateSettings.prompt_group` = G as
 well, it is called with `group=G` on micro-batches of whole groups (rows n*G .. n*G+G-1 share
 one prompt) and runs each prompt's forward once for its G rows.
+
+With `UpdateSettings.packing` (a train.packing.PackLayout) the update takes a PackedBatch
+instead: whole sequences packed into [rows, S] micro-batches of a fixed token budget, as many as
+the step's lengths fill (a while loop over `num_micro`); the model scores the packed rows
+(`logprob_fn(..., segment_ids=)`) and the loss runs on their per-sequence view
+(`packing.unpack_micro`), with the same numerator / denominator accumulation.
 """
 
 from __future__ import annotations
