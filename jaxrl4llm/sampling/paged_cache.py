@@ -10,13 +10,14 @@ written once at prefill and read by the G slots that sample it; a slot's respons
 taken from the stack as its length crosses a page boundary and given back when it finishes.
 Writes of idle slots go to the trash page, which no slot ever attends to.
 
-Attention reads each slot's live pages only, C pages at a time, with an online softmax
-(Milakov & Gimelshein 2018; FlashAttention's running max and sum): for chunk c,
+Attention reads each slot's live pages only, C pages at a time: the chunk loops run
+ceil(max over live slots of live pages / C) times, bounded by the longest live slot (up to one
+chunk of rounding), not by the cache's capacity:
 
-    m' = max(m, max_j s_j);  l' = l e^(m - m') + sum_j e^(s_j - m');  o' = o e^(m - m') + sum_j e^(s_j - m') v_j
+    s = q K^T / sqrt(Dh) chunk by chunk into a float32 row;  p = softmax(s);  out = sum_chunks p_c V_c
 
-and out = o / l. The chunk loop runs ceil(max over live slots of live pages / C) times: bounded by
-the longest live slot (up to one chunk of rounding), not by the cache's capacity.
+(an online softmax would read each page in one pass, but it rounds unnormalised probabilities
+to bf16, not the normalised ones the training forward rounds; the score row is small).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: j
                     num_chunks, *, pages_per_chunk: int, dtype) -> jax.Array:
     """One query per slot against its live pages: softmax(q K^T / sqrt(Dh)) V over the valid tokens.
 
+    Two loops over the first num_chunks chunks of pages: scores into a [.., W * page] float32
+    buffer, then (after one softmax over the buffer, -1e30 where not valid) probabilities cast to
+    `dtype` times V. The same rounding as the static engine and the training forward (both
+    round normalised probabilities); each page is read once.
+
     Args:
       q [D, S, KVH, H/KVH, Dh] float32.
       pool_k, pool_v [D, pages, KVH, page, Dh].
@@ -93,30 +99,26 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: j
       counts [D, S, W] int32: valid tokens in each logical page (the first counts of its slots).
       num_chunks: int32 scalar, chunks of pages_per_chunk logical pages to read (every valid page
         of a slot must lie in the first num_chunks chunks).
-      dtype: matmul input dtype (scores and probabilities accumulate in float32).
-    Returns: [D, S, KVH, H/KVH, Dh] float32 (0 for a slot without valid tokens).
+      dtype: matmul input dtype (scores and softmax in float32).
+    Returns: [D, S, KVH, H/KVH, Dh] float32.
     """
     d, s, kvh, hg, dh = q.shape
-    page = pool_k.shape[3]
+    page, width = pool_k.shape[3], table.shape[2]
     c = pages_per_chunk
     scale = dh**-0.5
+    chunk = lambda a, i: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=2)  # [D, S, W] -> [D, S, C]
 
-    def body(i, carry):
-        m, l, o = carry
-        ids = jax.lax.dynamic_slice_in_dim(table, i * c, c, axis=2)  # [D, S, C]
-        valid = jnp.arange(page) < jax.lax.dynamic_slice_in_dim(counts, i * c, c, axis=2)[..., None]  # [D, S, C, page]
-        k, v = gather_pages(pool_k, ids), gather_pages(pool_v, ids)  # [D, S, C, KVH, page, Dh]
-        scores = einsum("dskhe,dsckpe->dskhcp", q, k, dtype) * scale
-        valid = valid[:, :, None, None]
-        scores = jnp.where(valid, scores, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=(-2, -1)))
-        p = jnp.where(valid, jnp.exp(scores - m_new[..., None, None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + jnp.sum(p, axis=(-2, -1))
-        o = o * correction[..., None] + einsum("dskhcp,dsckpe->dskhe", p, v, dtype)
-        return m_new, l, o
+    def scores(i, buf):
+        valid = jnp.arange(page) < chunk(counts, i)[..., None]  # [D, S, C, page]
+        k = gather_pages(pool_k, chunk(table, i))  # [D, S, C, KVH, page, Dh]
+        sc = jnp.where(valid[:, :, None, None], einsum("dskhe,dsckpe->dskhcp", q, k, dtype) * scale, _MASKED)
+        return jax.lax.dynamic_update_slice_in_dim(buf, sc.reshape(d, s, kvh, hg, c * page), i * c * page, axis=4)
 
-    init = (jnp.full((d, s, kvh, hg), _MASKED, jnp.float32), jnp.zeros((d, s, kvh, hg), jnp.float32),
-            jnp.zeros((d, s, kvh, hg, dh), jnp.float32))
-    _, l, o = jax.lax.fori_loop(0, num_chunks, body, init)
-    return o / jnp.maximum(l, 1e-30)[..., None]
+    buf = jax.lax.fori_loop(0, num_chunks, scores, jnp.full((d, s, kvh, hg, width * page), _MASKED, jnp.float32))
+    probs = jax.nn.softmax(buf, axis=-1)
+
+    def values(i, out):
+        p = jax.lax.dynamic_slice_in_dim(probs, i * c * page, c * page, axis=4).reshape(d, s, kvh, hg, c, page)
+        return out + einsum("dskhcp,dsckpe->dskhe", p, gather_pages(pool_v, chunk(table, i)), dtype)
+
+    return jax.lax.fori_loop(0, num_chunks, values, jnp.zeros((d, s, kvh, hg, dh), jnp.float32))
