@@ -307,16 +307,16 @@ def draw_lengths(spec: str, rows: int, max_new_tokens: int, seed: int = 0) -> np
 
 def continuous_steps(lengths: np.ndarray, samples: int, slots: int, burst: int) -> int:
     """Decode steps of `sampling.continuous` on one shard, replayed on the host: at every refill
-    finished slots are freed and waiting prompts take G free slots each (in order); then up to
-    `burst` steps run while a slot is live; a row of length L needs L - 1 steps after its prefill."""
+    finished slots are freed and take the next waiting rows (in order); then up to `burst` steps
+    run while a slot is live; a row of length L needs L - 1 steps after its prefill."""
     remaining = [int(n) - 1 for n in lengths]  # decode steps each row still needs
     live: list[int] = []  # rows in slots
-    next_prompt, prompts, steps = 0, len(lengths) // samples, 0
-    while live or next_prompt < prompts:
+    next_row, steps = 0, 0
+    while live or next_row < len(lengths):
         live = [n for n in live if remaining[n] > 0]
-        while next_prompt < prompts and slots - len(live) >= samples:
-            live += [next_prompt * samples + g for g in range(samples)]
-            next_prompt += 1
+        while next_row < len(lengths) and len(live) < slots:
+            live.append(next_row)
+            next_row += 1
         for _ in range(burst):
             if not any(remaining[n] > 0 for n in live):
                 break

@@ -1,16 +1,18 @@
 """The continuous sampler: S slots over a paged KV cache, refilled from a queue of prompts, in one jit.
 
-    while rows remain:                                         (one lax.while_loop)
+    while rows remain:                                  (one lax.while_loop)
         retire finished slots (their pages back to the pool)
-        admit waiting prompts into free slots, G slots each    (prefill at the prompt bucket, A prompts a round)
-        run up to `burst` decode steps over the S slots        (each slot: its own row, length, position)
+        give each free slot the next waiting row         (in row order; a prompt is prefilled at the
+                                                          prompt bucket when its first row is admitted)
+        run up to `burst` decode steps over the S slots  (each slot: its own row, length, position)
 
 Row n answers prompt n // G and draws its uniforms from (rng, n) (`filters.row_uniforms`), so it
 samples what the static engine (`decode_loop.sample_program`) samples for row n, whichever slot
 runs it and when; tokens and log-probs are written by row id into the same `ProgramOutput`.
 
-A prompt waits until G slots of its shard are free, then its KV is prefilled once into pool
-pages that its G rows read (`paged_cache`); a slot writes its own tokens' KV into pages taken as
+A prompt's KV is prefilled once into pool pages that its G rows read (`paged_cache`), and the
+first tokens of all G rows are drawn then (its later rows, admitted when slots free up, start
+from them); the prompt's pages go back when its last row finishes. A slot writes its own tokens' KV into pages taken as
 it grows and attends over its live pages only. With a mesh, the rows are split into D
 data-parallel shards (contiguous prompt ranges, as the static engine splits them), each with its
 own slots, pool and queue; weights and KV heads are split over "tensor".
@@ -54,11 +56,13 @@ class Slots(NamedTuple):
 
 
 class Entries(NamedTuple):
-    """Prompts in the pool, per shard [D, Q]: pages [D, Q, Tp], length (real prompt tokens), refs (rows holding it)."""
+    """Prompts in the pool, per shard [D, Q]: pages [D, Q, Tp], length (real prompt tokens), refs
+    (its rows not yet retired: admitted or waiting); of_prompt [D, Pd] the entry of each prompt."""
 
     pages: jax.Array
     length: jax.Array
     refs: jax.Array
+    of_prompt: jax.Array
 
 
 class Outputs(NamedTuple):
@@ -75,7 +79,7 @@ class EngineState(NamedTuple):
     slots: Slots
     entries: Entries
     free: FreePages
-    next_prompt: jax.Array  # [D] the shard's next waiting prompt (local index)
+    next_row: jax.Array  # [D] the shard's next waiting row (local index)
     pool_k: list  # L arrays [D, pages, KVH, page, Dh]
     pool_v: list
     out: Outputs
@@ -152,7 +156,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
       row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
         unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
       num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
-      slots: S, rows decoded at once over all shards (S / D >= num_samples).
+      slots: S, rows decoded at once over all shards (a multiple of D).
       page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
       burst: decode steps between two refills; prefill_prompts: A, prompts per shard prefilled at once.
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
@@ -162,16 +166,16 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     d = num_shards
     pd, sd = num_prompts // d, slots // d
     nd = pd * g
-    if num_prompts % d or slots % d or sd < g:
-        raise ValueError(f"continuous sampler: {num_prompts} prompts and {slots} slots must split over {d} shards "
-                         f"with at least num_samples={g} slots each")
+    if num_prompts % d or slots % d:
+        raise ValueError(f"continuous sampler: {num_prompts} prompts and {slots} slots must split over {d} shards")
     kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     cache_dtype = jnp.dtype(config.dtype)
     dtype = jnp.dtype(config.dtype)
     tp = -(-t // page_size)
     rp = -(-max(r - 1, 1) // page_size)
     width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
-    num_pages = pool_pages(sd, tp, rp)
+    q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
+    num_pages = pool_pages(sd, q, tp, rp)
     a = prefill_prompts
     b = backend
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
@@ -192,65 +196,69 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         flat = sample(logits.reshape(d * m, -1), None, uniform=None if greedy else u.reshape(d * m, 1))
         return jax.tree.map(lambda x: x.reshape(d, m), flat)
 
-    def admit(state: EngineState) -> EngineState:
-        """Retire, then admit up to floor(free slots / G) waiting prompts per shard, prefilled A at a time."""
-        state = _retire(state, page_size)
-        sl, en = state.slots, state.entries
-        free_slot = ~sl.held
-        count = jnp.minimum(jnp.sum(free_slot, axis=1) // g, num_real - state.next_prompt)  # [D]
-        rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
-        adm = jnp.where(free_slot & (rank < count[:, None] * g), rank // g, -1)  # [D, S] admission of each slot
-        sample_of = rank % g
+    def prefill_round(i, state: EngineState, first_prompt, count) -> EngineState:
+        """Prefill prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
+        their KV into fresh pages, an entry each, and the first tokens of all their G rows."""
+        en, out = state.entries, state.out
+        k = i * a + jnp.arange(a, dtype=jnp.int32)[None, :]  # [1, A]
+        valid = k < count[:, None]  # [D, A]
+        prompt = jnp.minimum(first_prompt[:, None] + k, pd - 1)
+        toks, msk = _take(tokens_d, prompt), _take(mask_d, prompt)  # [D, A, T]
+        logits, ks, vs = prefill_kv(weights, config, rows_c(toks.reshape(d * a, t)), rows_c(msk.reshape(d * a, t)),
+                                    backend=b, cache_dtype=cache_dtype)
+        length = jnp.sum(msk, axis=-1)  # [D, A]
+        need = valid[..., None] & (jnp.arange(tp) < -(-length // page_size)[..., None])  # [D, A, Tp]
+        free, ids = pop_pages(state.free, need.reshape(d, -1))
+        ids = ids.reshape(d, a, tp)
+        pos = jnp.arange(tp * page_size)  # logical prompt token i sits at padded position T - L + i
+        real = valid[..., None] & (pos < length[..., None])  # [D, A, Tp*page]
+        src = jnp.clip(t - length[..., None] + pos, 0, t - 1)
+        dst = jnp.where(real, jnp.take_along_axis(ids, jnp.broadcast_to(pos // page_size, real.shape), 2), TRASH_PAGE)
+        offset = jnp.broadcast_to(pos % page_size, real.shape)
+
+        def scatter(pool, x):  # x [D*A, T, KVH, Dh] -> the prompts' pages
+            x = jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2)
+            return write_tokens(pool, dst.reshape(d, -1), offset.reshape(d, -1), x.reshape(d, -1, kvh, dh))
+
+        pool_k = [scatter(p, x) for p, x in zip(state.pool_k, ks)]
+        pool_v = [scatter(p, x) for p, x in zip(state.pool_v, vs)]
+        # the i-th new prompt takes the i-th free entry
         free_entry = en.refs == 0
-        erank = jnp.cumsum(free_entry, axis=1, dtype=jnp.int32) - 1
-        entry_of = jax.vmap(lambda fe, er, k: jnp.zeros((sd,), jnp.int32).at[jnp.where(fe & (er < k), er, sd)].set(
-            jnp.arange(sd, dtype=jnp.int32), mode="drop"))(free_entry, erank, count)  # [D, S]: admission -> entry
+        rank = jnp.cumsum(free_entry, axis=1, dtype=jnp.int32) - 1
+        nth_free = jax.vmap(lambda fe, r: jnp.zeros((q,), jnp.int32).at[jnp.where(fe, r, q)].set(
+            jnp.arange(q, dtype=jnp.int32), mode="drop"))(free_entry, rank)  # [D, Q]
+        entry = jnp.where(valid, jnp.take_along_axis(nth_free, jnp.broadcast_to(jnp.arange(a), valid.shape), 1), -1)
+        en = Entries(_put(en.pages, entry, ids), _put(en.length, entry, length),
+                     _put(en.refs, entry, jnp.full(entry.shape, g, jnp.int32)),
+                     _put(en.of_prompt, jnp.where(valid, prompt, -1), entry))
+        # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
+        rows = jnp.where(valid[..., None], prompt[..., None] * g + jnp.arange(g), -1).reshape(d, a * g)
+        first = draw(jnp.repeat(logits.reshape(d, a, -1), g, axis=1), jnp.maximum(rows, 0), jnp.zeros((), jnp.int32))
+        out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, eos_ids, pad_id)
+        return state._replace(entries=en, free=free, pool_k=pool_k, pool_v=pool_v, out=out)
 
-        def round_(i, state):
-            sl, en, out = state.slots, state.entries, state.out
-            k = i * a + jnp.arange(a, dtype=jnp.int32)[None, :]  # [1, A] admissions of this round
-            valid = k < count[:, None]  # [D, A]
-            prompt = jnp.minimum(state.next_prompt[:, None] + k, pd - 1)
-            toks, msk = _take(tokens_d, prompt), _take(mask_d, prompt)  # [D, A, T]
-            logits, ks, vs = prefill_kv(weights, config, rows_c(toks.reshape(d * a, t)),
-                                        rows_c(msk.reshape(d * a, t)), backend=b, cache_dtype=cache_dtype)
-            length = jnp.sum(msk, axis=-1)  # [D, A]
-            need = valid[..., None] & (jnp.arange(tp) < -(-length // page_size)[..., None])  # [D, A, Tp]
-            free, ids = pop_pages(state.free, need.reshape(d, -1))
-            ids = ids.reshape(d, a, tp)
-            pos = jnp.arange(tp * page_size)  # logical prompt token i sits at padded position T - L + i
-            real = valid[..., None] & (pos < length[..., None])  # [D, A, Tp*page]
-            src = jnp.clip(t - length[..., None] + pos, 0, t - 1)
-            dst = jnp.where(real, jnp.take_along_axis(ids, jnp.broadcast_to(pos // page_size, real.shape), 2), TRASH_PAGE)
-            offset = jnp.broadcast_to(pos % page_size, real.shape)
-            flat = lambda x: x.reshape(d, -1)
-
-            def scatter(pool, x):  # x [D*A, T, KVH, Dh] -> the prompt's pages
-                x = jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2)
-                return write_tokens(pool, flat(dst), flat(offset), x.reshape(d, -1, kvh, dh))
-
-            pool_k = [scatter(p, x) for p, x in zip(state.pool_k, ks)]
-            pool_v = [scatter(p, x) for p, x in zip(state.pool_v, vs)]
-            entry = jnp.where(valid, jnp.take_along_axis(entry_of, jnp.minimum(k, sd - 1), axis=1), -1)  # [D, A]
-            en = Entries(_put(en.pages, entry, ids), _put(en.length, entry, length),
-                         _put(en.refs, entry, jnp.full(entry.shape, g, jnp.int32)))
-            # this round's slots: admission adm in [i*A, i*A + A)
-            mine = (adm >= i * a) & (adm < i * a + a)  # [D, S]
-            local = jnp.clip(adm - i * a, 0, a - 1)
-            row = jnp.where(mine, (state.next_prompt[:, None] + adm) * g + sample_of, -1)
-            slot_logits = jnp.take_along_axis(logits.reshape(d, a, -1), local[..., None], axis=1)  # [D, S, V]
-            first = draw(slot_logits, jnp.maximum(row, 0), jnp.zeros((), jnp.int32))
-            out, is_eos = _record(out, row, jnp.zeros_like(row), first, mine, eos_ids, pad_id)
-            done = is_eos | (1 >= _take(budget, jnp.maximum(row, 0)))
-            sl = Slots(row=jnp.where(mine, row, sl.row),
-                       entry=jnp.where(mine, jnp.take_along_axis(entry_of, jnp.clip(adm, 0, sd - 1), axis=1), sl.entry),
-                       length=jnp.where(mine, 1, sl.length), token=jnp.where(mine, first.tokens, sl.token),
-                       live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=sl.pages)
-            return state._replace(slots=sl, entries=en, free=free, pool_k=pool_k, pool_v=pool_v, out=out)
-
-        rounds = -(-jnp.max(count) // a)
-        state = jax.lax.fori_loop(0, rounds, round_, state)
-        return state._replace(next_prompt=state.next_prompt + count)
+    def admit(state: EngineState) -> EngineState:
+        """Retire finished slots, then give each free slot the next waiting row (in row order),
+        prefilling the prompts whose first row is admitted, A at a time."""
+        state = _retire(state, page_size)
+        sl = state.slots
+        free_slot = ~sl.held
+        count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), num_real * g - state.next_row)  # [D]
+        first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
+        new_prompts = -(-(state.next_row + count) // g) - first_prompt
+        rounds = -(-jnp.max(new_prompts) // a)
+        state = jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts), state)
+        out, en = state.out, state.entries
+        rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
+        mine = free_slot & (rank < count[:, None])  # [D, S]
+        row = jnp.where(mine, state.next_row[:, None] + rank, -1)
+        at = jnp.maximum(row, 0)
+        token = jnp.take_along_axis(out.tokens[:, :, 0], at, axis=1)
+        done = _take(out.eos_seen, at) | (_take(budget, at) <= 1)
+        sl = Slots(row=jnp.where(mine, row, sl.row), entry=jnp.where(mine, _take(en.of_prompt, at // g), sl.entry),
+                   length=jnp.where(mine, 1, sl.length), token=jnp.where(mine, token, sl.token),
+                   live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=sl.pages)
+        return state._replace(slots=sl, next_row=state.next_row + count)
 
     def step(state: EngineState) -> EngineState:
         """One decode step of every live slot: feed its last token, sample the next."""
@@ -313,15 +321,16 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),
                     token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool), held=zeros((d, sd), bool),
                     pages=zeros((d, sd, rp), jnp.int32)),
-        entries=Entries(zeros((d, sd, tp), jnp.int32), zeros((d, sd), jnp.int32), zeros((d, sd), jnp.int32)),
+        entries=Entries(zeros((d, q, tp), jnp.int32), zeros((d, q), jnp.int32), zeros((d, q), jnp.int32),
+                        zeros((d, pd), jnp.int32)),
         free=empty_free_pages(d, num_pages),
-        next_prompt=jnp.zeros((d,), jnp.int32),
+        next_row=jnp.zeros((d,), jnp.int32),
         pool_k=[pool() for _ in range(config.num_layers)],
         pool_v=[pool() for _ in range(config.num_layers)],
         out=Outputs(zeros((d, nd, r), jnp.int32) + pad_id, zeros((d, nd, r), jnp.float32),
                     zeros((d, nd, r), jnp.float32), zeros((d, nd), jnp.int32), zeros((d, nd), bool)),
     )
-    more = lambda s: jnp.any(s.slots.live) | jnp.any(s.next_prompt < num_real)
+    more = lambda s: jnp.any(s.slots.live) | jnp.any(s.next_row < num_real * g)
     state = jax.lax.while_loop(more, burst_loop, state)
 
     out = state.out

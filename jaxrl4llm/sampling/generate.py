@@ -98,8 +98,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         Static engine only (the continuous engine holds `slots` rows at a time instead).
       engine: "continuous" (S slots over a paged KV cache, refilled between bursts of decode
         steps) or "static" (every row of a call decoded until the longest finishes).
-      slots: continuous engine: rows decoded at once (None: all rows). Rounded up so that every
-        data-parallel shard holds at least num_samples slots.
+      slots: continuous engine: rows decoded at once (None: all rows), rounded up to a multiple of
+        the data-parallel size.
       kv_page_size: continuous engine: tokens per KV page. decode_burst: decode steps between refills.
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
@@ -173,7 +173,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
             per_shard = -(-(slots or num_rows * num_samples) // dp)
-            per_shard = min(max(per_shard, num_samples), num_rows // dp * num_samples)
+            per_shard = min(per_shard, num_rows // dp * num_samples)
             run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,
                                                    use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
                                                    page_size=int(kv_page_size), burst=int(decode_burst), **sampling)

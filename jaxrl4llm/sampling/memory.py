@@ -120,8 +120,8 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
                       page_size: int | None = None) -> dict:
     """Per-chip bytes of the continuous sampler (`sampling.continuous`) by category.
 
-    page pool      2 L (1 + S_d (ceil((R-1)/page) + ceil(T/page))) page KVH Dh / tp   (`paged_cache.pool_pages`:
-                   a pool that never runs dry; S_d = slots / dp)
+    page pool      2 L (1 + S_d ceil((R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
+                   (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp)
     per-row tables N R (4 uniforms + 12 tokens and two log-probs) / dp             (every row's outputs)
     score row      S_d H (pages of a slot) page 4 / tp                              (one layer's, float32)
     """
@@ -136,7 +136,7 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     rows = math.ceil(prompts / data_parallel) * samples
     return {
         "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),
-        "page pool": width * pool_pages(per_shard, tp_pages, rp_pages) * page // tensor_parallel,
+        "page pool": width * pool_pages(per_shard, per_shard + 1, tp_pages, rp_pages) * page // tensor_parallel,
         "per-row tables": rows * max_new_tokens * 16,
         "score row": per_shard * c.num_heads * (tp_pages + rp_pages) * page * 4 // tensor_parallel,
     }
@@ -146,15 +146,15 @@ def slots_that_fit(config: ModelConfig, budget_bytes: float, *, prompts: int, sa
                    max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
                    **unused) -> int:
     """`rollout.slots: auto`: the most slots (all rows at most, a multiple of data_parallel, at least
-    `samples` per shard) whose `continuous_memory` fits `budget_bytes` per chip."""
+    one per shard) whose `continuous_memory` fits `budget_bytes` per chip."""
     def fits(per_shard: int) -> bool:
         used = continuous_memory(config, prompts=prompts, slots=per_shard * data_parallel, samples=samples,
                                  prompt_len=prompt_len, max_new_tokens=max_new_tokens, data_parallel=data_parallel,
                                  tensor_parallel=tensor_parallel, embed_dtype=embed_dtype)
         return sum(used.values()) <= budget_bytes
 
-    lo, hi = samples, math.ceil(prompts / data_parallel) * samples
-    best = samples
+    lo, hi = 1, math.ceil(prompts / data_parallel) * samples
+    best = 1
     while lo <= hi:
         mid = (lo + hi) // 2
         if fits(mid):

@@ -66,10 +66,10 @@ def push_pages(free: FreePages, pages: jax.Array, release: jax.Array) -> FreePag
     return FreePages(stack, free.top + jnp.sum(release, axis=1, dtype=jnp.int32))
 
 
-def pool_pages(slots: int, prompt_pages: int, response_pages: int) -> int:
+def pool_pages(slots: int, prompts: int, prompt_pages: int, response_pages: int) -> int:
     """Pages of one shard's pool that never run out: the trash page, every slot's response pages
-    and the pages of as many prompts as slots (a prompt holds pages while any of its rows runs)."""
-    return 1 + slots * (response_pages + prompt_pages)
+    and the pages of `prompts` prompts (a prompt holds its pages while any of its rows is unfinished)."""
+    return 1 + slots * response_pages + prompts * prompt_pages
 
 
 def write_tokens(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
