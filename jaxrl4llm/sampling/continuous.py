@@ -123,7 +123,9 @@ def _retire(state: EngineState, page_size: int) -> EngineState:
     """Finished slots (held, not live) give back their response pages; prompts without rows their pages."""
     slots, entries = state.slots, state.entries
     done = slots.held & ~slots.live
-    used = -(-(slots.length - 1) // page_size)  # response pages taken: tokens 0..length-2 were fed back
+    # own pages taken: the prompt's partial last page (copied at admission) and tokens 0..length-2 fed back
+    prompt_len = _take(entries.length, slots.entry)
+    used = -(-(prompt_len % page_size + slots.length - 1) // page_size)
     rp = slots.pages.shape[-1]
     release = done[..., None] & (jnp.arange(rp) < used[..., None])
     d, s = done.shape
@@ -172,7 +174,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     cache_dtype = jnp.dtype(config.dtype)
     dtype = jnp.dtype(config.dtype)
     tp = -(-t // page_size)
-    rp = -(-max(r - 1, 1) // page_size)
+    rp = -(-(page_size - 1 + max(r - 1, 1)) // page_size)  # own pages: a partial prompt page + R-1 tokens
     width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
     q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
     num_pages = pool_pages(sd, q, tp, rp)
@@ -255,35 +257,45 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         at = jnp.maximum(row, 0)
         token = jnp.take_along_axis(out.tokens[:, :, 0], at, axis=1)
         done = _take(out.eos_seen, at) | (_take(budget, at) <= 1)
-        sl = Slots(row=jnp.where(mine, row, sl.row), entry=jnp.where(mine, _take(en.of_prompt, at // g), sl.entry),
+        entry = jnp.where(mine, _take(en.of_prompt, at // g), sl.entry)
+        # the prompt's partial last page is copied into the slot's first own page (its tokens then
+        # continue there: a slot's tokens stay contiguous, and shared pages are never written)
+        prompt_len = _take(en.length, entry)
+        partial = mine & (prompt_len % page_size != 0)
+        free, copy = pop_pages(state.free, partial)
+        source = jnp.where(partial, jnp.take_along_axis(_take(en.pages, entry), (prompt_len // page_size)[..., None]
+                                                        .clip(0, tp - 1), axis=2)[..., 0], TRASH_PAGE)
+        pages = jnp.where(partial[..., None] & (jnp.arange(rp) == 0), copy[..., None], sl.pages)
+        clone = lambda pool: jax.vmap(lambda p, dst, src: p.at[dst].set(p[src]))(pool, copy, source)
+        sl = Slots(row=jnp.where(mine, row, sl.row), entry=entry,
                    length=jnp.where(mine, 1, sl.length), token=jnp.where(mine, token, sl.token),
-                   live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=sl.pages)
-        return state._replace(slots=sl, next_row=state.next_row + count)
+                   live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=pages)
+        return state._replace(slots=sl, next_row=state.next_row + count, free=free,
+                              pool_k=[clone(p) for p in state.pool_k], pool_v=[clone(p) for p in state.pool_v])
 
     def step(state: EngineState) -> EngineState:
         """One decode step of every live slot: feed its last token, sample the next."""
         sl, en = state.slots, state.entries
         j = sl.length - 1  # response index of the token fed back
-        need = sl.live & (j % page_size == 0)
+        prompt_len = _take(en.length, sl.entry)  # [D, S]
+        shared = prompt_len // page_size  # the prompt's full pages, read in place
+        own = prompt_len % page_size + j  # index of the fed token among the slot's own pages' tokens
+        need = sl.live & (own % page_size == 0)
         free, new = pop_pages(state.free, need)
         slot_ids = jnp.where(need, jnp.arange(sd, dtype=jnp.int32)[None], -1)
-        pages = _put2(sl.pages, slot_ids, jnp.clip(j // page_size, 0, rp - 1), new)
-        write_page = jnp.where(sl.live, jnp.take_along_axis(pages, jnp.clip(j // page_size, 0, rp - 1)[..., None],
-                                                            axis=2)[..., 0], TRASH_PAGE)
-        write_offset = jnp.where(sl.live, j % page_size, 0)
-        prompt_len = _take(en.length, sl.entry)  # [D, S]
-        prompt_pages = -(-prompt_len // page_size)
-        logical = jnp.arange(width)[None, None]  # [1, 1, W]
-        in_prompt = logical < prompt_pages[..., None]
-        entry_pages = _take(en.pages, sl.entry)  # [D, S, Tp]
-        from_prompt = jnp.take_along_axis(entry_pages, jnp.broadcast_to(jnp.clip(logical, 0, tp - 1), (d, sd, width)), axis=2)
-        resp_index = jnp.broadcast_to(logical - prompt_pages[..., None], (d, sd, width))
-        from_resp = jnp.take_along_axis(pages, jnp.clip(resp_index, 0, rp - 1), axis=2)
-        table = jnp.where(in_prompt, from_prompt, from_resp)
-        counts = jnp.where(in_prompt, prompt_len[..., None] - logical * page_size, sl.length[..., None] - resp_index * page_size)
-        counts = jnp.where(sl.live[..., None], jnp.clip(counts, 0, page_size), 0)
-        live_pages = jnp.where(sl.live, prompt_pages + -(-sl.length // page_size), 0)
-        num_chunks = -(-jnp.max(live_pages) // pages_per_chunk)
+        own_page = jnp.clip(own // page_size, 0, rp - 1)
+        pages = _put2(sl.pages, slot_ids, own_page, new)
+        write_page = jnp.where(sl.live, jnp.take_along_axis(pages, own_page[..., None], axis=2)[..., 0], TRASH_PAGE)
+        write_offset = jnp.where(sl.live, own % page_size, 0)
+        # a slot's tokens are contiguous over its logical pages: the prompt's full pages, then its own
+        logical = jnp.broadcast_to(jnp.arange(width)[None, None], (d, sd, width))
+        in_prompt = logical < shared[..., None]
+        from_prompt = jnp.take_along_axis(_take(en.pages, sl.entry), jnp.clip(logical, 0, tp - 1), axis=2)
+        from_own = jnp.take_along_axis(pages, jnp.clip(logical - shared[..., None], 0, rp - 1), axis=2)
+        table = jnp.where(in_prompt, from_prompt, from_own)
+        kv_len = jnp.where(sl.live, prompt_len + sl.length, 0)  # the fed token included
+        counts = jnp.clip(kv_len[..., None] - logical * page_size, 0, page_size)
+        num_chunks = -(-jnp.max(-(-kv_len // page_size)) // pages_per_chunk)
 
         cos, sin = rope_tables(config, rows_c((prompt_len + j).reshape(d * sd, 1)))
         x = b.embed(weights["embed"], rows_c(sl.token.reshape(d * sd, 1)))  # [M, 1, D]

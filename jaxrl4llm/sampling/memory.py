@@ -120,7 +120,7 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
                       page_size: int | None = None) -> dict:
     """Per-chip bytes of the continuous sampler (`sampling.continuous`) by category.
 
-    page pool      2 L (1 + S_d ceil((R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
+    page pool      2 L (1 + S_d ceil((page-1 + R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
                    (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp)
     per-row tables N R (4 uniforms + 12 tokens and two log-probs) / dp             (every row's outputs)
     score row      S_d H (pages of a slot) page 4 / tp                              (one layer's, float32)
@@ -131,7 +131,7 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     c = config
     page = page_size or PAGE_SIZE
     per_shard = -(-slots // data_parallel)
-    tp_pages, rp_pages = -(-prompt_len // page), -(-max(max_new_tokens - 1, 1) // page)
+    tp_pages, rp_pages = -(-prompt_len // page), -(-(page - 1 + max(max_new_tokens - 1, 1)) // page)
     width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
     rows = math.ceil(prompts / data_parallel) * samples
     return {

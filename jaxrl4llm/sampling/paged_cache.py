@@ -2,11 +2,14 @@
 
     pool[l]   [D, pages, KVH, page, Dh]   keys (and values) of layer l; page 0 is a trash page
     free      [D, pages]                   stack of free page ids: free[d, :top[d]] are free
-    table     [D, S, pages_per_slot]       a slot's logical pages: its prompt's pages, then its own
+    table     [D, S, pages_per_slot]       a slot's logical pages: its prompt's full pages, then its own
 
 D is the number of data-parallel shards of the sampler (each shard has its own pool, slots and
 prompts, so every page lookup stays on its shard); S the slots of a shard. A prompt's pages are
-written once at prefill and read by the G slots that sample it; a slot's response pages are
+written once at prefill; its full pages are read in place by the G slots that sample it, its
+last, partial page is copied into each slot's first own page, where the slot's tokens continue
+(so a slot's tokens are contiguous over its logical pages, the layout of vLLM and of the TPU
+ragged paged attention kernel, and shared pages are never written). A slot's own pages are
 taken from the stack as its length crosses a page boundary and given back when it finishes.
 Writes of idle slots go to the trash page, which no slot ever attends to.
 
