@@ -33,8 +33,9 @@ from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
-from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, empty_free_pages, paged_attention,
-                                            pool_pages, pop_pages, push_pages, write_tokens)
+from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages,
+                                            kernel_paged_attention, paged_attention, pool_pages, pop_pages,
+                                            push_pages, write_tokens)
 
 PAGE_SIZE = 16
 PAGES_PER_CHUNK = 8
@@ -80,8 +81,7 @@ class EngineState(NamedTuple):
     entries: Entries
     free: FreePages
     next_row: jax.Array  # [D] the shard's next waiting row (local index)
-    pool_k: list  # L arrays [D, pages, KVH, page, Dh]
-    pool_v: list
+    pool: list  # L arrays [D, pages, page, 2 KVH, Dh] (`paged_cache`)
     out: Outputs
 
 
@@ -144,14 +144,15 @@ def _retire(state: EngineState, page_size: int) -> EngineState:
 @functools.partial(
     jax.jit,
     static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "backend",
-                     "use_kernels", "num_shards", "slots", "page_size", "pages_per_chunk", "burst", "prefill_prompts"),
+                     "use_kernels", "num_shards", "slots", "page_size", "pages_per_chunk", "burst", "prefill_prompts",
+                     "attention"),
 )
 def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
                        pad_id, row_budget, *, config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int,
                        use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
                        num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
                        pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
-                       prefill_prompts: int = 1) -> ProgramOutput:
+                       prefill_prompts: int = 1, attention: str = "xla") -> ProgramOutput:
     """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
 
     Args (beyond sample_program's):
@@ -161,6 +162,8 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
       slots: S, rows decoded at once over all shards (a multiple of D).
       page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
       burst: decode steps between two refills; prefill_prompts: A, prompts per shard prefilled at once.
+      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel" (the TPU ragged
+        paged attention kernel, `paged_cache.kernel_paged_attention`; TPU only).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r = num_samples, max_new_tokens
@@ -180,6 +183,12 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     num_pages = pool_pages(sd, q, tp, rp)
     a = prefill_prompts
     b = backend
+    batch_axes, tensor_axis = (), None
+    if b.mesh is not None:
+        rules = dict(b.rules)
+        axes = rules["batch"]
+        batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
+        tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
     shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
@@ -218,12 +227,11 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         dst = jnp.where(real, jnp.take_along_axis(ids, jnp.broadcast_to(pos // page_size, real.shape), 2), TRASH_PAGE)
         offset = jnp.broadcast_to(pos % page_size, real.shape)
 
-        def scatter(pool, x):  # x [D*A, T, KVH, Dh] -> the prompts' pages
-            x = jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2)
-            return write_tokens(pool, dst.reshape(d, -1), offset.reshape(d, -1), x.reshape(d, -1, kvh, dh))
+        def real_tokens(x):  # x [D*A, T, KVH, Dh] -> the prompts' real tokens [D, A*Tp*page, KVH, Dh]
+            return jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2).reshape(d, -1, kvh, dh)
 
-        pool_k = [scatter(p, x) for p, x in zip(state.pool_k, ks)]
-        pool_v = [scatter(p, x) for p, x in zip(state.pool_v, vs)]
+        pool = [write_tokens(p, dst.reshape(d, -1), offset.reshape(d, -1), real_tokens(k), real_tokens(v))
+                for p, k, v in zip(state.pool, ks, vs)]
         # the i-th new prompt takes the i-th free entry
         free_entry = en.refs == 0
         rank = jnp.cumsum(free_entry, axis=1, dtype=jnp.int32) - 1
@@ -237,7 +245,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         rows = jnp.where(valid[..., None], prompt[..., None] * g + jnp.arange(g), -1).reshape(d, a * g)
         first = draw(jnp.repeat(logits.reshape(d, a, -1), g, axis=1), jnp.maximum(rows, 0), jnp.zeros((), jnp.int32))
         out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, eos_ids, pad_id)
-        return state._replace(entries=en, free=free, pool_k=pool_k, pool_v=pool_v, out=out)
+        return state._replace(entries=en, free=free, pool=pool, out=out)
 
     def admit(state: EngineState) -> EngineState:
         """Retire finished slots, then give each free slot the next waiting row (in row order),
@@ -266,12 +274,11 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         source = jnp.where(partial, jnp.take_along_axis(_take(en.pages, entry), (prompt_len // page_size)[..., None]
                                                         .clip(0, tp - 1), axis=2)[..., 0], TRASH_PAGE)
         pages = jnp.where(partial[..., None] & (jnp.arange(rp) == 0), copy[..., None], sl.pages)
-        clone = lambda pool: jax.vmap(lambda p, dst, src: p.at[dst].set(p[src]))(pool, copy, source)
         sl = Slots(row=jnp.where(mine, row, sl.row), entry=entry,
                    length=jnp.where(mine, 1, sl.length), token=jnp.where(mine, token, sl.token),
                    live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=pages)
         return state._replace(slots=sl, next_row=state.next_row + count, free=free,
-                              pool_k=[clone(p) for p in state.pool_k], pool_v=[clone(p) for p in state.pool_v])
+                              pool=[copy_pages(p, copy, source) for p in state.pool])
 
     def step(state: EngineState) -> EngineState:
         """One decode step of every live slot: feed its last token, sample the next."""
@@ -299,19 +306,23 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
 
         cos, sin = rope_tables(config, rows_c((prompt_len + j).reshape(d * sd, 1)))
         x = b.embed(weights["embed"], rows_c(sl.token.reshape(d * sd, 1)))  # [M, 1, D]
-        pool_k, pool_v = [], []
+        pools = []
         for i, p in enumerate(weights["layers"]):
             def attend(q, k, v, i=i):
-                pk = write_tokens(state.pool_k[i], write_page, write_offset, k.reshape(d, sd, kvh, dh))
-                pv = write_tokens(state.pool_v[i], write_page, write_offset, v.reshape(d, sd, kvh, dh))
-                pk, pv = b.constrain(pk, POOL_AXES), b.constrain(pv, POOL_AXES)
-                out = paged_attention(q.reshape(d, sd, kvh, hg, dh), pk, pv, table, counts, num_chunks,
-                                      pages_per_chunk=pages_per_chunk, dtype=dtype)
-                return out.reshape(d * sd, 1, kvh * hg, dh), (pk, pv)
+                pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
+                                    v.reshape(d, sd, kvh, dh))
+                pool = b.constrain(pool, POOL_AXES)
+                q = q.reshape(d, sd, kvh, hg, dh)
+                if attention == "kernel":
+                    out = kernel_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
+                                                 tensor_axis=tensor_axis)
+                else:
+                    out = paged_attention(q, pool, table, counts, num_chunks, pages_per_chunk=pages_per_chunk,
+                                          dtype=dtype)
+                return out.reshape(d * sd, 1, kvh * hg, dh), pool
 
-            x, (pk, pv) = decoder_layer(FusedLayer(p, config, b), x, cos, sin, attend)
-            pool_k.append(pk)
-            pool_v.append(pv)
+            x, pool = decoder_layer(FusedLayer(p, config, b), x, cos, sin, attend)
+            pools.append(pool)
         logits = _lm_head(weights, config, b, x[:, 0]).reshape(d, sd, -1)
         drawn = draw(logits, jnp.maximum(sl.row, 0), sl.length)
         out, is_eos = _record(state.out, sl.row, sl.length, drawn, sl.live, eos_ids, pad_id)
@@ -319,7 +330,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         done = is_eos | (length >= _take(budget, jnp.maximum(sl.row, 0)))
         sl = sl._replace(length=length, token=jnp.where(sl.live, drawn.tokens, sl.token), live=sl.live & ~done,
                          pages=pages)
-        return state._replace(slots=sl, free=free, pool_k=pool_k, pool_v=pool_v, out=out)
+        return state._replace(slots=sl, free=free, pool=pools, out=out)
 
     def burst_loop(state: EngineState) -> EngineState:
         state = admit(state)
@@ -328,7 +339,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
 
     zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
-    pool = lambda: b.constrain(jnp.zeros((d, num_pages, kvh, page_size, dh), cache_dtype), POOL_AXES)
+    pool = lambda: b.constrain(jnp.zeros((d, num_pages, page_size, 2 * kvh, dh), cache_dtype), POOL_AXES)
     state = EngineState(
         slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),
                     token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool), held=zeros((d, sd), bool),
@@ -337,8 +348,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
                         zeros((d, pd), jnp.int32)),
         free=empty_free_pages(d, num_pages),
         next_row=jnp.zeros((d,), jnp.int32),
-        pool_k=[pool() for _ in range(config.num_layers)],
-        pool_v=[pool() for _ in range(config.num_layers)],
+        pool=[pool() for _ in range(config.num_layers)],
         out=Outputs(zeros((d, nd, r), jnp.int32) + pad_id, zeros((d, nd, r), jnp.float32),
                     zeros((d, nd, r), jnp.float32), zeros((d, nd), jnp.int32), zeros((d, nd), bool)),
     )

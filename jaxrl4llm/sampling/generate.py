@@ -69,7 +69,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
              cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "continuous",
              slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
-             row_max_new_tokens: Sequence[int] | None = None) -> Rollout:
+             row_max_new_tokens: Sequence[int] | None = None, paged_attention: str | None = None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
 
     Args:
@@ -101,6 +101,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       slots: continuous engine: rows decoded at once (None: all rows), rounded up to a multiple of
         the data-parallel size.
       kv_page_size: continuous engine: tokens per KV page. decode_burst: decode steps between refills.
+      paged_attention: continuous engine: "xla" (chunks of live pages in XLA ops) or "kernel" (the
+        TPU ragged paged attention kernel); None: the kernel on TPU, XLA elsewhere.
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
@@ -172,11 +174,17 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
+            platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
+            attention = paged_attention or ("kernel" if platform == "tpu" else "xla")
+            if attention not in ("xla", "kernel") or (attention == "kernel" and platform != "tpu"):
+                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU only "
+                                 f"(this call runs on {platform})")
             per_shard = -(-(slots or num_rows * num_samples) // dp)
             per_shard = min(per_shard, num_rows // dp * num_samples)
             run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,
                                                    use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
-                                                   page_size=int(kv_page_size), burst=int(decode_burst), **sampling)
+                                                   page_size=int(kv_page_size), burst=int(decode_burst),
+                                                   attention=attention, **sampling)
         else:
             run = lambda *args: sample_program(weights, *args, config=config, block_size=block_size,
                                                backend=backend, use_kernels=use_kernels, **sampling)

@@ -1,6 +1,8 @@
 """A paged KV cache for the continuous sampler: a page pool, a free-page stack, and attention over live pages.
 
-    pool[l]   [D, pages, KVH, page, Dh]   keys (and values) of layer l; page 0 is a trash page
+    pool[l]   [D, pages, page, 2 KVH, Dh] keys and values of layer l, interleaved on the head axis
+                                           (key of head h at 2h, its value at 2h + 1: the TPU ragged
+                                           paged attention kernel's layout); page 0 is a trash page
     free      [D, pages]                   stack of free page ids: free[d, :top[d]] are free
     table     [D, S, pages_per_slot]       a slot's logical pages: its prompt's full pages, then its own
 
@@ -34,7 +36,7 @@ from jaxrl4llm.models.layers.linear import einsum
 
 TRASH_PAGE = 0
 _MASKED = -1e30
-POOL_AXES = ("batch", None, "kv_heads", None, None)  # [D, pages, KVH, page, Dh]
+POOL_AXES = ("batch", None, None, "kv_heads", None)  # [D, pages, page, 2 KVH, Dh]
 
 
 class FreePages(NamedTuple):
@@ -75,19 +77,27 @@ def pool_pages(slots: int, prompts: int, prompt_pages: int, response_pages: int)
     return 1 + slots * response_pages + prompts * prompt_pages
 
 
-def write_tokens(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
-    """pool[d, pages[d, m], :, offsets[d, m], :] = new[d, m]. pool [D, P, KVH, page, Dh];
-    pages, offsets [D, M] int32; new [D, M, KVH, Dh] (any float dtype)."""
-    return jax.vmap(lambda p, i, o, x: p.at[i, :, o, :].set(x.astype(p.dtype)))(pool, pages, offsets, new)
+def write_tokens(pool: jax.Array, pages: jax.Array, offsets: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """pool[d, pages[d, m], offsets[d, m]] = interleave(k[d, m], v[d, m]). pool [D, P, page, 2 KVH, Dh];
+    pages, offsets [D, M] int32; k, v [D, M, KVH, Dh] (any float dtype)."""
+    d, m, kvh, dh = k.shape
+    new = jnp.stack([k, v], axis=3).reshape(d, m, 2 * kvh, dh).astype(pool.dtype)
+    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x))(pool, pages, offsets, new)
 
 
-def gather_pages(pool: jax.Array, pages: jax.Array) -> jax.Array:
-    """pool [D, P, KVH, page, Dh], pages [D, S, C] -> [D, S, C, KVH, page, Dh]."""
-    return jax.vmap(lambda p, i: p[i])(pool, pages)
+def gather_pages(pool: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """pool [D, P, page, 2 KVH, Dh], pages [D, S, C] -> keys, values [D, S, C, page, KVH, Dh]."""
+    x = jax.vmap(lambda p, i: p[i])(pool, pages)
+    return x[..., 0::2, :], x[..., 1::2, :]
 
 
-def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: jax.Array, counts: jax.Array,
-                    num_chunks, *, pages_per_chunk: int, dtype) -> jax.Array:
+def copy_pages(pool: jax.Array, dst: jax.Array, src: jax.Array) -> jax.Array:
+    """pool[d, dst[d, m]] = pool[d, src[d, m]] (whole pages). dst, src [D, M] int32."""
+    return jax.vmap(lambda p, i, j: p.at[i].set(p[j]))(pool, dst, src)
+
+
+def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax.Array, num_chunks, *,
+                    pages_per_chunk: int, dtype) -> jax.Array:
     """One query per slot against its live pages: softmax(q K^T / sqrt(Dh)) V over the valid tokens.
 
     Two loops over the first num_chunks chunks of pages: scores into a [.., W * page] float32
@@ -97,7 +107,7 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: j
 
     Args:
       q [D, S, KVH, H/KVH, Dh] float32.
-      pool_k, pool_v [D, pages, KVH, page, Dh].
+      pool [D, pages, page, 2 KVH, Dh] (`write_tokens`).
       table [D, S, W] int32: each slot's logical pages (W a multiple of pages_per_chunk);
       counts [D, S, W] int32: valid tokens in each logical page (the first counts of its slots).
       num_chunks: int32 scalar, chunks of pages_per_chunk logical pages to read (every valid page
@@ -106,15 +116,15 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: j
     Returns: [D, S, KVH, H/KVH, Dh] float32.
     """
     d, s, kvh, hg, dh = q.shape
-    page, width = pool_k.shape[3], table.shape[2]
+    page, width = pool.shape[2], table.shape[2]
     c = pages_per_chunk
     scale = dh**-0.5
     chunk = lambda a, i: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=2)  # [D, S, W] -> [D, S, C]
 
     def scores(i, buf):
         valid = jnp.arange(page) < chunk(counts, i)[..., None]  # [D, S, C, page]
-        k = gather_pages(pool_k, chunk(table, i))  # [D, S, C, KVH, page, Dh]
-        sc = jnp.where(valid[:, :, None, None], einsum("dskhe,dsckpe->dskhcp", q, k, dtype) * scale, _MASKED)
+        k, _ = gather_pages(pool, chunk(table, i))  # [D, S, C, page, KVH, Dh]
+        sc = jnp.where(valid[:, :, None, None], einsum("dskhe,dscpke->dskhcp", q, k, dtype) * scale, _MASKED)
         return jax.lax.dynamic_update_slice_in_dim(buf, sc.reshape(d, s, kvh, hg, c * page), i * c * page, axis=4)
 
     buf = jax.lax.fori_loop(0, num_chunks, scores, jnp.full((d, s, kvh, hg, width * page), _MASKED, jnp.float32))
@@ -122,6 +132,38 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, table: j
 
     def values(i, out):
         p = jax.lax.dynamic_slice_in_dim(probs, i * c * page, c * page, axis=4).reshape(d, s, kvh, hg, c, page)
-        return out + einsum("dskhcp,dsckpe->dskhe", p, gather_pages(pool_v, chunk(table, i)), dtype)
+        return out + einsum("dskhcp,dscpke->dskhe", p, gather_pages(pool, chunk(table, i))[1], dtype)
 
     return jax.lax.fori_loop(0, num_chunks, values, jnp.zeros((d, s, kvh, hg, dh), jnp.float32))
+
+
+def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *, mesh=None,
+                           batch_axes: tuple = (), tensor_axis: str | None = None) -> jax.Array:
+    """`paged_attention` with the TPU ragged paged attention kernel
+    (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), one query per slot, per shard.
+
+    q [D, S, KVH, H/KVH, Dh] float32; pool [D, pages, page, 2 KVH, Dh]; table [D, S, W] int32 (a
+    slot's tokens contiguous over its logical pages); kv_len [D, S] int32 (0 for idle slots, run
+    as 1 token of the trash page). With a mesh the kernel runs per device (shard_map): D over
+    `batch_axes`, kv heads over `tensor_axis`. Returns [D, S, KVH, H/KVH, Dh] float32.
+    """
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    def one_device(q, pool, table, kv_len):
+        d, s, kvh, hg, dh = q.shape
+        outs = []
+        for i in range(d):  # D is 1 per device under shard_map
+            out = ragged_paged_attention(
+                q[i].reshape(s, kvh * hg, dh).astype(pool.dtype), pool[i], jnp.maximum(kv_len[i], 1),
+                table[i], jnp.arange(s + 1, dtype=jnp.int32), jnp.full((1,), s, jnp.int32), sm_scale=dh**-0.5)
+            outs.append(out.reshape(s, kvh, hg, dh).astype(jnp.float32))
+        return jnp.stack(outs)
+
+    if mesh is None:
+        return one_device(q, pool, table, kv_len)
+    from jax.sharding import PartitionSpec as P
+
+    rows = batch_axes or None
+    return jax.shard_map(one_device, mesh=mesh,
+                         in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
+                         out_specs=P(rows, None, tensor_axis), check_vma=False)(q, pool, table, kv_len)

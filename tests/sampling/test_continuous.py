@@ -68,31 +68,36 @@ def test_free_pages_never_hand_out_a_page_twice(ops):
     assert int(free.top[0]) == 9 and sorted(np.asarray(free.stack[0, :9]).tolist()) == list(range(1, 10))
 
 
-def test_paged_attention_equals_softmax_over_the_valid_tokens():
-    """Slots whose tokens lie scattered over pages (different lengths, one chunk more than a slot
-    needs): the online softmax over live pages equals a dense softmax over the same keys."""
+def test_paged_attention_equals_softmax_and_the_ragged_kernel_reference():
+    """Slots whose tokens lie contiguously over scattered pages (different lengths, one chunk more
+    than the longest needs): the chunked attention equals a dense softmax over the same keys, and
+    `ref_ragged_paged_attention` (the TPU kernel's shipped reference) on the same pool and tables."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
     rng = np.random.default_rng(0)
     d, s, kvh, hg, dh, page, pages = 2, 3, 2, 2, 8, 4, 20
-    pool_k = jnp.asarray(rng.normal(size=(d, pages, kvh, page, dh)), jnp.float32)
-    pool_v = jnp.asarray(rng.normal(size=(d, pages, kvh, page, dh)), jnp.float32)
+    pool = jnp.asarray(rng.normal(size=(d, pages, page, 2 * kvh, dh)), jnp.float32)
     q = jnp.asarray(rng.normal(size=(d, s, kvh, hg, dh)), jnp.float32)
-    lengths = np.array([[1, 9, 16], [5, 12, 3]])
+    lengths = np.array([[1, 9, 16], [5, 12, 3]], np.int32)
     width = 6  # logical pages per slot, 3 chunks of 2
     table = np.stack([np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(s)]) for _ in range(d)])
+    table = table.astype(np.int32)
     counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
-    got = paged_attention(q, pool_k, pool_v, jnp.asarray(table), jnp.asarray(counts), jnp.int32(3), pages_per_chunk=2,
-                          dtype=jnp.float32)
+    got = np.asarray(paged_attention(q, pool, jnp.asarray(table), jnp.asarray(counts), jnp.int32(3),
+                                     pages_per_chunk=2, dtype=jnp.float32))
     for i in range(d):
         for j in range(s):
-            n = lengths[i, j]
-            keys = np.asarray(pool_k)[i, table[i, j]].transpose(1, 0, 2, 3).reshape(kvh, -1, dh)[:, :n]
-            values = np.asarray(pool_v)[i, table[i, j]].transpose(1, 0, 2, 3).reshape(kvh, -1, dh)[:, :n]
-            scores = np.einsum("khe,kne->khn", np.asarray(q)[i, j], keys) / np.sqrt(dh)
+            tokens = np.asarray(pool)[i, table[i, j]].reshape(-1, kvh, 2, dh)[: lengths[i, j]]  # [n, KVH, k|v, Dh]
+            scores = np.einsum("khe,nke->khn", np.asarray(q)[i, j], tokens[:, :, 0]) / np.sqrt(dh)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
-            np.testing.assert_allclose(np.asarray(got)[i, j], np.einsum("khn,kne->khe", probs, values), atol=1e-5)
-    # a write lands in its page and offset only
-    new = jnp.ones((d, 2, kvh, dh), jnp.float32) * 7
-    written = write_tokens(pool_k, jnp.asarray([[3, 0], [5, 0]]), jnp.asarray([[2, 0], [1, 0]]), new)
-    assert float(written[0, 3, 0, 2, 0]) == 7 and float(written[1, 5, 1, 1, 3]) == 7
-    assert int(jnp.sum(written != pool_k)) <= 4 * kvh * dh
+            np.testing.assert_allclose(got[i, j], np.einsum("khn,nke->khe", probs, tokens[:, :, 1]), atol=1e-5)
+        ref = ref_ragged_paged_attention(q[i].reshape(s, kvh * hg, dh), pool[i], jnp.asarray(lengths[i]),
+                                         jnp.asarray(table[i]), jnp.arange(s + 1, dtype=jnp.int32),
+                                         jnp.array([s], jnp.int32), sm_scale=dh**-0.5)
+        np.testing.assert_allclose(got[i], np.asarray(ref).reshape(s, kvh, hg, dh), atol=1e-5)
+    # a write lands in its page and offset only, keys and values interleaved by head
+    k, v = jnp.full((d, 2, kvh, dh), 7.0), jnp.full((d, 2, kvh, dh), 9.0)
+    written = write_tokens(pool, jnp.asarray([[3, 0], [5, 0]]), jnp.asarray([[2, 0], [1, 0]]), k, v)
+    assert float(written[0, 3, 2, 0, 0]) == 7 and float(written[1, 5, 1, 3, 5]) == 9
+    assert int(jnp.sum(written != pool)) <= 4 * 2 * kvh * dh
