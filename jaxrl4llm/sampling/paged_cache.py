@@ -138,14 +138,17 @@ def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax
 
 
 def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *, mesh=None,
-                           batch_axes: tuple = (), tensor_axis: str | None = None) -> jax.Array:
+                           batch_axes: tuple = (), tensor_axis: str | None = None,
+                           block_sizes: dict | None = None) -> jax.Array:
     """`paged_attention` with the TPU ragged paged attention kernel
     (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), one query per slot, per shard.
 
     q [D, S, KVH, H/KVH, Dh] float32; pool [D, pages, page, 2 KVH, Dh]; table [D, S, W] int32 (a
     slot's tokens contiguous over its logical pages); kv_len [D, S] int32 (0 for idle slots, run
     as 1 token of the trash page). With a mesh the kernel runs per device (shard_map): D over
-    `batch_axes`, kv heads over `tensor_axis`. Returns [D, S, KVH, H/KVH, Dh] float32.
+    `batch_axes`, kv heads over `tensor_axis`. block_sizes: the kernel's num_kv_pages_per_block /
+    num_queries_per_block / vmem_limit_bytes (default: its tuned table for the TPU generation).
+    Returns [D, S, KVH, H/KVH, Dh] float32.
     """
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
@@ -155,7 +158,8 @@ def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_l
         for i in range(d):  # D is 1 per device under shard_map
             out = ragged_paged_attention(
                 q[i].reshape(s, kvh * hg, dh).astype(pool.dtype), pool[i], jnp.maximum(kv_len[i], 1),
-                table[i], jnp.arange(s + 1, dtype=jnp.int32), jnp.full((1,), s, jnp.int32), sm_scale=dh**-0.5)
+                table[i], jnp.arange(s + 1, dtype=jnp.int32), jnp.full((1,), s, jnp.int32), sm_scale=dh**-0.5,
+                **(block_sizes or {}))
             outs.append(out.reshape(s, kvh, hg, dh).astype(jnp.float32))
         return jnp.stack(outs)
 

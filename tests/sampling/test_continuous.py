@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.sampling import generate
-from jaxrl4llm.sampling.paged_cache import empty_free_pages, paged_attention, pop_pages, push_pages, write_tokens
+from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
+                                            push_pages, write_tokens)
 from tests.sampling.conftest import PAD, random_prompts
 
 
@@ -101,3 +102,14 @@ def test_paged_attention_equals_softmax_and_the_ragged_kernel_reference():
     written = write_tokens(pool, jnp.asarray([[3, 0], [5, 0]]), jnp.asarray([[2, 0], [1, 0]]), k, v)
     assert float(written[0, 3, 2, 0, 0]) == 7 and float(written[1, 5, 1, 3, 5]) == 9
     assert int(jnp.sum(written != pool)) <= 4 * 2 * kvh * dh
+
+
+def test_the_ragged_kernel_call_traces():
+    """The TPU kernel does not run on CPU, but its call traces: shapes and arguments as the engine
+    passes them (explicit block sizes: the tuned table needs a TPU)."""
+    shape = lambda s, t: jax.ShapeDtypeStruct(s, t)
+    blocks = dict(num_kv_pages_per_block=8, num_queries_per_block=8, vmem_limit_bytes=32 * 2**20)
+    out = jax.eval_shape(lambda *a: kernel_paged_attention(*a, block_sizes=blocks),
+                         shape((1, 8, 2, 4, 128), jnp.float32), shape((1, 64, 16, 4, 128), jnp.bfloat16),
+                         shape((1, 8, 16), jnp.int32), shape((1, 8), jnp.int32))
+    assert out.shape == (1, 8, 2, 4, 128) and out.dtype == jnp.float32
