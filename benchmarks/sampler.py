@@ -233,6 +233,8 @@ def main(argv=None):
                         help="length-distribution mode: lognormal:mean=M,sigma=S (continuous vs static)")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="length-distribution mode: R")
     parser.add_argument("--slots", type=int, default=16, help="length-distribution mode: continuous slots")
+    parser.add_argument("--engines", default="all,chunks,continuous",
+                        help="length-distribution mode: which of all (static, all rows), chunks, continuous")
     args = parser.parse_args(argv)
     if args.lengths:
         return main_lengths(args)
@@ -354,6 +356,9 @@ def main_lengths(args) -> None:
         f"continuous, {args.slots} slots": (dict(engine="continuous", slots=args.slots),
                                             args.slots * continuous_steps(lengths, g, args.slots, BURST)),
     }
+    chosen = args.engines.split(",")
+    engines = {name: value for (name, value), kind in zip(engines.items(), ("all", "chunks", "continuous"))
+               if kind in chosen}
     results = {}
     reference = None
     for name, (options, row_steps) in engines.items():
@@ -372,8 +377,10 @@ def main_lengths(args) -> None:
         same = float(np.mean(np.asarray(out.response_tokens) == reference))
         seconds = best_time(call, args.repeats)
         results[name] = (int(lengths.sum()) / seconds, useful / row_steps, seconds, first - seconds, same)
-    base = results["static, all rows"][0]
-    chunked = results[f"static, chunks of {chunk * g} rows"][0]
+        print(f"  {name}: {seconds:.1f} s, {int(lengths.sum()) / seconds:.0f} tok/s", flush=True)
+    first_name = next(iter(results))
+    base = results.get("static, all rows", results[first_name])[0]
+    chunked = results.get(f"static, chunks of {chunk * g} rows", results[first_name])[0]
     print(f"{'engine':>28} | {'tok/s':>8} {'x static':>8} {'x chunks':>8} | {'useful/all row-steps':>20} | "
           f"{'s':>6} {'compile s':>9} {'same tokens':>11}")
     for name, (tps, use, seconds, compile_s, same) in results.items():

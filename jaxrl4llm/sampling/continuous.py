@@ -33,7 +33,8 @@ from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
-from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages,
+from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
 
@@ -230,7 +231,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         def real_tokens(x):  # x [D*A, T, KVH, Dh] -> the prompts' real tokens [D, A*Tp*page, KVH, Dh]
             return jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2).reshape(d, -1, kvh, dh)
 
-        pool = [write_tokens(p, dst.reshape(d, -1), offset.reshape(d, -1), real_tokens(k), real_tokens(v))
+        pool = [write_tokens(p, dst.reshape(d, -1), offset.reshape(d, -1), real_tokens(k), real_tokens(v), cache_dtype)
                 for p, k, v in zip(state.pool, ks, vs)]
         # the i-th new prompt takes the i-th free entry
         free_entry = en.refs == 0
@@ -310,7 +311,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         for i, p in enumerate(weights["layers"]):
             def attend(q, k, v, i=i):
                 pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
-                                    v.reshape(d, sd, kvh, dh))
+                                    v.reshape(d, sd, kvh, dh), cache_dtype)
                 pool = b.constrain(pool, POOL_AXES)
                 q = q.reshape(d, sd, kvh, hg, dh)
                 if attention == "kernel":
@@ -318,7 +319,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
                                                  tensor_axis=tensor_axis)
                 else:
                     out = paged_attention(q, pool, table, counts, num_chunks, pages_per_chunk=pages_per_chunk,
-                                          dtype=dtype)
+                                          dtype=dtype, value_dtype=cache_dtype)
                 return out.reshape(d * sd, 1, kvh * hg, dh), pool
 
             x, pool = decoder_layer(FusedLayer(p, config, b), x, cos, sin, attend)
@@ -339,7 +340,8 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
 
     zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
-    pool = lambda: b.constrain(jnp.zeros((d, num_pages, page_size, 2 * kvh, dh), cache_dtype), POOL_AXES)
+    bits = isinstance(b, CpuBackend) and attention == "xla"
+    pool = lambda: b.constrain(empty_pool((d, num_pages, page_size, 2 * kvh, dh), cache_dtype, bits=bits), POOL_AXES)
     state = EngineState(
         slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),
                     token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool), held=zeros((d, sd), bool),

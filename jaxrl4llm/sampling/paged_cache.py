@@ -77,11 +77,28 @@ def pool_pages(slots: int, prompts: int, prompt_pages: int, response_pages: int)
     return 1 + slots * response_pages + prompts * prompt_pages
 
 
-def write_tokens(pool: jax.Array, pages: jax.Array, offsets: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def as_values(x: jax.Array, dtype) -> jax.Array:
+    """Pool data in `dtype`: a uint16 pool holds 16-bit floats as their bit patterns (`empty_pool`)."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
+
+
+def empty_pool(shape: tuple, dtype, *, bits: bool) -> jax.Array:
+    """A zeroed pool of `dtype` values; with `bits` (XLA:CPU, 16-bit dtypes) stored as uint16 bit
+    patterns: XLA:CPU widens a bf16 scatter or gather to float32 over the whole buffer, so every
+    decode step would convert the whole pool (`kernels.backend.move_as_bits`); on integers it does not."""
+    dtype = jnp.dtype(dtype)
+    return jnp.zeros(shape, jnp.uint16 if bits and dtype.itemsize == 2 else dtype)
+
+
+def write_tokens(pool: jax.Array, pages: jax.Array, offsets: jax.Array, k: jax.Array, v: jax.Array,
+                 dtype=None) -> jax.Array:
     """pool[d, pages[d, m], offsets[d, m]] = interleave(k[d, m], v[d, m]). pool [D, P, page, 2 KVH, Dh];
-    pages, offsets [D, M] int32; k, v [D, M, KVH, Dh] (any float dtype)."""
+    pages, offsets [D, M] int32; k, v [D, M, KVH, Dh] (any float dtype), cast to `dtype` (the
+    pool's values, default its dtype)."""
     d, m, kvh, dh = k.shape
-    new = jnp.stack([k, v], axis=3).reshape(d, m, 2 * kvh, dh).astype(pool.dtype)
+    new = jnp.stack([k, v], axis=3).reshape(d, m, 2 * kvh, dh).astype(dtype or pool.dtype)
+    if pool.dtype == jnp.uint16:
+        new = jax.lax.bitcast_convert_type(new, jnp.uint16)
     return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x))(pool, pages, offsets, new)
 
 
@@ -97,7 +114,7 @@ def copy_pages(pool: jax.Array, dst: jax.Array, src: jax.Array) -> jax.Array:
 
 
 def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax.Array, num_chunks, *,
-                    pages_per_chunk: int, dtype) -> jax.Array:
+                    pages_per_chunk: int, dtype, value_dtype=None) -> jax.Array:
     """One query per slot against its live pages: softmax(q K^T / sqrt(Dh)) V over the valid tokens.
 
     Two loops over the first num_chunks chunks of pages: scores into a [.., W * page] float32
@@ -112,9 +129,11 @@ def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax
       counts [D, S, W] int32: valid tokens in each logical page (the first counts of its slots).
       num_chunks: int32 scalar, chunks of pages_per_chunk logical pages to read (every valid page
         of a slot must lie in the first num_chunks chunks).
-      dtype: matmul input dtype (scores and softmax in float32).
+      dtype: matmul input dtype (scores and softmax in float32); value_dtype: the pool's values
+        (a uint16 pool holds their bits; default the pool's dtype).
     Returns: [D, S, KVH, H/KVH, Dh] float32.
     """
+    value_dtype = value_dtype or pool.dtype
     d, s, kvh, hg, dh = q.shape
     page, width = pool.shape[2], table.shape[2]
     c = pages_per_chunk
@@ -124,6 +143,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax
     def scores(i, buf):
         valid = jnp.arange(page) < chunk(counts, i)[..., None]  # [D, S, C, page]
         k, _ = gather_pages(pool, chunk(table, i))  # [D, S, C, page, KVH, Dh]
+        k = as_values(k, value_dtype)
         sc = jnp.where(valid[:, :, None, None], einsum("dskhe,dscpke->dskhcp", q, k, dtype) * scale, _MASKED)
         return jax.lax.dynamic_update_slice_in_dim(buf, sc.reshape(d, s, kvh, hg, c * page), i * c * page, axis=4)
 
@@ -132,7 +152,8 @@ def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax
 
     def values(i, out):
         p = jax.lax.dynamic_slice_in_dim(probs, i * c * page, c * page, axis=4).reshape(d, s, kvh, hg, c, page)
-        return out + einsum("dskhcp,dscpke->dskhe", p, gather_pages(pool, chunk(table, i))[1], dtype)
+        return out + einsum("dskhcp,dscpke->dskhe", p, as_values(gather_pages(pool, chunk(table, i))[1], value_dtype),
+                            dtype)
 
     return jax.lax.fori_loop(0, num_chunks, values, jnp.zeros((d, s, kvh, hg, dh), jnp.float32))
 
