@@ -2,6 +2,9 @@
 
     python benchmarks/sampler.py [--sizes demo,48m,100m] [--prompts 8] [--samples 8] [--prompt-len 64]
                                  [--new-tokens 128] [--repeats 2] [--dtype bfloat16] [--cpu-kernels auto]
+                                 [--engine static]
+    python benchmarks/sampler.py --lengths lognormal:mean=256,sigma=0.8 --max-new-tokens 1024 [--sizes 48m]
+                                 [--prompts 8] [--samples 8] [--slots 16]
 
 For every model size (Qwen3 configs, random weights, identical in both frameworks) and for
 greedy and sampled decoding (temperature 0.99, top_p 0.99, top_k 100) it prints generated
@@ -15,6 +18,16 @@ generated KV read up to the filled length, averaged over the R steps):
     flops = 2 N (matmul params) + 4 N H Dh (T + R/2)
     t_roof = max(bytes / copy bandwidth, flops / matmul peak)      (both measured in this run)
     roofline use = t_roof / measured decode-step time
+
+Length-distribution mode (`--lengths`): the continuous engine against the static one at a
+distribution of response lengths. Row n's length L_n is drawn from the distribution (lognormal
+with that mean: mu = ln(mean) - sigma^2 / 2; rounded, clipped to [1, max_new_tokens]) and forced
+through `generate(row_max_new_tokens=L)` with no EOS: every row stops exactly at L_n in both
+engines. It prints tokens/s (sum of L_n over the wall time) of: static with all rows at once,
+static in chunks of slots / G prompts (the same rows in flight as the continuous engine) and
+continuous on `--slots` slots, their ratios, and useful row-steps / all row-steps of each
+(decode steps only: static runs max L_n - 1 steps over every row of a call; the continuous
+engine's steps are counted by replaying its schedule on the host, `continuous_steps`).
 
 transformers + torch are benchmark-time oracles only (never imported by jaxrl4llm).
 """
@@ -170,9 +183,9 @@ CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> gener
 
 
 def ours_call(graphdef, state, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool,
-              cpu_kernels: bool | None = None):
+              cpu_kernels: bool | None = None, engine: str = "static"):
     """A function that runs our `generate` once on these prompts and blocks until it is done."""
-    options = dict(SAMPLED if sampled else dict(greedy=True), cpu_kernels=cpu_kernels)
+    options = dict(SAMPLED if sampled else dict(greedy=True), cpu_kernels=cpu_kernels, engine=engine)
     prompt_list = [row.tolist() for row in prompts]
 
     def call(seed=0):
@@ -214,7 +227,17 @@ def main(argv=None):
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--cpu-kernels", default="auto", choices=tuple(CPU_KERNELS),
                         help="our matmuls, decode attention and top-k: C++ CPU kernels (auto/on) or XLA ops only (off)")
+    parser.add_argument("--engine", default="static", choices=("static", "continuous"),
+                        help="full-length table: our engine (every row runs all steps, so no refill happens)")
+    parser.add_argument("--lengths", default=None,
+                        help="length-distribution mode: lognormal:mean=M,sigma=S (continuous vs static)")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="length-distribution mode: R")
+    parser.add_argument("--slots", type=int, default=16, help="length-distribution mode: continuous slots")
+    parser.add_argument("--engines", default="all,chunks,continuous",
+                        help="length-distribution mode: which of all (static, all rows), chunks, continuous")
     args = parser.parse_args(argv)
+    if args.lengths:
+        return main_lengths(args)
 
     peaks = {"bandwidth": measure_copy_bandwidth(), "peak": measure_matmul_peak()}
     print(f"machine: copy bandwidth {peaks['bandwidth'] / 1e9:.1f} GB/s, bf16 matmul peak {peaks['peak'] / 1e12:.2f} "
@@ -250,7 +273,8 @@ def measure_mode(args, size, mode, config, graphdef, state, prompts, peer, peaks
     """One table row: ours and transformers (interleaved, equal numbers of timed calls, so both
     see the same machine load; best of each), the decode step time and its roofline use."""
     sampled = mode == "sampled"
-    call = ours_call(graphdef, state, prompts, args.samples, args.new_tokens, sampled, CPU_KERNELS[args.cpu_kernels])
+    call = ours_call(graphdef, state, prompts, args.samples, args.new_tokens, sampled, CPU_KERNELS[args.cpu_kernels],
+                     args.engine)
     first = best_time(call, 1)  # compile + first run
     ours, hf = float("inf"), float("inf")
     for _ in range(args.repeats):
@@ -258,7 +282,7 @@ def measure_mode(args, size, mode, config, graphdef, state, prompts, peer, peaks
         if peer is not None:
             hf = min(hf, peer.time_generate(prompts, args.samples, args.new_tokens, sampled))
     hf = float("nan") if peer is None else hf
-    prefill = ours_call(graphdef, state, prompts, args.samples, 1, sampled, CPU_KERNELS[args.cpu_kernels])
+    prefill = ours_call(graphdef, state, prompts, args.samples, 1, sampled, CPU_KERNELS[args.cpu_kernels], args.engine)
     prefill()
     prefill_only = best_time(prefill, args.repeats)
     step = (ours - prefill_only) / (args.new_tokens - 1)
@@ -269,6 +293,99 @@ def measure_mode(args, size, mode, config, graphdef, state, prompts, peer, peaks
     return (f"{size:>6} {config.num_params / 1e6:>6.1f}M {mode:>8} | {tokens / ours:>10.0f} {tokens / hf:>9.0f} "
             f"{hf / ours:>6.2f} | {step * 1e3:>8.2f} {roof * 1e3:>8.2f} {roof / step:>8.2f} "
             f"{bytes_ / 1e6:>8.1f} {flops / 1e9:>10.2f} | {first - ours:>9.1f}")
+
+
+# ---------------------------------------------------------------------------- length distribution
+def draw_lengths(spec: str, rows: int, max_new_tokens: int, seed: int = 0) -> np.ndarray:
+    """`lognormal:mean=M,sigma=S` -> [rows] int lengths ~ exp(N(ln M - S^2 / 2, S^2)), rounded, in [1, R]."""
+    kind, _, params = spec.partition(":")
+    values = {k: float(v) for k, v in (p.split("=") for p in params.split(","))}
+    if kind != "lognormal" or set(values) != {"mean", "sigma"}:
+        raise SystemExit(f"--lengths: expected lognormal:mean=M,sigma=S, got {spec!r}")
+    mu = np.log(values["mean"]) - values["sigma"] ** 2 / 2
+    draws = np.random.default_rng(seed).lognormal(mu, values["sigma"], rows)
+    return np.clip(np.round(draws), 1, max_new_tokens).astype(np.int32)
+
+
+def continuous_steps(lengths: np.ndarray, samples: int, slots: int, burst: int) -> int:
+    """Decode steps of `sampling.continuous` on one shard, replayed on the host: at every refill
+    finished slots are freed and take the next waiting rows (in order); then up to `burst` steps
+    run while a slot is live; a row of length L needs L - 1 steps after its prefill."""
+    remaining = [int(n) - 1 for n in lengths]  # decode steps each row still needs
+    live: list[int] = []  # rows in slots
+    next_row, steps = 0, 0
+    while live or next_row < len(lengths):
+        live = [n for n in live if remaining[n] > 0]
+        while next_row < len(lengths) and len(live) < slots:
+            live.append(next_row)
+            next_row += 1
+        for _ in range(burst):
+            if not any(remaining[n] > 0 for n in live):
+                break
+            steps += 1
+            for n in live:
+                remaining[n] = max(remaining[n] - 1, 0)
+    return steps
+
+
+def main_lengths(args) -> None:
+    """Length-distribution mode (module docstring): one table, three engines, the same rows."""
+    from jaxrl4llm.sampling.continuous import BURST
+
+    size = args.sizes.split(",")[0]
+    r, g, p = args.max_new_tokens, args.samples, args.prompts
+    rows = p * g
+    lengths = draw_lengths(args.lengths, rows, r)
+    useful = int(np.sum(lengths - 1))
+    chunk = max(args.slots // g, 1)
+    print(f"{size}, {p} prompts x {g} samples ({rows} rows), {args.prompt_len}-token prompts, R = {r}, {args.dtype}; "
+          f"lengths {args.lengths}: mean {lengths.mean():.0f}, p50 {np.median(lengths):.0f}, "
+          f"p95 {np.percentile(lengths, 95):.0f}, max {lengths.max()}")
+    with tempfile.TemporaryDirectory() as folder:
+        make_hf_model(size, args.dtype, folder)
+        model = load_pretrained(folder, dtype=args.dtype, param_dtype=args.dtype)
+    graphdef, state = nnx.split(model)
+    prompts = [row.tolist() for row in np.random.default_rng(0).integers(1, model.config.vocab_size,
+                                                                          (p, args.prompt_len))]
+    static_all = rows * (int(lengths.max()) - 1)
+    static_chunks = sum(min(chunk, p - s) * g * (int(lengths[s * g:(s + chunk) * g].max()) - 1)
+                        for s in range(0, p, chunk))
+    engines = {
+        "static, all rows": (dict(engine="static"), static_all),
+        f"static, chunks of {chunk * g} rows": (dict(engine="static", prompts_per_chunk=chunk), static_chunks),
+        f"continuous, {args.slots} slots": (dict(engine="continuous", slots=args.slots),
+                                            args.slots * continuous_steps(lengths, g, args.slots, BURST)),
+    }
+    chosen = args.engines.split(",")
+    engines = {name: value for (name, value), kind in zip(engines.items(), ("all", "chunks", "continuous"))
+               if kind in chosen}
+    results = {}
+    reference = None
+    for name, (options, row_steps) in engines.items():
+        def call():
+            out = generate(graphdef, state, prompts, num_samples=g, max_new_tokens=r, eos_token_ids=[], pad_token_id=0,
+                           rng=jax.random.key(0), row_max_new_tokens=lengths, cpu_kernels=CPU_KERNELS[args.cpu_kernels],
+                           **SAMPLED, **options)
+            return jax.block_until_ready(out)
+
+        first = time.perf_counter()
+        out = call()
+        first = time.perf_counter() - first
+        np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
+        if reference is None:
+            reference = np.asarray(out.response_tokens)
+        same = float(np.mean(np.asarray(out.response_tokens) == reference))
+        seconds = best_time(call, args.repeats)
+        results[name] = (int(lengths.sum()) / seconds, useful / row_steps, seconds, first - seconds, same)
+        print(f"  {name}: {seconds:.1f} s, {int(lengths.sum()) / seconds:.0f} tok/s", flush=True)
+    first_name = next(iter(results))
+    base = results.get("static, all rows", results[first_name])[0]
+    chunked = results.get(f"static, chunks of {chunk * g} rows", results[first_name])[0]
+    print(f"{'engine':>28} | {'tok/s':>8} {'x static':>8} {'x chunks':>8} | {'useful/all row-steps':>20} | "
+          f"{'s':>6} {'compile s':>9} {'same tokens':>11}")
+    for name, (tps, use, seconds, compile_s, same) in results.items():
+        print(f"{name:>28} | {tps:>8.0f} {tps / base:>8.2f} {tps / chunked:>8.2f} | {use:>20.2f} | {seconds:>6.1f} "
+              f"{compile_s:>9.1f} {same:>11.3f}")
 
 
 if __name__ == "__main__":

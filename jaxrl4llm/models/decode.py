@@ -332,6 +332,16 @@ def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Arr
     Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
     Returns: (logits [P, V] float32 at slot T-1, PromptKV in cache_dtype and the backend's layout).
     """
+    logits, ks, vs = prefill_kv(weights, config, tokens, mask, backend=backend, cache_dtype=cache_dtype)
+    stored = [backend.store_prompt(k, v, mask) for k, v in zip(ks, vs)]
+    return logits, PromptKV([s[0] for s in stored], [s[1] for s in stored], stored[-1][2] if stored else mask)
+
+
+def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
+               backend: DecodeBackend = DecodeBackend(), cache_dtype=None) -> tuple[jax.Array, list, list]:
+    """`prefill` before the backend stores the cache: (logits [P, V] float32 at slot T-1, L keys and
+    L values [P, T, KVH, Dh] in cache_dtype, left-padded as the tokens). The paged engine
+    (`sampling.continuous`) scatters them into its page pool."""
     cache_dtype = jnp.dtype(cache_dtype or config.dtype)
     dtype = jnp.dtype(config.dtype)
     positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -346,10 +356,9 @@ def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Arr
     ks, vs = [], []
     for p in weights["layers"]:
         x, (k, v) = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
-        k, v, stored_mask = backend.store_prompt(k, v, mask)
         ks.append(k)
         vs.append(v)
-    return _lm_head(weights, config, backend, x[:, -1]), PromptKV(ks, vs, stored_mask)
+    return _lm_head(weights, config, backend, x[:, -1]), ks, vs
 
 
 def empty_block(config: ModelConfig, rows: int, block_size: int, *, backend: DecodeBackend = DecodeBackend(),

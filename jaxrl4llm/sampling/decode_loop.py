@@ -83,20 +83,23 @@ def _row_constraint(x, mesh: Mesh | None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int) -> DecodeState:
-    """Write step t's sample into column t (pad / 0 for rows already done) and advance t."""
+def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budget=None) -> DecodeState:
+    """Write step t's sample into column t (pad / 0 for rows already done) and advance t; a row
+    whose length reaches its budget [N] (optional) is done."""
     live = ~state.done
     token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1) & live
     column = lambda buf, col: jax.lax.dynamic_update_slice(buf, col[:, None].astype(buf.dtype),
                                                            (jnp.zeros((), jnp.int32), state.t))
     zero = jnp.zeros((num_rows,), jnp.float32)
+    length = state.length + live.astype(jnp.int32)
+    done = state.done | is_eos
     return DecodeState(
         t=state.t + 1,
         token=token,
-        done=state.done | is_eos,
+        done=done if budget is None else done | (length >= budget),
         eos_seen=state.eos_seen | is_eos,
-        length=state.length + live.astype(jnp.int32),
+        length=length,
         tokens=column(state.tokens, token),
         logprobs=column(state.logprobs, jnp.where(live, sample.logprob, zero)),
         logprobs_untruncated=column(state.logprobs_untruncated, jnp.where(live, sample.logprob_untruncated, zero)),
@@ -156,7 +159,8 @@ def _build_weights_jit(graphdef: nnx.GraphDef, state, config: ModelConfig, backe
     static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "block_size", "backend",
                      "use_kernels"),
 )
-def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids, pad_id, *,
+def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids, pad_id,
+                   row_budget=None, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
                    greedy: bool, block_size: int, backend: DecodeBackend,
                    use_kernels: bool = False) -> ProgramOutput:
@@ -170,6 +174,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
       first_row: int32 scalar, the global index of this call's first row.
       temperature, top_p: float32 scalars.
       eos_ids [E] int32; pad_id int32 scalar.
+      row_budget: optional [N] int32, row n stops after row_budget[n] tokens (truncated unless its
+        last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
       backend: the decode backend (`decode_backend`; the same one `weights_program` used).
       use_kernels: top-k with the CPU kernel (`jaxrl4llm.kernels`; the caller checks that the
         program runs on CPU and that they are loaded).
@@ -199,7 +205,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
     uniforms = None if greedy else _row_constraint(row_uniforms(rng, first_row, num_rows, r), mesh)
     step_uniform = lambda t: None if greedy else column(uniforms, t)
     first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
-    state = _record(state, first, eos_ids, pad_id, num_rows)
+    budget = None if row_budget is None else _row_constraint(row_budget.astype(jnp.int32), mesh)
+    state = _record(state, first, eos_ids, pad_id, num_rows, budget)
 
     # rotary tables of every step's input position (prompt_len + t - 1) up front: no cos/sin in the loop
     cos, sin = (_row_constraint(a, mesh) for a in
@@ -219,7 +226,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
             slot = state.t - 1 - j * block_size
             logits, block = decode_step(weights, config, state.token, step_rope(state.t), prompt_kv,
                                         list(done_blocks), block, slot, backend=backend)
-            return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows), block
+            return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows,
+                           budget), block
 
         block = empty_block(config, num_rows, block_size, backend=backend)
         state, block = jax.lax.while_loop(cond, body, (state, block))

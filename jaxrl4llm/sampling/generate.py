@@ -7,7 +7,10 @@ any sharding, LoRA adapters included: the device program merges adapters, casts 
 `config.dtype` and reshards to the decode layout on device) and returns a `Rollout` of
 N = len(prompts) * G rows whose arrays stay on device. Our `CausalLM` runs the KV-cache
 decoder (`decode_loop.py`); any other NNX causal LM (docs/models.md, "Bring your own NNX
-model") runs `generic_decode.py`.
+model") runs `generic_decode.py`. Two engines run our models: "continuous" (the default,
+`continuous.py`: S slots over a paged KV cache, refilled as rows finish) and "static"
+(`decode_loop.py`: all rows, or chunks of prompts, decoded to their longest row); they give the
+same rows (row n's uniforms depend on n only).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
+from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, continuous_program
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
 
@@ -63,7 +67,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
              max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
              batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
-             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None) -> Rollout:
+             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "continuous",
+             slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
+             row_max_new_tokens: Sequence[int] | None = None, paged_attention: str | None = None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
 
     Args:
@@ -89,6 +95,16 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       prompts_per_chunk: sample the prompts this many at a time (one compiled program, run
         ceil(P / chunk) times; the KV cache holds one chunk's rows). None: all at once. Row n
         draws the same uniforms either way (`filters.row_uniforms`), so the rows are the same.
+        Static engine only (the continuous engine holds `slots` rows at a time instead).
+      engine: "continuous" (S slots over a paged KV cache, refilled between bursts of decode
+        steps) or "static" (every row of a call decoded until the longest finishes).
+      slots: continuous engine: rows decoded at once (None: all rows), rounded up to a multiple of
+        the data-parallel size.
+      kv_page_size: continuous engine: tokens per KV page. decode_burst: decode steps between refills.
+      paged_attention: continuous engine: "xla" (chunks of live pages in XLA ops) or "kernel" (the
+        TPU ragged paged attention kernel); None: the kernel on TPU, XLA elsewhere.
+      row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
+        stops after that many tokens (truncated unless it ends with an EOS).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """
     model = merge(graphdef, state)  # Python objects over the same arrays: no copy
@@ -129,8 +145,22 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
             raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size})")
     if prompts_per_chunk is not None and prompts_per_chunk < 1:
         raise ValueError(f"prompts_per_chunk must be >= 1 (or None: all prompts at once), got {prompts_per_chunk}")
-    chunk = min(prompts_per_chunk or num_prompts, num_prompts)
-    num_rows = bucket(chunk, batch_buckets, multiple_of=_data_parallel_size(mesh))
+    if engine not in ("continuous", "static"):
+        raise ValueError(f"engine must be 'continuous' or 'static' (rollout.engine), got {engine!r}")
+    if slots is not None and slots < 1:
+        raise ValueError(f"slots must be >= 1 (rollout.slots; or None: all rows), got {slots}")
+    budget = np.full((num_prompts * num_samples,), max_new_tokens, np.int32)
+    if row_max_new_tokens is not None:
+        budget = np.asarray(row_max_new_tokens, np.int32)
+        if budget.shape != (num_prompts * num_samples,) or budget.min() < 1 or budget.max() > max_new_tokens:
+            raise ValueError(f"row_max_new_tokens must hold {num_prompts * num_samples} values (one per row) in "
+                             f"[1, max_new_tokens={max_new_tokens}]")
+    if config is None and row_max_new_tokens is not None:
+        raise ValueError("row_max_new_tokens: per-row budgets need a jaxrl4llm CausalLM (the generic decoder has none)")
+    continuous = engine == "continuous" and config is not None
+    dp = _data_parallel_size(mesh)
+    chunk = num_prompts if continuous else min(prompts_per_chunk or num_prompts, num_prompts)
+    num_rows = bucket(chunk, batch_buckets, multiple_of=dp)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
     sampling = dict(num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
                     use_top_p=bool(top_p < 1.0), greedy=bool(greedy))
@@ -143,8 +173,21 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
-        run = lambda *args: sample_program(weights, *args, config=config, block_size=block_size, backend=backend,
-                                           use_kernels=use_kernels, **sampling)
+        if continuous:
+            platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
+            attention = paged_attention or ("kernel" if platform == "tpu" else "xla")
+            if attention not in ("xla", "kernel") or (attention == "kernel" and platform != "tpu"):
+                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU only "
+                                 f"(this call runs on {platform})")
+            per_shard = -(-(slots or num_rows * num_samples) // dp)
+            per_shard = min(per_shard, num_rows // dp * num_samples)
+            run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,
+                                                   use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
+                                                   page_size=int(kv_page_size), burst=int(decode_burst),
+                                                   attention=attention, **sampling)
+        else:
+            run = lambda *args: sample_program(weights, *args, config=config, block_size=block_size,
+                                               backend=backend, use_kernels=use_kernels, **sampling)
     outs = []
     for start in range(0, num_prompts, chunk):
         part = prompts[start:start + chunk]
@@ -154,8 +197,13 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
             put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
                 ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
             arrays = tuple(put(a) for a in arrays)
+        rows = budget[start * num_samples:(start + len(part)) * num_samples]
+        rows = np.concatenate([rows, np.full((num_rows * num_samples - len(rows),), 1, np.int32)])
+        if mesh is not None:
+            rows = put(rows)
+        extra = (rows,) if continuous or row_max_new_tokens is not None else ()
         out = run(*arrays, rng, np.int32(start * num_samples), np.float32(temperature), np.float32(top_p), eos,
-                  np.int32(pad_token_id))
+                  np.int32(pad_token_id), *extra)
         n = len(part) * num_samples
         outs.append(out if num_rows == len(part) else jax.tree.map(lambda a: a[:n], out))
     out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)

@@ -113,3 +113,52 @@ def prompts_per_chunk(config: ModelConfig, budget_bytes: float, *, prompts: int,
         else:
             hi = mid - 1
     return best
+
+
+def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples: int, prompt_len: int,
+                      max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
+                      page_size: int | None = None) -> dict:
+    """Per-chip bytes of the continuous sampler (`sampling.continuous`) by category.
+
+    page pool      2 L (1 + S_d ceil((page-1 + R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
+                   (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp)
+    per-row tables N R (4 uniforms + 12 tokens and two log-probs) / dp             (every row's outputs)
+    score row      S_d H (pages of a slot) page 4 / tp                              (one layer's, float32)
+    """
+    from jaxrl4llm.sampling.continuous import PAGE_SIZE
+    from jaxrl4llm.sampling.paged_cache import pool_pages
+
+    c = config
+    page = page_size or PAGE_SIZE
+    per_shard = -(-slots // data_parallel)
+    tp_pages, rp_pages = -(-prompt_len // page), -(-(page - 1 + max(max_new_tokens - 1, 1)) // page)
+    width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
+    rows = math.ceil(prompts / data_parallel) * samples
+    return {
+        "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),
+        "page pool": width * pool_pages(per_shard, per_shard + 1, tp_pages, rp_pages) * page // tensor_parallel,
+        "per-row tables": rows * max_new_tokens * 16,
+        "score row": per_shard * c.num_heads * (tp_pages + rp_pages) * page * 4 // tensor_parallel,
+    }
+
+
+def slots_that_fit(config: ModelConfig, budget_bytes: float, *, prompts: int, samples: int, prompt_len: int,
+                   max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
+                   **unused) -> int:
+    """`rollout.slots: auto`: the most slots (all rows at most, a multiple of data_parallel, at least
+    one per shard) whose `continuous_memory` fits `budget_bytes` per chip."""
+    def fits(per_shard: int) -> bool:
+        used = continuous_memory(config, prompts=prompts, slots=per_shard * data_parallel, samples=samples,
+                                 prompt_len=prompt_len, max_new_tokens=max_new_tokens, data_parallel=data_parallel,
+                                 tensor_parallel=tensor_parallel, embed_dtype=embed_dtype)
+        return sum(used.values()) <= budget_bytes
+
+    lo, hi = 1, math.ceil(prompts / data_parallel) * samples
+    best = 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best * data_parallel

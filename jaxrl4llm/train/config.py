@@ -121,8 +121,15 @@ class RolloutConfig:
     # (n / tp, 1, tp) for decoding, weights and KV heads split tp ways; 0 = the training mesh
     # as it is (weights replicated over data x fsdp). tp must divide the model's KV heads.
     tensor_parallel: int = 0
-    # Prompts sampled per chunk (the KV cache holds one chunk's rows): 0 = all at once; auto =
-    # the largest chunk whose decode memory (sampling.memory) fits 85% of a device's memory.
+    # The sampler (docs/sampling.md): continuous = `slots` rows at a time over a paged KV cache,
+    # a finished row's slot refilled with a waiting one; static = every row of a chunk decoded
+    # until the chunk's longest row ends (the reference the continuous engine is tested against).
+    engine: Literal["continuous", "static"] = "continuous"
+    # continuous: rows decoded at once; auto = the most whose memory (sampling.memory) fits 85%
+    # of a device's memory where the device reports it (TPU, GPU), else all rows.
+    slots: Literal["auto"] | int = "auto"
+    # static: prompts sampled per chunk (the KV cache holds one chunk's rows): 0 = all at once;
+    # auto = the largest chunk whose decode memory (sampling.memory) fits 85% of a device's memory.
     prompts_per_chunk: Literal["auto"] | int = 0
     # No-Positive-Resampling (ScaleRL, arXiv 2510.13786): a prompt whose pass rate (share of its
     # samples with reward > 0.5) reaches this value leaves the prompt stream for good (saved in
@@ -430,6 +437,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.dynamic_sampling_max_draws": _POSITIVE, "rollout.tensor_parallel": (lambda v: v >= 0, ">= 0 (0 = the training mesh)"),
     "rollout.prompts_per_chunk": (lambda v: v == "auto" or v >= 0, ">= 0 (0 = all at once) or 'auto'"),
+    "rollout.slots": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
     "rollout.retire_pass_rate": (lambda v: 0 < v <= 1, "in (0, 1] or null (off)"),
     "reward.timeout": (lambda v: v > 0, "> 0 (seconds)"),
     "optim.lr": (lambda v: v > 0, "> 0"), "optim.warmup_steps": _NON_NEGATIVE,

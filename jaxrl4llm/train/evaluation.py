@@ -19,7 +19,10 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | None = None) -> dict:
     """Samples `trainer.eval_samples` responses per problem at `trainer.eval_temperature`
-    (0 = greedy, one sample) in batches of rollout.prompts_per_step prompts.
+    (0 = greedy, one sample): with the continuous sampler, every problem of a set in one call on
+    the slots `rollout.slots` gives (without a memory budget: rollout.prompts_per_step * samples
+    slots), a finished row's slot taken by the next problem; with the static one, in batches of
+    rollout.prompts_per_step prompts.
 
     Returns {"<set>/accuracy", "<set>/pass@k", "<set>/response_length", ...} plus the
     unweighted means over sets as "accuracy" etc. With a `records` list, appends one dict per
@@ -28,9 +31,10 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
     """
     greedy = cfg.trainer.eval_temperature <= 0
     k = 1 if greedy else max(cfg.trainer.eval_samples, 1)
-    chunk = cfg.rollout.prompts_per_step
+    continuous = getattr(policy, "engine", "static") == "continuous"
     out: dict[str, float] = {}
     for s_idx, ps in enumerate(eval_sets):
+        chunk = len(ps) if continuous else cfg.rollout.prompts_per_step
         correct = np.zeros((len(ps), k))
         lengths = []
         for start in range(0, len(ps), chunk):
@@ -43,6 +47,7 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
                 temperature=cfg.trainer.eval_temperature, top_p=cfg.rollout.top_p if not greedy else 1.0,
                 top_k=cfg.rollout.top_k if not greedy else 0,
                 rng=jax.random.fold_in(rng, s_idx * 100003 + start), greedy=greedy,
+                slots=cfg.rollout.prompts_per_step * k if continuous else None,
             )
             golds = [ps.answers[i] for i in ids for _ in range(k)]
             golds += [golds[-1]] * (rollout.num_rows - len(golds))  # the repeats' rows, scored and dropped

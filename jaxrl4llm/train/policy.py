@@ -33,6 +33,8 @@ class Policy:
     frozen: Any = None  # frozen nnx.State (the LoRA base), or None
     decode_mesh: Mesh | None = None  # the sampler's mesh (`sampling.decode_mesh`); None: `mesh`
     prompts_per_chunk: int | str = 0  # rollout.prompts_per_chunk: 0 = all at once, or "auto"
+    engine: str = "continuous"  # rollout.engine: "continuous" or "static"
+    slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -63,9 +65,11 @@ class Policy:
         return make_logprob_fn(self.graphdef, self.temperature, self.chunk_size)
 
     def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False,
-                 prompt_len: int | None = None):
+                 prompt_len: int | None = None, slots: int | None = None):
         """`sampling.generate` with this policy; `prompt_len`: pad the prompts to this length's bucket
-        (at least the longest prompt's) whatever this call's longest is, so calls share one program."""
+        (at least the longest prompt's) whatever this call's longest is, so calls share one program;
+        `slots`: the continuous engine's slots when `rollout.slots: auto` finds no memory budget
+        (default: all rows)."""
         from jaxrl4llm.sampling import generate
         from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 
@@ -76,12 +80,37 @@ class Policy:
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
             greedy=greedy or temperature <= 0, cpu_kernels=self.cpu_kernels,
             prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
+            engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
         )
 
     @property
     def sampler_mesh(self) -> Mesh | None:
         return self.decode_mesh if self.decode_mesh is not None else self.mesh
+
+    def _memory_budget(self) -> float | None:
+        """85% of a sampler device's memory minus what it holds, where the device reports it (TPU, GPU)."""
+        stats = self.sampler_mesh.devices.flat[0].memory_stats() if self.sampler_mesh is not None else \
+            jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats or self.config is None:
+            return None
+        return 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+    def slots_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
+        """Slots of the continuous sampler: `slots`, or with "auto" the most whose memory
+        (`sampling.memory.continuous_memory`) fits the budget; None (all rows) without one."""
+        if self.engine != "continuous":
+            return None
+        if self.slots != "auto":
+            return int(self.slots)
+        budget = self._memory_budget()
+        if budget is None:
+            return None
+        from jaxrl4llm.sampling.memory import decode_sizing, slots_that_fit
+
+        sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
+                               max_new_tokens=max_new_tokens)
+        return slots_that_fit(self.config, budget, prompts=num_prompts, **sizing)
 
     def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose
@@ -232,6 +261,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
         decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
+        engine=cfg.rollout.engine, slots=cfg.rollout.slots,
     )
 
 

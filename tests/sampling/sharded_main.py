@@ -1,4 +1,6 @@
-"""Run in a subprocess with 8 simulated CPU devices: sharded generate() == single-device generate()."""
+"""Run in a subprocess with 8 simulated CPU devices: sharded generate() == single-device generate(),
+for the static and the continuous engine (data-parallel shards with their own slots and pages,
+tensor-parallel weights and KV heads)."""
 
 import os
 
@@ -23,7 +25,7 @@ def main():
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
     for options in (dict(temperature=0.9, top_k=10, top_p=0.9),):
         kwargs = dict(num_samples=2, max_new_tokens=12, eos_token_ids=[1], pad_token_id=0, rng=jax.random.key(3),
-                      **options)
+                      engine="static", **options)
         single = generate(graphdef, state, prompts, **kwargs)
         sharded = generate(graphdef, sharded_state, prompts, mesh=mesh, **kwargs)
         np.testing.assert_array_equal(np.asarray(sharded.response_tokens), np.asarray(single.response_tokens))
@@ -43,7 +45,29 @@ def main():
             raise AssertionError("tensor_parallel=4 over 2 kv heads was accepted")
         except ValueError as e:
             assert "KV heads" in str(e), e
+    continuous_rows(graphdef, state, sharded_state, mesh, config)
     print("OK")
+
+
+def continuous_rows(graphdef, state, sharded_state, mesh, config):
+    """The continuous engine on the sampler's 4 x 1 x 2 mesh (`decode_mesh`, 2-way tensor parallel):
+    4 data-parallel shards of 2 prompts x 2 samples on 2 slots each (so every shard refills), pages of
+    4 tokens, per-row budgets and EOS: the single-device static engine's rows."""
+    from jaxrl4llm.sampling import decode_mesh
+
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13] * 6, [2, 3], [9, 8, 7, 6], [4], [5, 5, 5]]
+    g, r = 2, 14
+    budgets = np.random.default_rng(1).integers(1, r + 1, len(prompts) * g)
+    kwargs = dict(num_samples=g, max_new_tokens=r, eos_token_ids=[1, 2], pad_token_id=0, rng=jax.random.key(4),
+                  temperature=0.9, top_k=10, top_p=0.9, row_max_new_tokens=budgets)
+    single = generate(graphdef, state, prompts, engine="static", **kwargs)
+    assert len(set(np.asarray(single.lengths).tolist())) > 4, np.asarray(single.lengths)
+    for m in (decode_mesh(mesh, 2, num_kv_heads=config.num_kv_heads),):
+        got = generate(graphdef, sharded_state, prompts, mesh=m, engine="continuous", slots=8, kv_page_size=4,
+                       decode_burst=3, **kwargs)
+        for name in ("response_tokens", "lengths", "truncated", "response_mask"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(single, name)), name)
+        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import torch
 
 from jaxrl4llm.models import forward
 from jaxrl4llm.sampling import generate, response_token_lists
-from jaxrl4llm.sampling.decode_loop import WEIGHTS_PROGRAMS, sample_program
+from jaxrl4llm.sampling.continuous import continuous_program
+from jaxrl4llm.sampling.decode_loop import WEIGHTS_PROGRAMS
 from tests.sampling.conftest import PAD, load_family, random_prompts, with_dtype
 
 
@@ -109,7 +110,7 @@ def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
     kwargs = dict(num_samples=3, max_new_tokens=33, temperature=0.7, eos_token_ids=[5], pad_token_id=PAD,
                   kv_block_size=16)
     first = generate(graphdef, state, random_prompts(2), rng=jax.random.key(7), **kwargs)
-    compiled = sample_program._cache_size(), sum(f._cache_size() for f in WEIGHTS_PROGRAMS.values())
+    compiled = continuous_program._cache_size(), sum(f._cache_size() for f in WEIGHTS_PROGRAMS.values())
     again = generate(graphdef, state, random_prompts(2), rng=jax.random.key(7), **kwargs)
     for a, b in zip(first, again):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -118,7 +119,7 @@ def test_same_seed_same_rollout_and_known_bucket_does_not_recompile(qwen3):
     # new prompts: 3 prompts of other lengths land in the same (16-token, 4-prompt) bucket
     new = generate(graphdef, state, random_prompts(9, lengths=(12, 2, 16)), rng=jax.random.key(7), **kwargs)
     assert new.response_tokens.shape == (9, 33)
-    assert (sample_program._cache_size(), sum(f._cache_size() for f in WEIGHTS_PROGRAMS.values())) == compiled, \
+    assert (continuous_program._cache_size(), sum(f._cache_size() for f in WEIGHTS_PROGRAMS.values())) == compiled, \
         "a known bucket recompiled the sampler"
 
 
@@ -190,7 +191,7 @@ def test_chunked_rollout_equals_one_call(qwen3):
     _, _, graphdef, state = qwen3
     prompts = random_prompts(5, lengths=(7, 3, 12, 5, 9))
     kwargs = dict(num_samples=2, max_new_tokens=10, temperature=0.9, top_k=20, eos_token_ids=[5], pad_token_id=PAD,
-                  rng=jax.random.key(11), kv_block_size=16)
+                  rng=jax.random.key(11), kv_block_size=16, engine="static")
     whole = generate(graphdef, state, prompts, **kwargs)
     for chunk in (2, 4):  # 3 chunks of 2 (the last one padded) and 4 + 1
         parts = generate(graphdef, state, prompts, prompts_per_chunk=chunk, **kwargs)

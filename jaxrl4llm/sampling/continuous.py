@@ -1,0 +1,373 @@
+"""The continuous sampler: S slots over a paged KV cache, refilled from a queue of prompts, in one jit.
+
+    while rows remain:                                  (one lax.while_loop)
+        retire finished slots (their pages back to the pool)
+        give each free slot the next waiting row         (in row order; a prompt is prefilled at the
+                                                          prompt bucket when its first row is admitted)
+        run up to `burst` decode steps over the S slots  (each slot: its own row, length, position)
+
+Row n answers prompt n // G and draws its uniforms from (rng, n) (`filters.row_uniforms`), so it
+samples what the static engine (`decode_loop.sample_program`) samples for row n, whichever slot
+runs it and when; tokens and log-probs are written by row id into the same `ProgramOutput`.
+
+A prompt's KV is prefilled once into pool pages that its G rows read (`paged_cache`), and the
+first tokens of all G rows are drawn then (its later rows, admitted when slots free up, start
+from them); the prompt's pages go back when its last row finishes. A slot writes its own tokens' KV into pages taken as
+it grows and attends over its live pages only. With a mesh, the rows are split into D
+data-parallel shards (contiguous prompt ranges, as the static engine splits them), each with its
+own slots, pool and queue; weights and KV heads are split over "tensor".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, _lm_head, prefill_kv
+from jaxrl4llm.models.layers.decoder import decoder_layer
+from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.sampling.decode_loop import ProgramOutput
+from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
+from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
+                                            kernel_paged_attention, paged_attention, pool_pages, pop_pages,
+                                            push_pages, write_tokens)
+
+PAGE_SIZE = 16
+PAGES_PER_CHUNK = 8
+BURST = 16
+
+
+class Slots(NamedTuple):
+    """Per shard and slot [D, S]: row (local row id, -1 = none), entry (its prompt's entry), length
+    (response tokens so far), token (the last one), live (still decoding), held (holds pages:
+    live, or finished and not yet retired); pages [D, S, Rp] its response pages."""
+
+    row: jax.Array
+    entry: jax.Array
+    length: jax.Array
+    token: jax.Array
+    live: jax.Array
+    held: jax.Array
+    pages: jax.Array
+
+
+class Entries(NamedTuple):
+    """Prompts in the pool, per shard [D, Q]: pages [D, Q, Tp], length (real prompt tokens), refs
+    (its rows not yet retired: admitted or waiting); of_prompt [D, Pd] the entry of each prompt."""
+
+    pages: jax.Array
+    length: jax.Array
+    refs: jax.Array
+    of_prompt: jax.Array
+
+
+class Outputs(NamedTuple):
+    """Per shard and local row: tokens, logprobs, logprobs_untruncated [D, N_d, R]; length, eos_seen [D, N_d]."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    logprobs_untruncated: jax.Array
+    length: jax.Array
+    eos_seen: jax.Array
+
+
+class EngineState(NamedTuple):
+    slots: Slots
+    entries: Entries
+    free: FreePages
+    next_row: jax.Array  # [D] the shard's next waiting row (local index)
+    pool: list  # L arrays [D, pages, page, 2 KVH, Dh] (`paged_cache`)
+    out: Outputs
+
+
+def _take(a, idx):
+    """Per shard a[d][idx[d]]: a [D, X, ...], idx [D, ...] int32 (clipped) -> [D, ..., ...]."""
+    return jax.vmap(lambda x, i: x[jnp.clip(i, 0, x.shape[0] - 1)])(a, idx)
+
+
+def _put(a, idx, value):
+    """Per shard a[d][idx[d]] = value[d]; out-of-range idx (e.g. -1 mapped to X) is dropped."""
+    size = a.shape[1]
+    idx = jnp.where((idx >= 0) & (idx < size), idx, size)
+    return jax.vmap(lambda x, i, v: x.at[i].set(v.astype(x.dtype), mode="drop"))(a, idx, value)
+
+
+def _put2(a, i, j, value):
+    """Per shard a[d][i[d], j[d]] = value[d] (i out of range: dropped)."""
+    size = a.shape[1]
+    i = jnp.where((i >= 0) & (i < size), i, size)
+    return jax.vmap(lambda x, r, c, v: x.at[r, c].set(v.astype(x.dtype), mode="drop"))(a, i, j, value)
+
+
+def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id) -> tuple[Outputs, jax.Array]:
+    """Write the sample of each live slot at (row, column): rows, column, live [D, S]. Returns (out, is_eos)."""
+    token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
+    is_eos = jnp.any(token[..., None] == eos_ids, axis=-1) & live
+    rows = jnp.where(live, rows, -1)
+    out = Outputs(
+        tokens=_put2(out.tokens, rows, column, token),
+        logprobs=_put2(out.logprobs, rows, column, sample.logprob),
+        logprobs_untruncated=_put2(out.logprobs_untruncated, rows, column, sample.logprob_untruncated),
+        length=_put(out.length, rows, column + 1),
+        eos_seen=_put(out.eos_seen, rows, is_eos),
+    )
+    return out, is_eos
+
+
+def _retire(state: EngineState, page_size: int) -> EngineState:
+    """Finished slots (held, not live) give back their response pages; prompts without rows their pages."""
+    slots, entries = state.slots, state.entries
+    done = slots.held & ~slots.live
+    # own pages taken: the prompt's partial last page (copied at admission) and tokens 0..length-2 fed back
+    prompt_len = _take(entries.length, slots.entry)
+    used = -(-(prompt_len % page_size + slots.length - 1) // page_size)
+    rp = slots.pages.shape[-1]
+    release = done[..., None] & (jnp.arange(rp) < used[..., None])
+    d, s = done.shape
+    free = push_pages(state.free, slots.pages.reshape(d, -1), release.reshape(d, -1))
+    q = entries.refs.shape[1]
+    drop = jax.vmap(lambda e, m: jnp.zeros((q,), jnp.int32).at[jnp.where(m, e, q)].add(1, mode="drop"))(slots.entry, done)
+    refs = entries.refs - drop
+    gone = (entries.refs > 0) & (refs == 0)
+    tp = entries.pages.shape[-1]
+    prompt_used = -(-entries.length // page_size)
+    release = gone[..., None] & (jnp.arange(tp) < prompt_used[..., None])
+    free = push_pages(free, entries.pages.reshape(d, -1), release.reshape(d, -1))
+    return state._replace(slots=slots._replace(held=slots.held & ~done), entries=entries._replace(refs=refs), free=free)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "backend",
+                     "use_kernels", "num_shards", "slots", "page_size", "pages_per_chunk", "burst", "prefill_prompts",
+                     "attention"),
+)
+def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
+                       pad_id, row_budget, *, config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int,
+                       use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
+                       num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
+                       pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
+                       prefill_prompts: int = 1, attention: str = "xla") -> ProgramOutput:
+    """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
+
+    Args (beyond sample_program's):
+      row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
+        unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
+      num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
+      slots: S, rows decoded at once over all shards (a multiple of D).
+      page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
+      burst: decode steps between two refills; prefill_prompts: A, prompts per shard prefilled at once.
+      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel" (the TPU ragged
+        paged attention kernel, `paged_cache.kernel_paged_attention`; TPU only).
+    Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
+    """
+    g, r = num_samples, max_new_tokens
+    num_prompts, t = prompt_tokens.shape
+    d = num_shards
+    pd, sd = num_prompts // d, slots // d
+    nd = pd * g
+    if num_prompts % d or slots % d:
+        raise ValueError(f"continuous sampler: {num_prompts} prompts and {slots} slots must split over {d} shards")
+    kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    cache_dtype = jnp.dtype(config.dtype)
+    dtype = jnp.dtype(config.dtype)
+    tp = -(-t // page_size)
+    rp = -(-(page_size - 1 + max(r - 1, 1)) // page_size)  # own pages: a partial prompt page + R-1 tokens
+    width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
+    q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
+    num_pages = pool_pages(sd, q, tp, rp)
+    a = prefill_prompts
+    b = backend
+    batch_axes, tensor_axis = (), None
+    if b.mesh is not None:
+        rules = dict(b.rules)
+        axes = rules["batch"]
+        batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
+        tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
+    rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+    shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
+    tokens_d, mask_d = shard(prompt_tokens), shard(prompt_mask.astype(jnp.int32))  # [D, Pd, T]
+    num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
+    budget = shard(jnp.minimum(row_budget.astype(jnp.int32), r))  # [D, Nd]
+    uniforms = None if greedy else shard(row_uniforms(rng, first_row, num_prompts * g, r))  # [D, Nd, R]
+    sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
+
+    def draw(logits, rows, column):
+        """Sample [D, M] slots: logits [D, M, V]; row uniforms at (rows, column)."""
+        m = rows.shape[1]
+        u = None if greedy else _take(uniforms, rows)  # [D, M, R]
+        u = None if greedy else jnp.take_along_axis(u, jnp.broadcast_to(column, (d, m))[..., None], axis=2)
+        flat = sample(logits.reshape(d * m, -1), None, uniform=None if greedy else u.reshape(d * m, 1))
+        return jax.tree.map(lambda x: x.reshape(d, m), flat)
+
+    def prefill_round(i, state: EngineState, first_prompt, count) -> EngineState:
+        """Prefill prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
+        their KV into fresh pages, an entry each, and the first tokens of all their G rows."""
+        en, out = state.entries, state.out
+        k = i * a + jnp.arange(a, dtype=jnp.int32)[None, :]  # [1, A]
+        valid = k < count[:, None]  # [D, A]
+        prompt = jnp.minimum(first_prompt[:, None] + k, pd - 1)
+        toks, msk = _take(tokens_d, prompt), _take(mask_d, prompt)  # [D, A, T]
+        logits, ks, vs = prefill_kv(weights, config, rows_c(toks.reshape(d * a, t)), rows_c(msk.reshape(d * a, t)),
+                                    backend=b, cache_dtype=cache_dtype)
+        length = jnp.sum(msk, axis=-1)  # [D, A]
+        need = valid[..., None] & (jnp.arange(tp) < -(-length // page_size)[..., None])  # [D, A, Tp]
+        free, ids = pop_pages(state.free, need.reshape(d, -1))
+        ids = ids.reshape(d, a, tp)
+        pos = jnp.arange(tp * page_size)  # logical prompt token i sits at padded position T - L + i
+        real = valid[..., None] & (pos < length[..., None])  # [D, A, Tp*page]
+        src = jnp.clip(t - length[..., None] + pos, 0, t - 1)
+        dst = jnp.where(real, jnp.take_along_axis(ids, jnp.broadcast_to(pos // page_size, real.shape), 2), TRASH_PAGE)
+        offset = jnp.broadcast_to(pos % page_size, real.shape)
+
+        def real_tokens(x):  # x [D*A, T, KVH, Dh] -> the prompts' real tokens [D, A*Tp*page, KVH, Dh]
+            return jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2).reshape(d, -1, kvh, dh)
+
+        pool = [write_tokens(p, dst.reshape(d, -1), offset.reshape(d, -1), real_tokens(k), real_tokens(v), cache_dtype)
+                for p, k, v in zip(state.pool, ks, vs)]
+        # the i-th new prompt takes the i-th free entry
+        free_entry = en.refs == 0
+        rank = jnp.cumsum(free_entry, axis=1, dtype=jnp.int32) - 1
+        nth_free = jax.vmap(lambda fe, r: jnp.zeros((q,), jnp.int32).at[jnp.where(fe, r, q)].set(
+            jnp.arange(q, dtype=jnp.int32), mode="drop"))(free_entry, rank)  # [D, Q]
+        entry = jnp.where(valid, jnp.take_along_axis(nth_free, jnp.broadcast_to(jnp.arange(a), valid.shape), 1), -1)
+        en = Entries(_put(en.pages, entry, ids), _put(en.length, entry, length),
+                     _put(en.refs, entry, jnp.full(entry.shape, g, jnp.int32)),
+                     _put(en.of_prompt, jnp.where(valid, prompt, -1), entry))
+        # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
+        rows = jnp.where(valid[..., None], prompt[..., None] * g + jnp.arange(g), -1).reshape(d, a * g)
+        first = draw(jnp.repeat(logits.reshape(d, a, -1), g, axis=1), jnp.maximum(rows, 0), jnp.zeros((), jnp.int32))
+        out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, eos_ids, pad_id)
+        return state._replace(entries=en, free=free, pool=pool, out=out)
+
+    def admit(state: EngineState) -> EngineState:
+        """Retire finished slots, then give each free slot the next waiting row (in row order),
+        prefilling the prompts whose first row is admitted, A at a time."""
+        state = _retire(state, page_size)
+        sl = state.slots
+        free_slot = ~sl.held
+        count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), num_real * g - state.next_row)  # [D]
+        first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
+        new_prompts = -(-(state.next_row + count) // g) - first_prompt
+        rounds = -(-jnp.max(new_prompts) // a)
+        state = jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts), state)
+        out, en = state.out, state.entries
+        rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
+        mine = free_slot & (rank < count[:, None])  # [D, S]
+        row = jnp.where(mine, state.next_row[:, None] + rank, -1)
+        at = jnp.maximum(row, 0)
+        token = jnp.take_along_axis(out.tokens[:, :, 0], at, axis=1)
+        done = _take(out.eos_seen, at) | (_take(budget, at) <= 1)
+        entry = jnp.where(mine, _take(en.of_prompt, at // g), sl.entry)
+        # the prompt's partial last page is copied into the slot's first own page (its tokens then
+        # continue there: a slot's tokens stay contiguous, and shared pages are never written)
+        prompt_len = _take(en.length, entry)
+        partial = mine & (prompt_len % page_size != 0)
+        free, copy = pop_pages(state.free, partial)
+        source = jnp.where(partial, jnp.take_along_axis(_take(en.pages, entry), (prompt_len // page_size)[..., None]
+                                                        .clip(0, tp - 1), axis=2)[..., 0], TRASH_PAGE)
+        pages = jnp.where(partial[..., None] & (jnp.arange(rp) == 0), copy[..., None], sl.pages)
+        sl = Slots(row=jnp.where(mine, row, sl.row), entry=entry,
+                   length=jnp.where(mine, 1, sl.length), token=jnp.where(mine, token, sl.token),
+                   live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=pages)
+        return state._replace(slots=sl, next_row=state.next_row + count, free=free,
+                              pool=[copy_pages(p, copy, source) for p in state.pool])
+
+    def step(state: EngineState) -> EngineState:
+        """One decode step of every live slot: feed its last token, sample the next."""
+        sl, en = state.slots, state.entries
+        j = sl.length - 1  # response index of the token fed back
+        prompt_len = _take(en.length, sl.entry)  # [D, S]
+        shared = prompt_len // page_size  # the prompt's full pages, read in place
+        own = prompt_len % page_size + j  # index of the fed token among the slot's own pages' tokens
+        need = sl.live & (own % page_size == 0)
+        free, new = pop_pages(state.free, need)
+        slot_ids = jnp.where(need, jnp.arange(sd, dtype=jnp.int32)[None], -1)
+        own_page = jnp.clip(own // page_size, 0, rp - 1)
+        pages = _put2(sl.pages, slot_ids, own_page, new)
+        write_page = jnp.where(sl.live, jnp.take_along_axis(pages, own_page[..., None], axis=2)[..., 0], TRASH_PAGE)
+        write_offset = jnp.where(sl.live, own % page_size, 0)
+        # a slot's tokens are contiguous over its logical pages: the prompt's full pages, then its own
+        logical = jnp.broadcast_to(jnp.arange(width)[None, None], (d, sd, width))
+        in_prompt = logical < shared[..., None]
+        from_prompt = jnp.take_along_axis(_take(en.pages, sl.entry), jnp.clip(logical, 0, tp - 1), axis=2)
+        from_own = jnp.take_along_axis(pages, jnp.clip(logical - shared[..., None], 0, rp - 1), axis=2)
+        table = jnp.where(in_prompt, from_prompt, from_own)
+        kv_len = jnp.where(sl.live, prompt_len + sl.length, 0)  # the fed token included
+        counts = jnp.clip(kv_len[..., None] - logical * page_size, 0, page_size)
+        num_chunks = -(-jnp.max(-(-kv_len // page_size)) // pages_per_chunk)
+
+        cos, sin = rope_tables(config, rows_c((prompt_len + j).reshape(d * sd, 1)))
+        x = b.embed(weights["embed"], rows_c(sl.token.reshape(d * sd, 1)))  # [M, 1, D]
+        pools = []
+        for i, p in enumerate(weights["layers"]):
+            def attend(q, k, v, i=i):
+                pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
+                                    v.reshape(d, sd, kvh, dh), cache_dtype)
+                pool = b.constrain(pool, POOL_AXES)
+                q = q.reshape(d, sd, kvh, hg, dh)
+                if attention == "kernel":
+                    out = kernel_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
+                                                 tensor_axis=tensor_axis)
+                else:
+                    out = paged_attention(q, pool, table, counts, num_chunks, pages_per_chunk=pages_per_chunk,
+                                          dtype=dtype, value_dtype=cache_dtype)
+                return out.reshape(d * sd, 1, kvh * hg, dh), pool
+
+            x, pool = decoder_layer(FusedLayer(p, config, b), x, cos, sin, attend)
+            pools.append(pool)
+        logits = _lm_head(weights, config, b, x[:, 0]).reshape(d, sd, -1)
+        drawn = draw(logits, jnp.maximum(sl.row, 0), sl.length)
+        out, is_eos = _record(state.out, sl.row, sl.length, drawn, sl.live, eos_ids, pad_id)
+        length = sl.length + sl.live.astype(jnp.int32)
+        done = is_eos | (length >= _take(budget, jnp.maximum(sl.row, 0)))
+        sl = sl._replace(length=length, token=jnp.where(sl.live, drawn.tokens, sl.token), live=sl.live & ~done,
+                         pages=pages)
+        return state._replace(slots=sl, free=free, pool=pools, out=out)
+
+    def burst_loop(state: EngineState) -> EngineState:
+        state = admit(state)
+        cond = lambda c: (c[0] < burst) & jnp.any(c[1].slots.live)
+        body = lambda c: (c[0] + 1, step(c[1]))
+        return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+    zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
+    bits = isinstance(b, CpuBackend) and attention == "xla"
+    pool = lambda: b.constrain(empty_pool((d, num_pages, page_size, 2 * kvh, dh), cache_dtype, bits=bits), POOL_AXES)
+    state = EngineState(
+        slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),
+                    token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool), held=zeros((d, sd), bool),
+                    pages=zeros((d, sd, rp), jnp.int32)),
+        entries=Entries(zeros((d, q, tp), jnp.int32), zeros((d, q), jnp.int32), zeros((d, q), jnp.int32),
+                        zeros((d, pd), jnp.int32)),
+        free=empty_free_pages(d, num_pages),
+        next_row=jnp.zeros((d,), jnp.int32),
+        pool=[pool() for _ in range(config.num_layers)],
+        out=Outputs(zeros((d, nd, r), jnp.int32) + pad_id, zeros((d, nd, r), jnp.float32),
+                    zeros((d, nd, r), jnp.float32), zeros((d, nd), jnp.int32), zeros((d, nd), bool)),
+    )
+    more = lambda s: jnp.any(s.slots.live) | jnp.any(s.next_row < num_real * g)
+    state = jax.lax.while_loop(more, burst_loop, state)
+
+    out = state.out
+    unshard = lambda x: rows_c(x.reshape((d * nd,) + x.shape[2:]))
+    length = unshard(out.length)
+    steps = jnp.arange(r, dtype=jnp.int32)
+    return ProgramOutput(
+        prompt_tokens=rows_c(jnp.repeat(prompt_tokens, g, axis=0)),
+        prompt_mask=rows_c(jnp.repeat(prompt_mask, g, axis=0).astype(jnp.float32)),
+        response_tokens=unshard(out.tokens),
+        response_mask=(steps[None, :] < length[:, None]).astype(jnp.float32),
+        logprobs=unshard(out.logprobs),
+        logprobs_untruncated=unshard(out.logprobs_untruncated),
+        lengths=length,
+        truncated=~unshard(out.eos_seen),
+    )

@@ -1,0 +1,115 @@
+"""The continuous engine (slots over a paged KV cache) gives the static engine's rows, row for row."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxrl4llm.sampling import generate
+from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
+                                            push_pages, write_tokens)
+from tests.sampling.conftest import PAD, random_prompts
+
+
+def assert_same_rows(got, expected):
+    for name in ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(expected, name)), err_msg=name)
+    for name in ("logprobs", "logprobs_untruncated"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(expected, name)), atol=1e-5,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["sampled_eos_budgets", "greedy"])
+def test_continuous_engine_gives_the_static_rows(qwen3, mode):
+    """5 prompts x 3 samples on 4 slots (slots are refilled, a prompt's rows start at different
+    times), pages of 4 tokens, bursts of 3 steps:
+    the same tokens, lengths, truncation and log-probs as the static engine. Sampled: top-k, top-p,
+    an EOS and per-row budgets (rows stopping at different lengths); greedy: no EOS, every row runs R."""
+    _, _, graphdef, state = qwen3
+    prompts = random_prompts(6, lengths=(7, 3, 12, 5, 9))
+    r, g = 21, 3
+    kwargs = dict(num_samples=g, max_new_tokens=r, pad_token_id=PAD, rng=jax.random.key(5))
+    if mode == "greedy":
+        kwargs.update(greedy=True, eos_token_ids=[])
+    else:
+        budgets = np.random.default_rng(0).integers(1, r + 1, len(prompts) * g)
+        kwargs.update(temperature=0.9, top_k=20, top_p=0.95, eos_token_ids=list(range(5, 96, 9)), row_max_new_tokens=budgets)
+    static = generate(graphdef, state, prompts, engine="static", **kwargs)
+    continuous = generate(graphdef, state, prompts, engine="continuous", slots=4, kv_page_size=4, decode_burst=3,
+                          **kwargs)
+    assert_same_rows(continuous, static)
+    lengths = np.asarray(static.lengths)
+    if mode == "greedy":
+        assert np.all(lengths == r) and np.all(np.asarray(static.truncated))
+    else:  # rows end at an EOS, at their budget, and at different lengths
+        assert np.all(lengths <= budgets) and len(set(lengths.tolist())) > 5
+        assert (~np.asarray(static.truncated)).any() and (lengths == budgets).any()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=12))
+def test_free_pages_never_hand_out_a_page_twice(ops):
+    """Pops and pushes on the free stack: live pages stay distinct, never the trash page, and
+    every page comes back."""
+    free = empty_free_pages(1, 10)
+    held = []
+    for n, give_back in ops:
+        n = min(n, int(free.top[0]))
+        free, ids = pop_pages(free, jnp.arange(4)[None] < n)
+        got = np.asarray(ids[0, :n]).tolist()
+        assert 0 not in got and not set(got) & set(held)
+        held += got
+        if give_back and held:
+            back, held = held[: len(held) // 2 + 1], held[len(held) // 2 + 1:]
+            free = push_pages(free, jnp.asarray(back, jnp.int32)[None], jnp.ones((1, len(back)), bool))
+    free = push_pages(free, jnp.asarray(held or [0], jnp.int32)[None], jnp.asarray([bool(held)])[None].repeat(
+        max(len(held), 1), axis=1))
+    assert int(free.top[0]) == 9 and sorted(np.asarray(free.stack[0, :9]).tolist()) == list(range(1, 10))
+
+
+def test_paged_attention_equals_softmax_and_the_ragged_kernel_reference():
+    """Slots whose tokens lie contiguously over scattered pages (different lengths, one chunk more
+    than the longest needs): the chunked attention equals a dense softmax over the same keys, and
+    `ref_ragged_paged_attention` (the TPU kernel's shipped reference) on the same pool and tables."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    rng = np.random.default_rng(0)
+    d, s, kvh, hg, dh, page, pages = 2, 3, 2, 2, 8, 4, 20
+    pool = jnp.asarray(rng.normal(size=(d, pages, page, 2 * kvh, dh)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(d, s, kvh, hg, dh)), jnp.float32)
+    lengths = np.array([[1, 9, 16], [5, 12, 3]], np.int32)
+    width = 6  # logical pages per slot, 3 chunks of 2
+    table = np.stack([np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(s)]) for _ in range(d)])
+    table = table.astype(np.int32)
+    counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
+    got = np.asarray(paged_attention(q, pool, jnp.asarray(table), jnp.asarray(counts), jnp.int32(3),
+                                     pages_per_chunk=2, dtype=jnp.float32))
+    for i in range(d):
+        for j in range(s):
+            tokens = np.asarray(pool)[i, table[i, j]].reshape(-1, kvh, 2, dh)[: lengths[i, j]]  # [n, KVH, k|v, Dh]
+            scores = np.einsum("khe,nke->khn", np.asarray(q)[i, j], tokens[:, :, 0]) / np.sqrt(dh)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            np.testing.assert_allclose(got[i, j], np.einsum("khn,nke->khe", probs, tokens[:, :, 1]), atol=1e-5)
+        ref = ref_ragged_paged_attention(q[i].reshape(s, kvh * hg, dh), pool[i], jnp.asarray(lengths[i]),
+                                         jnp.asarray(table[i]), jnp.arange(s + 1, dtype=jnp.int32),
+                                         jnp.array([s], jnp.int32), sm_scale=dh**-0.5)
+        np.testing.assert_allclose(got[i], np.asarray(ref).reshape(s, kvh, hg, dh), atol=1e-5)
+    # a write lands in its page and offset only, keys and values interleaved by head
+    k, v = jnp.full((d, 2, kvh, dh), 7.0), jnp.full((d, 2, kvh, dh), 9.0)
+    written = write_tokens(pool, jnp.asarray([[3, 0], [5, 0]]), jnp.asarray([[2, 0], [1, 0]]), k, v)
+    assert float(written[0, 3, 2, 0, 0]) == 7 and float(written[1, 5, 1, 3, 5]) == 9
+    assert int(jnp.sum(written != pool)) <= 4 * 2 * kvh * dh
+
+
+def test_the_ragged_kernel_call_traces():
+    """The TPU kernel does not run on CPU, but its call traces: shapes and arguments as the engine
+    passes them (explicit block sizes: the tuned table needs a TPU)."""
+    shape = lambda s, t: jax.ShapeDtypeStruct(s, t)
+    blocks = dict(num_kv_pages_per_block=8, num_queries_per_block=8, vmem_limit_bytes=32 * 2**20)
+    out = jax.eval_shape(lambda *a: kernel_paged_attention(*a, block_sizes=blocks),
+                         shape((1, 8, 2, 4, 128), jnp.float32), shape((1, 64, 16, 4, 128), jnp.bfloat16),
+                         shape((1, 8, 16), jnp.int32), shape((1, 8), jnp.int32))
+    assert out.shape == (1, 8, 2, 4, 128) and out.dtype == jnp.float32
