@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm.train.step import TrainBatch
+from jaxrl4llm.train.train_batch import TrainBatch
 
 # a packed row holds at most this many sequences (the loss view has c slots per row)
 SEQUENCES_PER_ROW = 8

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import chex
 import jax
@@ -39,33 +39,10 @@ from jaxrl4llm.core import LossTerms, Recipe, policy_loss
 from jaxrl4llm.core.aggregation import ROW_SUM_MODES
 from jaxrl4llm.core.surrogate import clip_flags
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
+from jaxrl4llm.train.packing import scatter_slots, unpack_micro
+from jaxrl4llm.train.train_batch import TrainBatch
 
 LogprobFn = Callable[..., tuple[chex.Array, chex.Array]]
-
-
-class TrainBatch(NamedTuple):
-    """A rollout batch laid out for teacher forcing; rows are responses, L = prompt + response - 1.
-
-    input_tokens [B, L] int32: tokens fed to the model (prompt + response, minus the last).
-    targets [B, L] int32: the next token at every position.
-    positions [B, L] int32: position ids (0 at each row's first real token).
-    attention_mask [B, L]: 1 on real (non-padding) tokens.
-    loss_mask [B, L] float32: 1 where the target is a counted response token.
-    old_logp, ref_logp, sampler_logp [B, L] float32: behaviour, reference, sampler log-probs.
-    advantages, row_weights, denominator_weights [B] float32: from core.compute_advantages.
-    """
-
-    input_tokens: chex.Array
-    targets: chex.Array
-    positions: chex.Array
-    attention_mask: chex.Array
-    loss_mask: chex.Array
-    old_logp: chex.Array
-    ref_logp: chex.Array
-    sampler_logp: chex.Array
-    advantages: chex.Array
-    row_weights: chex.Array
-    denominator_weights: chex.Array
 
 
 @chex.dataclass
@@ -299,8 +276,6 @@ def make_update_fn(
     def packed_micro_step(params, frozen, mb, key=None, loss_key=None):
         """micro_step on one packed micro-batch (train/packing.py): the model on its [RR, S]
         rows, the loss on their per-sequence view."""
-        from jaxrl4llm.train.packing import scatter_slots, unpack_micro
-
         lay = s.packing
         fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
 

@@ -74,10 +74,12 @@ def test_tpu_loops_are_counted_from_their_condition():
 
 
 @pytest.fixture(scope="module")
-def plans(plan):
-    """The tiny run (2 layers, 4 prompts) and one with 8 layers and 8 prompts (twice the micro-batches)."""
-    small = with_lengths(plan, "fixed")
-    big = plan_run(load_config(None, TINY + ["model.num_layers=8", "rollout.prompts_per_step=8"]), "v5e:2x2",
+def plans():
+    """The tiny run with padded trainer rows (2 layers, 4 prompts) and one with 8 layers and 8
+    prompts (twice the micro-batches)."""
+    padded = TINY + ["trainer.packing=false"]  # [P + R - 1] positions a row: the meter's scaling is exact there
+    small = plan_run(load_config(None, padded), "v5e:2x2", lengths="fixed")
+    big = plan_run(load_config(None, padded + ["model.num_layers=8", "rollout.prompts_per_step=8"]), "v5e:2x2",
                    lengths="fixed")
     return small, big
 
@@ -94,7 +96,8 @@ def test_layers_and_micro_batches_scale_the_trainer_programs(plans):
         s, b = _program(small, name), _program(big, name)
         assert b.flops == pytest.approx(8 * s.flops, rel=0.1), name
         for p in (s, b):
-            assert p.flops == pytest.approx(p.model_flops, rel=0.2), (name, p.flops, p.model_flops)
+            # XLA's count (the attention kernel's blocks, T padded to the kernel's block, are added apart)
+            assert p.flops - p.kernel_flops == pytest.approx(p.model_flops, rel=0.2), (name, p.flops, p.model_flops)
             assert p.once_counted_flops < 0.6 * p.flops  # the layer and micro-batch loops count once there
 
 
@@ -161,7 +164,7 @@ def test_plan_for_this_cpu_measures_the_machine_and_adds_compute_and_memory():
     """`--topology cpu`: the same programs compiled for this machine, priced at its matmul peak and
     memory bandwidth measured now; compute and memory add up (XLA:CPU runs one op at a time).
     benchmarks/plan_accuracy.py checks the prediction against the measured 48M step."""
-    plan = plan_run(load_config(None, TINY + ["mesh.fsdp=1"]), "cpu", lengths="fixed:40")
+    plan = plan_run(load_config(None, TINY + ["mesh.fsdp=1", "trainer.packing=false"]), "cpu", lengths="fixed:40")
     assert plan.chip.peak_flops > 1e9 and plan.chip.hbm_bandwidth > 1e8 and not plan.chip.overlap
     for p in plan.programs:
         assert p.fits and p.seconds == pytest.approx(p.compute_seconds + p.memory_seconds)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.models import ModelConfig, abstract_model, param_shardings, score_tokens
 from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.plan.programs import format_plan, per_chip_bytes, plan_run, topology_mesh
+from jaxrl4llm.plan.programs import format_plan, per_chip_bytes, plan_run, topology_mesh, with_lengths
 
 from tests.plan.conftest import TINY  # noqa: E402
 
@@ -37,6 +37,9 @@ def test_trainer_programs_run_packed_rows_with_the_splash_kernel(plan):
         assert 0 < program.kernel_flops < program.flops
     text = format_plan(plan)
     assert "packed rows (trainer.packing)" in text and "the splash kernel" in text
+    # packed programs follow the lengths (re-priced, no compile): longer responses, more micro-batches
+    short, long = (next(p for p in with_lengths(plan, f"fixed:{n}").programs if p.name == "update") for n in (1, 64))
+    assert short.seconds < long.seconds
 
 
 def test_analytic_arguments_equal_xla_arguments(plan):
