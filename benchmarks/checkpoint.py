@@ -25,32 +25,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from jaxrl4llm.core import LITE_PPO  # noqa: E402
-from jaxrl4llm.models import ModelConfig, init_model, score_tokens  # noqa: E402
 from jaxrl4llm.train.checkpointing import RunCheckpointer  # noqa: E402
-from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_optimizer, make_update_fn  # noqa: E402
-from train_step import SIZES  # noqa: E402
+from train_step import SIZES, setup as train_step_setup  # noqa: E402
 
 
 def setup(size: str, rows: int, seq: int):
     """(update, initial state, batch) of the --size model: train_step.py's update at [rows, seq]."""
-    cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32", **SIZES[size])
-    graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
-    logprob_fn = lambda p, x, y, pos, m: score_tokens(graphdef, p, x, y, positions=pos, attention_mask=m,
-                                                      chunk_size=min(seq, 256))
-    rng = np.random.default_rng(0)
-    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, seq + 1)), jnp.int32)
-    ones = jnp.ones((rows, seq), jnp.float32)
-    batch = TrainBatch(tok[:, :-1], tok[:, 1:], jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
-                       jnp.ones((rows, seq), jnp.int32), ones, -ones, -ones, -ones,
-                       jnp.asarray(rng.standard_normal(rows), jnp.float32), jnp.ones(rows), jnp.ones(rows))
-    opt, sched = make_optimizer(lr=1e-6)
-    update = jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=LITE_PPO, optimizer=opt, schedule=sched,
-                                    settings=UpdateSettings()), donate_argnums=(0,))
-    return update, init_train_state(params, opt), batch
+    _, update, state, batch = train_step_setup(size, rows, seq)
+    return update, state, batch
 
 
 def run_loop(update, state, batch, folder: Path, *, steps: int, every: int, blocking: bool) -> dict:

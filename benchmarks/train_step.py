@@ -45,7 +45,9 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6 * matmul_params + 6 * attention
 
 
-def bench(name: str, rows: int, seq: int, micro: int, reps: int) -> dict:
+def setup(name: str, rows: int, seq: int, micro: int = 1):
+    """(model config, jitted Lite PPO update, initial state, batch) of the `name` model at [rows, seq]
+    random tokens, every position scored; benchmarks/checkpoint.py uses it too."""
     cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32", **SIZES[name])
     graphdef, params = init_model(cfg, jax.random.PRNGKey(0))
     logprob_fn = lambda p, x, y, pos, m: score_tokens(graphdef, p, x, y, positions=pos, attention_mask=m,
@@ -59,7 +61,11 @@ def bench(name: str, rows: int, seq: int, micro: int, reps: int) -> dict:
     opt, sched = make_optimizer(lr=1e-6)
     update = jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=LITE_PPO, optimizer=opt, schedule=sched,
                                     settings=UpdateSettings(micro_batches=micro)), donate_argnums=(0,))
-    state = init_train_state(params, opt)
+    return cfg, update, init_train_state(params, opt), batch
+
+
+def bench(name: str, rows: int, seq: int, micro: int, reps: int) -> dict:
+    cfg, update, state, batch = setup(name, rows, seq, micro)
     t = time.perf_counter()
     state, m, _ = update(state, batch)
     jax.block_until_ready(m)
