@@ -54,13 +54,28 @@ class RunCheckpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict) -> float:
+    def save(self, step: int, state: Any, meta: dict, pending: dict | None = None) -> float:
         """Starts writing checkpoint `step` and returns the seconds the caller was blocked: the
         wait for the previous save, if still writing, and the copy of `state` to host memory
-        (after which its device buffers may be donated). The write goes on in the background."""
+        (after which its device buffers may be donated). The write goes on in the background.
+        pending: {name: np.ndarray} saved beside the state (an asynchronous run's rollouts in
+        flight, `train.rollout_pipeline.pending_to_host`), read back by `restore_pending`."""
         t0 = time.perf_counter()
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if pending:
+            items["pending"] = ocp.args.StandardSave(pending)
+        self._mngr.save(step, args=ocp.args.Composite(**items))
         return time.perf_counter() - t0
+
+    def restore_pending(self, step: int) -> dict:
+        """The `pending` arrays saved with checkpoint `step` ({} when it has none), as np.ndarrays."""
+        if not (self.dir / str(step) / "pending").exists():
+            return {}
+        try:
+            return dict(self._mngr.restore(step, args=ocp.args.Composite(pending=ocp.args.StandardRestore()))["pending"])
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step} at {self.dir / str(step)}: its rollouts in flight (pending/) "
+                                  f"cannot be read ({_cause(e)}); resume from an earlier step or delete this one.") from None
 
     def wait(self) -> None:
         """Returns when the save in flight (if any) is committed."""

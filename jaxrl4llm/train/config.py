@@ -235,6 +235,11 @@ class TrainerConfig:
     # (or $JAXRL4LLM_COMPILE_CACHE), off (or false), or a folder (a shared one on a pod); a resume
     # loads its programs instead of compiling them.
     compile_cache: bool | str = "auto"
+    # Asynchronous RL (train/rollout_pipeline.py, docs/training.md "Asynchronous RL"): the rollout
+    # of step t is sampled by the policy of step t - k (k policy versions old) while the updates in
+    # between run; 0 = the synchronous loop (every rollout from the current policy). The sampler
+    # runs on its own devices with mesh.sampler_devices, else on the training devices.
+    max_staleness: int = 0
 
 
 @dataclasses.dataclass
@@ -245,6 +250,10 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     topology: str | None = None  # the TPU slice the mesh is sized for (`jaxrl4llm plan`'s default)
+    # Devices of each process given to the sampler alone (trainer.max_staleness >= 1: rollouts and
+    # updates run at the same time): a count, or a fraction (0.5 = half) of the devices; the
+    # data/fsdp/tensor axes then shape the remaining ones. 0 = the sampler uses the training devices.
+    sampler_devices: float = 0
 
 
 @dataclasses.dataclass
@@ -451,6 +460,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.eval_samples": _POSITIVE, "trainer.eval_temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "trainer.checkpoint_every": (lambda v: v >= 0, ">= 0 (0 = off)"), "trainer.keep_checkpoints": _POSITIVE,
     "trainer.clipped_tokens_every": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "trainer.max_staleness": (lambda v: v >= 0, ">= 0 (0 = synchronous)"),
+    "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.tensor": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),

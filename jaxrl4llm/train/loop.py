@@ -29,11 +29,13 @@ from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
-from jaxrl4llm.train.policy import Policy, load_policy
+from jaxrl4llm.train.policy import Policy, load_policy, sampler_mesh_for
 from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
+from jaxrl4llm.train.rollout_pipeline import (PendingRollout, onto_mesh, pending_from_host, pending_to_host,
+                                              sampling_version, split_devices, staleness_metrics)
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
@@ -103,9 +105,26 @@ def mesh_dims(data: int, fsdp: int, tensor: int, n: int, where: str = "devices")
 
 
 def _mesh(cfg: RunConfig):
+    return _meshes(cfg)[0]
+
+
+def _meshes(cfg: RunConfig):
+    """(training mesh, the sampler's own (n, 1, 1) mesh or None): `mesh.sampler_devices` of each
+    process's devices go to the sampler (trainer.max_staleness >= 1), data/fsdp/tensor shape the rest."""
     from jaxrl4llm.models import make_mesh
 
-    return make_mesh(*mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, jax.device_count()))
+    if cfg.mesh.sampler_devices and not cfg.trainer.max_staleness:
+        raise ConfigError(f"mesh.sampler_devices={cfg.mesh.sampler_devices} gives the sampler devices of its own, which "
+                          f"idle while the update runs unless rollouts run ahead: set trainer.max_staleness >= 1 "
+                          f"(asynchronous RL), or mesh.sampler_devices=0.")
+    try:
+        trainer, sampler = split_devices(jax.devices(), cfg.mesh.sampler_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    mesh = make_mesh(*mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer),
+                                "devices left to train on" if sampler else "devices"),
+                     devices=trainer if sampler else None)
+    return mesh, (make_mesh(len(sampler), 1, 1, devices=sampler) if sampler else None)
 
 
 def _in_mesh(fn: Callable, mesh) -> Callable:
@@ -162,9 +181,13 @@ def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, dat
     return None
 
 
-def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe):
+def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe,
+                  on_params_read: Callable[[], None] | None = None):
     """Samples until P groups with differing rewards are found (dynamic sampling) or the draw cap
-    is reached; returns (rollout rows of P groups, rewards [P*G] on the host, stats)."""
+    is reached; returns (rollout rows of P groups, rewards [P*G] on the host, stats).
+    on_params_read: called once the sampler has read the policy's parameters for the last time
+    (after the tokens of the last possible draw), before the rewards are scored: an asynchronous
+    loop dispatches the update there, which may donate those parameters."""
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     kept: list[tuple] = []  # (rollout, index in it, rewards, prompt id)
     spare: list[tuple] = []
@@ -183,6 +206,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                                   rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len)
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
+        if on_params_read is not None and draws == max_draws:
+            on_params_read()  # no further draw reads the parameters: the update may run while rewards score
         rows = [i for i in ids for _ in range(G)]
         rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
                              [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
@@ -200,6 +225,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                     kept.append(entry)
             else:
                 spare.append(entry)
+    if on_params_read is not None and draws < max_draws:
+        on_params_read()  # enough mixed groups before the draw cap
     filled_with_constant = max(P - len(kept), 0)
     kept.extend(spare[:filled_with_constant])  # fixed shapes: constant groups get zero weight below
     merged = merge_groups([(rollout, g) for rollout, g, *_ in kept], G, policy.pad_token_id)
@@ -235,11 +262,28 @@ class Run:
     batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
     settings: UpdateSettings = UpdateSettings()  # old_logp_from_update: the update scores pi_old itself
     pack: Callable | None = None  # (TrainBatch, PackPlan) -> PackedBatch on the training mesh (trainer.packing)
+    sampler_mesh: Any = None  # the sampler's own devices (mesh.sampler_devices), or None: the training devices
+    sampler_frozen: Any = None  # the frozen base (LoRA) on sampler_mesh, moved there once
 
 
-def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, Any]:
+def sampler_policy(run: Run, state) -> Policy:
+    """The policy the sampler draws with at `state`: the state itself on the training devices; on
+    `mesh.sampler_devices` a copy of its parameters moved there (taken before the update that
+    donates them is dispatched)."""
+    if run.sampler_mesh is None:
+        return run.policy.with_state(state)
+    return dataclasses.replace(run.policy, params=onto_mesh(state.params, run.sampler_mesh), frozen=run.sampler_frozen)
+
+
+def trainer_rows(run: Run, rollout):
+    """An asynchronous run's rollout with its rows on the training mesh as the batch's are (from the
+    sampler's devices, or a checkpoint's host copy): every step reads it with the same sharding."""
+    return jax.tree.map(lambda x: jax.device_put(x, run.batch_shardings[0]), rollout)
+
+
+def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=None) -> tuple[Run, Any]:
     """The policy, data and the jitted update / log-prob programs of `cfg` on `mesh`; returns
-    (run, initial train state)."""
+    (run, initial train state). sampler_mesh: the sampler's own devices (`_meshes`), or None."""
     recipe = cfg.recipe()
     rate = cfg.rollout.retire_pass_rate
     if rate is not None and not 0.0 < rate <= 1.0:
@@ -260,6 +304,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
     reward_fn = make_reward_fn(cfg, log if hosts.is_main() else lambda line: None)
     train_set, eval_sets = load_prompt_sets(cfg)
     policy = load_policy(cfg, mesh)
+    if sampler_mesh is not None:
+        policy = dataclasses.replace(policy, decode_mesh=sampler_mesh_for(cfg, sampler_mesh, policy.config))
     optimizer, schedule = make_optimizer(
         lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
         total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
@@ -310,6 +356,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None]) -> tuple[Run, An
         batch_shardings=batch_in,
         settings=settings,
         pack=jax.jit(pack, out_shardings=update_in) if layout else None,
+        sampler_mesh=sampler_mesh,
+        sampler_frozen=None if sampler_mesh is None or policy.frozen is None else onto_mesh(policy.frozen, sampler_mesh),
     )
     return run, state
 
@@ -456,9 +504,10 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
         if resume else {}
     out = Path(cfg.trainer.out_dir)
-    run, state = setup_run(cfg, _mesh(cfg), log)
+    mesh, sampler_mesh = _meshes(cfg)
+    run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
-    start_step, cursor, retired = 0, 0, []
+    start_step, cursor, retired, pending = 0, 0, [], []
     if resume:
         abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
         restored, meta, start_step = (ckpt.restore_newest_readable(abstract, log) if unattended else
@@ -466,6 +515,8 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
         retired = meta.get("retired_prompts", [])
+        if meta.get("pending"):  # an asynchronous run's rollouts in flight (sampled by earlier policies)
+            pending = pending_from_host(ckpt.restore_pending(start_step), meta["pending"], lambda a: a)
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
         record_config_changes(out, start_step, changes)
@@ -475,7 +526,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
                            start_step=start_step, enabled=hosts.is_main())
     writer.truncate_after(start_step)
-    evaluate_at = lambda step, st: evaluate(run.policy.with_state(st), run.eval_sets, cfg, run.reward_fn,
+    evaluate_at = lambda step, st: evaluate(sampler_policy(run, st), run.eval_sets, cfg, run.reward_fn,
                                             jax.random.fold_in(run.base_key, 10**9 + step))
 
     eval_before = logged_eval(out, 0) if start_step > 0 else None  # a resumed run's, from before its first step
@@ -484,16 +535,46 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         writer.write(0, {f"eval/{k}": v for k, v in eval_before.items()}, advance=False)
 
     history = []
+    k = cfg.trainer.max_staleness
+    draw = lambda t, policy, on_params_read=None: PendingRollout(t, sampling_version(t, k, start_step), *sample_groups(
+        policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t), run.reward_fn, run.recipe,
+        on_params_read))
     for step in range(start_step, cfg.trainer.steps):
         t_step = time.perf_counter()
-        rollout, rewards, sample_stats = sample_groups(run.policy.with_state(state), run.train_set, stream, cfg,
-                                                       jax.random.fold_in(run.base_key, step), run.reward_fn, run.recipe)
-        t_update = time.perf_counter()
-        batch, adv = build_batch(run, state, rollout, rewards)
-        state, metrics, clipped = run.update(state, batch)
+        if k == 0:  # synchronous: this step's rollout from the current policy
+            rollout, rewards, sample_stats = sample_groups(run.policy.with_state(state), run.train_set, stream, cfg,
+                                                           jax.random.fold_in(run.base_key, step), run.reward_fn,
+                                                           run.recipe)
+            t_update = time.perf_counter()
+            batch, adv = build_batch(run, state, rollout, rewards)
+            state, metrics, clipped = run.update(state, batch)
+            staleness = {}
+        else:  # asynchronous (train/rollout_pipeline.py): train on a rollout sampled k versions ago, sample the next
+            while len(pending) < k and step + len(pending) < cfg.trainer.steps:  # a run's first rollouts
+                pending.append(draw(step + len(pending), sampler_policy(run, state)))
+            current = pending.pop(0)
+            rollout, rewards, sample_stats = trainer_rows(run, current.rollout), current.rewards, current.stats
+            updated = {}
+
+            def dispatch_update(state=state):  # asynchronous dispatch: returns before the update has run
+                if not updated:
+                    updated["t"] = time.perf_counter()
+                    batch, adv = build_batch(run, state, rollout, rewards)
+                    updated["out"] = (batch, adv, *run.update(state, batch))
+
+            if step + k < cfg.trainer.steps:
+                policy = sampler_policy(run, state)  # own devices: a copy, taken before the update donates the state
+                if run.sampler_mesh is not None:
+                    dispatch_update()  # the update runs on its devices while the sampler runs on its own
+                pending.append(draw(step + k, policy, dispatch_update))  # shared devices: rewards score during the update
+            dispatch_update()
+            t_update = updated["t"]
+            batch, adv, state, metrics, clipped = updated["out"]
+            staleness = staleness_metrics(np.full(rollout.num_rows, current.version), hosts.fetch(rollout.response_mask),
+                                          step, k)
         record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
         t_end = time.perf_counter()
-        record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats,
+        record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,
                       tokens_per_second=(record["response_length"] * rollout.num_rows + record.pop("prompt_tokens"))
                       / (t_end - t_step))
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
@@ -503,9 +584,11 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         if hosts.is_main():
             write_lengths(out, step + 1, *lengths)
         history.append(record)
-        save = lambda: ckpt.save(step + 1, state.replace(frozen=None), {  # asynchronous: the next step starts at once
-            "data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
-            "retired_prompts": sorted(stream.retired)})
+        def save():  # asynchronous: the next step starts at once
+            arrays, in_flight = pending_to_host(pending, hosts.fetch)  # rollouts sampled for the steps ahead
+            ckpt.save(step + 1, state.replace(frozen=None), {
+                "data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
+                "retired_prompts": sorted(stream.retired), "pending": in_flight}, pending=arrays)
         checkpoint_now = cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0
         if checkpoint_now:
             save()

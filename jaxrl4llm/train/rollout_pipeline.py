@@ -1,0 +1,135 @@
+"""Asynchronous RL with a staleness bound: rollouts sampled k policy versions ahead of the update.
+
+With `trainer.max_staleness` = k >= 1 the loop keeps k rollouts in flight. The rollout the update of
+step t trains on was sampled by policy version v(t) (the parameters after v updates):
+
+    v(t) = max(t - k, start)        lag(t) = t - v(t) <= k      (start: the step a run or resume began at)
+
+so while update t runs, the sampler draws the rollout of step t + k from the parameters update t
+starts from. The schedule is fixed, not "whatever the sampler has ready": a run is reproducible,
+its rollout t uses the same prompts and random numbers (fold_in(seed, t)) as the synchronous run,
+and k = 0 is the synchronous loop itself. verl's one-step-off-policy trainer is k = 1; the
+fully asynchronous trainers (verl `staleness_threshold`, ROLL `async_generation_ratio`, AReaL
+`max_head_offpolicyness`, NeMo-RL `max_trajectory_age_steps`, TRL `max_staleness`) bound the same lag.
+
+The objective for such rows (docs/objectives.md, "Off-policy rows"): the trainer recomputes
+pi_old = pi_{theta_t} (the proximal policy of decoupled PPO, AReaL arXiv 2505.24298) and the PPO
+ratio is taken against it; the behaviour policy's log-probs (the sampler's, version v) enter through
+`algorithm.overrides.is_correction` (core/mismatch.py) as pi_old / pi_behaviour per token.
+
+Rows are never dropped for age: the schedule bounds every row's lag by k by construction (there are
+no partial rollouts: a row is sampled by one version from its first token to its last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl4llm.sampling.rollout import Rollout
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    """A rollout sampled ahead of its update: for training step `step`, by policy `version`.
+
+    rollout: the Rollout (N rows); rewards [N] on the host; stats: the sampling figures of
+    `loop.sample_groups` (times, draws, ...), logged with the step that trains on it.
+    """
+
+    step: int
+    version: int
+    rollout: Any
+    rewards: np.ndarray
+    stats: dict
+
+
+def sampling_version(step: int, max_staleness: int, start: int) -> int:
+    """v(t) = max(t - k, start): the policy version whose parameters sample step t's rollout."""
+    return max(step - max_staleness, start)
+
+
+def staleness_metrics(row_versions: np.ndarray, response_mask: np.ndarray, step: int, max_staleness: int) -> dict:
+    """Policy lag of the tokens a step trains on: lag = step - version of the row that holds them.
+
+    row_versions [N] int; response_mask [N, R] (1 on trained tokens). Returns staleness_mean
+    (token-weighted), staleness_max (over rows with tokens) and staleness_tokens_lag_j for
+    j = 0..k: the share of tokens j versions old.
+    """
+    lag = step - np.asarray(row_versions, np.int64)
+    if np.any(lag < 0) or np.any(lag > max_staleness):
+        raise ValueError(f"rows of versions {sorted(set(row_versions.tolist()))} trained at step {step}: lag outside "
+                         f"[0, {max_staleness}]")
+    tokens = np.asarray(response_mask, np.float64).sum(axis=-1)
+    total = max(tokens.sum(), 1.0)
+    out = {"staleness_mean": float((lag * tokens).sum() / total),
+           "staleness_max": int(lag[tokens > 0].max()) if np.any(tokens > 0) else 0}
+    for j in range(max_staleness + 1):
+        out[f"staleness_tokens_lag_{j}"] = float(tokens[lag == j].sum() / total)
+    return out
+
+
+def split_devices(devices: list, sampler_devices: float, process_of=lambda d: d.process_index) -> tuple[list, list]:
+    """(trainer devices, sampler devices) of `mesh.sampler_devices`: of each process's devices, the
+    first n go to the sampler, n = sampler_devices (a count) or round(fraction x local devices) for
+    a value in (0, 1); every process keeps devices on both sides (both programs span all
+    processes, as multi-controller JAX needs). 0 -> (devices, [])."""
+    if not sampler_devices:
+        return list(devices), []
+    by_process: dict[int, list] = {}
+    for d in devices:
+        by_process.setdefault(process_of(d), []).append(d)
+    local = min(len(v) for v in by_process.values())
+    n = int(round(sampler_devices * local)) if sampler_devices < 1 else int(sampler_devices)
+    if sampler_devices != int(sampler_devices) and sampler_devices > 1:
+        raise ValueError(f"mesh.sampler_devices={sampler_devices}: a count of devices (an integer) or a fraction "
+                         f"in (0, 1)")
+    if not 1 <= n < local:
+        raise ValueError(f"mesh.sampler_devices={sampler_devices} gives the sampler {n} of the {local} devices of each "
+                         f"process; it needs at least 1 and must leave at least 1 to train on (0 = share the devices)")
+    trainer, sampler = [], []
+    for p in sorted(by_process):
+        sampler += by_process[p][:n]
+        trainer += by_process[p][n:]
+    return trainer, sampler
+
+
+def onto_mesh(tree, mesh):
+    """Each array of `tree` moved to `mesh` with its own PartitionSpec (a cross-device copy when
+    the meshes hold different devices: the weights the sampler reads after an update)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def move(x):
+        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(move, tree)
+
+
+_ROLLOUT_FIELDS = Rollout._fields
+
+
+def pending_to_host(pending: list[PendingRollout], fetch) -> tuple[dict, list[dict]]:
+    """(arrays, metadata) of the rollouts in flight, what a checkpoint keeps of them: arrays
+    {"i/field": np.ndarray} (whole values, fetched to this host), metadata [{step, version, stats}]."""
+    arrays, meta = {}, []
+    for i, p in enumerate(pending):
+        for name in _ROLLOUT_FIELDS:
+            arrays[f"{i}/{name}"] = fetch(getattr(p.rollout, name))
+        arrays[f"{i}/rewards"] = np.asarray(p.rewards)
+        meta.append({"step": p.step, "version": p.version, "stats": p.stats})
+    return arrays, meta
+
+
+def pending_from_host(arrays: dict, meta: list[dict], place) -> list[PendingRollout]:
+    """Inverse of `pending_to_host`; place: np.ndarray -> the array the loop uses (e.g. on the
+    sampler's mesh)."""
+    out = []
+    for i, m in enumerate(meta):
+        rollout = Rollout(*(place(np.asarray(arrays[f"{i}/{name}"])) for name in _ROLLOUT_FIELDS))
+        out.append(PendingRollout(int(m["step"]), int(m["version"]), rollout, np.asarray(arrays[f"{i}/rewards"]),
+                                  dict(m["stats"])))
+    return out
