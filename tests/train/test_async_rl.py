@@ -108,3 +108,19 @@ def test_a_preempted_asynchronous_run_resumes_exactly_with_its_rollouts_in_fligh
             assert a[key] == b[key], key
     for x, y in zip(jax.tree.leaves(full["state"].params), jax.tree.leaves(resumed["state"].params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_sampler_on_devices_of_its_own_gives_the_shared_run():
+    """tests/train/async_split_main.py, in a subprocess with 8 simulated devices (4 sample, 4 train)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("async_split_main.py"))], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "OK async split" in proc.stdout
