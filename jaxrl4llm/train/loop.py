@@ -536,6 +536,10 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
 
     history = []
     k = cfg.trainer.max_staleness
+    if k and not run.recipe.uses_sampler_logp and cfg.trainer.old_logp_source == "recompute":
+        log(f"trainer.max_staleness={k}: rows up to {k} policy versions old, and no algorithm.overrides.is_correction "
+            f"weighs them by pi_old / pi_behaviour (decoupled PPO, docs/objectives.md: e.g. is_correction=mis_token, "
+            f"is_cap=5); the update treats them as on-policy.")
     draw = lambda t, policy, on_params_read=None: PendingRollout(t, sampling_version(t, k, start_step), *sample_groups(
         policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t), run.reward_fn, run.recipe,
         on_params_read))
