@@ -6,7 +6,7 @@ SPEC_JSON: {"process_id", "num_processes", "port", "devices" (per process), "ass
 demo_assets paths), "out_dir", "steps", "resume", "result" (where process 0 writes the
 history and final parameters), "hold" (seconds to sleep after each step: the kill and SIGTERM
 tests), "watch" (run under preemption.watch, as `jaxrl4llm train` does: a SIGTERM'd run writes
-{"preempted": step} to the result and exits 75)}.
+{"preempted": step} to the result and exits 75), "staleness" (trainer.max_staleness, default 0)}.
 """
 
 import json
@@ -40,7 +40,7 @@ def overrides() -> list[str]:
         "model.num_heads": 2, "model.num_kv_heads": 2, "rollout.prompts_per_step": 4, "trainer.mini_batches": 2,
         "trainer.micro_batch_size": 8, "mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1,
         "rollout.tensor_parallel": 2, "trainer.steps": spec["steps"], "trainer.checkpoint_every": 2,
-        "trainer.eval_every": 2, "trainer.export_hf": True})
+        "trainer.eval_every": 2, "trainer.export_hf": True, "trainer.max_staleness": spec.get("staleness", 0)})
 
 
 def main() -> int:

@@ -25,14 +25,14 @@ def free_port() -> int:
 
 
 def launch(assets, out_dir, result, *, processes: int, steps: int, resume: bool = False, hold: float = 0.0,
-           watch: bool = False):
+           watch: bool = False, staleness: int = 0):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
     procs = []  # each process logs to a file: a full pipe would block it inside a collective
     for pid in range(processes):
         spec = dict(process_id=pid, num_processes=processes, port=port, devices=8 // processes,
                     assets={k: str(v) for k, v in assets.items()}, out_dir=str(out_dir), steps=steps, resume=resume,
-                    result=str(result), hold=hold, watch=watch)
+                    result=str(result), hold=hold, watch=watch, staleness=staleness)
         log = open(f"{result}_{pid}.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "tests.train.multihost_main", json.dumps(spec)], cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -65,22 +65,25 @@ def load(result):
     return summary, [arrays[str(i)] for i in range(len(arrays.files))]
 
 
-NUMBERS = ("loss", "grad_norm", "reward", "entropy", "response_length", "approx_kl", "advantage_std")
+NUMBERS = ("loss", "grad_norm", "reward", "entropy", "response_length", "approx_kl", "advantage_std", "staleness_mean")
 
 
 @pytest.fixture(scope="module")
 def runs(demo_assets, tmp_path_factory):
-    """1 x 8 and 2 x 4 run 3 steps (checkpoint at 2), and 2 x 4 resumes a copy of its step-2 checkpoint."""
+    """1 x 8 and 2 x 4 run 3 steps (checkpoint at 2), and 2 x 4 resumes a copy of its step-2 checkpoint;
+    asynchronously (trainer.max_staleness=1): the step-2 checkpoint holds step 3's rollout, sampled
+    by the step-2 policy (the synchronous loop is the same code with no rollout in flight)."""
     root = tmp_path_factory.mktemp("multihost")
-    one = launch(demo_assets, root / "one", root / "one_result", processes=1, steps=3)
+    one = launch(demo_assets, root / "one", root / "one_result", processes=1, steps=3, staleness=1)
     finish(one)
-    two = launch(demo_assets, root / "two", root / "two_result", processes=2, steps=3)
+    two = launch(demo_assets, root / "two", root / "two_result", processes=2, steps=3, staleness=1)
     finish(two)
     import shutil
 
     shutil.copytree(root / "two", root / "resumed")  # its latest checkpoint: step 2
     (root / "resumed" / "metrics.jsonl").write_text("")
-    resumed = launch(demo_assets, root / "resumed", root / "resumed_result", processes=2, steps=3, resume=True)
+    resumed = launch(demo_assets, root / "resumed", root / "resumed_result", processes=2, steps=3, resume=True,
+                     staleness=1)
     finish(resumed)
     return root
 
