@@ -281,6 +281,29 @@ def trainer_rows(run: Run, rollout):
     return jax.tree.map(lambda x: jax.device_put(x, run.batch_shardings[0]), rollout)
 
 
+def update_while_sampling(run: Run, state, rollout, rewards, sample_next: Callable | None):
+    """An asynchronous step's update of `state` on (rollout, rewards), overlapped with
+    sample_next(policy, on_params_read) drawing a later step's rollout from the same `state`:
+    on the sampler's own devices the update is dispatched first (the sampler reads a copy of the
+    parameters); on shared devices once the sampler has read the parameters for the last time, so
+    the rewards score while it runs. Returns (dispatch time, (batch, adv, state, metrics, clipped))."""
+    updated = {}
+
+    def dispatch():  # asynchronous dispatch: returns before the update has run
+        if not updated:
+            updated["t"] = time.perf_counter()
+            batch, adv = build_batch(run, state, rollout, rewards)
+            updated["out"] = (batch, adv, *run.update(state, batch))
+
+    if sample_next is not None:
+        policy = sampler_policy(run, state)  # own devices: a copy, taken before the update donates the state
+        if run.sampler_mesh is not None:
+            dispatch()
+        sample_next(policy, dispatch)
+    dispatch()
+    return updated["t"], updated["out"]
+
+
 def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=None) -> tuple[Run, Any]:
     """The policy, data and the jitted update / log-prob programs of `cfg` on `mesh`; returns
     (run, initial train state). sampler_mesh: the sampler's own devices (`_meshes`), or None."""
@@ -558,22 +581,10 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
                 pending.append(draw(step + len(pending), sampler_policy(run, state)))
             current = pending.pop(0)
             rollout, rewards, sample_stats = trainer_rows(run, current.rollout), current.rewards, current.stats
-            updated = {}
-
-            def dispatch_update(state=state):  # asynchronous dispatch: returns before the update has run
-                if not updated:
-                    updated["t"] = time.perf_counter()
-                    batch, adv = build_batch(run, state, rollout, rewards)
-                    updated["out"] = (batch, adv, *run.update(state, batch))
-
-            if step + k < cfg.trainer.steps:
-                policy = sampler_policy(run, state)  # own devices: a copy, taken before the update donates the state
-                if run.sampler_mesh is not None:
-                    dispatch_update()  # the update runs on its devices while the sampler runs on its own
-                pending.append(draw(step + k, policy, dispatch_update))  # shared devices: rewards score during the update
-            dispatch_update()
-            t_update = updated["t"]
-            batch, adv, state, metrics, clipped = updated["out"]
+            sample_next = (lambda policy, dispatch: pending.append(draw(step + k, policy, dispatch))) \
+                if step + k < cfg.trainer.steps else None
+            t_update, (batch, adv, state, metrics, clipped) = update_while_sampling(run, state, rollout, rewards,
+                                                                                    sample_next)
             staleness = staleness_metrics(np.full(rollout.num_rows, current.version), hosts.fetch(rollout.response_mask),
                                           step, k)
         record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
