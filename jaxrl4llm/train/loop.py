@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
+from jaxrl4llm.models import param_shardings
 from jaxrl4llm.storage import is_remote
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import batch_program, merge_groups
@@ -34,7 +35,7 @@ from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_r
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
-from jaxrl4llm.train.rollout_pipeline import (PendingRollout, onto_mesh, pending_from_host, pending_to_host,
+from jaxrl4llm.train.rollout_pipeline import (PendingRollout, pending_from_host, pending_to_host, sampler_base_mesh,
                                               sampling_version, split_devices, staleness_metrics)
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
@@ -124,7 +125,7 @@ def _meshes(cfg: RunConfig):
     mesh = make_mesh(*mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer),
                                 "devices left to train on" if sampler else "devices"),
                      devices=trainer if sampler else None)
-    return mesh, (make_mesh(len(sampler), 1, 1, devices=sampler) if sampler else None)
+    return mesh, (sampler_base_mesh(sampler) if sampler else None)
 
 
 def _in_mesh(fn: Callable, mesh) -> Callable:
@@ -263,6 +264,7 @@ class Run:
     settings: UpdateSettings = UpdateSettings()  # old_logp_from_update: the update scores pi_old itself
     pack: Callable | None = None  # (TrainBatch, PackPlan) -> PackedBatch on the training mesh (trainer.packing)
     sampler_mesh: Any = None  # the sampler's own devices (mesh.sampler_devices), or None: the training devices
+    sampler_params: Any = None  # the trainable parameters' shardings on sampler_mesh (fsdp over its devices)
     sampler_frozen: Any = None  # the frozen base (LoRA) on sampler_mesh, moved there once
 
 
@@ -272,7 +274,8 @@ def sampler_policy(run: Run, state) -> Policy:
     donates them is dispatched)."""
     if run.sampler_mesh is None:
         return run.policy.with_state(state)
-    return dataclasses.replace(run.policy, params=onto_mesh(state.params, run.sampler_mesh), frozen=run.sampler_frozen)
+    return dataclasses.replace(run.policy, params=jax.device_put(state.params, run.sampler_params),
+                               frozen=run.sampler_frozen)
 
 
 def trainer_rows(run: Run, rollout):
@@ -380,7 +383,9 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         settings=settings,
         pack=jax.jit(pack, out_shardings=update_in) if layout else None,
         sampler_mesh=sampler_mesh,
-        sampler_frozen=None if sampler_mesh is None or policy.frozen is None else onto_mesh(policy.frozen, sampler_mesh),
+        sampler_params=None if sampler_mesh is None else param_shardings(policy.params, sampler_mesh),
+        sampler_frozen=None if sampler_mesh is None or policy.frozen is None else
+        jax.device_put(policy.frozen, param_shardings(policy.frozen, sampler_mesh)),
     )
     return run, state
 

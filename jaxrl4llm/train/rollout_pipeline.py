@@ -76,7 +76,8 @@ def split_devices(devices: list, sampler_devices: float, process_of=lambda d: d.
     """(trainer devices, sampler devices) of `mesh.sampler_devices`: of each process's devices, the
     first n go to the sampler, n = sampler_devices (a count) or round(fraction x local devices) for
     a value in (0, 1); every process keeps devices on both sides (both programs span all
-    processes, as multi-controller JAX needs). 0 -> (devices, [])."""
+    processes, as multi-controller JAX needs). 0 -> (devices, []). Works on TPU topology
+    descriptions too (`plan`): their devices carry their host's process_index."""
     if not sampler_devices:
         return list(devices), []
     by_process: dict[int, list] = {}
@@ -97,16 +98,13 @@ def split_devices(devices: list, sampler_devices: float, process_of=lambda d: d.
     return trainer, sampler
 
 
-def onto_mesh(tree, mesh):
-    """Each array of `tree` moved to `mesh` with its own PartitionSpec (a cross-device copy when
-    the meshes hold different devices: the weights the sampler reads after an update)."""
-    from jax.sharding import NamedSharding, PartitionSpec
+def sampler_base_mesh(devices: list):
+    """The sampler's own devices as a (data 1, fsdp n, tensor 1) mesh: parameters copied there
+    are sharded over all n the way the trainer shards them over fsdp (each device receives 1/n of
+    them), and `sampling.decode_mesh` regroups the devices for decoding as on a shared mesh."""
+    from jaxrl4llm.models import make_mesh
 
-    def move(x):
-        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return jax.tree.map(move, tree)
+    return make_mesh(1, len(devices), 1, devices=devices)
 
 
 _ROLLOUT_FIELDS = Rollout._fields
