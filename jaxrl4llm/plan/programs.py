@@ -85,6 +85,27 @@ def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
     return Mesh(np.array(devices).reshape(dims), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 
 
+def topology_meshes(topology: str, cfg: RunConfig) -> tuple[Mesh, Mesh | None]:
+    """(training mesh, the sampler's own mesh or None) over a topology's chips, as the loop splits
+    devices (`mesh.sampler_devices` of every host to the sampler, `train.rollout_pipeline`)."""
+    if not cfg.mesh.sampler_devices:
+        return topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), None
+    from jaxrl4llm.train.loop import mesh_dims
+    from jaxrl4llm.train.rollout_pipeline import split_devices
+
+    if not cfg.trainer.max_staleness:
+        raise ConfigError(f"mesh.sampler_devices={cfg.mesh.sampler_devices} needs trainer.max_staleness >= 1 "
+                          f"(the sampler's own chips idle during the update otherwise).")
+    try:
+        trainer, sampler = split_devices(topology_devices(topology), cfg.mesh.sampler_devices)
+    except ValueError as e:
+        raise ConfigError(f"{e} (on {topology}: {len(topology_devices(topology))} chips)") from None
+    dims = mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer), f"chips of {topology} left to train on")
+    axes, types = ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3
+    return (Mesh(np.array(trainer).reshape(dims), axes, axis_types=types),
+            Mesh(np.array(sampler).reshape(1, len(sampler), 1), axes, axis_types=types))
+
+
 def plan_model_config(cfg: RunConfig):
     """The ModelConfig a run would train: `model.path`'s config.json when it exists, else the
     size fields of the `model` section (the shipped model configs carry them, so a plan needs
@@ -273,8 +294,21 @@ class RunPlan:
 
     @property
     def step_seconds(self) -> float:
-        """One RL step: every program times how often the step runs it."""
-        return sum(p.seconds * p.runs for p in self.programs)
+        """One RL step: every program times how often the step runs it; with the sampler on chips
+        of its own (asynchronous RL) the sampler's and the trainer's programs run at the same time:
+        the slower side plus the copy of the new parameters to the sampler's chips."""
+        total = lambda ps: sum(p.seconds * p.runs for p in ps)
+        if not self.sampler.get("own_chips"):
+            return total(self.programs)
+        sampling = total(p for p in self.programs if p.name.startswith("sampler/"))
+        training = total(p for p in self.programs if not p.name.startswith("sampler/"))
+        return max(sampling, training) + self.sampler["weight_copy_seconds"]
+
+    @property
+    def side_seconds(self) -> dict:
+        """Seconds a step spends on the sampler's programs and on the trainer's."""
+        side = lambda sampler: sum(p.seconds * p.runs for p in self.programs if p.name.startswith("sampler/") == sampler)
+        return {"sampler": side(True), "trainer": side(False)}
 
     def share(self, p: ProgramPlan) -> float:
         return p.seconds * p.runs / self.step_seconds if self.step_seconds else 0.0
@@ -320,7 +354,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                           "or set mesh.topology.")
     lengths = parse_lengths(lengths, cfg.rollout.max_new_tokens) if not isinstance(lengths, LengthDistribution) \
         else lengths  # parsed first: a bad --response-lengths fails before minutes of compiles
-    mesh = topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh, own_sampler = topology_meshes(topology, cfg)  # own_sampler: asynchronous RL on chips of its own
+    smesh = own_sampler or mesh
     chip = chip_spec(topology)
     config = plan_model_config(cfg)
     g_samples = cfg.rollout.samples_per_prompt
@@ -348,12 +383,15 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     state_sh = train_state_shardings(p_shard, optimizer, abstract, mesh)
     train_state = _with_shardings(jax.eval_shape(lambda p: init_train_state(p, optimizer), abstract), state_sh)
     state_bytes = per_chip_bytes(train_state)  # stays in HBM while the sampler runs
+    sampler_params = params if own_sampler is None else _with_shardings(abstract, param_shardings(abstract, own_sampler))
+    # what waits in a sampler chip's HBM while it decodes: the train state, or on chips of its own the parameters' copy
+    sampler_resident = state_bytes if own_sampler is None else per_chip_bytes(sampler_params)
 
     # -- sampler: on its own mesh (rollout.tensor_parallel), one chunk of prompts at a time
     from jaxrl4llm.sampling.memory import decode_memory, decode_sizing, prompts_per_chunk, weights_program_memory
     from jaxrl4llm.train.policy import sampler_mesh_for
 
-    dmesh = sampler_mesh_for(cfg, mesh, config) or mesh
+    dmesh = sampler_mesh_for(cfg, smesh, config) or smesh
     sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
     ddp, dtp, block, embed_dtype = (sizing[k] for k in ("data_parallel", "tensor_parallel", "block_size", "embed_dtype"))
     # the backend the run would pick (on CPU: the XLA path; the C++ kernels are custom calls XLA cannot cost)
@@ -364,16 +402,17 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                           f"KV heads; set rollout.tensor_parallel to a divisor of {config.num_kv_heads}.")
     chunk = cfg.rollout.prompts_per_chunk
     if chunk == "auto":
-        chunk = prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing)
+        chunk = prompts_per_chunk(config, 0.85 * chip.hbm - sampler_resident, prompts=prompts, **sizing)
     chunk = min(chunk or prompts, prompts)
     num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=ddp)
-    build_weights = weights_jit(graphdef, params, config=config, backend=backend)
-    with jax.set_mesh(mesh):
-        weights_abstract = jax.eval_shape(build_weights, params)
+    build_weights = weights_jit(graphdef, sampler_params, config=config, backend=backend)
+    with jax.set_mesh(smesh):
+        weights_abstract = jax.eval_shape(build_weights, sampler_params)
     kv_rows = num_prompts * g_samples
-    plan_w, compiled_w = _compile("sampler/weights", lambda: build_weights.lower(params),
-        weights_program_memory(config, param_bytes=param_bytes, tensor_parallel=dtp, embed_dtype=embed_dtype),
-        0.0, mesh, log)
+    plan_w, compiled_w = _compile("sampler/weights", lambda: build_weights.lower(sampler_params),
+        weights_program_memory(config, param_bytes=per_chip_bytes(sampler_params), tensor_parallel=dtp,
+                               embed_dtype=embed_dtype),
+        0.0, smesh, log)
     programs.append(plan_w)
     price(plan_w, compiled_w)
     if compiled_w is not None:
@@ -398,7 +437,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             decode = dict(block=block, kv_rows=kv_rows, rows_per_chunk=min(chunk, prompts) * g_samples,
                           num_prompts=num_prompts)
     sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
-                   fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
+                   fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - sampler_resident, prompts=prompts, **sizing))
 
     # -- trainer programs
     b_sh = batch_shardings(mesh)
@@ -475,9 +514,15 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     price(plan_u, compiled_u)
     programs.append(plan_u)
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
-        p.resident_bytes = {"sampler/decode": state_bytes, "update": 0}.get(p.name, state_bytes - param_bytes)
+        p.resident_bytes = {"sampler/decode": sampler_resident, "update": 0}.get(p.name, state_bytes - param_bytes)
+        if own_sampler is not None and p.name == "sampler/weights":
+            p.resident_bytes = 0  # its argument is the parameters' copy itself
+    if own_sampler is not None:  # asynchronous RL on chips of its own: what the step's overlap costs
+        sampler.update(own_chips=own_sampler.size, trainer_chips=mesh.size, max_staleness=cfg.trainer.max_staleness,
+                       weight_copy_bytes=per_chip_bytes(sampler_params),
+                       weight_copy_seconds=per_chip_bytes(sampler_params) / chip.ici_bandwidth)
     plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
-                   chips=mesh.size, decode=decode, trainer_positions=tokens, packing=layout, attention_kernel=kernel,
+                   chips=mesh.size + (own_sampler.size if own_sampler is not None else 0), decode=decode, trainer_positions=tokens, packing=layout, attention_kernel=kernel,
                    trainer_hlo_flops={"logprob pass": 2 * config.num_params / mesh.size,
                                       "update": 6 * config.num_params * cfg.trainer.ppo_epochs / mesh.size})
     return with_lengths(plan, lengths, prompt_tokens)
@@ -608,6 +653,13 @@ def format_plan(plan: RunPlan) -> str:
         lines.append(f"sampler: decode mesh data {sm['data_parallel']} x tensor {sm['tensor_parallel']} "
                      f"(rollout.tensor_parallel), {sm['prompts_per_chunk']} prompts per chunk x {sm['chunks']} "
                      f"(rollout.prompts_per_chunk; the largest that fits by our count: {sm['fitting_chunk']})")
+    if sm.get("own_chips"):
+        side = plan.side_seconds
+        lines.append(f"asynchronous (trainer.max_staleness={sm['max_staleness']}, mesh.sampler_devices): the sampler on "
+                     f"{sm['own_chips']} chips of its own, the trainer on {sm['trainer_chips']}, at the same time: a step "
+                     f"= max(sampler {_seconds(side['sampler'])}, trainer {_seconds(side['trainer'])}) + the new "
+                     f"parameters' copy to the sampler {_seconds(sm['weight_copy_seconds'])} "
+                     f"({_gib(sm['weight_copy_bytes'])} GiB a sampler chip over its links)")
     lay = plan.packing
     if lay is not None:
         lines.append(f"trainer: packed rows (trainer.packing): micro-batches of {lay.rows_per_shard} rows x {lay.row_width} "
@@ -667,7 +719,7 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
         "chip": plan.chip._asdict(),
         "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
-        "response_len": plan.response_len, "sampler": plan.sampler,
+        "response_len": plan.response_len, "sampler": plan.sampler, "side_seconds": plan.side_seconds,
         "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
         "programs": [dict({k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"}, total_bytes=p.total_bytes, analytic_total=p.analytic_total,

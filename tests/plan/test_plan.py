@@ -138,3 +138,21 @@ def test_auto_chunk_fits_a_rollout_that_does_not_fit_at_once():
     without_blocks = decode.analytic_total - decode.analytic["blocks in flight"]
     assert without_blocks == pytest.approx(decode.total_bytes, rel=0.05)
     assert plan.sampler["fitting_chunk"] == chunk
+
+
+def test_an_asynchronous_split_compiles_each_side_on_its_chips_and_overlaps_them():
+    """mesh.sampler_devices=0.5 with trainer.max_staleness=1: the sampler's programs on 2 of the 4
+    chips, the trainer's on the other 2; a step is the slower side plus the parameters' copy."""
+    cfg = load_config(None, TINY + ["mesh.fsdp=-1", "mesh.sampler_devices=0.5", "trainer.max_staleness=1"])
+    split = plan_run(cfg, "v5e:2x2")
+    assert split.sampler["own_chips"] == 2 and split.sampler["trainer_chips"] == 2 and split.chips == 4
+    assert split.mesh == {"data": 1, "fsdp": 2, "tensor": 1} and split.fits
+    side = split.side_seconds
+    assert side["sampler"] > 0 and side["trainer"] > 0
+    assert split.step_seconds == pytest.approx(max(side.values()) + split.sampler["weight_copy_seconds"])
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_model(split.model)[1]))
+    # fsdp over the sampler's 2 chips: about half the parameters a chip (TPU tiling pads the tiny model's small dims)
+    assert params / 2 <= split.sampler["weight_copy_bytes"] < 0.75 * params
+    assert "the sampler on 2 chips of its own" in format_plan(split)
+    with pytest.raises(ConfigError, match="trainer.max_staleness >= 1"):
+        plan_run(load_config(None, TINY + ["mesh.fsdp=-1", "mesh.sampler_devices=0.5"]), "v5e:2x2")
