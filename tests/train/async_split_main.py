@@ -24,7 +24,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp())
     paths = write_demo_task(root / "data", num_train=64, num_test=8, seed=0, digits=1, ops="+", steps=1)
     assets = {"train": paths["train"], "test": paths["test"], "tokenizer": build_char_tokenizer(root / "tok")}
-    common = {"trainer.steps": 3, "trainer.max_staleness": 1, "rollout.engine": "static"}
+    common = {"trainer.steps": 3, "trainer.max_staleness": 1, "rollout.engine": "static", "trainer.eval_every": 0,
+              "data.eval_limit": 4}  # held-out accuracy sampled on the sampler's devices too
     split = load_config(None, tiny_overrides(assets, root / "split", **common, **{"mesh.sampler_devices": 4}))
     shared = load_config(None, tiny_overrides(assets, root / "shared", **common))
 
@@ -37,6 +38,7 @@ def main() -> int:
         for key in ("reward", "response_length", "staleness_mean"):
             assert x[key] == y[key], (key, x[key], y[key])
         np.testing.assert_allclose(x["loss"], y["loss"], rtol=1e-5, atol=1e-7)
+    assert a["eval_after"] == b["eval_after"] and a["eval_before"] == b["eval_before"], (a["eval_after"], b["eval_after"])
     for x, y in zip(jax.tree.leaves(a["state"].params), jax.tree.leaves(b["state"].params)):
         assert {d.id for d in x.sharding.device_set} == {d.id for d in devices[4:]}
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
