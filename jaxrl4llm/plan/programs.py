@@ -91,7 +91,7 @@ def topology_meshes(topology: str, cfg: RunConfig) -> tuple[Mesh, Mesh | None]:
     if not cfg.mesh.sampler_devices:
         return topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), None
     from jaxrl4llm.train.loop import mesh_dims
-    from jaxrl4llm.train.rollout_pipeline import split_devices
+    from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape, split_devices
 
     if not cfg.trainer.max_staleness:
         raise ConfigError(f"mesh.sampler_devices={cfg.mesh.sampler_devices} needs trainer.max_staleness >= 1 "
@@ -103,7 +103,7 @@ def topology_meshes(topology: str, cfg: RunConfig) -> tuple[Mesh, Mesh | None]:
     dims = mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer), f"chips of {topology} left to train on")
     axes, types = ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3
     return (Mesh(np.array(trainer).reshape(dims), axes, axis_types=types),
-            Mesh(np.array(sampler).reshape(1, len(sampler), 1), axes, axis_types=types))
+            Mesh(np.array(sampler).reshape(sampler_mesh_shape(len(sampler))), axes, axis_types=types))
 
 
 def plan_model_config(cfg: RunConfig):

@@ -98,13 +98,21 @@ def split_devices(devices: list, sampler_devices: float, process_of=lambda d: d.
     return trainer, sampler
 
 
+def sampler_mesh_shape(n: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of the sampler's own n devices: fsdp = the largest power of two that
+    divides n, data the rest. Parameters copied there are sharded over fsdp the way the trainer
+    shards them (model widths are powers of two times small factors: an fsdp of 2^j divides them,
+    48 would not and would leave every device a whole copy); `sampling.decode_mesh` regroups the
+    devices for decoding as on a shared mesh."""
+    fsdp = n & -n
+    return n // fsdp, fsdp, 1
+
+
 def sampler_base_mesh(devices: list):
-    """The sampler's own devices as a (data 1, fsdp n, tensor 1) mesh: parameters copied there
-    are sharded over all n the way the trainer shards them over fsdp (each device receives 1/n of
-    them), and `sampling.decode_mesh` regroups the devices for decoding as on a shared mesh."""
+    """The sampler's own devices as a (data, fsdp, 1) mesh (`sampler_mesh_shape`)."""
     from jaxrl4llm.models import make_mesh
 
-    return make_mesh(1, len(devices), 1, devices=devices)
+    return make_mesh(*sampler_mesh_shape(len(devices)), devices=devices)
 
 
 _ROLLOUT_FIELDS = Rollout._fields
