@@ -61,6 +61,20 @@ def run_path(path: str | os.PathLike) -> Any:
     return epath.Path(str(path))
 
 
+def as_path(path: str | os.PathLike) -> Any:
+    """`path` as a path object as given: a pathlib.Path (a relative path stays relative, as the
+    user wrote it in messages), or an etils epath.Path for gs://."""
+    return run_path(path) if is_remote(path) else Path(path)
+
+
+def remove(path: Any) -> None:
+    """Deletes file or folder `path` (pathlib or epath), with everything below it."""
+    if isinstance(path, Path):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    else:
+        path.rmtree() if path.is_dir() else path.unlink()
+
+
 def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) -> Path:
     """A local folder with the files of folder `path`: `path` itself when local; for gs://, a
     copy under `cache` (default `$XDG_CACHE_HOME/jaxrl4llm/gcs`, ~/.cache/jaxrl4llm/gcs) made

@@ -54,12 +54,47 @@ def test_run_path_keeps_local_paths_and_opens_gs_urls(tmp_path):
     assert storage.local_copy(tmp_path) == tmp_path  # a local folder is used in place
 
 
-def test_train_on_a_gs_out_dir_is_refused_with_the_way_on(demo_assets):
-    from jaxrl4llm.train.config import ConfigError, load_config
-    from jaxrl4llm.train.loop import train
+def _steps(lines: str) -> list[dict]:
+    return [r for r in map(json.loads, lines.splitlines()) if "loss" in r]
 
-    with pytest.raises(ConfigError, match=r"trainer.out_dir='gs://b/run': .* gcsfuse"):
-        train(load_config(None, tiny_overrides(demo_assets, "gs://b/run")))
+
+def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_path, monkeypatch):
+    """trainer.out_dir=gs://: 2 steps, then (the staging folder gone: another VM) --resume to 4;
+    the metrics equal a local 4-step run's, once each, in the bucket; the run folder's marker
+    refuses a fresh start there; the run exports."""
+    from jaxrl4llm.train.config import ConfigError, load_config
+    from jaxrl4llm.train.export import export_checkpoint
+    from jaxrl4llm.train.loop import train
+    from jaxrl4llm.train.run_files import staging_folder
+    from jaxrl4llm.train.run_folder import read_marker
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = {"trainer.checkpoint_every": 2, "trainer.compile_cache": str(tmp_path / "xla")}
+    local = tmp_path / "local"
+    train(load_config(None, tiny_overrides(demo_assets, local, **common, **{"trainer.steps": 4})), log=lambda s: None)
+
+    run = f"{bucket}/runs/train"
+    train(load_config(None, tiny_overrides(demo_assets, run, **common)), log=lambda s: None)
+    remote = storage.run_path(run)
+    assert [r["step"] for r in _steps((remote / "metrics.jsonl").read_text())] == [1, 2]
+    assert any((remote / "tb").iterdir()) and read_marker(run)["finished"]
+    import shutil
+
+    shutil.rmtree(staging_folder(run))  # the resume runs on another VM: all it has is the bucket
+    resumed = train(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.steps": 4})),
+                    resume=True, log=lambda s: None)
+    assert resumed["start_step"] == 2
+    got, want = _steps((remote / "metrics.jsonl").read_text()), _steps((local / "metrics.jsonl").read_text())
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        for k in ("loss", "grad_norm", "reward", "entropy", "response_length", "approx_kl"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    lengths = [json.loads(line)["step"] for line in (remote / "response_lengths.jsonl").read_text().splitlines()]
+    assert lengths == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="already holds a run"):  # the marker, read on gs://
+        train(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.steps": 6})))
+    out = export_checkpoint(run, tmp_path / "export")
+    assert json.loads((out / "jaxrl4llm_source.json").read_text())["step"] == 4
 
 
 def test_checkpoints_export_and_load_on_gcs(bucket, demo_assets, tmp_path, monkeypatch):
