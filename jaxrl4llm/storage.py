@@ -76,11 +76,13 @@ def remove(path: Any) -> None:
 
 
 def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) -> Path:
-    """A local folder with the files of folder `path`: `path` itself when local; for gs://, a
-    copy under `cache` (default `$XDG_CACHE_HOME/jaxrl4llm/gcs`, ~/.cache/jaxrl4llm/gcs) made
-    once (files already there with the same size are kept)."""
+    """A local copy of folder or file `path`: `path` itself when local; for gs://, a copy under
+    `cache` (default `$XDG_CACHE_HOME/jaxrl4llm/gcs`, ~/.cache/jaxrl4llm/gcs) made once (files
+    already there with the same size are kept). A gs:// path with nothing there gives a path
+    that does not exist (the caller names the setting)."""
     if not is_remote(path):
         return Path(path)
+    run_path(path)  # gcsfs installed, or the error that says how
     import fsspec
 
     fs, source = fsspec.core.url_to_fs(str(path).rstrip("/"))
@@ -91,7 +93,7 @@ def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) 
         if local.is_file() and local.stat().st_size == info["size"]:
             continue
         local.parent.mkdir(parents=True, exist_ok=True)
-        partial = local.with_name(local.name + ".partial")
+        partial = local.with_name(f"{local.name}.partial{os.getpid()}")  # processes sharing the cache
         fs.get_file(name, str(partial))
         partial.rename(local)
     return target

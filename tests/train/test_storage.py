@@ -59,7 +59,7 @@ def _steps(lines: str) -> list[dict]:
 
 
 def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_path, monkeypatch):
-    """trainer.out_dir=gs://: 2 steps, then (the staging folder gone: another VM) --resume to 4;
+    """trainer.out_dir=gs:// and gs:// data files: 2 steps, then (the staging folder gone: another VM) --resume to 4;
     the metrics equal a local 4-step run's, once each, in the bucket; the run folder's marker
     refuses a fresh start there; the run exports."""
     from jaxrl4llm.train.config import ConfigError, load_config
@@ -73,8 +73,12 @@ def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_p
     local = tmp_path / "local"
     train(load_config(None, tiny_overrides(demo_assets, local, **common, **{"trainer.steps": 4})), log=lambda s: None)
 
+    for name in ("train", "test"):  # the run on gs:// reads its data files from gs:// too
+        (storage.run_path(bucket) / "data" / f"{name}.jsonl").write_text(Path(demo_assets[name]).read_text())
+    common.update({"data.train_files": f"[{bucket}/data/train.jsonl]", "data.eval_files": f"[{bucket}/data/test.jsonl]"})
     run = f"{bucket}/runs/train"
     train(load_config(None, tiny_overrides(demo_assets, run, **common)), log=lambda s: None)
+    assert (tmp_path / "cache" / "jaxrl4llm" / "gcs" / "jaxrl4llm-test" / "data" / "train.jsonl").is_file()
     remote = storage.run_path(run)
     assert [r["step"] for r in _steps((remote / "metrics.jsonl").read_text())] == [1, 2]
     assert any((remote / "tb").iterdir()) and read_marker(run)["finished"]
@@ -95,6 +99,17 @@ def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_p
         train(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.steps": 6})))
     out = export_checkpoint(run, tmp_path / "export")
     assert json.loads((out / "jaxrl4llm_source.json").read_text())["step"] == 4
+
+
+def test_a_missing_gs_data_file_names_its_setting(bucket, demo_assets, tmp_path, monkeypatch):
+    from jaxrl4llm.train.config import ConfigError, load_config
+    from jaxrl4llm.train.prompts import load_prompt_sets
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path / "run", **{
+        "data.train_files": f"[{demo_assets['train']}]", "data.eval_files": f"[{bucket}/data/missing.jsonl]"}))
+    with pytest.raises(ConfigError, match=rf"data.eval_files\[0\]='{bucket}/data/missing.jsonl': .*does not exist"):
+        load_prompt_sets(cfg)
 
 
 def test_checkpoints_export_and_load_on_gcs(bucket, demo_assets, tmp_path, monkeypatch):
