@@ -66,7 +66,7 @@ def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_p
     from jaxrl4llm.train.export import export_checkpoint
     from jaxrl4llm.train.loop import train
     from jaxrl4llm.train.run_files import staging_folder
-    from jaxrl4llm.train.run_folder import read_marker
+    from jaxrl4llm.train.run_folder import prepare_out_dir, read_marker
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     common = {"trainer.checkpoint_every": 2, "trainer.compile_cache": str(tmp_path / "xla")}
@@ -99,6 +99,12 @@ def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_p
         train(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.steps": 6})))
     out = export_checkpoint(run, tmp_path / "export")
     assert json.loads((out / "jaxrl4llm_source.json").read_text())["step"] == 4
+    # trainer.overwrite on gs:// removes the run's outputs there (only those) and marks it anew
+    (remote / "notes.txt").write_text("kept")
+    prepare_out_dir(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.overwrite": True})),
+                    resume=False, log=lambda s: None)
+    assert sorted(p.name for p in remote.iterdir()) == [".jaxrl4llm-run", "notes.txt"]
+    assert read_marker(run)["finished"] is None
 
 
 def test_a_missing_gs_data_file_names_its_setting(bucket, demo_assets, tmp_path, monkeypatch):
