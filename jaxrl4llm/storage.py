@@ -6,9 +6,10 @@
 Both have the pathlib methods the run uses (`/`, exists, is_dir, iterdir, glob, mkdir,
 read_text, write_text, rename, open). Orbax writes checkpoints to either directly (tensorstore's
 own GCS driver); a gs:// step is complete when orbax has written its `commit_success.txt`
-(GCS has no atomic rename, so orbax commits by that file there). What needs a local folder (a
-Hugging Face model folder read by `tokenizers` and `safetensors`) is copied once into a local
-cache by `local_copy`.
+(GCS has no atomic rename, so orbax commits by that file there). What needs a local folder or
+file (a Hugging Face model folder read by `tokenizers` and `safetensors`, a data file read by
+`datasets`) is copied once into a local cache by `local_copy`. The files a run appends to are
+staged locally and copied whole (train/run_files.py).
 
 The GCS emulator (tests, CI): `STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT`, the variable
 Google's own clients read, points gcsfs at it; `use_storage_emulator` passes it on to

@@ -12,7 +12,8 @@ write, so a refused start leaves the folder (or its absence) as it was.
     --resume     a run folder with a complete checkpoint; anything else is refused.
 
 Run folders of versions before the marker are recognised by their config.json (a RunConfig's
-sections), so they can be resumed or overwritten.
+sections), so they can be resumed or overwritten. OUT may be gs://bucket/path: every check reads
+the bucket (jaxrl4llm.storage.as_path).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from tests.train.conftest import tiny_overrides  # noqa: E402
 
 
 # the fault tests (spec "light"): what they show needs two processes and checkpoints, not the
-# sharded update's structure: one mini-batch, the sampler on the training mesh, no evaluation or
-# export (fewer and smaller programs to compile: the run is up sooner)
+# update's structure: one mini-batch of padded rows, the sampler on the training mesh, no
+# evaluation or export (fewer and smaller programs to compile: the run is up sooner)
 LIGHT = {"trainer.mini_batches": 1, "trainer.micro_batch_size": "null", "rollout.tensor_parallel": 0,
          "trainer.eval_every": -1, "trainer.export_hf": False, "trainer.packing": False}
 

@@ -71,18 +71,26 @@ NUMBERS = ("loss", "grad_norm", "reward", "entropy", "response_length", "approx_
 
 
 @pytest.fixture(scope="module")
-def runs(demo_assets, tmp_path_factory):
+def xla_cache(tmp_path_factory):
+    """The module's persistent compile cache (trainer.compile_cache): a launch whose programs an
+    earlier one compiled (a resume, the fault tests after the first) loads them, as a relaunch does."""
+    return tmp_path_factory.mktemp("xla")
+
+
+@pytest.fixture(scope="module")
+def runs(demo_assets, tmp_path_factory, xla_cache):
     """1 x 8 and 2 x 4 run 3 steps (checkpoint at 2), and 2 x 4 resumes a copy of its step-2 checkpoint."""
     root = tmp_path_factory.mktemp("multihost")
     one = launch(demo_assets, root / "one", root / "one_result", processes=1, steps=3)
     finish(one)
-    two = launch(demo_assets, root / "two", root / "two_result", processes=2, steps=3)
+    two = launch(demo_assets, root / "two", root / "two_result", processes=2, steps=3, compile_cache=xla_cache)
     finish(two)
     import shutil
 
     shutil.copytree(root / "two", root / "resumed")  # its latest checkpoint: step 2
     (root / "resumed" / "metrics.jsonl").write_text("")
-    resumed = launch(demo_assets, root / "resumed", root / "resumed_result", processes=2, steps=3, resume=True)
+    resumed = launch(demo_assets, root / "resumed", root / "resumed_result", processes=2, steps=3, resume=True,
+                     compile_cache=xla_cache)
     finish(resumed)
     return root
 
@@ -127,14 +135,14 @@ def shell_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes(demo_assets, tmp_path):
+def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes(demo_assets, tmp_path, xla_cache):
     """Process 0 (the coordinator: jax.distributed's service runs in it) killed after step 3, its
     step-2 checkpoint committed: process 1 exits within 30 s, without hanging, with a status
     tpu_scripts/supervise.sh relaunches on (an abort, 134), naming the lost service; the relaunch
     of both (--resume, its programs from the compile cache) continues from the step-2 checkpoint."""
     from jaxrl4llm.train.run_folder import checkpoint_steps
 
-    light = {"light": True, "compile_cache": tmp_path / "xla"}
+    light = {"light": True, "compile_cache": xla_cache}
     procs = launch(demo_assets, tmp_path / "run", tmp_path / "result", processes=2, steps=50, hold=2.0, **light)
     try:
         deadline = time.time() + 600
@@ -199,11 +207,11 @@ def test_a_lost_peer_stops_the_survivor_within_the_heartbeat(tmp_path, lost, how
     assert any(w in text(survivor).lower() for w in LOST_SERVICE), text(survivor)[-3000:]
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step(demo_assets, tmp_path):
+def test_sigterm_to_one_process_stops_both_after_the_same_step(demo_assets, tmp_path, xla_cache):
     """SIGTERM reaches only process 1 (a maintenance event on one host): both processes finish the
     step, agree (an all-gather of the flags), save that step's checkpoint and exit 75."""
     procs = launch(demo_assets, tmp_path / "run", tmp_path / "result", processes=2, steps=50, hold=1.0, watch=True,
-                   light=True)
+                   light=True, compile_cache=xla_cache)
     try:
         deadline = time.time() + 600
         while "step 1 done" not in output(procs[1]) and time.time() < deadline and procs[1].poll() is None:
