@@ -107,6 +107,35 @@ def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_p
     assert read_marker(run)["finished"] is None
 
 
+def test_run_files_copy_changed_files_whole_and_a_pull_replaces_a_stale_staging_folder(bucket, tmp_path, monkeypatch):
+    from jaxrl4llm.train.run_files import RunFiles, staging_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run = f"{bucket}/runs/files"
+    files = RunFiles(run)
+    assert files.dir == staging_folder(run) == tmp_path / "cache" / "jaxrl4llm" / "runs" / "jaxrl4llm-test" / "runs" / "files"
+    files.pull()  # nothing in the bucket yet
+    (files.dir / "tb").mkdir()
+    (files.dir / "tb" / "events.1").write_text("e1")
+    (files.dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (files.dir / "scratch.txt").write_text("not a run output")
+    assert sorted(files.sync()) == ["metrics.jsonl", "tb/events.1"]
+    assert files.sync() == []  # nothing changed
+    with open(files.dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2}\n')
+    assert files.sync() == ["metrics.jsonl"]
+    remote = storage.run_path(run)
+    assert (remote / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n' and not (remote / "scratch.txt").exists()
+    (files.dir / "response_lengths.jsonl").write_text("stale, from another run on this machine\n")
+    again = RunFiles(run)
+    again.pull()
+    assert sorted(str(p.relative_to(again.dir)) for p in again.dir.rglob("*") if p.is_file()) == [
+        "metrics.jsonl", "scratch.txt", "tb/events.1"]
+    assert again.sync() == []  # what was pulled is what the bucket holds
+    assert RunFiles(tmp_path / "local").dir == tmp_path / "local" and RunFiles(tmp_path / "local").sync() == []
+    assert RunFiles(run, enabled=False).sync() == []  # a process other than the first copies nothing
+
+
 def test_a_missing_gs_data_file_names_its_setting(bucket, demo_assets, tmp_path, monkeypatch):
     from jaxrl4llm.train.config import ConfigError, load_config
     from jaxrl4llm.train.prompts import load_prompt_sets
