@@ -6,9 +6,10 @@
 Both have the pathlib methods the run uses (`/`, exists, is_dir, iterdir, glob, mkdir,
 read_text, write_text, rename, open). Orbax writes checkpoints to either directly (tensorstore's
 own GCS driver); a gs:// step is complete when orbax has written its `commit_success.txt`
-(GCS has no atomic rename, so orbax commits by that file there). What needs a local folder (a
-Hugging Face model folder read by `tokenizers` and `safetensors`) is copied once into a local
-cache by `local_copy`.
+(GCS has no atomic rename, so orbax commits by that file there). What needs a local folder or
+file (a Hugging Face model folder read by `tokenizers` and `safetensors`, a data file read by
+`datasets`) is copied once into a local cache by `local_copy`. The files a run appends to are
+staged locally and copied whole (train/run_files.py).
 
 The GCS emulator (tests, CI): `STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT`, the variable
 Google's own clients read, points gcsfs at it; `use_storage_emulator` passes it on to
@@ -61,12 +62,28 @@ def run_path(path: str | os.PathLike) -> Any:
     return epath.Path(str(path))
 
 
+def as_path(path: str | os.PathLike) -> Any:
+    """`path` as a path object as given: a pathlib.Path (a relative path stays relative, as the
+    user wrote it in messages), or an etils epath.Path for gs://."""
+    return run_path(path) if is_remote(path) else Path(path)
+
+
+def remove(path: Any) -> None:
+    """Deletes file or folder `path` (pathlib or epath), with everything below it."""
+    if isinstance(path, Path):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    else:
+        path.rmtree() if path.is_dir() else path.unlink()
+
+
 def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) -> Path:
-    """A local folder with the files of folder `path`: `path` itself when local; for gs://, a
-    copy under `cache` (default `$XDG_CACHE_HOME/jaxrl4llm/gcs`, ~/.cache/jaxrl4llm/gcs) made
-    once (files already there with the same size are kept)."""
+    """A local copy of folder or file `path`: `path` itself when local; for gs://, a copy under
+    `cache` (default `$XDG_CACHE_HOME/jaxrl4llm/gcs`, ~/.cache/jaxrl4llm/gcs) made once (files
+    already there with the same size are kept). A gs:// path with nothing there gives a path
+    that does not exist (the caller names the setting)."""
     if not is_remote(path):
         return Path(path)
+    run_path(path)  # gcsfs installed, or the error that says how
     import fsspec
 
     fs, source = fsspec.core.url_to_fs(str(path).rstrip("/"))
@@ -77,7 +94,7 @@ def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) 
         if local.is_file() and local.stat().st_size == info["size"]:
             continue
         local.parent.mkdir(parents=True, exist_ok=True)
-        partial = local.with_name(local.name + ".partial")
+        partial = local.with_name(f"{local.name}.partial{os.getpid()}")  # processes sharing the cache
         fs.get_file(name, str(partial))
         partial.rename(local)
     return target

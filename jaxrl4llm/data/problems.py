@@ -1,4 +1,4 @@
-"""Problems from local dataset files (JSONL, JSON or parquet) in the layouts the community uses.
+"""Problems from dataset files (JSONL, JSON or parquet; local or gs://) in the layouts the community uses.
 
 ``load_problems`` reads a file (or a folder holding ``<split>.jsonl``/``.json``/``.parquet``) with
 Hugging Face ``datasets`` and maps its fields automatically:
@@ -13,7 +13,8 @@ Hugging Face ``datasets`` and maps its fields automatically:
   by a blank line;
 - id: ``id``, ``unique_id``, ``idx`` or ``<file stem>-<row>``; every other field goes to metadata.
 
-Nothing is downloaded: a missing file is an error that names the path.
+Nothing is downloaded from the Hub: a missing file is an error that names the path. A gs:// file
+(or folder) is copied once into a local cache and read there (``jaxrl4llm.storage.local_copy``).
 """
 
 from __future__ import annotations
@@ -139,10 +140,11 @@ def load_problems(
     answer_key: str | None = None,
     split: str | None = None,
 ) -> list[Problem]:
-    """Load problems with gold answers from a local JSONL, JSON or parquet file.
+    """Load problems with gold answers from a JSONL, JSON or parquet file, local or gs://.
 
     Args:
-      path: a file, or a folder containing ``<split>.jsonl`` (or .json/.parquet).
+      path: a file, or a folder containing ``<split>.jsonl`` (or .json/.parquet); gs:// is
+        copied once into a local cache (``jaxrl4llm.storage.local_copy``).
       problem_key: field holding the problem text (default: auto, see module docstring).
       answer_key: field holding the gold answer (default: auto; a MATH-style ``solution``
         field is used through its last ``\\boxed{}`` when there is no answer field).
@@ -159,7 +161,16 @@ def load_problems(
     """
     import datasets
 
-    file = _resolve(Path(path).expanduser(), split)
+    from jaxrl4llm.storage import is_remote, local_copy
+
+    if is_remote(path):
+        copy = local_copy(path)
+        if not copy.exists():
+            raise FileNotFoundError(f"dataset file {path} does not exist (no object at or below it); pass the gs:// "
+                                    f"path of a .jsonl, .json or .parquet file")
+        file = _resolve(copy, split)
+    else:
+        file = _resolve(Path(path).expanduser(), split)
     builder = _SUFFIXES.get(file.suffix)
     if builder is None:
         raise ValueError(f"unsupported file type {file.suffix!r} for {file}; use .jsonl, .json or .parquet")

@@ -83,7 +83,7 @@ class ModelConfigSection:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Prompt data: local JSONL/JSON/parquet files with problem and answer fields."""
+    """Prompt data: JSONL/JSON/parquet files (local or gs://) with problem and answer fields."""
 
     train_files: list[str] = dataclasses.field(default_factory=list)
     eval_files: list[str] = dataclasses.field(default_factory=list)

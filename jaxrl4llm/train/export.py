@@ -1,4 +1,5 @@
-"""`jaxrl4llm convert`: a run's orbax checkpoint -> a Hugging Face folder (transformers / vLLM)."""
+"""`jaxrl4llm convert`: a run's orbax checkpoint -> a Hugging Face folder (transformers / vLLM);
+`export_policy`: a policy -> a Hugging Face folder, local or gs:// (the run's trainer.export_hf)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,23 @@ from pathlib import Path
 from jaxrl4llm.storage import is_remote, run_path, upload_folder
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.config import ConfigError, config_from_dict
+
+
+def export_policy(policy, out: str | Path, source: dict | None = None):
+    """Writes `policy` as a Hugging Face folder to `out` (every process calls it; process 0
+    writes), with `source` as jaxrl4llm_source.json when given; a gs:// `out` is written to a
+    local temporary folder and uploaded. Returns the folder's path."""
+    from jaxrl4llm.train import hosts
+
+    with tempfile.TemporaryDirectory() as staging:  # gs://: written here, then uploaded
+        path = policy.export(Path(staging) if is_remote(out) else out)
+        if not hosts.is_main():
+            return run_path(out) if is_remote(out) else Path(path)
+        if source is not None:
+            (Path(path) / "jaxrl4llm_source.json").write_text(json.dumps(source))
+        if is_remote(out):
+            return upload_folder(path, str(out))
+    return Path(path)
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None):
@@ -25,9 +43,4 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None 
     # the parameters only (the optimizer state is twice their size and not needed to export)
     params, restored_step = RunCheckpointer(run_dir, keep=cfg.trainer.keep_checkpoints).restore_params(
         policy.params, step)
-    with tempfile.TemporaryDirectory() as staging:  # gs://: written here, then uploaded
-        path = policy.with_params(params).export(Path(staging) if is_remote(out) else out)
-        (Path(path) / "jaxrl4llm_source.json").write_text(json.dumps({"run_dir": str(run_dir), "step": restored_step}))
-        if is_remote(out):
-            return upload_folder(path, out)
-    return Path(path)
+    return export_policy(policy.with_params(params), out, {"run_dir": str(run_dir), "step": restored_step})

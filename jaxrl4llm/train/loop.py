@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -22,12 +21,13 @@ import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
 from jaxrl4llm.models import param_shardings
-from jaxrl4llm.storage import is_remote
+from jaxrl4llm.storage import as_path
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import batch_program, merge_groups
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
+from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
 from jaxrl4llm.train.policy import Policy, load_policy, sampler_mesh_for
@@ -37,6 +37,7 @@ from jaxrl4llm.train.resume import check_config_changes, finished_summary, logge
 from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.rollout_pipeline import (PendingRollout, pending_from_host, pending_to_host, sampler_base_mesh,
                                               sampling_version, split_devices, staleness_metrics)
+from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
@@ -513,11 +514,6 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     summary (finished_before: its last step); a resume whose config differs from the run's lists
     the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
-    if is_remote(cfg.trainer.out_dir):
-        raise ConfigError(f"trainer.out_dir={cfg.trainer.out_dir!r}: `jaxrl4llm train` appends to files in its run folder "
-                          f"(metrics, TensorBoard), which gs:// objects cannot do; use a local folder or the bucket "
-                          f"mounted with gcsfuse (tpu_scripts/setup.sh). Checkpoints, `jaxrl4llm convert` and "
-                          f"model.path read and write gs:// directly.")
     if resume and (done := finished_summary(cfg)) is not None:
         log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
@@ -525,13 +521,15 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
     resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
+    files = RunFiles(cfg.trainer.out_dir, enabled=hosts.is_main())  # gs://: appended to locally, synced (run_files.py)
     if hosts.is_main():
         prepare_out_dir(cfg, resume, log)  # checks before it writes: a refused start leaves the folder as it was
+        files.pull()
     hosts.barrier("out_dir ready")
     # every process reads the run's config.json: a refused change stops them all, before the model loads
     changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
         if resume else {}
-    out = Path(cfg.trainer.out_dir)
+    out = as_path(cfg.trainer.out_dir)
     mesh, sampler_mesh = _meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
@@ -547,11 +545,11 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
             pending = pending_from_host(ckpt.restore_pending(start_step), meta["pending"], lambda a: a)
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
-        record_config_changes(out, start_step, changes)
+        record_config_changes(files.dir, start_step, changes)
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
-    writer = MetricsWriter(out, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
+    writer = MetricsWriter(files.dir, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
                            start_step=start_step, enabled=hosts.is_main())
     writer.truncate_after(start_step)
     evaluate_at = lambda step, st: evaluate(sampler_policy(run, st), run.eval_sets, cfg, run.reward_fn,
@@ -602,7 +600,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         writer.write(step + 1, record)
         lengths = [hosts.fetch(x) for x in (rollout.lengths, _prompt_lengths(rollout.prompt_mask))]  # all processes
         if hosts.is_main():
-            write_lengths(out, step + 1, *lengths)
+            write_lengths(files.dir, step + 1, *lengths)
         history.append(record)
         def save():  # asynchronous: the next step starts at once
             arrays, in_flight = pending_to_host(pending, hosts.fetch)  # rollouts sampled for the steps ahead
@@ -612,10 +610,12 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         checkpoint_now = cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0
         if checkpoint_now:
             save()
+            files.sync()  # gs://: the metrics so far reach the run folder with each checkpoint
         if stop_requested():  # a SIGTERM reached some process: all save this step and stop together
             if not checkpoint_now:
                 save()
             writer.close()
+            files.sync()
             ckpt.close()  # waits for the write
             log(f"preempted: checkpoint of step {step + 1} saved in {ckpt.dir}")
             raise Preempted(step + 1, str(ckpt.dir / str(step + 1)))
@@ -630,7 +630,8 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
             eval_after = evaluate_at(cfg.trainer.steps, state)
             writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
     writer.close()
-    export_dir = run.policy.with_state(state).export(out / "hf_export") if cfg.trainer.export_hf else None
+    files.sync()
+    export_dir = export_policy(run.policy.with_state(state), out / "hf_export") if cfg.trainer.export_hf else None
     ckpt.close()
     if hosts.is_main():
         mark_finished(out)  # a finished run is not started over without trainer.overwrite

@@ -1,4 +1,4 @@
-"""Prompt sets of a run: problems from local files, formatted with the configured template and
+"""Prompt sets of a run: problems from data files (local or gs://), formatted with the configured template and
 tokenized once, with the prompt-length budget enforced (error or drop, as configured).
 
 They load before the model (`run_tokenizer` reads the tokenizer alone, not the weights): a bad
@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
+from jaxrl4llm.storage import is_remote
 from jaxrl4llm.train.config import ConfigError, RunConfig
 
 
@@ -77,7 +78,7 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
     from jaxrl4llm.data.problems import BadRowError, MissingFieldError, load_problems
 
     where = f"{key}={path!r}"
-    if not Path(path).is_file():
+    if not is_remote(path) and not Path(path).is_file():  # gs://: load_problems names a missing object
         raise ConfigError(f"Data file {path!r} does not exist ({key}; paths are relative to {Path.cwd()}): point it "
                           f"at a local .jsonl, .json or .parquet file of problems (nothing is downloaded).")
     try:

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from jaxrl4llm.storage import as_path
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 
 # prefixes of flattened keys ("rollout.samples_per_prompt") a resume may not change by default
@@ -52,7 +53,7 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
 def config_changes(cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     """{key: (the run's value, cfg's value)} for every key that differs from OUT/config.json
     (keys the run's file does not hold, from an earlier version, are not compared)."""
-    path = Path(cfg.trainer.out_dir) / "config.json"
+    path = as_path(cfg.trainer.out_dir) / "config.json"
     try:
         saved = _flat(json.loads(path.read_text()))
     except (OSError, ValueError):
@@ -104,7 +105,7 @@ def _eval_of(record: dict) -> dict:
 
 def logged_eval(out: str | Path, step: int = 0) -> dict | None:
     """The held-out scores the run in OUT logged at `step` (0: before training), or None."""
-    found = [_eval_of(r) for r in _records(Path(out)) if r.get("step") == step and _eval_of(r)]
+    found = [_eval_of(r) for r in _records(as_path(out)) if r.get("step") == step and _eval_of(r)]
     return found[-1] if found else None
 
 
@@ -114,7 +115,7 @@ def finished_summary(cfg: RunConfig) -> dict | None:
     `finished_before: True`; else None. Reads only."""
     from jaxrl4llm.train.run_folder import read_marker
 
-    out = Path(cfg.trainer.out_dir)
+    out = as_path(cfg.trainer.out_dir)
     marker = read_marker(out)
     if not marker or not marker.get("finished"):
         return None

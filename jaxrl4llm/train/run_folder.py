@@ -12,19 +12,19 @@ write, so a refused start leaves the folder (or its absence) as it was.
     --resume     a run folder with a complete checkpoint; anything else is refused.
 
 Run folders of versions before the marker are recognised by their config.json (a RunConfig's
-sections), so they can be resumed or overwritten.
+sections), so they can be resumed or overwritten. OUT may be gs://bucket/path: every check reads
+the bucket (jaxrl4llm.storage.as_path).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
 from jaxrl4llm import __version__
-from jaxrl4llm.storage import is_remote, run_path
+from jaxrl4llm.storage import as_path, is_remote, remove, run_path
 from jaxrl4llm.train.config import ConfigError, RunConfig
 
 MARKER = ".jaxrl4llm-run"
@@ -39,7 +39,7 @@ def _now() -> str:
 
 def read_marker(out: str | Path) -> dict | None:
     """The marker's JSON (None without a marker; {} when it is not a JSON object)."""
-    path = Path(out) / MARKER
+    path = as_path(out) / MARKER
     if not path.is_file():
         return None
     try:
@@ -51,7 +51,7 @@ def read_marker(out: str | Path) -> dict | None:
 
 def mark_run_folder(out: str | Path) -> None:
     """Writes OUT/MARKER for a run starting in OUT (a new run: not finished)."""
-    (Path(out) / MARKER).write_text(json.dumps({
+    (as_path(out) / MARKER).write_text(json.dumps({
         "about": "a jaxrl4llm run folder (trainer.out_dir); a run removes nothing here but its own outputs",
         "outputs": list(RUN_OUTPUTS), "version": __version__, "created": _now(), "finished": None}, indent=1))
 
@@ -60,7 +60,7 @@ def mark_finished(out: str | Path) -> None:
     """Records in OUT/MARKER that the run finished (a marker is added to a folder of an earlier version)."""
     data = read_marker(out) or {"outputs": list(RUN_OUTPUTS), "created": None}
     data.update(version=__version__, finished=_now())
-    (Path(out) / MARKER).write_text(json.dumps(data, indent=1))
+    (as_path(out) / MARKER).write_text(json.dumps(data, indent=1))
 
 
 def _is_run_config(path: Path) -> bool:
@@ -75,7 +75,7 @@ def _is_run_config(path: Path) -> bool:
 
 def is_run_folder(out: str | Path) -> bool:
     """OUT holds MARKER, or (a run folder of a version before the marker) a run's config.json."""
-    out = Path(out)
+    out = as_path(out)
     return (out / MARKER).is_file() or _is_run_config(out / "config.json")
 
 
@@ -93,7 +93,7 @@ def checkpoint_steps(out: str | Path) -> list[int]:
 def check_resumable(out: str | Path) -> int:
     """The newest complete checkpoint step of the run in OUT; a ConfigError when there is
     nothing to resume. Reads only: a refused --resume writes nothing."""
-    out = Path(out)
+    out = as_path(out)
     key = f"trainer.out_dir={str(out)!r}"
     if not out.is_dir():
         raise ConfigError(f"--resume: {key} does not exist: nothing to resume. Point trainer.out_dir at the run to "
@@ -115,7 +115,7 @@ def prepare_out_dir(cfg: RunConfig, resume: bool, log: Callable[[str], None] = p
     and a run that can be resumed or has finished (unless trainer.overwrite), removes the
     earlier run's RUN_OUTPUTS when starting over (one log line), creates and marks the folder.
     Returns the folder."""
-    out = Path(cfg.trainer.out_dir)
+    out = as_path(cfg.trainer.out_dir)
     if resume:
         check_resumable(out)
         return out
@@ -148,8 +148,7 @@ def prepare_out_dir(cfg: RunConfig, resume: bool, log: Callable[[str], None] = p
                 f"{key} already holds a run ({', '.join(found)}). {state}trainer.overwrite=true to delete its outputs "
                 f"and start over (other files there stay), or choose another trainer.out_dir.")
         for name in found:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            remove(out / name)
         log(f"{why}: removed the earlier run's {', '.join(found)} from {out}")
     out.mkdir(parents=True, exist_ok=True)
     mark_run_folder(out)

@@ -54,12 +54,97 @@ def test_run_path_keeps_local_paths_and_opens_gs_urls(tmp_path):
     assert storage.local_copy(tmp_path) == tmp_path  # a local folder is used in place
 
 
-def test_train_on_a_gs_out_dir_is_refused_with_the_way_on(demo_assets):
-    from jaxrl4llm.train.config import ConfigError, load_config
-    from jaxrl4llm.train.loop import train
+def _steps(lines: str) -> list[dict]:
+    return [r for r in map(json.loads, lines.splitlines()) if "loss" in r]
 
-    with pytest.raises(ConfigError, match=r"trainer.out_dir='gs://b/run': .* gcsfuse"):
-        train(load_config(None, tiny_overrides(demo_assets, "gs://b/run")))
+
+def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_path, monkeypatch):
+    """trainer.out_dir=gs:// and gs:// data files: 2 steps, then (the staging folder gone: another VM) --resume to 4;
+    the metrics equal a local 4-step run's, once each, in the bucket; the run folder's marker
+    refuses a fresh start there; the run exports."""
+    from jaxrl4llm.train.config import ConfigError, load_config
+    from jaxrl4llm.train.export import export_checkpoint
+    from jaxrl4llm.train.loop import train
+    from jaxrl4llm.train.run_files import staging_folder
+    from jaxrl4llm.train.run_folder import prepare_out_dir, read_marker
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = {"trainer.checkpoint_every": 2, "trainer.compile_cache": str(tmp_path / "xla")}
+    local = tmp_path / "local"
+    train(load_config(None, tiny_overrides(demo_assets, local, **common, **{"trainer.steps": 4})), log=lambda s: None)
+
+    for name in ("train", "test"):  # the run on gs:// reads its data files from gs:// too
+        (storage.run_path(bucket) / "data" / f"{name}.jsonl").write_text(Path(demo_assets[name]).read_text())
+    common.update({"data.train_files": f"[{bucket}/data/train.jsonl]", "data.eval_files": f"[{bucket}/data/test.jsonl]"})
+    run = f"{bucket}/runs/train"
+    train(load_config(None, tiny_overrides(demo_assets, run, **common)), log=lambda s: None)
+    assert (tmp_path / "cache" / "jaxrl4llm" / "gcs" / "jaxrl4llm-test" / "data" / "train.jsonl").is_file()
+    remote = storage.run_path(run)
+    assert [r["step"] for r in _steps((remote / "metrics.jsonl").read_text())] == [1, 2]
+    assert any((remote / "tb").iterdir()) and read_marker(run)["finished"]
+    import shutil
+
+    shutil.rmtree(staging_folder(run))  # the resume runs on another VM: all it has is the bucket
+    resumed = train(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.steps": 4})),
+                    resume=True, log=lambda s: None)
+    assert resumed["start_step"] == 2
+    got, want = _steps((remote / "metrics.jsonl").read_text()), _steps((local / "metrics.jsonl").read_text())
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        for k in ("loss", "grad_norm", "reward", "entropy", "response_length", "approx_kl"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    lengths = [json.loads(line)["step"] for line in (remote / "response_lengths.jsonl").read_text().splitlines()]
+    assert lengths == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="already holds a run"):  # the marker, read on gs://
+        train(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.steps": 6})))
+    out = export_checkpoint(run, tmp_path / "export")
+    assert json.loads((out / "jaxrl4llm_source.json").read_text())["step"] == 4
+    # trainer.overwrite on gs:// removes the run's outputs there (only those) and marks it anew
+    (remote / "notes.txt").write_text("kept")
+    prepare_out_dir(load_config(None, tiny_overrides(demo_assets, run, **common, **{"trainer.overwrite": True})),
+                    resume=False, log=lambda s: None)
+    assert sorted(p.name for p in remote.iterdir()) == [".jaxrl4llm-run", "notes.txt"]
+    assert read_marker(run)["finished"] is None
+
+
+def test_run_files_copy_changed_files_whole_and_a_pull_replaces_a_stale_staging_folder(bucket, tmp_path, monkeypatch):
+    from jaxrl4llm.train.run_files import RunFiles, staging_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run = f"{bucket}/runs/files"
+    files = RunFiles(run)
+    assert files.dir == staging_folder(run) == tmp_path / "cache" / "jaxrl4llm" / "runs" / "jaxrl4llm-test" / "runs" / "files"
+    files.pull()  # nothing in the bucket yet
+    (files.dir / "tb").mkdir()
+    (files.dir / "tb" / "events.1").write_text("e1")
+    (files.dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (files.dir / "scratch.txt").write_text("not a run output")
+    assert sorted(files.sync()) == ["metrics.jsonl", "tb/events.1"]
+    assert files.sync() == []  # nothing changed
+    with open(files.dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2}\n')
+    assert files.sync() == ["metrics.jsonl"]
+    remote = storage.run_path(run)
+    assert (remote / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n' and not (remote / "scratch.txt").exists()
+    (files.dir / "response_lengths.jsonl").write_text("stale, from another run on this machine\n")
+    again = RunFiles(run)
+    again.pull()
+    assert sorted(str(p.relative_to(again.dir)) for p in again.dir.rglob("*") if p.is_file()) == [
+        "metrics.jsonl", "scratch.txt", "tb/events.1"]
+    assert again.sync() == []  # what was pulled is what the bucket holds
+    assert RunFiles(tmp_path / "local").dir == tmp_path / "local" and RunFiles(tmp_path / "local").sync() == []
+    assert RunFiles(run, enabled=False).sync() == []  # a process other than the first copies nothing
+
+
+def test_a_missing_gs_data_file_names_its_setting(bucket, demo_assets, tmp_path, monkeypatch):
+    from jaxrl4llm.train.config import ConfigError, load_config
+    from jaxrl4llm.train.prompts import load_prompt_sets
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path / "run", **{
+        "data.train_files": f"[{demo_assets['train']}]", "data.eval_files": f"[{bucket}/data/missing.jsonl]"}))
+    with pytest.raises(ConfigError, match=rf"data.eval_files\[0\]='{bucket}/data/missing.jsonl': .*does not exist"):
+        load_prompt_sets(cfg)
 
 
 def test_checkpoints_export_and_load_on_gcs(bucket, demo_assets, tmp_path, monkeypatch):
