@@ -34,6 +34,8 @@ from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
+from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
@@ -163,8 +165,9 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
       slots: S, rows decoded at once over all shards (a multiple of D).
       page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
       burst: decode steps between two refills; prefill_prompts: A, prompts per shard prefilled at once.
-      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel" (the TPU ragged
-        paged attention kernel, `paged_cache.kernel_paged_attention`; TPU only).
+      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
+        paged attention kernel (`paged_cache.kernel_paged_attention`), on CPU the C++ kernel
+        (`kernels.paged_attention`, which also writes the new token in place; a CpuBackend with kernels).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r = num_samples, max_new_tokens
@@ -191,6 +194,10 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
         tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend)
+    if cpu_kernel and not (b.kernels and b.mesh is None and kernel_supports(config.dtype, config.dtype)):
+        raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
+                         "bfloat16 or float32 model)")
 
     shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
     tokens_d, mask_d = shard(prompt_tokens), shard(prompt_mask.astype(jnp.int32))  # [D, Pd, T]
@@ -310,10 +317,14 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         pools = []
         for i, p in enumerate(weights["layers"]):
             def attend(q, k, v, i=i):
+                q = q.reshape(d, sd, kvh, hg, dh)
+                if cpu_kernel:  # the new token written and the live pages read in place, in C++
+                    out, pool = cpu_paged_attention(q, state.pool[i], k.reshape(d, sd, kvh, dh),
+                                                    v.reshape(d, sd, kvh, dh), write_page, write_offset, table, kv_len)
+                    return out.reshape(d * sd, 1, kvh * hg, dh), pool
                 pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
                                     v.reshape(d, sd, kvh, dh), cache_dtype)
                 pool = b.constrain(pool, POOL_AXES)
-                q = q.reshape(d, sd, kvh, hg, dh)
                 if attention == "kernel":
                     out = kernel_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
                                                  tensor_axis=tensor_axis)
@@ -340,7 +351,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
 
     zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
-    bits = isinstance(b, CpuBackend) and attention == "xla"
+    bits = isinstance(b, CpuBackend)
     pool = lambda: b.constrain(empty_pool((d, num_pages, page_size, 2 * kvh, dh), cache_dtype, bits=bits), POOL_AXES)
     state = EngineState(
         slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),
