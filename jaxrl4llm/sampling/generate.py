@@ -7,10 +7,10 @@ any sharding, LoRA adapters included: the device program merges adapters, casts 
 `config.dtype` and reshards to the decode layout on device) and returns a `Rollout` of
 N = len(prompts) * G rows whose arrays stay on device. Our `CausalLM` runs the KV-cache
 decoder (`decode_loop.py`); any other NNX causal LM (docs/models.md, "Bring your own NNX
-model") runs `generic_decode.py`. Two engines run our models: "static" (the default,
-`decode_loop.py`: all rows, or chunks of prompts, decoded to their longest row) and "continuous"
-(`continuous.py`: S slots over a paged KV cache, refilled as rows finish); they give the same
-rows (row n's uniforms depend on n only).
+model") runs `generic_decode.py`. Two engines run our models: "continuous" (the default,
+`continuous.py`: S slots over a paged KV cache, refilled as rows finish) and "static"
+(`decode_loop.py`: all rows, or chunks of prompts, decoded to their longest row; the reference);
+they give the same rows (row n's uniforms depend on n only).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
              max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
              batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
-             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "static",
+             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "continuous",
              slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
              row_max_new_tokens: Sequence[int] | None = None, paged_attention: str | None = None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
@@ -97,8 +97,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         ceil(P / chunk) times; the KV cache holds one chunk's rows). None: all at once. Row n
         draws the same uniforms either way (`filters.row_uniforms`), so the rows are the same.
         Static engine only (the continuous engine holds `slots` rows at a time instead).
-      engine: "static" (every row of a call decoded until the longest finishes) or "continuous"
-        (S slots over a paged KV cache, refilled between bursts of decode steps).
+      engine: "continuous" (S slots over a paged KV cache, refilled between bursts of decode steps)
+        or "static" (every row of a call decoded until the longest finishes; the reference).
       slots: continuous engine: rows decoded at once (None: all rows), rounded up to a multiple of
         the data-parallel size.
       kv_page_size: continuous engine: tokens per KV page. decode_burst: decode steps between refills.
