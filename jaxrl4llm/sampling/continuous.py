@@ -155,7 +155,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
                        use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
                        num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
                        pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
-                       prefill_prompts: int = 1, attention: str = "xla") -> ProgramOutput:
+                       prefill_prompts: int | None = None, attention: str = "xla") -> ProgramOutput:
     """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
 
     Args (beyond sample_program's):
@@ -164,7 +164,10 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
       num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
       slots: S, rows decoded at once over all shards (a multiple of D).
       page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
-      burst: decode steps between two refills; prefill_prompts: A, prompts per shard prefilled at once.
+      burst: decode steps between two refills.
+      prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
+        A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
+        that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
       attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
         paged attention kernel (`paged_cache.kernel_paged_attention`), on CPU the C++ kernel
         (`kernels.paged_attention`, which also writes the new token in place; a CpuBackend with kernels).
@@ -185,7 +188,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
     q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
     num_pages = pool_pages(sd, q, tp, rp)
-    a = prefill_prompts
+    a_big = max(1, min(pd, prefill_prompts or sd // g))
     b = backend
     batch_axes, tensor_axis = (), None
     if b.mesh is not None:
@@ -195,7 +198,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
     cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend)
-    if cpu_kernel and not (b.kernels and b.mesh is None and kernel_supports(config.dtype, config.dtype)):
+    if cpu_kernel and not (b.kernels and kernel_supports(config.dtype, config.dtype)):
         raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
                          "bfloat16 or float32 model)")
 
@@ -215,7 +218,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         flat = sample(logits.reshape(d * m, -1), None, uniform=None if greedy else u.reshape(d * m, 1))
         return jax.tree.map(lambda x: x.reshape(d, m), flat)
 
-    def prefill_round(i, state: EngineState, first_prompt, count) -> EngineState:
+    def prefill_round(i, state: EngineState, first_prompt, count, a: int) -> EngineState:
         """Prefill prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
         their KV into fresh pages, an entry each, and the first tokens of all their G rows."""
         en, out = state.entries, state.out
@@ -264,8 +267,15 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), num_real * g - state.next_row)  # [D]
         first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
         new_prompts = -(-(state.next_row + count) // g) - first_prompt
-        rounds = -(-jnp.max(new_prompts) // a)
-        state = jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts), state)
+        def prefill(s, a):
+            rounds = -(-jnp.max(new_prompts) // a)
+            return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
+
+        if a_big > 1:
+            state = jax.lax.cond(2 * jnp.max(new_prompts) > a_big, lambda s: prefill(s, a_big), lambda s: prefill(s, 1),
+                                 state)
+        else:
+            state = prefill(state, 1)
         out, en = state.out, state.entries
         rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
         mine = free_slot & (rank < count[:, None])  # [D, S]
