@@ -271,11 +271,11 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
             rounds = -(-jnp.max(new_prompts) // a)
             return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
 
-        if a_big > 1:
+        if a_big == pd or a_big == 1:  # every row has a slot (one admission: A = all prompts), or A = 1
+            state = prefill(state, a_big)
+        else:
             state = jax.lax.cond(2 * jnp.max(new_prompts) > a_big, lambda s: prefill(s, a_big), lambda s: prefill(s, 1),
                                  state)
-        else:
-            state = prefill(state, 1)
         out, en = state.out, state.entries
         rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
         mine = free_slot & (rank < count[:, None])  # [D, S]
