@@ -2,6 +2,7 @@
 
 XLA:CPU runs decode-sized matmuls (M = 64 rows) at ~60% of the machine's bf16 peak, decode
 attention (one query per row against a small per-row KV cache) as many tiny batched matmuls,
+paged attention as gathers of every live page into a copy (its pool write as long as a pool copy),
 and TopK as a serial per-row sort; these kernels do the same math in C++ (docs/sampling.md
 has the measurements). They are compiled from `csrc/` with the machine's
 C++ compiler on first use and cached; on other platforms, or when they cannot be built, the
@@ -16,7 +17,8 @@ sampler runs its XLA formulation, which tests hold the kernels to.
 from jaxrl4llm.kernels.decode_attention import decode_attention
 from jaxrl4llm.kernels.matmul import matmul, pack_weight
 from jaxrl4llm.kernels.native import KernelBuildError, bf16_pairs, load_kernels, require_kernels
+from jaxrl4llm.kernels.paged_attention import paged_attention
 from jaxrl4llm.kernels.top_k import top_k
 
 __all__ = ["KernelBuildError", "bf16_pairs", "decode_attention", "load_kernels", "matmul", "pack_weight",
-           "require_kernels", "top_k"]
+           "paged_attention", "require_kernels", "top_k"]

@@ -34,6 +34,8 @@ from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
+from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
@@ -153,7 +155,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
                        use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
                        num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
                        pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
-                       prefill_prompts: int = 1, attention: str = "xla") -> ProgramOutput:
+                       prefill_prompts: int | None = None, attention: str = "xla") -> ProgramOutput:
     """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
 
     Args (beyond sample_program's):
@@ -162,9 +164,13 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
       num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
       slots: S, rows decoded at once over all shards (a multiple of D).
       page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
-      burst: decode steps between two refills; prefill_prompts: A, prompts per shard prefilled at once.
-      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel" (the TPU ragged
-        paged attention kernel, `paged_cache.kernel_paged_attention`; TPU only).
+      burst: decode steps between two refills.
+      prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
+        A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
+        that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
+      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
+        paged attention kernel (`paged_cache.kernel_paged_attention`), on CPU the C++ kernel
+        (`kernels.paged_attention`, which also writes the new token in place; a CpuBackend with kernels).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r = num_samples, max_new_tokens
@@ -182,7 +188,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
     q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
     num_pages = pool_pages(sd, q, tp, rp)
-    a = prefill_prompts
+    a_big = max(1, min(pd, prefill_prompts or sd // g))
     b = backend
     batch_axes, tensor_axis = (), None
     if b.mesh is not None:
@@ -191,6 +197,10 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
         tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend)
+    if cpu_kernel and not (b.kernels and kernel_supports(config.dtype, config.dtype)):
+        raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
+                         "bfloat16 or float32 model)")
 
     shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
     tokens_d, mask_d = shard(prompt_tokens), shard(prompt_mask.astype(jnp.int32))  # [D, Pd, T]
@@ -208,7 +218,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         flat = sample(logits.reshape(d * m, -1), None, uniform=None if greedy else u.reshape(d * m, 1))
         return jax.tree.map(lambda x: x.reshape(d, m), flat)
 
-    def prefill_round(i, state: EngineState, first_prompt, count) -> EngineState:
+    def prefill_round(i, state: EngineState, first_prompt, count, a: int) -> EngineState:
         """Prefill prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
         their KV into fresh pages, an entry each, and the first tokens of all their G rows."""
         en, out = state.entries, state.out
@@ -257,8 +267,15 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), num_real * g - state.next_row)  # [D]
         first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
         new_prompts = -(-(state.next_row + count) // g) - first_prompt
-        rounds = -(-jnp.max(new_prompts) // a)
-        state = jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts), state)
+        def prefill(s, a):
+            rounds = -(-jnp.max(new_prompts) // a)
+            return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
+
+        if a_big == pd or a_big == 1:  # every row has a slot (one admission: A = all prompts), or A = 1
+            state = prefill(state, a_big)
+        else:
+            state = jax.lax.cond(2 * jnp.max(new_prompts) > a_big, lambda s: prefill(s, a_big), lambda s: prefill(s, 1),
+                                 state)
         out, en = state.out, state.entries
         rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
         mine = free_slot & (rank < count[:, None])  # [D, S]
@@ -310,10 +327,14 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         pools = []
         for i, p in enumerate(weights["layers"]):
             def attend(q, k, v, i=i):
+                q = q.reshape(d, sd, kvh, hg, dh)
+                if cpu_kernel:  # the new token written and the live pages read in place, in C++
+                    out, pool = cpu_paged_attention(q, state.pool[i], k.reshape(d, sd, kvh, dh),
+                                                    v.reshape(d, sd, kvh, dh), write_page, write_offset, table, kv_len)
+                    return out.reshape(d * sd, 1, kvh * hg, dh), pool
                 pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
                                     v.reshape(d, sd, kvh, dh), cache_dtype)
                 pool = b.constrain(pool, POOL_AXES)
-                q = q.reshape(d, sd, kvh, hg, dh)
                 if attention == "kernel":
                     out = kernel_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
                                                  tensor_axis=tensor_axis)
@@ -340,7 +361,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
 
     zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
-    bits = isinstance(b, CpuBackend) and attention == "xla"
+    bits = isinstance(b, CpuBackend)
     pool = lambda: b.constrain(empty_pool((d, num_pages, page_size, 2 * kvh, dh), cache_dtype, bits=bits), POOL_AXES)
     state = EngineState(
         slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),

@@ -7,10 +7,10 @@ any sharding, LoRA adapters included: the device program merges adapters, casts 
 `config.dtype` and reshards to the decode layout on device) and returns a `Rollout` of
 N = len(prompts) * G rows whose arrays stay on device. Our `CausalLM` runs the KV-cache
 decoder (`decode_loop.py`); any other NNX causal LM (docs/models.md, "Bring your own NNX
-model") runs `generic_decode.py`. Two engines run our models: "static" (the default,
-`decode_loop.py`: all rows, or chunks of prompts, decoded to their longest row) and "continuous"
-(`continuous.py`: S slots over a paged KV cache, refilled as rows finish); they give the same
-rows (row n's uniforms depend on n only).
+model") runs `generic_decode.py`. Two engines run our models: "continuous" (the default,
+`continuous.py`: S slots over a paged KV cache, refilled as rows finish) and "static"
+(`decode_loop.py`: all rows, or chunks of prompts, decoded to their longest row; the reference);
+they give the same rows (row n's uniforms depend on n only).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
 from jaxrl4llm.kernels.native import load_kernels, require_kernels
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
@@ -67,7 +68,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
              max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
              batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
-             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "static",
+             cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "continuous",
              slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
              row_max_new_tokens: Sequence[int] | None = None, paged_attention: str | None = None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
@@ -96,13 +97,14 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         ceil(P / chunk) times; the KV cache holds one chunk's rows). None: all at once. Row n
         draws the same uniforms either way (`filters.row_uniforms`), so the rows are the same.
         Static engine only (the continuous engine holds `slots` rows at a time instead).
-      engine: "static" (every row of a call decoded until the longest finishes) or "continuous"
-        (S slots over a paged KV cache, refilled between bursts of decode steps).
+      engine: "continuous" (S slots over a paged KV cache, refilled between bursts of decode steps)
+        or "static" (every row of a call decoded until the longest finishes; the reference).
       slots: continuous engine: rows decoded at once (None: all rows), rounded up to a multiple of
         the data-parallel size.
       kv_page_size: continuous engine: tokens per KV page. decode_burst: decode steps between refills.
-      paged_attention: continuous engine: "xla" (chunks of live pages in XLA ops) or "kernel" (the
-        TPU ragged paged attention kernel); None: the kernel on TPU, XLA elsewhere.
+      paged_attention: continuous engine: "xla" (chunks of live pages in XLA ops) or "kernel" (TPU:
+        the ragged paged attention kernel; CPU: the C++ paged attention kernel, `kernels.paged_attention`);
+        None: the kernel on TPU and on CPU when the CPU kernels are in use, XLA elsewhere.
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
@@ -175,10 +177,12 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
             platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
-            attention = paged_attention or ("kernel" if platform == "tpu" else "xla")
-            if attention not in ("xla", "kernel") or (attention == "kernel" and platform != "tpu"):
-                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU only "
-                                 f"(this call runs on {platform})")
+            cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
+            attention = paged_attention or ("kernel" if platform == "tpu" or cpu_kernel else "xla")
+            if attention not in ("xla", "kernel") or (attention == "kernel" and platform != "tpu" and not cpu_kernel):
+                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU or on CPU "
+                                 f"with the CPU kernels (one device, a bfloat16 or float32 model; this call runs "
+                                 f"on {platform}, CPU kernels {'on' if use_kernels else 'off'})")
             per_shard = -(-(slots or num_rows * num_samples) // dp)
             per_shard = min(per_shard, num_rows // dp * num_samples)
             run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,

@@ -121,12 +121,11 @@ class RolloutConfig:
     # (n / tp, 1, tp) for decoding, weights and KV heads split tp ways; 0 = the training mesh
     # as it is (weights replicated over data x fsdp). tp must divide the model's KV heads.
     tensor_parallel: int = 0
-    # The sampler (docs/sampling.md): static = every row of a chunk decoded until the chunk's
-    # longest row ends (the default, the reference); continuous = `slots` rows at a time over a
-    # paged KV cache, a finished row's slot refilled with a waiting one (the same rows, exactly;
-    # on CPU 0.5x static's speed until a CPU paged-attention kernel exists; its TPU kernel has not
-    # run on a TPU yet: opt in with rollout.engine=continuous).
-    engine: Literal["continuous", "static"] = "static"
+    # The sampler (docs/sampling.md): continuous (the default) = `slots` rows at a time over a
+    # paged KV cache, a finished row's slot refilled with a waiting one; static = every row of a
+    # chunk decoded until the chunk's longest row ends (the reference the tests compare to; the
+    # same rows, exactly). Its TPU kernel has not run on a TPU yet: static is the fallback there.
+    engine: Literal["continuous", "static"] = "continuous"
     # continuous: rows decoded at once; auto = the most whose memory (sampling.memory) fits 85%
     # of a device's memory where the device reports it (TPU, GPU), else all rows.
     slots: Literal["auto"] | int = "auto"

@@ -31,7 +31,7 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
     """
     greedy = cfg.trainer.eval_temperature <= 0
     k = 1 if greedy else max(cfg.trainer.eval_samples, 1)
-    continuous = getattr(policy, "engine", "static") == "continuous"
+    continuous = getattr(policy, "engine", "continuous") == "continuous"
     out: dict[str, float] = {}
     for s_idx, ps in enumerate(eval_sets):
         chunk = len(ps) if continuous else cfg.rollout.prompts_per_step

@@ -33,7 +33,7 @@ class Policy:
     frozen: Any = None  # frozen nnx.State (the LoRA base), or None
     decode_mesh: Mesh | None = None  # the sampler's mesh (`sampling.decode_mesh`); None: `mesh`
     prompts_per_chunk: int | str = 0  # rollout.prompts_per_chunk: 0 = all at once, or "auto"
-    engine: str = "static"  # rollout.engine: "static" or "continuous"
+    engine: str = "continuous"  # rollout.engine: "continuous" or "static"
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
 
     def with_params(self, params) -> "Policy":

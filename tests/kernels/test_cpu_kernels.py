@@ -1,7 +1,9 @@
 """The C++ CPU kernels (jaxrl4llm.kernels) against the XLA formulations they replace.
 
 decode attention: equal to models.decode.xla_decode_attention (float32: to round-off; bfloat16: to
-the rounding of the probabilities), and what kernels.backend.CpuBackend(kernels=True) attends with; top-k: bit-identical to jax.lax.top_k, ties and IEEE total
+the rounding of the probabilities), and what kernels.backend.CpuBackend(kernels=True) attends with; paged
+attention: the same pool writes as sampling.paged_cache.write_tokens and the outputs of its
+paged_attention; top-k: bit-identical to jax.lax.top_k, ties and IEEE total
 order included. Plus the build switch and its errors.
 """
 
@@ -20,7 +22,9 @@ from jaxrl4llm.kernels import KernelBuildError, decode_attention, load_kernels, 
 from jaxrl4llm.kernels import native
 from jaxrl4llm.kernels.matmul import matmul, pack_weight
 from jaxrl4llm.kernels.backend import CpuBackend, pair_keys, pair_values
+from jaxrl4llm.kernels.paged_attention import paged_attention as kernel_paged_attention
 from jaxrl4llm.models.decode import xla_decode_attention
+from jaxrl4llm.sampling.paged_cache import paged_attention, write_tokens
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 
@@ -109,6 +113,66 @@ def test_decode_attention_shape_errors():
         decode_attention(**{**case, "q": case["q"][:3]})
     with pytest.raises(ValueError, match="sealed key blocks"):
         decode_attention(**{**case, "done_v": []})
+
+
+def _paged_case(rng, *, d, s, kvh, hg, dh, page, width, lengths, dtype):
+    """A pool of random pages (16-bit: as uint16 bits, as the CPU engine holds it), each slot's
+    table a random draw of pages (slots may share pages, as a prompt's G rows do), and each slot's
+    new token written at its last position (idle slots, length 0: the trash page)."""
+    pages = 2 * width + 1
+    pool = jnp.asarray(rng.normal(size=(d, pages, page, 2 * kvh, dh)), jnp.float32).astype(dtype)
+    if jnp.dtype(dtype).itemsize == 2:
+        pool = jax.lax.bitcast_convert_type(pool, jnp.uint16)
+    table = np.stack([np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(s)]) for _ in range(d)])
+    lengths = np.asarray(lengths, np.int32).reshape(d, s)
+    last = np.maximum(lengths - 1, 0)
+    write_page = np.where(lengths > 0, np.take_along_axis(table, (last // page)[..., None], 2)[..., 0], 0)
+    new = lambda: jnp.asarray(rng.normal(size=(d, s, kvh, dh)), jnp.float32)
+    return dict(q=jnp.asarray(rng.normal(size=(d, s, kvh, hg, dh)), jnp.float32), pool=pool, k_new=new(), v_new=new(),
+                write_page=jnp.asarray(write_page, jnp.int32), write_offset=jnp.asarray(last % page, jnp.int32),
+                table=jnp.asarray(table, jnp.int32), kv_len=jnp.asarray(lengths))
+
+
+def _paged_reference(case, dtype):
+    """sampling.paged_cache: write_tokens, then paged_attention over every chunk (1 page each)."""
+    pool = write_tokens(case["pool"], case["write_page"], case["write_offset"], case["k_new"], case["v_new"], dtype)
+    page, width = pool.shape[2], case["table"].shape[2]
+    counts = jnp.clip(case["kv_len"][..., None] - jnp.arange(width) * page, 0, page)
+    out = paged_attention(case["q"], pool, case["table"], counts, jnp.int32(width), pages_per_chunk=1,
+                          dtype=jnp.dtype(dtype), value_dtype=jnp.dtype(dtype))
+    return out, pool
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_paged_attention_equals_the_xla_path(data):
+    """Page sizes below, at and above 16 tokens (the kernel's score block), slots of length 0 (idle)
+    up to their whole table, GQA groups of 1, 2 and 5 query heads, bf16 and f32: the same pool after
+    the writes (bit for bit), the same outputs for live slots (to round-off; bf16: to the rounding
+    of a probability), 0 for idle slots."""
+    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+    page, width = data.draw(st.sampled_from([4, 16, 24])), data.draw(st.integers(1, 4))
+    d, s = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4))
+    lengths = data.draw(st.lists(st.integers(0, page * width), min_size=d * s, max_size=d * s))
+    shape = dict(d=d, s=s, kvh=data.draw(st.integers(1, 2)), hg=data.draw(st.sampled_from([1, 2, 5])),
+                 dh=data.draw(st.sampled_from([8, 24, 64])), page=page, width=width, lengths=lengths)
+    case = _paged_case(np.random.default_rng(data.draw(st.integers(0, 2**16))), dtype=dtype, **shape)
+    out, pool = jax.jit(lambda c: kernel_paged_attention(**c))(case)
+    want, want_pool = jax.jit(lambda c: _paged_reference(c, dtype))(case)
+    np.testing.assert_array_equal(np.asarray(pool), np.asarray(want_pool))
+    live = np.asarray(case["kv_len"]) > 0
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(want)[live], rtol=tol, atol=tol)
+    assert not np.asarray(out)[~live].any()
+
+
+def test_paged_attention_shape_errors():
+    case = _paged_case(np.random.default_rng(0), d=1, s=2, kvh=2, hg=2, dh=8, page=4, width=2, lengths=[3, 5],
+                       dtype="float32")
+    with pytest.raises(ValueError, match="pool"):
+        kernel_paged_attention(**{**case, "pool": case["pool"][..., :2, :]})
+    with pytest.raises(ValueError, match="dtype"):
+        kernel_paged_attention(**{**case, "pool": case["pool"].astype(jnp.float16)})
 
 
 def _top_k_rows(rng, n, v, kind):
@@ -211,7 +275,8 @@ _FALLBACK_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl4llm.kernels import bf16_pairs, decode_attention, require_kernels, top_k
 from jaxrl4llm.models.decode import xla_decode_attention
-from tests.kernels.test_cpu_kernels import _attention_case, _top_k_rows
+from jaxrl4llm.kernels.paged_attention import paged_attention as kernel_paged_attention
+from tests.kernels.test_cpu_kernels import _attention_case, _paged_case, _paged_reference, _top_k_rows
 
 require_kernels()
 assert not bf16_pairs(), "a build without AVX512-BF16 must not offer the pair layout"
@@ -225,6 +290,12 @@ for dtype in ("float32", "bfloat16"):
     got = np.asarray(jax.jit(lambda c: decode_attention(**c))(case))
     want = np.asarray(jax.jit(lambda c: xla_decode_attention(**c, dtype=jnp.dtype(dtype)))(case))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 if dtype == "bfloat16" else 1e-5)
+for dtype in ("float32", "bfloat16"):
+    case = _paged_case(rng, d=1, s=3, kvh=2, hg=2, dh=24, page=16, width=3, lengths=[0, 17, 40], dtype=dtype)
+    out, pool = jax.jit(lambda c: kernel_paged_attention(**c))(case)
+    want, want_pool = jax.jit(lambda c: _paged_reference(c, dtype))(case)
+    assert np.array_equal(np.asarray(pool), np.asarray(want_pool))
+    np.testing.assert_allclose(np.asarray(out)[0, 1:], np.asarray(want)[0, 1:], rtol=2e-2, atol=2e-2 if dtype == "bfloat16" else 1e-5)
 print("fallbacks ok")
 """
 

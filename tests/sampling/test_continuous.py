@@ -23,8 +23,8 @@ def assert_same_rows(got, expected):
 
 @pytest.mark.parametrize("mode", ["sampled_eos_budgets", "greedy"])
 def test_continuous_engine_gives_the_static_rows(qwen3, mode):
-    """5 prompts x 3 samples on 4 slots (slots are refilled, a prompt's rows start at different
-    times), pages of 4 tokens, bursts of 3 steps:
+    """5 prompts x 3 samples on 4 slots (greedy) or 6 (sampled: slots are refilled, a prompt's rows
+    start at different times), pages of 4 tokens, bursts of 3 steps:
     the same tokens, lengths, truncation and log-probs as the static engine. Sampled: top-k, top-p,
     an EOS and per-row budgets (rows stopping at different lengths); greedy: no EOS, every row runs R."""
     _, _, graphdef, state = qwen3
@@ -37,8 +37,9 @@ def test_continuous_engine_gives_the_static_rows(qwen3, mode):
         budgets = np.random.default_rng(0).integers(1, r + 1, len(prompts) * g)
         kwargs.update(temperature=0.9, top_k=20, top_p=0.95, eos_token_ids=list(range(5, 96, 9)), row_max_new_tokens=budgets)
     static = generate(graphdef, state, prompts, engine="static", **kwargs)
-    continuous = generate(graphdef, state, prompts, engine="continuous", slots=4, kv_page_size=4, decode_burst=3,
-                          **kwargs)
+    # sampled: 6 slots = 2 prompts' rows, so admissions prefill 2 prompts at once or 1 (`prefill_prompts`)
+    continuous = generate(graphdef, state, prompts, engine="continuous", slots=4 if mode == "greedy" else 6,
+                          kv_page_size=4, decode_burst=3, **kwargs)
     assert_same_rows(continuous, static)
     lengths = np.asarray(static.lengths)
     if mode == "greedy":
