@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from typing import Any, Callable
 
@@ -183,17 +184,32 @@ def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, dat
     return None
 
 
+def prompts_to_draw(P: int, missing: int, mixed: int, drawn: int) -> int:
+    """Prompts a dynamic-sampling redraw takes: enough to fill the `missing` groups at the share of
+    mixed-reward groups seen so far (mixed of the drawn prompts), rounded up to a power of two (a
+    sampler program per size: at most log2 P more), at most P, and P when none was mixed:
+
+        n = min(P, 2^ceil(log2(ceil(missing / max(mixed / drawn, 1 / P)))))
+
+    DAPO redraws a whole batch of P; with the continuous sampler a smaller call costs in
+    proportion to its rows."""
+    rate = max(mixed / drawn, 1.0 / P) if drawn else 1.0
+    want = max(math.ceil(missing / rate - 1e-9), 1)
+    return min(P, 1 << (want - 1).bit_length())
+
+
 def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg: RunConfig, rng, reward_fn, recipe,
                   on_params_read: Callable[[], None] | None = None):
     """Samples until P groups with differing rewards are found (dynamic sampling) or the draw cap
-    is reached; returns (rollout rows of P groups, rewards [P*G] on the host, stats).
+    is reached, each redraw only as many prompts as the missing groups need (`prompts_to_draw`);
+    returns (rollout rows of P groups, rewards [P*G] on the host, stats).
     on_params_read: called once the sampler has read the policy's parameters for the last time
     (after the tokens of the last possible draw), before the rewards are scored: an asynchronous
     loop dispatches the update there, which may donate those parameters."""
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     kept: list[tuple] = []  # (rollout, index in it, rewards, prompt id)
     spare: list[tuple] = []
-    draws = retired = 0
+    draws = retired = drawn = mixed = 0
     t_sample = t_reward = 0.0
     all_rewards = []
     max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
@@ -201,7 +217,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     prompt_len = prompts.longest if cfg.data.prompt_bucket == "dataset" else None
     while len(kept) < P and draws < max_draws:
         draws += 1
-        ids = stream.take(P)
+        ids = stream.take(P if draws == 1 else prompts_to_draw(P, P - len(kept), mixed, drawn))
         t0 = time.perf_counter()
         rollout = policy.generate([prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -222,6 +238,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
             rows = slice(g * G, (g + 1) * G)
             entry = (rollout, g, rewards[rows], pid)
             varied = rewards[rows].max() != rewards[rows].min()
+            drawn, mixed = drawn + 1, mixed + int(varied)
             if varied or not recipe.dynamic_sampling:
                 if len(kept) < P:
                     kept.append(entry)
@@ -236,6 +253,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "time_sampling": t_sample,
         "time_reward": t_reward,
         "sampling_draws": draws,
+        "sampling_prompts_drawn": drawn,
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
     }

@@ -124,3 +124,4 @@ def test_a_sampler_on_devices_of_its_own_gives_the_shared_run():
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "OK async split" in proc.stdout
+
