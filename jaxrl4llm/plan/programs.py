@@ -302,12 +302,13 @@ class RunPlan:
 
 
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
-             prompt_tokens: float | None = None, log=None) -> RunPlan:
+             prompt_tokens: float | None = None, log=None, sampler_only: bool = False) -> RunPlan:
     """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
     config's `mesh.topology`; see the module docstring) and model one step's time with the
     responses' lengths drawn from `lengths` (`plan.lengths`; default lognormal, mean a quarter of
     the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
-    `log` gets a line per compiled program as it goes."""
+    `log` gets a line per compiled program as it goes. `sampler_only`: the sampler's programs alone
+    (`plan_eval`)."""
     from jaxrl4llm.core import policy_loss
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
@@ -433,6 +434,10 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - state_bytes, prompts=prompts, **sizing))
     if decode is not None and decode["engine"] == "continuous":
         sampler.update(slots=decode["slots"], fitting_slots=fitting_slots, attention=decode["attention"])
+    if sampler_only:
+        plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler,
+                       chips=mesh.size, decode=decode)
+        return with_lengths(plan, lengths, prompt_tokens)
 
     # -- trainer programs
     b_sh = batch_shardings(mesh)
@@ -515,6 +520,27 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                    trainer_hlo_flops={"logprob pass": 2 * config.num_params / mesh.size,
                                       "update": 6 * config.num_params * cfg.trainer.ppo_epochs / mesh.size})
     return with_lengths(plan, lengths, prompt_tokens)
+
+
+def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, lengths=None, prompt_tokens=None,
+              log=None) -> RunPlan:
+    """The sampler's programs of an evaluation of `problems` problems x `trainer.eval_samples`
+    samples (`train.evaluation.evaluate`), compiled and priced as `plan_run` prices a rollout:
+    the continuous engine takes every problem in one call on `rollout.slots` slots; the static
+    one runs calls of `rollout.prompts_per_step` problems (the decode program's `runs`)."""
+    greedy = cfg.trainer.eval_temperature <= 0
+    k = 1 if greedy else max(cfg.trainer.eval_samples, 1)
+    continuous = cfg.rollout.engine == "continuous"
+    per_call = problems if continuous else min(cfg.rollout.prompts_per_step, problems)
+    rollout = dataclasses.replace(cfg.rollout, prompts_per_step=per_call, samples_per_prompt=k,
+                                  top_k=0 if greedy else cfg.rollout.top_k, top_p=1.0 if greedy else cfg.rollout.top_p)
+    plan = plan_run(dataclasses.replace(cfg, rollout=rollout), topology, lengths=lengths, prompt_tokens=prompt_tokens,
+                    log=log, sampler_only=True)
+    calls = -(-problems // per_call)
+    for p in plan.programs:
+        if p.name == "sampler/decode":
+            p.runs *= calls
+    return dataclasses.replace(plan, rows=problems * k)
 
 
 def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *, remat: bool, epochs: int,
