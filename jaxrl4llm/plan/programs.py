@@ -819,6 +819,23 @@ def format_plan(plan: RunPlan) -> str:
     return "\n".join(lines)
 
 
+def format_eval(plan: RunPlan, problems: int) -> str:
+    """An evaluation's sampler (`plan_eval`): what it holds and how long it takes a chip."""
+    sm, d = plan.sampler, plan.decode or {}
+    decode = next((p for p in plan.programs if p.name == "sampler/decode"), None)
+    how = (f"one call on {sm.get('slots')} slots" if sm.get("engine") == "continuous" else
+           f"{decode.runs:.0f} static calls of {sm['prompts_per_chunk']} problems" if decode else "")
+    lines = [f"eval: {problems} problems x {plan.rows // max(problems, 1)} samples, {sm.get('engine')} engine ({how}): "
+             f"{_seconds(plan.step_seconds)} a chip, {100 * plan.padding_fraction:.0f}% of it on finished rows"]
+    for p in plan.programs:
+        lines.append(f"  {p.name:<16} fits {'yes' if p.fits else 'NO':<3} {_gib(p.total_bytes + p.resident_bytes)} GiB "
+                     f"with the state, {p.runs:.0f} x {_seconds(p.seconds)} ({p.binding}-bound)")
+    coll = d.get("step_collectives")
+    if coll:
+        lines.append(f"  decode step collectives: {coll['count']:.0f} ops, {coll['bytes'] / 1e6:.2f} MB a chip")
+    return "\n".join(lines)
+
+
 def plan_to_dict(plan: RunPlan) -> dict:
     return {
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
