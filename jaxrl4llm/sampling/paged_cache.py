@@ -109,8 +109,17 @@ def gather_pages(pool: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def copy_pages(pool: jax.Array, dst: jax.Array, src: jax.Array) -> jax.Array:
-    """pool[d, dst[d, m]] = pool[d, src[d, m]] (whole pages). dst, src [D, M] int32."""
-    return jax.vmap(lambda p, i, j: p.at[i].set(p[j]))(pool, dst, src)
+    """pool[d, dst[d, m]] = pool[d, src[d, m]] (whole pages). dst, src [D, M] int32.
+
+    Written token by token, as `write_tokens` writes (a scatter of [2 KVH, Dh] rows at (page,
+    offset)): a whole-page scatter made XLA:TPU keep the pool in a second layout and copy every
+    layer's whole pool into it and back at each refill (seen in the v5p compile of Qwen3-8B)."""
+    d, m = dst.shape
+    page = pool.shape[2]
+    rows = jax.vmap(lambda p, j: p[j])(pool, src).reshape((d, m * page) + pool.shape[3:])
+    pages = jnp.repeat(dst, page, axis=1)
+    offsets = jnp.broadcast_to(jnp.tile(jnp.arange(page, dtype=jnp.int32), m), (d, m * page))
+    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x))(pool, pages, offsets, rows)
 
 
 def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax.Array, num_chunks, *,
