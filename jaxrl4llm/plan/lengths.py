@@ -1,4 +1,5 @@
-"""The rows' response lengths, as the meter's input: a run's work depends on them, not on the budget.
+"""The rows' response lengths, as the meter's input: a run's work depends on them, not on the budget;
+and what each sampler does under them (`static_decode_work`, `continuous_decode_work`).
 
     fixed                         every response runs to rollout.max_new_tokens (the old, full-length view)
     fixed:LEN                     every response has LEN tokens

@@ -9,6 +9,8 @@ program of a step is compiled at the run's shapes and shardings:
 
     sampler/weights   the decode layout of the weights (once per rollout)
     sampler/decode    prefill + the decode while_loop for prompts_per_step x samples_per_prompt rows
+                      (rollout.engine=continuous: refills and bursts on rollout.slots slots over the
+                      paged KV cache, the ragged paged attention kernel on TPU)
     logprob pass      old (and reference) log-probs of the rollout batch
     update            the optimizer steps of one rollout batch (mini-batches x micro-batches)
 
