@@ -176,8 +176,21 @@ def cmd_plan(args) -> int:
     log(f"plan: compiling 4 programs for {args.topology or cfg.mesh.topology} (seconds for a small model; a few "
         f"minutes each for a Qwen3-8B update or sampler on a TPU pod topology)")
     plan = plan_run(cfg, args.topology, lengths=args.response_lengths, prompt_tokens=args.prompt_tokens, log=log)
-    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
-    return 0 if plan.fits else 1
+    out = plan_to_dict(plan) if args.json else format_plan(plan)
+    fits = plan.fits
+    if args.eval_problems:
+        from jaxrl4llm.plan.programs import format_eval, plan_eval
+
+        log(f"plan: compiling the sampler of an evaluation of {args.eval_problems} problems")
+        ev = plan_eval(cfg, args.topology, problems=args.eval_problems, lengths=args.response_lengths,
+                       prompt_tokens=args.prompt_tokens, log=log)
+        fits = fits and ev.fits
+        if args.json:
+            out["eval"] = plan_to_dict(ev)
+        else:
+            out += "\n\n" + format_eval(ev, args.eval_problems)
+    print(json.dumps(out, indent=2) if args.json else out)
+    return 0 if fits else 1
 
 
 def cmd_demo(args) -> int:
@@ -269,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(its response_lengths.jsonl); default lognormal, mean max_new_tokens / 4, sigma 0.8")
     p.add_argument("--prompt-tokens", type=float, default=None, metavar="N",
                    help="real prompt tokens a row, for padding and useful-token MFU (default: the prompt bucket)")
+    p.add_argument("--eval-problems", type=int, default=0, metavar="N",
+                   help="also compile and price an evaluation of N problems x trainer.eval_samples samples (the "
+                        "sampler as `train` evaluates: rollout.engine, rollout.slots / prompts_per_step)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
 

@@ -105,6 +105,17 @@ class DecodeBackend:
         and keeps that layout only for 2-D x 2-D products."""
         return einsum("mk,nk->mn", x, w, dtype)
 
+    def split_matmul(self, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+        """`matmul` for a weight whose input dim is split over the mesh's tensor axis (o_proj,
+        down_proj): each chip's partial product is rounded to `dtype` (bf16) before XLA sums the
+        partials across chips, so the activation all-reduce moves bf16, half of float32's bytes
+        (as Megatron-style tensor parallel decoders do). Without a split, or in float32, `matmul`."""
+        split = self.mesh is not None and self.mesh.shape.get(dict(self.rules).get("heads") or "", 1) > 1
+        if not split or jnp.dtype(dtype) == jnp.float32:
+            return self.matmul(x, w, dtype)
+        return jnp.einsum("mk,nk->mn", x.astype(dtype), w.astype(dtype), preferred_element_type=dtype
+                          ).astype(jnp.float32)
+
     def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         """x = table[tokens] as float32. table [V, D]; tokens [...] int32 -> [..., D]."""
         return jnp.take(table, tokens, axis=0).astype(jnp.float32)
@@ -303,7 +314,7 @@ class FusedLayer:
 
     def out(self, attn):
         b, t = attn.shape[:2]
-        y = self._project(attn.reshape(b, t, -1), "o_t")
+        y = self.backend.split_matmul(attn.reshape(b * t, -1), self.w["o_t"], self.dtype).reshape(b, t, -1)
         return y + self.w["o_bias"].astype(jnp.float32) if "o_bias" in self.w else y
 
     def gate_up(self, h):
@@ -315,7 +326,8 @@ class FusedLayer:
         return gu[0], gu[1]
 
     def down(self, a):
-        return self._project(a, "down_t")
+        b, t = a.shape[:2]
+        return self.backend.split_matmul(a.reshape(b * t, -1), self.w["down_t"], self.dtype).reshape(b, t, -1)
 
 
 def _lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):

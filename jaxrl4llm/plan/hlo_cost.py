@@ -370,14 +370,18 @@ def compiled_hlo_text(compiled) -> str:
     return modules[0].to_string(_hlo.HloPrintOptions.short_parsable())
 
 
-def collective_breakdown(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[float] = ()) -> dict:
+def collective_breakdown(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[float] = (),
+                         root: str | None = None) -> dict:
     """{(op, group size, result shape): [count, bytes sent]} over the program, loops weighted by
-    trips: which collectives a program's `collective_bytes` comes from."""
+    trips: which collectives a program's `collective_bytes` comes from. `root`: a loop body's
+    computation, to count one trip of that loop instead (e.g. one decode step; loops inside it
+    weighted by their trips)."""
     comps = parse_module(hlo_text)
     loops = find_loops(comps, dynamic_trips)
-    weight = {next(c.name for c in comps.values() if c.is_entry): 1.0}
+    weight = {root or next(c.name for c in comps.values() if c.is_entry): 1.0}
     for loop in loops:  # walk order: a parent's weight is known before its loops
-        weight[loop.body] = weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips)
+        if root is None or loop.parent in weight:
+            weight[loop.body] = weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips)
     out: dict = {}
 
     def visit(name: str, w: float, seen: frozenset):

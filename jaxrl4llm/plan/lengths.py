@@ -1,4 +1,5 @@
-"""The rows' response lengths, as the meter's input: a run's work depends on them, not on the budget.
+"""The rows' response lengths, as the meter's input: a run's work depends on them, not on the budget;
+and what each sampler does under them (`static_decode_work`, `continuous_decode_work`).
 
     fixed                         every response runs to rollout.max_new_tokens (the old, full-length view)
     fixed:LEN                     every response has LEN tokens
@@ -138,3 +139,80 @@ def decode_block_trips(longest, block_size: int, max_new_tokens: int) -> list[fl
     steps = np.asarray(longest, np.float64) - 1
     return [float(np.mean(np.clip(steps - j * block_size, 0, block_size))) for j in range(num_blocks)]
 
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuousWork:
+    """What the continuous sampler (`sampling.continuous`) does under a length distribution, per call.
+
+    bursts: expected refills (trips of the outer loop); prefill_rounds: prompt prefills per refill
+      (trips of the admission loop; one prompt a round per shard); steps: decode steps in all,
+      steps_per_burst their mean per refill (trips of the burst loop); chunks_per_step: trips of
+      each layer's page-chunk loops (the XLA attention: the longest live slot's pages, in chunks);
+      kv_tokens, kv_pages: per step and shard, keys every slot attends to (an idle slot counts one,
+      as the kernel runs it) and the pages read for them; useful_fraction: live slot-steps over
+      slot-steps (the row-steps that make a token).
+    """
+
+    bursts: float
+    prefill_rounds: float
+    steps: float
+    steps_per_burst: float
+    chunks_per_step: float
+    kv_tokens: float
+    kv_pages: float
+    useful_fraction: float
+    mean_length: float
+
+
+def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budget: int, *, shards: int = 1,
+                           samples: int = 1, burst: int = 16, page_size: int = 16, pages_per_chunk: int = 8,
+                           prompt_tokens: float = 0.0, draws: int = 4, seed: int = 0) -> ContinuousWork:
+    """Monte Carlo of the continuous engine's schedule over `draws` calls of `rows` rows.
+
+    Each of `shards` shards holds rows/shards rows (in order, `samples` a prompt) and
+    slots/shards slots. At a refill every free slot takes the next waiting row (its first token
+    comes from the prompt's prefill, run once per prompt, one prompt a round); then a burst runs
+    min(burst, the longest remaining row over all shards) steps, each slot one token a step. A
+    row of L tokens holds its slot for L - 1 steps; its attention at its j-th step reads
+    prompt_tokens + j keys. The bursts ~ the makespan of the rows on the slots / burst."""
+    rng = np.random.default_rng(seed)
+    nd, sd = rows // shards, max(slots // shards, 1)
+    totals = np.zeros(8)
+    for _ in range(draws):
+        lengths = dist.sample(shards * nd, budget, rng).reshape(shards, nd)
+        need = lengths - 1  # decode steps each row takes after its prefill token
+        left = np.zeros((shards, sd), np.int64)  # steps a slot's row still takes (0: free)
+        done = np.zeros((shards, sd), np.int64)  # steps it took so far (its row's length - 1)
+        nxt = np.zeros(shards, np.int64)
+        bursts = rounds = steps = live_steps = kv = pages = 0.0
+        while True:
+            free = left == 0
+            take = np.minimum(free.sum(1), nd - nxt)
+            if not (left > 0).any() and not take.any():
+                break
+            new_prompts = -(-(nxt + take) // samples) - (-(-nxt // samples))
+            rounds += new_prompts.max()
+            for d in range(shards):
+                at = np.flatnonzero(free[d])[:take[d]]
+                left[d, at], done[d, at] = need[d, nxt[d]:nxt[d] + take[d]], 0
+            nxt += take
+            bursts += 1
+            n = min(burst, int(left.max()))
+            if n == 0:
+                continue
+            k = np.arange(n)[None, None, :]  # the burst's steps
+            live = k < left[..., None]
+            tokens = prompt_tokens + done[..., None] + 1 + k  # keys a live slot attends to
+            steps += n
+            live_steps += live.sum()
+            kv += np.where(live, tokens, 1).sum() / shards
+            pages += np.where(live, np.ceil(tokens / page_size), 1).sum() / shards
+            longest = np.where(live, np.ceil(tokens / page_size), 0).max(axis=(0, 1))
+            totals[7] += np.ceil(longest / pages_per_chunk).sum()
+            left, done = np.maximum(left - n, 0), np.where(left > 0, done + np.minimum(left, n), done)
+        totals[:7] += bursts, rounds, steps, live_steps, kv, pages, lengths.mean()
+    b, r, s, live, kv, pages, mean, chunks = totals / draws
+    return ContinuousWork(bursts=b, prefill_rounds=r / max(b, 1), steps=s, steps_per_burst=s / max(b, 1),
+                          chunks_per_step=chunks / max(s, 1), kv_tokens=kv / max(s, 1), kv_pages=pages / max(s, 1),
+                          useful_fraction=live / max(s * shards * sd, 1), mean_length=mean)

@@ -9,6 +9,8 @@ program of a step is compiled at the run's shapes and shardings:
 
     sampler/weights   the decode layout of the weights (once per rollout)
     sampler/decode    prefill + the decode while_loop for prompts_per_step x samples_per_prompt rows
+                      (rollout.engine=continuous: refills and bursts on rollout.slots slots over the
+                      paged KV cache, the ragged paged attention kernel on TPU)
     logprob pass      old (and reference) log-probs of the rollout batch
     update            the optimizer steps of one rollout batch (mini-batches x micro-batches)
 
@@ -35,8 +37,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
-from jaxrl4llm.plan.hlo_cost import ProgramCost, compiled_hlo_text, program_cost
-from jaxrl4llm.plan.lengths import LengthDistribution, decode_block_trips, parse_lengths, static_decode_work
+from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, find_loops,
+                                     parse_module, program_cost)
+from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
+                                    static_decode_work)
 from jaxrl4llm.train.config import ConfigError, RunConfig
 
 
@@ -180,6 +184,7 @@ class ProgramPlan:
     runs: float = 1.0  # how many times a step runs it (the sampler: once per chunk)
     flops: float = 0.0  # XLA's count per chip per run, every loop body times its trips (+ kernel_flops)
     kernel_flops: float = 0.0  # what XLA cannot count: the attention kernels' custom calls (Pallas), per run
+    kernel_bytes: float = 0.0  # the same for HBM bytes: the paged attention kernel's KV pages read, per run
     hbm_bytes: float = 0.0  # bytes per chip per run to and from HBM (XLA's "bytes accessed", trips counted)
     collective_bytes: float = 0.0  # bytes a chip sends over its links per run (ring model)
     collectives: float = 0.0  # collective ops per run
@@ -223,11 +228,11 @@ class ProgramPlan:
 
     def price(self, cost: ProgramCost, chip: ChipSpec) -> None:
         """Sets the per-run figures from `cost` on `chip`."""
-        self.flops, self.hbm_bytes = cost.flops + self.kernel_flops, cost.hbm_bytes
+        self.flops, self.hbm_bytes = cost.flops + self.kernel_flops, cost.hbm_bytes + self.kernel_bytes
         self.collective_bytes, self.collectives = cost.collective_bytes, cost.collectives
         self.once_counted_flops = cost.once_counted_flops
         self.compute_seconds = self.flops / chip.peak_flops
-        self.memory_seconds = cost.hbm_bytes / chip.hbm_bandwidth
+        self.memory_seconds = self.hbm_bytes / chip.hbm_bandwidth
         self.collective_seconds = cost.collective_bytes / chip.ici_bandwidth if cost.collective_bytes else 0.0
         self.overlap = chip.overlap
         self.loops = [(loop.name, loop.trips) for loop in cost.loops]
@@ -333,12 +338,13 @@ class RunPlan:
 
 
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
-             prompt_tokens: float | None = None, log=None) -> RunPlan:
+             prompt_tokens: float | None = None, log=None, sampler_only: bool = False) -> RunPlan:
     """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
     config's `mesh.topology`; see the module docstring) and model one step's time with the
     responses' lengths drawn from `lengths` (`plan.lengths`; default lognormal, mean a quarter of
     the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
-    `log` gets a line per compiled program as it goes."""
+    `log` gets a line per compiled program as it goes. `sampler_only`: the sampler's programs alone
+    (`plan_eval`)."""
     from jaxrl4llm.core import policy_loss
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
@@ -362,7 +368,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     prompts = cfg.rollout.prompts_per_step
     rows = prompts * g_samples
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = _rows_per_micro(cfg, rows, dp)
+    micro = None if sampler_only else _rows_per_micro(cfg, rows, dp)
     prompt_len = bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS)
     response_len = cfg.rollout.max_new_tokens
     seq = prompt_len + response_len - 1
@@ -424,20 +430,58 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         eos = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
         chunks = -(-prompts // chunk)
-        analytic = decode_memory(config, prompts=num_prompts, **sizing)
-        plan_s, compiled_s = _compile("sampler/decode", lambda: sample_program.lower(
-            weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
-            scalar(jnp.int32), config=config, num_samples=g_samples, max_new_tokens=response_len,
-            top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block,
-            backend=backend, use_kernels=False), analytic, 0.0, dmesh, log)
+        if cfg.rollout.engine == "continuous":  # every prompt in one call, `slots` rows at a time
+            from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, PAGES_PER_CHUNK, continuous_program
+            from jaxrl4llm.sampling.memory import continuous_memory, slots_that_fit
+
+            num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
+            fitting_slots = slots_that_fit(config, 0.85 * chip.hbm - sampler_resident, prompts=num_prompts, **sizing)
+            slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
+            slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
+            from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
+
+            tpu = topology != "cpu" and not is_gpu_topology(topology)
+            attention = "kernel" if tpu and tpu_kernel_supports(config.head_dim) else "xla"  # as `generate` picks
+            tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
+            valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
+            budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
+            analytic = continuous_memory(config, prompts=num_prompts, slots=slots, samples=g_samples,
+                                         prompt_len=prompt_len, max_new_tokens=response_len, data_parallel=ddp,
+                                         tensor_parallel=dtp, embed_dtype=embed_dtype)
+            plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(
+                weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
+                scalar(jnp.int32), budget, config=config, num_samples=g_samples, max_new_tokens=response_len,
+                top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, backend=backend,
+                use_kernels=False, num_shards=ddp, slots=slots, attention=attention), analytic, 0.0, dmesh, log)
+            chunk, chunks = prompts, 1
+            decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=BURST, page_size=PAGE_SIZE,
+                          pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
+                          q_heads=config.num_heads // dtp, kv_heads=config.num_kv_heads // dtp,
+                          cache_bytes=jnp.dtype(config.dtype).itemsize)
+        else:
+            analytic = decode_memory(config, prompts=num_prompts, **sizing)
+            plan_s, compiled_s = _compile("sampler/decode", lambda: sample_program.lower(
+                weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
+                scalar(jnp.int32), config=config, num_samples=g_samples, max_new_tokens=response_len,
+                top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block,
+                backend=backend, use_kernels=False), analytic, 0.0, dmesh, log)
+            decode = dict(engine="static", block=block, kv_rows=kv_rows, rows_per_chunk=min(chunk, prompts) * g_samples,
+                          num_prompts=num_prompts)
         plan_s.runs = chunks
         programs.append(plan_s)
         if compiled_s is not None:  # priced by `with_lengths`: its loops run as long as the longest row
             plan_s.hlo, plan_s.devices = compiled_hlo_text(compiled_s), dmesh.size
-            decode = dict(block=block, kv_rows=kv_rows, rows_per_chunk=min(chunk, prompts) * g_samples,
-                          num_prompts=num_prompts)
-    sampler = dict(tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk, chunks=-(-prompts // chunk),
+        else:
+            decode = None
+    sampler = dict(engine=cfg.rollout.engine, tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk,
+                   chunks=-(-prompts // chunk),
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - sampler_resident, prompts=prompts, **sizing))
+    if decode is not None and decode["engine"] == "continuous":
+        sampler.update(slots=decode["slots"], fitting_slots=fitting_slots, attention=decode["attention"])
+    if sampler_only:
+        plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler,
+                       chips=mesh.size, decode=decode)
+        return with_lengths(plan, lengths, prompt_tokens)
 
     # -- trainer programs
     b_sh = batch_shardings(mesh)
@@ -528,6 +572,27 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     return with_lengths(plan, lengths, prompt_tokens)
 
 
+def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, lengths=None, prompt_tokens=None,
+              log=None) -> RunPlan:
+    """The sampler's programs of an evaluation of `problems` problems x `trainer.eval_samples`
+    samples (`train.evaluation.evaluate`), compiled and priced as `plan_run` prices a rollout:
+    the continuous engine takes every problem in one call on `rollout.slots` slots; the static
+    one runs calls of `rollout.prompts_per_step` problems (the decode program's `runs`)."""
+    greedy = cfg.trainer.eval_temperature <= 0
+    k = 1 if greedy else max(cfg.trainer.eval_samples, 1)
+    continuous = cfg.rollout.engine == "continuous"
+    per_call = problems if continuous else min(cfg.rollout.prompts_per_step, problems)
+    rollout = dataclasses.replace(cfg.rollout, prompts_per_step=per_call, samples_per_prompt=k,
+                                  top_k=0 if greedy else cfg.rollout.top_k, top_p=1.0 if greedy else cfg.rollout.top_p)
+    plan = plan_run(dataclasses.replace(cfg, rollout=rollout), topology, lengths=lengths, prompt_tokens=prompt_tokens,
+                    log=log, sampler_only=True)
+    calls = -(-problems // per_call)
+    for p in plan.programs:
+        if p.name == "sampler/decode":
+            p.runs *= calls
+    return dataclasses.replace(plan, rows=problems * k)
+
+
 def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *, remat: bool, epochs: int,
                            minis: int) -> dict | None:
     """The FLOPs per chip and micro-batch of the training attention when the model's
@@ -599,14 +664,86 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
             p.padding_fraction = max(0.0, 1 - real / positions)
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
-    if d is not None and decode is not None:
+    if d is not None and decode is not None and d.get("engine") == "continuous":
+        work = continuous_decode_work(lengths, plan.rows, d["slots"], plan.response_len, shards=d["shards"],
+                                      samples=d.get("samples", 1), burst=d["burst"], page_size=d["page_size"],
+                                      pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens)
+        if d["attention"] == "kernel":  # XLA counts the Pallas call as nothing: its keys and pages, every layer
+            layers = plan.model.num_layers * work.steps
+            decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
+            decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
+                * d["cache_bytes"]
+        decode.price(program_cost(decode.hlo, num_devices=decode.devices,
+                                  dynamic_trips=continuous_trips(decode.hlo, work)), plan.chip)
+        decode.model_flops = 2 * n * (d["slots"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
+        decode.padding_fraction = 1 - work.useful_fraction
+        d = dict(d, work=dataclasses.asdict(work))
+    elif d is not None and decode is not None:
         work = static_decode_work(lengths, d["rows_per_chunk"], plan.response_len)
         trips = decode_block_trips(work.longest, d["block"], plan.response_len)
         decode.price(program_cost(decode.hlo, num_devices=decode.devices, dynamic_trips=trips), plan.chip)
         decode.model_flops = 2 * n * (d["kv_rows"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - plan.rows * mean_response / (decode.runs * d["kv_rows"] * (work.steps + 1))
+        d = dict(d, work=dict(steps=work.steps, mean_length=work.mean_length, idle_fraction=work.idle_fraction))
+    if d is not None and decode is not None:
+        d["step_collectives"] = decode_step_collectives(decode.hlo, decode.devices, d.get("engine", "static"))
     return dataclasses.replace(plan, programs=programs, lengths=lengths, mean_response=mean_response,
-                               prompt_tokens=prompt_tokens, trainer_positions=positions)
+                               prompt_tokens=prompt_tokens, trainer_positions=positions, decode=d)
+
+
+def _decode_loops(hlo: str):
+    """(computations, every loop in walk order, the loop whose body is one decode step): the first
+    KV-block loop of the static program; the burst loop of the continuous one (the last
+    data-dependent loop inside its outer refill loop)."""
+    comps = parse_module(hlo)
+    loops = find_loops(comps)
+    entry = next(c.name for c in comps.values() if c.is_entry)
+    dynamic = [loop for loop in loops if loop.trips is None]
+    top = [loop for loop in dynamic if loop.parent == entry]
+    inner = [loop for loop in dynamic if top and loop.parent == top[0].body]
+    return comps, loops, top, inner
+
+
+def continuous_trips(hlo: str, work) -> list[float]:
+    """`dynamic_trips` of `sampling.continuous.continuous_program` under a `ContinuousWork`: the
+    refill loop runs `bursts` times; inside it the admission loop `prefill_rounds` and the burst
+    loop `steps_per_burst` times; the page-chunk loops inside a step `chunks_per_step` times."""
+    comps, loops, top, inner = _decode_loops(hlo)
+    if not top or not inner:
+        raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
+    outer, burst = top[0], inner[-1]
+    under_burst = {burst.body}
+    trips = []
+    for loop in loops:
+        if loop.parent in under_burst:
+            under_burst.add(loop.body)
+        if loop.trips is not None:
+            continue
+        if loop is outer:
+            trips.append(work.bursts)
+        elif loop is burst:
+            trips.append(work.steps_per_burst)
+        elif loop.parent == outer.body:
+            trips.append(work.prefill_rounds)
+        elif loop.parent in under_burst:
+            trips.append(work.chunks_per_step)
+        else:
+            trips.append(1.0)
+    return trips
+
+
+def decode_step_collectives(hlo: str, devices: int, engine: str) -> dict:
+    """The collectives of one decode step of the sampler's program (its step loop's body, a
+    chunk loop inside counted once): count, bytes a chip sends (ring model), and each kind
+    (op, dtype, group, result shape). A chip sends these every step, for every row it decodes."""
+    comps, loops, top, inner = _decode_loops(hlo)
+    body = (inner[-1] if engine == "continuous" and inner else top[0] if top else None)
+    if body is None:
+        return {}
+    ops = collective_breakdown(hlo, num_devices=devices, root=body.body)
+    kinds = [dict(op=op, dtype=shape.lstrip("(").split("[")[0], group=group, shape=shape, count=c, bytes=b)
+             for (op, group, shape), (c, b) in sorted(ops.items(), key=lambda kv: -kv[1][1])]
+    return dict(count=sum(k["count"] for k in kinds), bytes=sum(k["bytes"] for k in kinds), kinds=kinds)
 
 
 # ---------------------------------------------------------------------------- report
@@ -624,7 +761,10 @@ def advice(plan: RunPlan) -> list[str]:
             "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
                       "trainer.micro_batch_size (activations), or keep model.remat=true",
             "logprob pass": "lower trainer.micro_batch_size or model.logprob_chunk_size",
-            "sampler/decode": f"set rollout.prompts_per_chunk={plan.sampler.get('fitting_chunk')} (the largest "
+            "sampler/decode": (f"set rollout.slots={plan.sampler.get('fitting_slots')} (the most slots that fit 85% of "
+                               f"HBM by our count; or auto), or raise rollout.tensor_parallel (splits the decode "
+                               f"weights and KV heads)") if plan.sampler.get("engine") == "continuous" else
+                              f"set rollout.prompts_per_chunk={plan.sampler.get('fitting_chunk')} (the largest "
                               f"chunk of prompts that fits 85% of HBM by our count; or auto), or raise "
                               f"rollout.tensor_parallel (splits the decode weights and KV heads)",
             "sampler/weights": "raise rollout.tensor_parallel (the decode weights are replicated over the "
@@ -649,8 +789,21 @@ def format_plan(plan: RunPlan) -> str:
                      f"on average (--response-lengths); prompts: {plan.prompt_tokens:.0f} real tokens a row "
                      f"(--prompt-tokens)")
     sm = plan.sampler
-    if sm:
-        lines.append(f"sampler: decode mesh data {sm['data_parallel']} x tensor {sm['tensor_parallel']} "
+    d = plan.decode or {}
+    if sm and sm.get("engine") == "continuous":
+        work = d.get("work", {})
+        kernel = "the ragged paged attention kernel" if sm["attention"] == "kernel" else "XLA's chunks of live pages"
+        lines.append(f"sampler: the continuous engine (rollout.engine=continuous): decode mesh data "
+                     f"{sm['data_parallel']} x tensor {sm['tensor_parallel']} (rollout.tensor_parallel), "
+                     f"{sm['slots']} slots (rollout.slots; the most that fit by our count: {sm['fitting_slots']}), "
+                     f"attention by {kernel}")
+        if work:
+            lines.append(f"  at these lengths: {work['bursts']:.0f} refills x {work['steps_per_burst']:.1f} decode steps "
+                         f"= {work['steps']:.0f} steps, {100 * work['useful_fraction']:.0f}% of slot-steps make a token, "
+                         f"{work['kv_pages']:.0f} KV pages read a step per shard")
+    elif sm:
+        lines.append(f"sampler: the static engine (rollout.engine=static): decode mesh data {sm['data_parallel']} x "
+                     f"tensor {sm['tensor_parallel']} "
                      f"(rollout.tensor_parallel), {sm['prompts_per_chunk']} prompts per chunk x {sm['chunks']} "
                      f"(rollout.prompts_per_chunk; the largest that fits by our count: {sm['fitting_chunk']})")
     if sm.get("own_chips"):
@@ -660,6 +813,15 @@ def format_plan(plan: RunPlan) -> str:
                      f"= max(sampler {_seconds(side['sampler'])}, trainer {_seconds(side['trainer'])}) + the new "
                      f"parameters' copy to the sampler {_seconds(sm['weight_copy_seconds'])} "
                      f"({_gib(sm['weight_copy_bytes'])} GiB a sampler chip over its links)")
+    coll = d.get("step_collectives")
+    if coll:
+        kinds: dict = {}
+        for k in coll["kinds"]:
+            key = f"{k['op']} {k['dtype']}"
+            kinds[key] = [kinds.get(key, [0, 0])[0] + k["count"], kinds.get(key, [0, 0])[1] + k["bytes"]]
+        parts = ", ".join(f"{key} x{c:.0f} ({b / 1e6:.2f} MB)" for key, (c, b) in sorted(kinds.items(), key=lambda x: -x[1][1]))
+        lines.append(f"decode step collectives (one step, per chip): {coll['count']:.0f} ops, {coll['bytes'] / 1e6:.2f} MB "
+                     f"sent: {parts}")
     lay = plan.packing
     if lay is not None:
         lines.append(f"trainer: packed rows (trainer.packing): micro-batches of {lay.rows_per_shard} rows x {lay.row_width} "
@@ -714,6 +876,23 @@ def format_plan(plan: RunPlan) -> str:
     return "\n".join(lines)
 
 
+def format_eval(plan: RunPlan, problems: int) -> str:
+    """An evaluation's sampler (`plan_eval`): what it holds and how long it takes a chip."""
+    sm, d = plan.sampler, plan.decode or {}
+    decode = next((p for p in plan.programs if p.name == "sampler/decode"), None)
+    how = (f"one call on {sm.get('slots')} slots" if sm.get("engine") == "continuous" else
+           f"{decode.runs:.0f} static calls of {sm['prompts_per_chunk']} problems" if decode else "")
+    lines = [f"eval: {problems} problems x {plan.rows // max(problems, 1)} samples, {sm.get('engine')} engine ({how}): "
+             f"{_seconds(plan.step_seconds)} a chip, {100 * plan.padding_fraction:.0f}% of it on finished rows"]
+    for p in plan.programs:
+        lines.append(f"  {p.name:<16} fits {'yes' if p.fits else 'NO':<3} {_gib(p.total_bytes + p.resident_bytes)} GiB "
+                     f"with the state, {p.runs:.0f} x {_seconds(p.seconds)} ({p.binding}-bound)")
+    coll = d.get("step_collectives")
+    if coll:
+        lines.append(f"  decode step collectives: {coll['count']:.0f} ops, {coll['bytes'] / 1e6:.2f} MB a chip")
+    return "\n".join(lines)
+
+
 def plan_to_dict(plan: RunPlan) -> dict:
     return {
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
@@ -722,6 +901,8 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "response_len": plan.response_len, "sampler": plan.sampler, "side_seconds": plan.side_seconds,
         "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
+        "decode": {k: (dict((a, float(b)) for a, b in v.items()) if k == "work" else v)
+                   for k, v in (plan.decode or {}).items()},
         "programs": [dict({k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"}, total_bytes=p.total_bytes, analytic_total=p.analytic_total,
                           seconds=p.seconds, binding=p.binding, share=plan.share(p))
                      for p in plan.programs],

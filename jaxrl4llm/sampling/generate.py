@@ -31,6 +31,7 @@ from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, le
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
 from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, continuous_program
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
+from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -178,11 +179,13 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         if continuous:
             platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
             cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
-            attention = paged_attention or ("kernel" if platform == "tpu" or cpu_kernel else "xla")
-            if attention not in ("xla", "kernel") or (attention == "kernel" and platform != "tpu" and not cpu_kernel):
-                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU or on CPU "
-                                 f"with the CPU kernels (one device, a bfloat16 or float32 model; this call runs "
-                                 f"on {platform}, CPU kernels {'on' if use_kernels else 'off'})")
+            tpu_kernel = platform == "tpu" and tpu_kernel_supports(config.head_dim)
+            attention = paged_attention or ("kernel" if tpu_kernel or cpu_kernel else "xla")
+            if attention not in ("xla", "kernel") or (attention == "kernel" and not tpu_kernel and not cpu_kernel):
+                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU (head_dim a "
+                                 f"multiple of 128; this model's: {config.head_dim}) or on CPU with the CPU kernels "
+                                 f"(one device, a bfloat16 or float32 model; this call runs on {platform}, CPU "
+                                 f"kernels {'on' if use_kernels else 'off'})")
             per_shard = -(-(slots or num_rows * num_samples) // dp)
             per_shard = min(per_shard, num_rows // dp * num_samples)
             run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,

@@ -109,8 +109,17 @@ def gather_pages(pool: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def copy_pages(pool: jax.Array, dst: jax.Array, src: jax.Array) -> jax.Array:
-    """pool[d, dst[d, m]] = pool[d, src[d, m]] (whole pages). dst, src [D, M] int32."""
-    return jax.vmap(lambda p, i, j: p.at[i].set(p[j]))(pool, dst, src)
+    """pool[d, dst[d, m]] = pool[d, src[d, m]] (whole pages). dst, src [D, M] int32.
+
+    Written token by token, as `write_tokens` writes (a scatter of [2 KVH, Dh] rows at (page,
+    offset)): a whole-page scatter made XLA:TPU keep the pool in a second layout and copy every
+    layer's whole pool into it and back at each refill (seen in the v5p compile of Qwen3-8B)."""
+    d, m = dst.shape
+    page = pool.shape[2]
+    rows = jax.vmap(lambda p, j: p[j])(pool, src).reshape((d, m * page) + pool.shape[3:])
+    pages = jnp.repeat(dst, page, axis=1)
+    offsets = jnp.broadcast_to(jnp.tile(jnp.arange(page, dtype=jnp.int32), m), (d, m * page))
+    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x))(pool, pages, offsets, rows)
 
 
 def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax.Array, num_chunks, *,
@@ -158,6 +167,13 @@ def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax
     return jax.lax.fori_loop(0, num_chunks, values, jnp.zeros((d, s, kvh, hg, dh), jnp.float32))
 
 
+def tpu_kernel_supports(head_dim: int) -> bool:
+    """Whether the TPU ragged paged attention kernel takes this head size: it lays a head across
+    the 128 lanes of a vector register (smaller heads fail an assertion inside the kernel), so
+    other sizes use `paged_attention` (XLA) on TPU too."""
+    return head_dim % 128 == 0
+
+
 def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *, mesh=None,
                            batch_axes: tuple = (), tensor_axis: str | None = None,
                            block_sizes: dict | None = None) -> jax.Array:
@@ -175,12 +191,17 @@ def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_l
 
     def one_device(q, pool, table, kv_len):
         d, s, kvh, hg, dh = q.shape
+        if block_sizes is None and mesh is not None and jax.devices()[0].platform != "tpu":
+            sizes = target_block_sizes(mesh.devices.flat[0].device_kind, q.dtype, pool.dtype, kvh * hg, kvh, dh,
+                                       pool.shape[2], s, table.shape[-1])
+        else:
+            sizes = block_sizes or {}
         outs = []
         for i in range(d):  # D is 1 per device under shard_map
             out = ragged_paged_attention(
                 q[i].reshape(s, kvh * hg, dh).astype(pool.dtype), pool[i], jnp.maximum(kv_len[i], 1),
                 table[i], jnp.arange(s + 1, dtype=jnp.int32), jnp.full((1,), s, jnp.int32), sm_scale=dh**-0.5,
-                **(block_sizes or {}))
+                **sizes)
             outs.append(out.reshape(s, kvh, hg, dh).astype(jnp.float32))
         return jnp.stack(outs)
 
@@ -192,3 +213,19 @@ def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_l
     return jax.shard_map(one_device, mesh=mesh,
                          in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
                          out_specs=P(rows, None, tensor_axis), check_vma=False)(q, pool, table, kv_len)
+
+
+def target_block_sizes(device_kind: str, q_dtype, kv_dtype, q_heads: int, kv_heads: int, head_dim: int,
+                       page_size: int, queries: int, pages_per_seq: int) -> dict:
+    """The ragged paged attention kernel's tuned block sizes for a TPU of `device_kind` (e.g.
+    "TPU v5"), as the kernel picks them on that chip: its own lookup reads the attached device,
+    so compiling for a TPU topology on a CPU host (`jaxrl4llm plan`) passes them explicitly."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes as tuned
+
+    q_per_blk, kv_per_blk = kernel.get_min_heads_per_blk(q_heads, 2 * kv_heads, q_dtype, kv_dtype)
+    key = tuned.simplify_key((q_dtype, kv_dtype, q_per_blk, kv_per_blk // 2, head_dim, page_size, queries,
+                              pages_per_seq))
+    bkv, bq = tuned.TUNED_BLOCK_SIZES.get(" ".join(device_kind.split()[:2]), {}).get(key, (128, 32))
+    if device_kind.split()[:2] == ["TPU", "v4"]:
+        bkv, bq = 32, 32  # the kernel's untuned v4 default (fits its VMEM)
+    return dict(num_kv_pages_per_block=min(pages_per_seq, bkv), num_queries_per_block=min(queries, bq))

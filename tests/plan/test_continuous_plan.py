@@ -1,0 +1,79 @@
+"""`plan` with the continuous sampler: its program compiled for a TPU target with the ragged paged
+attention kernel, its data-dependent loops priced by the slot schedule at a length distribution,
+the kernel's FLOPs and KV bytes added, the decode step's collectives reported; and the eval."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxrl4llm.plan.lengths import continuous_decode_work, parse_lengths, static_decode_work
+from jaxrl4llm.plan.programs import format_plan, plan_eval, plan_to_dict, with_lengths
+from jaxrl4llm.train.config import load_config
+
+from tests.plan.conftest import TINY  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def eval_plan():
+    """The tiny run's evaluation (4 problems x 4 samples) on the continuous engine, compiled for
+    v5e:2x2 with the sampler 2-way tensor parallel (head_dim 128: the kernel's lane width)."""
+    cfg = load_config(None, TINY + ["rollout.engine=continuous", "model.head_dim=128", "rollout.tensor_parallel=2",
+                                    "trainer.eval_samples=4", "trainer.eval_temperature=0.6"])
+    return plan_eval(cfg, "v5e:2x2", problems=4)
+
+
+def test_continuous_sampler_runs_the_paged_kernel_and_is_priced_by_its_schedule(eval_plan):
+    decode = next(p for p in eval_plan.programs if p.name == "sampler/decode")
+    assert [p.name for p in eval_plan.programs] == ["sampler/weights", "sampler/decode"] and decode.fits
+    sm = eval_plan.sampler
+    assert sm["engine"] == "continuous" and sm["attention"] == "kernel" and sm["slots"] == 16 == sm["fitting_slots"]
+    assert "ragged_paged_attention" in decode.hlo and decode.runs == 1
+    # XLA counts the Pallas call as nothing: the meter adds its attention FLOPs and the pages it reads
+    assert 0 < decode.kernel_flops < decode.flops and 0 < decode.kernel_bytes < decode.hbm_bytes
+    # every row at 64 tokens, all 16 rows in slots at once: 63 decode steps in bursts of 16
+    full = with_lengths(eval_plan, "fixed:64")
+    work = full.decode["work"]
+    assert work["steps"] == 63 and work["bursts"] == 4 and work["useful_fraction"] == 1.0
+    trips = dict(next(p for p in full.programs if p.name == "sampler/decode").loops)
+    assert sorted(t for t in trips.values() if t in (4.0, 63 / 4)) == [4.0, 63 / 4]
+    short = with_lengths(eval_plan, "fixed:8")
+    seconds = {name: next(p for p in plan.programs if p.name == "sampler/decode").seconds
+               for name, plan in (("short", short), ("full", full))}
+    assert seconds["short"] < seconds["full"] / 4
+    assert short.decode["work"]["steps"] == 7
+
+
+def test_decode_step_collectives_are_reported(eval_plan, plan):
+    """Per decode step: the tensor-parallel sampler's activation all-reduces (one per attention
+    output and MLP output a layer, at least), in the text and the JSON; the static sampler too."""
+    coll = eval_plan.decode["step_collectives"]
+    # the attention output's and the MLP's partial sums of every layer are summed across the
+    # tensor axis in bf16 (`DecodeBackend.split_matmul`), [slots a shard, hidden]
+    activations = [k for k in coll["kinds"] if k["op"] == "all-reduce" and k["shape"].startswith("bf16[8,128]")]
+    assert sum(k["count"] for k in activations) == 2 * eval_plan.model.num_layers
+    assert not [k for k in coll["kinds"] if k["op"] == "all-reduce" and k["shape"].startswith("f32[8,128]")]
+    assert coll["bytes"] == pytest.approx(sum(k["bytes"] for k in coll["kinds"])) and coll["bytes"] > 0
+    assert "decode step collectives (one step, per chip)" in format_plan(eval_plan)
+    out = json.loads(json.dumps(plan_to_dict(eval_plan)))
+    assert out["decode"]["step_collectives"]["count"] == coll["count"] and out["decode"]["work"]["steps"] > 0
+    assert "step_collectives" in plan.decode and plan.sampler["engine"] == "static"
+
+
+def test_continuous_schedule_counts_every_row_step_once():
+    """The schedule's live slot-steps are the rows' decode steps (L - 1 a row); the steps are at
+    least the makespan bounds (the longest row; the row-steps over the slots); fewer slots than
+    rows run longer but waste less than a static batch."""
+    budget, rows = 512, 64
+    lognormal = parse_lengths("lognormal:mean=128,sigma=0.8", budget)
+    for slots, shards in ((64, 1), (16, 1), (16, 4)):
+        work = continuous_decode_work(lognormal, rows, slots, budget, shards=shards, samples=4, burst=8)
+        live = work.useful_fraction * work.steps * slots
+        assert live == pytest.approx(rows * (work.mean_length - 1), rel=1e-9)
+        assert work.steps >= live / slots and work.bursts >= work.steps / 8
+    static = static_decode_work(lognormal, rows, budget)
+    few = continuous_decode_work(lognormal, rows, 16, budget, samples=4, burst=8)
+    assert few.useful_fraction > 1 - static.idle_fraction
+    fixed = continuous_decode_work(parse_lengths("fixed:9", budget), 8, 2, budget, samples=2, burst=4)
+    assert (fixed.steps, fixed.bursts, fixed.prefill_rounds) == (32, 8, 0.5)  # 4 pairs x 8 steps, 2 bursts a pair
+    assert fixed.kv_tokens == pytest.approx(2 * np.mean(np.arange(1, 9)))  # no prompt: a slot attends to 1..8 keys
