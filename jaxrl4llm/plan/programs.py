@@ -454,6 +454,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                 top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, backend=backend,
                 use_kernels=False, num_shards=ddp, slots=slots, attention=attention), analytic, 0.0, dmesh, log)
             chunk, chunks = prompts, 1
+            continuous_sampler = dict(slots=slots, fitting_slots=fitting_slots, attention=attention)  # fits or not
             decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=BURST, page_size=PAGE_SIZE,
                           pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
                           q_heads=config.num_heads // dtp, kv_heads=config.num_kv_heads // dtp,
@@ -476,8 +477,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     sampler = dict(engine=cfg.rollout.engine, tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk,
                    chunks=-(-prompts // chunk),
                    fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - sampler_resident, prompts=prompts, **sizing))
-    if decode is not None and decode["engine"] == "continuous":
-        sampler.update(slots=decode["slots"], fitting_slots=fitting_slots, attention=decode["attention"])
+    if cfg.rollout.engine == "continuous" and compiled_w is not None:
+        sampler.update(continuous_sampler)
     if sampler_only:
         plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler,
                        chips=mesh.size, decode=decode)
