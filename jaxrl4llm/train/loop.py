@@ -112,8 +112,9 @@ def _mesh(cfg: RunConfig):
 
 
 def _meshes(cfg: RunConfig):
-    """(training mesh, the sampler's own (n, 1, 1) mesh or None): `mesh.sampler_devices` of each
-    process's devices go to the sampler (trainer.max_staleness >= 1), data/fsdp/tensor shape the rest."""
+    """(training mesh, the sampler's own mesh or None): `mesh.sampler_devices` of each process's
+    devices go to the sampler (trainer.max_staleness >= 1; `rollout_pipeline.sampler_base_mesh`),
+    data/fsdp/tensor shape the rest."""
     from jaxrl4llm.models import make_mesh
 
     if cfg.mesh.sampler_devices and not cfg.trainer.max_staleness:
