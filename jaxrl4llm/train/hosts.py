@@ -70,6 +70,16 @@ def all_true(flag: bool) -> bool:
     return bool(np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32))).all())
 
 
+def smallest(value: float) -> float:
+    """The smallest of `value` over the processes (the same answer everywhere; no-op with one):
+    a choice every process must make alike, e.g. sizes from each host's free memory."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return float(np.asarray(multihost_utils.process_allgather(np.asarray([value], np.float64))).min())
+
+
 def fetch(x) -> np.ndarray:
     """The whole value of a (global) array on this host: [N, ...] -> np.ndarray [N, ...].
 

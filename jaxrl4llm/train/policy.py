@@ -89,12 +89,15 @@ class Policy:
         return self.decode_mesh if self.decode_mesh is not None else self.mesh
 
     def _memory_budget(self) -> float | None:
-        """85% of a sampler device's memory minus what it holds, where the device reports it (TPU, GPU)."""
-        stats = self.sampler_mesh.devices.flat[0].memory_stats() if self.sampler_mesh is not None else \
-            jax.devices()[0].memory_stats()
+        """85% of a sampler device's memory minus what it holds, where the device reports it (TPU,
+        GPU): this process's first sampler device (another host's cannot be asked), the smallest
+        over the processes (every process must size the sampler alike)."""
+        devices = list(self.sampler_mesh.devices.flat) if self.sampler_mesh is not None else jax.devices()
+        local = next(d for d in devices if d.process_index == jax.process_index())
+        stats = local.memory_stats()
         if not stats or "bytes_limit" not in stats or self.config is None:
-            return None
-        return 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return None  # the same on every process: one platform
+        return hosts.smallest(0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
     def slots_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Slots of the continuous sampler: `slots`, or with "auto" the most whose memory
