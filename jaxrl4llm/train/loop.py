@@ -607,8 +607,8 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
                 if step + k < cfg.trainer.steps else None
             t_update, (batch, adv, state, metrics, clipped) = update_while_sampling(run, state, rollout, rewards,
                                                                                     sample_next)
-            staleness = staleness_metrics(np.full(rollout.num_rows, current.version), hosts.fetch(rollout.response_mask),
-                                          step, k)
+            staleness = staleness_metrics(np.full(rollout.num_rows, current.version), hosts.fetch(rollout.lengths),
+                                          step, k)  # [N] lengths: the host needs no [N, R] mask
         record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
         t_end = time.perf_counter()
         record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,

@@ -52,10 +52,10 @@ def sampling_version(step: int, max_staleness: int, start: int) -> int:
     return max(step - max_staleness, start)
 
 
-def staleness_metrics(row_versions: np.ndarray, response_mask: np.ndarray, step: int, max_staleness: int) -> dict:
+def staleness_metrics(row_versions: np.ndarray, row_tokens: np.ndarray, step: int, max_staleness: int) -> dict:
     """Policy lag of the tokens a step trains on: lag = step - version of the row that holds them.
 
-    row_versions [N] int; response_mask [N, R] (1 on trained tokens). Returns staleness_mean
+    row_versions [N] int; row_tokens [N]: each row's response tokens (`Rollout.lengths`). Returns staleness_mean
     (token-weighted), staleness_max (over rows with tokens) and staleness_tokens_lag_j for
     j = 0..k: the share of tokens j versions old.
     """
@@ -63,7 +63,7 @@ def staleness_metrics(row_versions: np.ndarray, response_mask: np.ndarray, step:
     if np.any(lag < 0) or np.any(lag > max_staleness):
         raise ValueError(f"rows of versions {sorted(set(row_versions.tolist()))} trained at step {step}: lag outside "
                          f"[0, {max_staleness}]")
-    tokens = np.asarray(response_mask, np.float64).sum(axis=-1)
+    tokens = np.asarray(row_tokens, np.float64)
     total = max(tokens.sum(), 1.0)
     out = {"staleness_mean": float((lag * tokens).sum() / total),
            "staleness_max": int(lag[tokens > 0].max()) if np.any(tokens > 0) else 0}

@@ -27,14 +27,14 @@ def test_every_row_is_at_most_k_versions_old_and_the_token_shares_add_up(k, star
     rng = np.random.default_rng(seed)
     versions = np.array([max(step - int(rng.integers(0, k + 1)), 0) for _ in lengths])
     mask = np.array([[1.0] * n + [0.0] * (6 - n) for n in lengths])
-    m = staleness_metrics(versions, mask, step, k)
+    m = staleness_metrics(versions, mask.sum(axis=-1), step, k)
     shares = [m[f"staleness_tokens_lag_{j}"] for j in range(k + 1)]
     if mask.sum():
         assert sum(shares) == pytest.approx(1.0)
         assert m["staleness_mean"] == pytest.approx(sum(j * s for j, s in enumerate(shares)))
         assert m["staleness_max"] == max(step - v for v, n in zip(versions, lengths) if n)
     with pytest.raises(ValueError, match="lag outside"):
-        staleness_metrics(np.array([step + 1]), np.ones((1, 2)), step, k)
+        staleness_metrics(np.array([step + 1]), np.array([2]), step, k)
 
 
 def test_sampler_devices_take_the_same_share_of_every_process():
