@@ -70,22 +70,43 @@ class Entries(NamedTuple):
 
 
 class Outputs(NamedTuple):
-    """Per shard and local row: tokens, logprobs, logprobs_untruncated [D, N_d, R]; length, eos_seen [D, N_d]."""
+    """Per shard and buffer row: tokens, logprobs, logprobs_untruncated [D, H*N_d, R]; length, eos_seen,
+    segment (the segment that prefilled the row's prompt and drew its first token; -1 before),
+    split (its first token sampled by the next segment's weights; R if none) [D, H*N_d]."""
 
     tokens: jax.Array
     logprobs: jax.Array
     logprobs_untruncated: jax.Array
     length: jax.Array
     eos_seen: jax.Array
+    segment: jax.Array
+    split: jax.Array
+
+
+class Queue(NamedTuple):
+    """The rows the engine admits, per shard, in H halves of P_d prompts (N_d = P_d*G rows) each:
+    tokens, mask [D, H*P_d, T]; uniforms [D, H*N_d, R] ([D, 1, 1] when greedy); budget [D, H*N_d]."""
+
+    tokens: jax.Array
+    mask: jax.Array
+    uniforms: jax.Array
+    budget: jax.Array
 
 
 class EngineState(NamedTuple):
+    """Row m of a shard's stream (rows in admission order) lives in buffer row m % (H*N_d) and
+    answers buffer prompt (m // G) % (H*P_d): H = 1 for one call's rows, 2 for partial rollouts."""
+
     slots: Slots
     entries: Entries
     free: FreePages
-    next_row: jax.Array  # [D] the shard's next waiting row (local index)
+    next_row: jax.Array  # [D] the shard's next waiting row (stream index)
+    end: jax.Array  # [D] rows before it may be admitted (stream index)
     pool: list  # L arrays [D, pages, page, 2 KVH, Dh] (`paged_cache`)
     out: Outputs
+    queue: Queue
+    segment: jax.Array  # [] the current segment (partial rollouts: one per weight version)
+    done: jax.Array  # [] rollouts handed out (partial rollouts)
 
 
 def _take(a, idx):
@@ -112,7 +133,7 @@ def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id) -> tuple[
     token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
     is_eos = jnp.any(token[..., None] == eos_ids, axis=-1) & live
     rows = jnp.where(live, rows, -1)
-    out = Outputs(
+    out = out._replace(
         tokens=_put2(out.tokens, rows, column, token),
         logprobs=_put2(out.logprobs, rows, column, sample.logprob),
         logprobs_untruncated=_put2(out.logprobs_untruncated, rows, column, sample.logprob_untruncated),
@@ -144,42 +165,29 @@ def _retire(state: EngineState, page_size: int) -> EngineState:
     return state._replace(slots=slots._replace(held=slots.held & ~done), entries=entries._replace(refs=refs), free=free)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "backend",
-                     "use_kernels", "num_shards", "slots", "page_size", "pages_per_chunk", "burst", "prefill_prompts",
-                     "attention"),
-)
-def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
-                       pad_id, row_budget, *, config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int,
-                       use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
-                       num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
-                       pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
-                       prefill_prompts: int | None = None, attention: str = "xla") -> ProgramOutput:
-    """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
+class _Engine(NamedTuple):
+    """The engine's stages for one program (built under its jit): sizes and closures."""
 
-    Args (beyond sample_program's):
-      row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
-        unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
-      num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
-      slots: S, rows decoded at once over all shards (a multiple of D).
-      page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
-      burst: decode steps between two refills.
-      prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
-        A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
-        that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
-      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
-        paged attention kernel (`paged_cache.kernel_paged_attention`), on CPU the C++ kernel
-        (`kernels.paged_attention`, which also writes the new token in place; a CpuBackend with kernels).
-    Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
-    """
-    g, r = num_samples, max_new_tokens
-    num_prompts, t = prompt_tokens.shape
+    empty_state: object  # (queue, end) -> EngineState
+    burst_loop: object  # EngineState -> EngineState: admit, then up to `burst` decode steps
+    rows_c: object  # constrain an array's leading axis to the "batch" rule
+    nd: int  # rows of a shard per half
+    pd: int  # prompts of a shard per half
+
+
+def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig, num_samples: int, max_new_tokens: int,
+            top_k: int, use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool, num_shards: int,
+            slots: int, num_prompts: int, prompt_len: int, halves: int, page_size: int, pages_per_chunk: int,
+            burst: int, prefill_prompts: int | None, attention: str) -> _Engine:
+    """The stages of the continuous engine over `halves` x `num_prompts` prompts of width `prompt_len`
+    (`continuous_program` documents the arguments)."""
+    g, r, t = num_samples, max_new_tokens, prompt_len
     d = num_shards
-    pd, sd = num_prompts // d, slots // d
-    nd = pd * g
     if num_prompts % d or slots % d:
         raise ValueError(f"continuous sampler: {num_prompts} prompts and {slots} slots must split over {d} shards")
+    pd, sd = num_prompts // d, slots // d
+    nd = pd * g
+    hp, hn = halves * pd, halves * nd  # buffer prompts and rows of a shard
     kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     cache_dtype = jnp.dtype(config.dtype)
     dtype = jnp.dtype(config.dtype)
@@ -201,31 +209,26 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     if cpu_kernel and not (b.kernels and kernel_supports(config.dtype, config.dtype)):
         raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
                          "bfloat16 or float32 model)")
-
-    shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
-    tokens_d, mask_d = shard(prompt_tokens), shard(prompt_mask.astype(jnp.int32))  # [D, Pd, T]
-    num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
-    budget = shard(jnp.minimum(row_budget.astype(jnp.int32), r))  # [D, Nd]
-    uniforms = None if greedy else shard(row_uniforms(rng, first_row, num_prompts * g, r))  # [D, Nd, R]
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
+    buffer_row = lambda m: jnp.where(m >= 0, m % hn, -1)  # a stream row's buffer row (-1: none)
 
-    def draw(logits, rows, column):
-        """Sample [D, M] slots: logits [D, M, V]; row uniforms at (rows, column)."""
+    def draw(queue: Queue, logits, rows, column):
+        """Sample [D, M] slots: logits [D, M, V]; the uniforms of buffer rows `rows` at `column`."""
         m = rows.shape[1]
-        u = None if greedy else _take(uniforms, rows)  # [D, M, R]
+        u = None if greedy else _take(queue.uniforms, rows)  # [D, M, R]
         u = None if greedy else jnp.take_along_axis(u, jnp.broadcast_to(column, (d, m))[..., None], axis=2)
         flat = sample(logits.reshape(d * m, -1), None, uniform=None if greedy else u.reshape(d * m, 1))
         return jax.tree.map(lambda x: x.reshape(d, m), flat)
 
     def prefill_round(i, state: EngineState, first_prompt, count, a: int) -> EngineState:
-        """Prefill prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
+        """Prefill stream prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
         their KV into fresh pages, an entry each, and the first tokens of all their G rows."""
         en, out = state.entries, state.out
         k = i * a + jnp.arange(a, dtype=jnp.int32)[None, :]  # [1, A]
         valid = k < count[:, None]  # [D, A]
-        prompt = jnp.minimum(first_prompt[:, None] + k, pd - 1)
-        toks, msk = _take(tokens_d, prompt), _take(mask_d, prompt)  # [D, A, T]
+        prompt = (first_prompt[:, None] + k) % hp  # buffer prompts
+        toks, msk = _take(state.queue.tokens, prompt), _take(state.queue.mask, prompt)  # [D, A, T]
         logits, ks, vs = prefill_kv(weights, config, rows_c(toks.reshape(d * a, t)), rows_c(msk.reshape(d * a, t)),
                                     backend=b, cache_dtype=cache_dtype)
         length = jnp.sum(msk, axis=-1)  # [D, A]
@@ -254,17 +257,19 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
                      _put(en.of_prompt, jnp.where(valid, prompt, -1), entry))
         # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
         rows = jnp.where(valid[..., None], prompt[..., None] * g + jnp.arange(g), -1).reshape(d, a * g)
-        first = draw(jnp.repeat(logits.reshape(d, a, -1), g, axis=1), jnp.maximum(rows, 0), jnp.zeros((), jnp.int32))
+        first = draw(state.queue, jnp.repeat(logits.reshape(d, a, -1), g, axis=1), jnp.maximum(rows, 0),
+                     jnp.zeros((), jnp.int32))
         out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, eos_ids, pad_id)
+        out = out._replace(segment=_put(out.segment, rows, jnp.broadcast_to(state.segment, rows.shape)))
         return state._replace(entries=en, free=free, pool=pool, out=out)
 
     def admit(state: EngineState) -> EngineState:
-        """Retire finished slots, then give each free slot the next waiting row (in row order),
+        """Retire finished slots, then give each free slot the next waiting row (in stream order),
         prefilling the prompts whose first row is admitted, A at a time."""
         state = _retire(state, page_size)
         sl = state.slots
         free_slot = ~sl.held
-        count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), num_real * g - state.next_row)  # [D]
+        count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), state.end - state.next_row)  # [D]
         first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
         new_prompts = -(-(state.next_row + count) // g) - first_prompt
         def prefill(s, a):
@@ -280,9 +285,9 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
         mine = free_slot & (rank < count[:, None])  # [D, S]
         row = jnp.where(mine, state.next_row[:, None] + rank, -1)
-        at = jnp.maximum(row, 0)
+        at = jnp.maximum(buffer_row(row), 0)
         token = jnp.take_along_axis(out.tokens[:, :, 0], at, axis=1)
-        done = _take(out.eos_seen, at) | (_take(budget, at) <= 1)
+        done = _take(out.eos_seen, at) | (_take(state.queue.budget, at) <= 1)
         entry = jnp.where(mine, _take(en.of_prompt, at // g), sl.entry)
         # the prompt's partial last page is copied into the slot's first own page (its tokens then
         # continue there: a slot's tokens stay contiguous, and shared pages are never written)
@@ -346,10 +351,11 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
             x, pool = decoder_layer(FusedLayer(p, config, b), x, cos, sin, attend)
             pools.append(pool)
         logits = _lm_head(weights, config, b, x[:, 0]).reshape(d, sd, -1)
-        drawn = draw(logits, jnp.maximum(sl.row, 0), sl.length)
-        out, is_eos = _record(state.out, sl.row, sl.length, drawn, sl.live, eos_ids, pad_id)
+        rows = buffer_row(sl.row)
+        drawn = draw(state.queue, logits, jnp.maximum(rows, 0), sl.length)
+        out, is_eos = _record(state.out, rows, sl.length, drawn, sl.live, eos_ids, pad_id)
         length = sl.length + sl.live.astype(jnp.int32)
-        done = is_eos | (length >= _take(budget, jnp.maximum(sl.row, 0)))
+        done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
         sl = sl._replace(length=length, token=jnp.where(sl.live, drawn.tokens, sl.token), live=sl.live & ~done,
                          pages=pages)
         return state._replace(slots=sl, free=free, pool=pools, out=out)
@@ -363,32 +369,183 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
     bits = isinstance(b, CpuBackend)
     pool = lambda: b.constrain(empty_pool((d, num_pages, page_size, 2 * kvh, dh), cache_dtype, bits=bits), POOL_AXES)
-    state = EngineState(
-        slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32), length=zeros((d, sd), jnp.int32),
-                    token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool), held=zeros((d, sd), bool),
-                    pages=zeros((d, sd, rp), jnp.int32)),
-        entries=Entries(zeros((d, q, tp), jnp.int32), zeros((d, q), jnp.int32), zeros((d, q), jnp.int32),
-                        zeros((d, pd), jnp.int32)),
-        free=empty_free_pages(d, num_pages),
-        next_row=jnp.zeros((d,), jnp.int32),
-        pool=[pool() for _ in range(config.num_layers)],
-        out=Outputs(zeros((d, nd, r), jnp.int32) + pad_id, zeros((d, nd, r), jnp.float32),
-                    zeros((d, nd, r), jnp.float32), zeros((d, nd), jnp.int32), zeros((d, nd), bool)),
-    )
-    more = lambda s: jnp.any(s.slots.live) | jnp.any(s.next_row < num_real * g)
-    state = jax.lax.while_loop(more, burst_loop, state)
 
-    out = state.out
-    unshard = lambda x: rows_c(x.reshape((d * nd,) + x.shape[2:]))
-    length = unshard(out.length)
-    steps = jnp.arange(r, dtype=jnp.int32)
+    def empty_state(queue: Queue, end) -> EngineState:
+        return EngineState(
+            slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32),
+                        length=zeros((d, sd), jnp.int32), token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool),
+                        held=zeros((d, sd), bool), pages=zeros((d, sd, rp), jnp.int32)),
+            entries=Entries(zeros((d, q, tp), jnp.int32), zeros((d, q), jnp.int32), zeros((d, q), jnp.int32),
+                            zeros((d, hp), jnp.int32)),
+            free=empty_free_pages(d, num_pages),
+            next_row=jnp.zeros((d,), jnp.int32),
+            end=end,
+            pool=[pool() for _ in range(config.num_layers)],
+            out=Outputs(zeros((d, hn, r), jnp.int32) + pad_id, zeros((d, hn, r), jnp.float32),
+                        zeros((d, hn, r), jnp.float32), zeros((d, hn), jnp.int32), zeros((d, hn), bool),
+                        zeros((d, hn), jnp.int32, -1), zeros((d, hn), jnp.int32, r)),
+            queue=queue,
+            segment=jnp.zeros((), jnp.int32),
+            done=jnp.zeros((), jnp.int32),
+        )
+
+    return _Engine(empty_state, burst_loop, rows_c, nd, pd)
+
+
+def _rows_of_half(eng: _Engine, state: EngineState, half, num_samples: int, max_new_tokens: int) -> ProgramOutput:
+    """The rows of buffer half `half` (traced) as one call's ProgramOutput ([N, ...], shards in order)."""
+    d = state.next_row.shape[0]
+    nd, pd = eng.nd, eng.pd
+    take = lambda x, size: jax.lax.dynamic_slice_in_dim(x, half * size, size, axis=1)
+    unshard = lambda x: eng.rows_c(x.reshape((d * x.shape[1],) + x.shape[2:]))
+    out, queue = state.out, state.queue
+    length = unshard(take(out.length, nd))
+    steps = jnp.arange(max_new_tokens, dtype=jnp.int32)
+    prompts = lambda x: eng.rows_c(jnp.repeat(unshard(take(x, pd)), num_samples, axis=0))
     return ProgramOutput(
-        prompt_tokens=rows_c(jnp.repeat(prompt_tokens, g, axis=0)),
-        prompt_mask=rows_c(jnp.repeat(prompt_mask, g, axis=0).astype(jnp.float32)),
-        response_tokens=unshard(out.tokens),
+        prompt_tokens=prompts(queue.tokens),
+        prompt_mask=prompts(queue.mask).astype(jnp.float32),
+        response_tokens=unshard(take(out.tokens, nd)),
         response_mask=(steps[None, :] < length[:, None]).astype(jnp.float32),
-        logprobs=unshard(out.logprobs),
-        logprobs_untruncated=unshard(out.logprobs_untruncated),
+        logprobs=unshard(take(out.logprobs, nd)),
+        logprobs_untruncated=unshard(take(out.logprobs_untruncated, nd)),
         lengths=length,
-        truncated=~unshard(out.eos_seen),
+        truncated=~unshard(take(out.eos_seen, nd)),
     )
+
+
+_STATIC = ("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "backend", "use_kernels",
+           "num_shards", "slots", "page_size", "pages_per_chunk", "burst", "prefill_prompts", "attention")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
+                       pad_id, row_budget, *, config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int,
+                       use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
+                       num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
+                       pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
+                       prefill_prompts: int | None = None, attention: str = "xla") -> ProgramOutput:
+    """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
+
+    Args (beyond sample_program's):
+      row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
+        unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
+      num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
+      slots: S, rows decoded at once over all shards (a multiple of D).
+      page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
+      burst: decode steps between two refills.
+      prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
+        A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
+        that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
+      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
+        paged attention kernel (`paged_cache.kernel_paged_attention`), on CPU the C++ kernel
+        (`kernels.paged_attention`, which also writes the new token in place; a CpuBackend with kernels).
+    Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
+    """
+    g, r, d = num_samples, max_new_tokens, num_shards
+    num_prompts, t = prompt_tokens.shape
+    eng = _engine(weights, temperature, top_p, eos_ids, pad_id, config=config, num_samples=g, max_new_tokens=r,
+                  top_k=top_k, use_top_p=use_top_p, greedy=greedy, backend=backend, use_kernels=use_kernels,
+                  num_shards=d, slots=slots, num_prompts=num_prompts, prompt_len=t, halves=1, page_size=page_size,
+                  pages_per_chunk=pages_per_chunk, burst=burst, prefill_prompts=prefill_prompts, attention=attention)
+    shard = lambda x: eng.rows_c(x.reshape((d, -1) + x.shape[1:]))
+    num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
+    queue = Queue(tokens=shard(prompt_tokens), mask=shard(prompt_mask.astype(jnp.int32)),  # [D, Pd, T]
+                  uniforms=jnp.zeros((d, 1, 1), jnp.float32) if greedy else shard(row_uniforms(rng, first_row,
+                                                                                               num_prompts * g, r)),
+                  budget=shard(jnp.minimum(row_budget.astype(jnp.int32), r)))  # [D, Nd]
+    state = eng.empty_state(queue, num_real * g)
+    more = lambda s: jnp.any(s.slots.live) | jnp.any(s.next_row < s.end)
+    state = jax.lax.while_loop(more, eng.burst_loop, state)
+    return _rows_of_half(eng, state, 0, g, r)
+
+
+# ------------------------------------------------------------------ partial rollouts (sampling/partial.py)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_prompts", "prompt_len"))
+def partial_init(pad_id, *, num_prompts: int, prompt_len: int, config: ModelConfig, num_samples: int,
+                 max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool, backend: DecodeBackend,
+                 use_kernels: bool = False, num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
+                 pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST, prefill_prompts: int | None = None,
+                 attention: str = "xla") -> EngineState:
+    """An empty engine for partial rollouts: two halves of `num_prompts` prompts of width `prompt_len`
+    (rollout t in half t % 2), no rows enqueued."""
+    g, r, d = num_samples, max_new_tokens, num_shards
+    eng = _engine(None, None, None, None, pad_id, config=config, num_samples=g, max_new_tokens=r, top_k=top_k,
+                  use_top_p=use_top_p, greedy=greedy, backend=backend, use_kernels=use_kernels, num_shards=d,
+                  slots=slots, num_prompts=num_prompts, prompt_len=prompt_len, halves=2, page_size=page_size,
+                  pages_per_chunk=pages_per_chunk, burst=burst, prefill_prompts=prefill_prompts, attention=attention)
+    zeros = lambda shape, dtype: eng.rows_c(jnp.zeros(shape, dtype))
+    hp, hn = 2 * eng.pd, 2 * eng.nd
+    queue = Queue(zeros((d, hp, prompt_len), jnp.int32), zeros((d, hp, prompt_len), jnp.int32),
+                  jnp.zeros((d, 1, 1), jnp.float32) if greedy else zeros((d, hn, r), jnp.float32),
+                  zeros((d, hn), jnp.int32))
+    return eng.empty_state(queue, jnp.zeros((d,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("num_samples", "max_new_tokens", "greedy", "backend"),
+                   donate_argnums=(0,))
+def partial_enqueue(state: EngineState, prompt_tokens, prompt_mask, rng, row_budget, pad_id, *, num_samples: int,
+                    max_new_tokens: int, greedy: bool, backend: DecodeBackend) -> EngineState:
+    """Append a rollout's P prompts [P, T] (all real) to the stream: their rows become admissible
+    after the rows already enqueued. Row n draws its uniforms from (rng, n) (`filters.row_uniforms`),
+    as `continuous_program` with first_row 0; row_budget [P*G]. The half it takes must have been
+    handed out (`partial_segment`): at most two rollouts are in the engine at a time."""
+    g, r = num_samples, max_new_tokens
+    d, hp = state.queue.tokens.shape[:2]
+    pd, nd = hp // 2, hp // 2 * g
+    rows_c = lambda x: backend.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
+    half = (state.end[0] // nd) % 2
+    put = lambda buf, x, size: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), half * size, axis=1)
+    queue = state.queue
+    queue = Queue(put(queue.tokens, shard(prompt_tokens), pd), put(queue.mask, shard(prompt_mask), pd),
+                  queue.uniforms if greedy else put(queue.uniforms, shard(row_uniforms(rng, 0, pd * d * g, r)), nd),
+                  put(queue.budget, shard(jnp.minimum(row_budget.astype(jnp.int32), r)), nd))
+    out = state.out
+    fill = lambda x, value: put(x, jnp.full((d, nd) + x.shape[2:], value, x.dtype), nd)
+    out = Outputs(fill(out.tokens, pad_id), fill(out.logprobs, 0), fill(out.logprobs_untruncated, 0),
+                  fill(out.length, 0), fill(out.eos_seen, False), fill(out.segment, -1), fill(out.split, r))
+    return state._replace(queue=queue, out=out, end=state.end + nd)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
+def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig,
+                    num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool,
+                    backend: DecodeBackend, use_kernels: bool = False, num_shards: int = 1, slots: int,
+                    page_size: int = PAGE_SIZE, pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
+                    prefill_prompts: int | None = None,
+                    attention: str = "xla") -> tuple[EngineState, ProgramOutput, jax.Array, jax.Array]:
+    """One segment of partial rollouts: decode with `weights` until the oldest rollout in the engine
+    is complete, admitting the next rollout's rows (if enqueued) into slots its rows free; hand the
+    oldest rollout out. Rows carried in from the previous segment continue under these weights
+    from where they stopped (their KV cache as the earlier weights wrote it).
+
+    Returns (state, ProgramOutput of the rollout [N = P*G rows], segment [N], split [N]): row n's
+    tokens before split[n] were drawn in segment segment[n], the rest in segment[n] + 1 (a row
+    spans at most two segments: a segment ends only when its rollout is complete, and the
+    next rollout is the only one it admits from).
+    """
+    g, r, d = num_samples, max_new_tokens, num_shards
+    hp, t = state.queue.tokens.shape[1:]
+    eng = _engine(weights, temperature, top_p, eos_ids, pad_id, config=config, num_samples=g, max_new_tokens=r,
+                  top_k=top_k, use_top_p=use_top_p, greedy=greedy, backend=backend, use_kernels=use_kernels,
+                  num_shards=d, slots=slots, num_prompts=hp // 2 * d, prompt_len=t, halves=2, page_size=page_size,
+                  pages_per_chunk=pages_per_chunk, burst=burst, prefill_prompts=prefill_prompts, attention=attention)
+    nd, hn = eng.nd, 2 * eng.nd
+    sl, out = state.slots, state.out
+    # tokens from here on are this segment's: of rows live in slots, and of rows whose first token an
+    # earlier segment drew at its prompt's prefill, still waiting for a slot
+    live_rows = jnp.where(sl.live, sl.row % hn, -1)
+    split = _put(out.split, live_rows, sl.length)
+    waiting = state.next_row[:, None] + jnp.arange(g, dtype=jnp.int32)  # [D, G]
+    prefilled = (waiting < -(-state.next_row // g)[:, None] * g) & (waiting < state.end[:, None])
+    split = _put(split, jnp.where(prefilled, waiting % hn, -1), jnp.ones_like(waiting))
+    state = state._replace(out=out._replace(split=split))
+    end_t = (state.done + 1) * nd  # the oldest rollout's rows are the stream rows before it
+    more = lambda s: jnp.any(s.slots.live & (s.slots.row < end_t)) | jnp.any(s.next_row < end_t)
+    state = jax.lax.while_loop(more, eng.burst_loop, state)
+    half = state.done % 2
+    rollout = _rows_of_half(eng, state, half, g, r)
+    per_row = lambda x: eng.rows_c(jax.lax.dynamic_slice_in_dim(x, half * nd, nd, axis=1).reshape(d * nd))
+    segment, split = per_row(state.out.segment), per_row(state.out.split)
+    return state._replace(segment=state.segment + 1, done=state.done + 1), rollout, segment, split

@@ -64,6 +64,20 @@ def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
     return True
 
 
+def paged_attention_choice(config, mesh: Mesh | None, use_kernels: bool, requested: str | None) -> str:
+    """The continuous engine's attention ("xla" or "kernel") for generate()'s `paged_attention` option."""
+    platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
+    cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
+    tpu_kernel = platform == "tpu" and tpu_kernel_supports(config.head_dim)
+    attention = requested or ("kernel" if tpu_kernel or cpu_kernel else "xla")
+    if attention not in ("xla", "kernel") or (attention == "kernel" and not tpu_kernel and not cpu_kernel):
+        raise ValueError(f"paged_attention={requested!r}: 'xla' anywhere, 'kernel' on TPU (head_dim a "
+                         f"multiple of 128; this model's: {config.head_dim}) or on CPU with the CPU kernels "
+                         f"(one device, a bfloat16 or float32 model; this call runs on {platform}, CPU "
+                         f"kernels {'on' if use_kernels else 'off'})")
+    return attention
+
+
 def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_ids: Sequence[int],
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
@@ -177,15 +191,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
-            platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
-            cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
-            tpu_kernel = platform == "tpu" and tpu_kernel_supports(config.head_dim)
-            attention = paged_attention or ("kernel" if tpu_kernel or cpu_kernel else "xla")
-            if attention not in ("xla", "kernel") or (attention == "kernel" and not tpu_kernel and not cpu_kernel):
-                raise ValueError(f"paged_attention={paged_attention!r}: 'xla' anywhere, 'kernel' on TPU (head_dim a "
-                                 f"multiple of 128; this model's: {config.head_dim}) or on CPU with the CPU kernels "
-                                 f"(one device, a bfloat16 or float32 model; this call runs on {platform}, CPU "
-                                 f"kernels {'on' if use_kernels else 'off'})")
+            attention = paged_attention_choice(config, mesh, use_kernels, paged_attention)
             per_shard = -(-(slots or num_rows * num_samples) // dp)
             per_shard = min(per_shard, num_rows // dp * num_samples)
             run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,
