@@ -129,6 +129,14 @@ class RolloutConfig:
     # continuous: rows decoded at once; auto = the most whose memory (sampling.memory) fits 85%
     # of a device's memory where the device reports it (TPU, GPU), else all rows.
     slots: Literal["auto"] | int = "auto"
+    # continuous: decode steps between two refills of finished slots.
+    decode_burst: int = 16
+    # Partial rollouts (docs/training.md "Partial rollouts"; trainer.max_staleness >= 1, continuous
+    # engine): one engine runs across steps; a segment decodes until step t's rollout is complete
+    # and admits step t+1's rows into the slots its rows free; those still decoding then continue
+    # under the next policy version. Step t's segment is sampled by version t - k + 1, so no token is
+    # more than k versions old.
+    partial: bool = False
     # static: prompts sampled per chunk (the KV cache holds one chunk's rows): 0 = all at once;
     # auto = the largest chunk whose decode memory (sampling.memory) fits 85% of a device's memory.
     prompts_per_chunk: Literal["auto"] | int = 0
@@ -447,7 +455,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.dynamic_sampling_max_draws": _POSITIVE, "rollout.tensor_parallel": (lambda v: v >= 0, ">= 0 (0 = the training mesh)"),
     "rollout.prompts_per_chunk": (lambda v: v == "auto" or v >= 0, ">= 0 (0 = all at once) or 'auto'"),
-    "rollout.slots": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
+    "rollout.slots": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"), "rollout.decode_burst": _POSITIVE,
     "rollout.retire_pass_rate": (lambda v: 0 < v <= 1, "in (0, 1] or null (off)"),
     "reward.timeout": (lambda v: v > 0, "> 0 (seconds)"),
     "optim.lr": (lambda v: v > 0, "> 0"), "optim.warmup_steps": _NON_NEGATIVE,

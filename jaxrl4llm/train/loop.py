@@ -36,8 +36,9 @@ from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_r
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
-from jaxrl4llm.train.rollout_pipeline import (PendingRollout, pending_from_host, pending_to_host, sampler_base_mesh,
-                                              sampling_version, split_devices, staleness_metrics)
+from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, check_partial, partial_version,
+                                              pending_from_host, pending_to_host, sampler_base_mesh, sampling_version,
+                                              split_devices, staleness_metrics)
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
@@ -263,6 +264,60 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     if cfg.rollout.retire_pass_rate is not None:
         stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
     return merged, np.concatenate([e[2] for e in kept]), stats
+
+
+def partial_stream(policy: Policy, prompts: PromptSet, cfg: RunConfig) -> PartialStream:
+    """rollout.partial: an empty engine for P prompts x G samples of width bucket(the training set's
+    longest prompt) (one program for the run), on the sampler's mesh."""
+    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+    from jaxrl4llm.sampling.partial import PartialRollouts
+
+    r = cfg.rollout
+    width = bucket(prompts.longest, PROMPT_BUCKETS)
+    try:
+        engine = PartialRollouts(
+            policy.graphdef, policy.state, num_prompts=r.prompts_per_step, num_samples=r.samples_per_prompt,
+            max_new_tokens=r.max_new_tokens, prompt_len=width, eos_token_ids=policy.eos_token_ids,
+            pad_token_id=policy.pad_token_id, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            mesh=policy.sampler_mesh, cpu_kernels=policy.cpu_kernels, decode_burst=r.decode_burst,
+            slots=policy.slots_for(r.prompts_per_step, r.samples_per_prompt, width, r.max_new_tokens))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"rollout.partial=true: {e}") from None
+    return PartialStream(engine, {})
+
+
+def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, stream: PromptStream, cfg: RunConfig,
+                   step: int, version: int, base_key, reward_fn, on_params_read: Callable[[], None] | None = None):
+    """rollout.partial: step's rollout from the engine's next segment, sampled by `policy` (version
+    `version`) until it is complete, with step + 1's prompts enqueued first (their rows start in the
+    slots step's rows free). Prompts and random numbers are the synchronous run's: rollout t takes
+    the stream's next P prompts and draws from fold_in(fold_in(base_key, t), 1). Returns
+    (rollout, rewards [P*G] on the host, stats, RowVersions)."""
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    for t in (step, step + 1):
+        if t not in partial.prompt_ids and t < cfg.trainer.steps:
+            ids = partial.prompt_ids[t] = stream.take(P)
+            partial.engine.enqueue([prompts.token_ids[i] for i in ids],
+                                   jax.random.fold_in(jax.random.fold_in(base_key, t), 1))
+    t0 = time.perf_counter()
+    rollout, versions = partial.engine.segment(policy.graphdef, policy.state, version=version)
+    jax.block_until_ready(rollout.response_tokens)
+    t1 = time.perf_counter()
+    if on_params_read is not None:
+        on_params_read()
+    ids = partial.prompt_ids.pop(step)
+    rows = [i for i in ids for _ in range(G)]
+    rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
+                         [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
+    retired = stream.retire(ids, (rewards.reshape(-1, G) > 0.5).mean(axis=1), cfg.rollout.retire_pass_rate)
+    stats = {"time_sampling": t1 - t0, "time_reward": time.perf_counter() - t1, "sampling_draws": 1,
+             "sampling_prompts_drawn": P, "groups_filled_constant": 0, "reward_all_draws": float(np.mean(rewards)),
+             "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens))}
+    if hasattr(reward_fn, "drain"):
+        stats["reward_errors"] = reward_fn.drain("sampling")
+    if cfg.rollout.retire_pass_rate is not None:
+        stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
+    return rollout, rewards, stats, versions
 
 
 @dataclasses.dataclass
@@ -537,6 +592,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
         return done
+    check_partial(cfg.rollout.partial, cfg.trainer.max_staleness, cfg.rollout.engine, cfg.recipe().dynamic_sampling)
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
     resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
@@ -551,6 +607,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     out = as_path(cfg.trainer.out_dir)
     mesh, sampler_mesh = _meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
+    partial = partial_stream(sampler_policy(run, state), run.train_set, cfg) if cfg.rollout.partial else None
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
     start_step, cursor, retired, pending = 0, 0, [], []
     if resume:
@@ -560,8 +617,13 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         state = restored.replace(frozen=state.frozen)
         cursor = int(meta["data_cursor"])
         retired = meta.get("retired_prompts", [])
-        if meta.get("pending"):  # an asynchronous run's rollouts in flight (sampled by earlier policies)
-            pending = pending_from_host(ckpt.restore_pending(start_step), meta["pending"], lambda a: a)
+        if meta.get("pending") or meta.get("partial"):  # an asynchronous run's rollouts in flight
+            arrays = ckpt.restore_pending(start_step)
+            pending = pending_from_host(arrays, meta.get("pending", []), lambda a: a)
+            if partial is not None and meta.get("partial"):  # the engine, its rows mid-way
+                partial.engine.restore({k[7:]: v for k, v in arrays.items() if k.startswith("engine/")},
+                                       meta["partial"]["engine"])
+                partial.prompt_ids.update({int(t): ids for t, ids in meta["partial"]["prompt_ids"].items()})
         log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
         record_config_changes(files.dir, start_step, changes)
@@ -585,9 +647,17 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         log(f"trainer.max_staleness={k}: rows up to {k} policy versions old, and no algorithm.overrides.is_correction "
             f"weighs them by pi_old / pi_behaviour (decoupled PPO, docs/objectives.md: e.g. is_correction=mis_token, "
             f"is_cap=5); the update treats them as on-policy.")
-    draw = lambda t, policy, on_params_read=None: PendingRollout(t, sampling_version(t, k, start_step), *sample_groups(
-        policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t), run.reward_fn, run.recipe,
-        on_params_read))
+    ahead = k - 1 if partial is not None else k  # rollouts sampled whole before the update that trains on them
+
+    def draw(t, policy, on_params_read=None) -> PendingRollout:
+        if partial is None:
+            return PendingRollout(t, sampling_version(t, k, start_step), *sample_groups(
+                policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t), run.reward_fn, run.recipe,
+                on_params_read))
+        version = partial_version(t, k, start_step)
+        return PendingRollout(t, version, *sample_segment(policy, partial, run.train_set, stream, cfg, t, version,
+                                                          run.base_key, run.reward_fn, on_params_read))
+
     for step in range(start_step, cfg.trainer.steps):
         t_step = time.perf_counter()
         if k == 0:  # synchronous: this step's rollout from the current policy
@@ -599,16 +669,17 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
             state, metrics, clipped = run.update(state, batch)
             staleness = {}
         else:  # asynchronous (train/rollout_pipeline.py): train on a rollout sampled k versions ago, sample the next
-            while len(pending) < k and step + len(pending) < cfg.trainer.steps:  # a run's first rollouts
+            while len(pending) < ahead and step + len(pending) < cfg.trainer.steps:  # a run's first rollouts
                 pending.append(draw(step + len(pending), sampler_policy(run, state)))
-            current = pending.pop(0)
+            current = pending.pop(0) if ahead else draw(step, sampler_policy(run, state))
             rollout, rewards, sample_stats = trainer_rows(run, current.rollout), current.rewards, current.stats
-            sample_next = (lambda policy, dispatch: pending.append(draw(step + k, policy, dispatch))) \
-                if step + k < cfg.trainer.steps else None
+            sample_next = (lambda policy, dispatch: pending.append(draw(step + ahead, policy, dispatch))) \
+                if ahead and step + ahead < cfg.trainer.steps else None
             t_update, (batch, adv, state, metrics, clipped) = update_while_sampling(run, state, rollout, rewards,
                                                                                     sample_next)
-            staleness = staleness_metrics(np.full(rollout.num_rows, current.version), hosts.fetch(rollout.lengths),
-                                          step, k)  # [N] lengths: the host needs no [N, R] mask
+            lengths = hosts.fetch(rollout.lengths)  # [N]: the host needs no [N, R] mask
+            staleness = staleness_metrics(*(current.versions.token_versions(lengths) if current.versions is not None
+                                            else (np.full(rollout.num_rows, current.version), lengths)), step, k)
         record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
         t_end = time.perf_counter()
         record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,
@@ -623,9 +694,14 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         history.append(record)
         def save():  # asynchronous: the next step starts at once
             arrays, in_flight = pending_to_host(pending, hosts.fetch)  # rollouts sampled for the steps ahead
-            ckpt.save(step + 1, state.replace(frozen=None), {
-                "data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
-                "retired_prompts": sorted(stream.retired), "pending": in_flight}, pending=arrays)
+            meta = {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
+                    "retired_prompts": sorted(stream.retired), "pending": in_flight}
+            if partial is not None:  # the engine with the next rollout's rows begun (KV cache included)
+                engine_arrays, engine_meta = partial.engine.host_state(hosts.fetch)
+                arrays.update({f"engine/{i}": a for i, a in engine_arrays.items()})
+                meta["partial"] = {"engine": engine_meta,
+                                   "prompt_ids": {str(t): list(map(int, ids)) for t, ids in partial.prompt_ids.items()}}
+            ckpt.save(step + 1, state.replace(frozen=None), meta, pending=arrays)
         checkpoint_now = cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0
         if checkpoint_now:
             save()

@@ -35,6 +35,7 @@ class Policy:
     prompts_per_chunk: int | str = 0  # rollout.prompts_per_chunk: 0 = all at once, or "auto"
     engine: str = "continuous"  # rollout.engine: "continuous" or "static"
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
+    decode_burst: int = 16  # rollout.decode_burst (continuous engine): decode steps between refills
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -82,6 +83,7 @@ class Policy:
             prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
             engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
+            decode_burst=self.decode_burst,
         )
 
     @property
@@ -264,7 +266,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         chunk_size=m.logprob_chunk_size,
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
         decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
-        engine=cfg.rollout.engine, slots=cfg.rollout.slots,
+        engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
     )
 
 

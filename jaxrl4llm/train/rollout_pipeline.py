@@ -17,8 +17,15 @@ pi_old = pi_{theta_t} (the proximal policy of decoupled PPO, AReaL arXiv 2505.24
 ratio is taken against it; the behaviour policy's log-probs (the sampler's, version v) enter through
 `algorithm.overrides.is_correction` (core/mismatch.py) as pi_old / pi_behaviour per token.
 
-Rows are never dropped for age: the schedule bounds every row's lag by k by construction (there are
-no partial rollouts: a row is sampled by one version from its first token to its last).
+Rows are never dropped for age: the schedule bounds every token's lag by k by construction.
+Without `rollout.partial` a row is sampled by one version from its first token to its last. With
+it (`sampling/partial.py`) one engine runs across steps: the segment that hands out step t's
+rollout is sampled by version max(t - k + 1, start) and admits step t+1's rows into the slots
+step t's rows free; those still decoding continue in segment t+1 under its version. A row thus
+spans at most two segments (a segment ends only when its rollout is complete): a row trained at
+step t holds tokens of segments t - 1 and t, versions max(t - k, start) and max(t - k + 1, start),
+at most k old. So no row is dropped or recomputed; the bound holds by construction, and the staleness metrics
+(per token, `sampling.partial.RowVersions`) check it at every step.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl4llm.sampling.partial import RowVersions
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -45,6 +53,39 @@ class PendingRollout:
     rollout: Any
     rewards: np.ndarray
     stats: dict
+    versions: Any = None  # rollout.partial: sampling.partial.RowVersions (a version per token); None: all `version`
+
+
+@dataclasses.dataclass
+class PartialStream:
+    """rollout.partial: the sampler's engine (`sampling.partial.PartialRollouts`) kept across steps,
+    and the prompt ids of each rollout enqueued in it and not yet handed out ({step: ids})."""
+
+    engine: Any
+    prompt_ids: dict
+
+
+def check_partial(partial: bool, max_staleness: int, engine: str, dynamic_sampling: bool) -> None:
+    """rollout.partial's requirements, as a ConfigError naming the settings to change."""
+    from jaxrl4llm.train.config import ConfigError
+
+    if not partial:
+        return
+    if max_staleness < 1:
+        raise ConfigError("rollout.partial=true carries rows across policy versions: set trainer.max_staleness >= 1 "
+                         "(k = 1: each segment sampled by the current policy, rows carried one version; k = 2: "
+                         "segments also overlap the update)")
+    if engine != "continuous":
+        raise ConfigError("rollout.partial=true needs rollout.engine=continuous (the engine kept across steps)")
+    if dynamic_sampling:
+        raise ConfigError("rollout.partial=true with dynamic sampling: the redraws depend on rewards the engine "
+                         "cannot see while it decodes; use a recipe without dynamic sampling (or rollout.partial=false)")
+
+
+def partial_version(step: int, max_staleness: int, start: int) -> int:
+    """The version that samples step t's segment under rollout.partial: max(t - k + 1, start)
+    (its rows begun in segment t - 1 are then k versions old at step t)."""
+    return sampling_version(step, max_staleness - 1, start)
 
 
 def sampling_version(step: int, max_staleness: int, start: int) -> int:
@@ -126,7 +167,10 @@ def pending_to_host(pending: list[PendingRollout], fetch) -> tuple[dict, list[di
         for name in _ROLLOUT_FIELDS:
             arrays[f"{i}/{name}"] = fetch(getattr(p.rollout, name))
         arrays[f"{i}/rewards"] = np.asarray(p.rewards)
-        meta.append({"step": p.step, "version": p.version, "stats": p.stats})
+        if p.versions is not None:
+            for name, x in p.versions._asdict().items():
+                arrays[f"{i}/versions_{name}"] = np.asarray(x)
+        meta.append({"step": p.step, "version": p.version, "stats": p.stats, "partial": p.versions is not None})
     return arrays, meta
 
 
@@ -136,6 +180,8 @@ def pending_from_host(arrays: dict, meta: list[dict], place) -> list[PendingRoll
     out = []
     for i, m in enumerate(meta):
         rollout = Rollout(*(place(np.asarray(arrays[f"{i}/{name}"])) for name in _ROLLOUT_FIELDS))
+        versions = RowVersions(*(np.asarray(arrays[f"{i}/versions_{name}"]) for name in RowVersions._fields)) \
+            if m.get("partial") else None
         out.append(PendingRollout(int(m["step"]), int(m["version"]), rollout, np.asarray(arrays[f"{i}/rewards"]),
-                                  dict(m["stats"])))
+                                  dict(m["stats"]), versions))
     return out
