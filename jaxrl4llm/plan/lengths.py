@@ -165,9 +165,57 @@ class ContinuousWork:
     mean_length: float
 
 
+def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst: int, page_size: int, pages_per_chunk: int,
+              prompt_tokens: float, lookahead: bool) -> list[np.ndarray]:
+    """The continuous engine's schedule over a stream of rollouts (lengths [shards, K * nd], rollout
+    j = the rows j*nd .. (j+1)*nd - 1 of each shard), one segment a rollout: it ends after the
+    burst in which the rollout's last row finishes; with `lookahead` (partial rollouts) it admits
+    the next rollout's rows too, and the slots carry over. Returns per segment [bursts, rounds,
+    steps, live slot-steps, keys, pages, page-chunk trips]."""
+    shards = lengths.shape[0]
+    need = lengths - 1  # decode steps each row takes after its prefill token
+    left = np.zeros((shards, sd), np.int64)  # steps a slot's row still takes (0: free)
+    done = np.zeros((shards, sd), np.int64)  # steps it took so far (its row's length - 1)
+    row = np.full((shards, sd), -1, np.int64)  # the stream row a slot holds
+    nxt = np.zeros(shards, np.int64)
+    out = []
+    for j in range(lengths.shape[1] // nd):
+        end, limit = (j + 1) * nd, min((j + 2 if lookahead else j + 1) * nd, lengths.shape[1])
+        totals = np.zeros(7)
+        while True:
+            if not (((left > 0) & (row < end)).any() or (nxt < end).any()):
+                break
+            free = left == 0
+            take = np.minimum(free.sum(1), limit - nxt)
+            new_prompts = -(-(nxt + take) // samples) - (-(-nxt // samples))
+            totals[1] += new_prompts.max()
+            for d in range(shards):
+                at = np.flatnonzero(free[d])[:take[d]]
+                left[d, at], done[d, at], row[d, at] = need[d, nxt[d]:nxt[d] + take[d]], 0, np.arange(nxt[d],
+                                                                                                      nxt[d] + take[d])
+            nxt += take
+            totals[0] += 1
+            n = min(burst, int(left.max()))
+            if n == 0:
+                continue
+            k = np.arange(n)[None, None, :]  # the burst's steps
+            live = k < left[..., None]
+            tokens = prompt_tokens + done[..., None] + 1 + k  # keys a live slot attends to
+            totals[2] += n
+            totals[3] += live.sum()
+            totals[4] += np.where(live, tokens, 1).sum() / shards
+            totals[5] += np.where(live, np.ceil(tokens / page_size), 1).sum() / shards
+            longest = np.where(live, np.ceil(tokens / page_size), 0).max(axis=(0, 1))
+            totals[6] += np.ceil(longest / pages_per_chunk).sum()
+            left, done = np.maximum(left - n, 0), np.where(left > 0, done + np.minimum(left, n), done)
+        out.append(totals)
+    return out
+
+
 def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budget: int, *, shards: int = 1,
                            samples: int = 1, burst: int = 16, page_size: int = 16, pages_per_chunk: int = 8,
-                           prompt_tokens: float = 0.0, draws: int = 4, seed: int = 0) -> ContinuousWork:
+                           prompt_tokens: float = 0.0, draws: int = 4, seed: int = 0,
+                           partial: bool = False) -> ContinuousWork:
     """Monte Carlo of the continuous engine's schedule over `draws` calls of `rows` rows.
 
     Each of `shards` shards holds rows/shards rows (in order, `samples` a prompt) and
@@ -175,44 +223,27 @@ def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budg
     comes from the prompt's prefill, run once per prompt, one prompt a round); then a burst runs
     min(burst, the longest remaining row over all shards) steps, each slot one token a step. A
     row of L tokens holds its slot for L - 1 steps; its attention at its j-th step reads
-    prompt_tokens + j keys. The bursts ~ the makespan of the rows on the slots / burst."""
+    prompt_tokens + j keys. The bursts ~ the makespan of the rows on the slots / burst.
+    partial (rollout.partial): one stream of draws + 2 rollouts, each segment admitting the next
+    rollout's rows into the slots its own free; the figures are per segment in the steady state
+    (the first segment, which starts from empty slots, and the last, with no next rollout, left out)."""
     rng = np.random.default_rng(seed)
     nd, sd = rows // shards, max(slots // shards, 1)
-    totals = np.zeros(8)
-    for _ in range(draws):
-        lengths = dist.sample(shards * nd, budget, rng).reshape(shards, nd)
-        need = lengths - 1  # decode steps each row takes after its prefill token
-        left = np.zeros((shards, sd), np.int64)  # steps a slot's row still takes (0: free)
-        done = np.zeros((shards, sd), np.int64)  # steps it took so far (its row's length - 1)
-        nxt = np.zeros(shards, np.int64)
-        bursts = rounds = steps = live_steps = kv = pages = 0.0
-        while True:
-            free = left == 0
-            take = np.minimum(free.sum(1), nd - nxt)
-            if not (left > 0).any() and not take.any():
-                break
-            new_prompts = -(-(nxt + take) // samples) - (-(-nxt // samples))
-            rounds += new_prompts.max()
-            for d in range(shards):
-                at = np.flatnonzero(free[d])[:take[d]]
-                left[d, at], done[d, at] = need[d, nxt[d]:nxt[d] + take[d]], 0
-            nxt += take
-            bursts += 1
-            n = min(burst, int(left.max()))
-            if n == 0:
-                continue
-            k = np.arange(n)[None, None, :]  # the burst's steps
-            live = k < left[..., None]
-            tokens = prompt_tokens + done[..., None] + 1 + k  # keys a live slot attends to
-            steps += n
-            live_steps += live.sum()
-            kv += np.where(live, tokens, 1).sum() / shards
-            pages += np.where(live, np.ceil(tokens / page_size), 1).sum() / shards
-            longest = np.where(live, np.ceil(tokens / page_size), 0).max(axis=(0, 1))
-            totals[7] += np.ceil(longest / pages_per_chunk).sum()
-            left, done = np.maximum(left - n, 0), np.where(left > 0, done + np.minimum(left, n), done)
-        totals[:7] += bursts, rounds, steps, live_steps, kv, pages, lengths.mean()
-    b, r, s, live, kv, pages, mean, chunks = totals / draws
+    if partial:
+        draws *= 3  # segments vary more than calls (a segment's length depends on the one before)
+        lengths = dist.sample(shards * nd * (draws + 2), budget, rng).reshape(shards, draws + 2, nd)
+        segments = segment_schedule(lengths.reshape(shards, -1), nd, sd, samples, burst, page_size, pages_per_chunk,
+                             prompt_tokens, lookahead=True)[1:-1]
+        means = lengths[:, 1:-1].mean()
+    else:
+        segments, means = [], []
+        for _ in range(draws):
+            lengths = dist.sample(shards * nd, budget, rng).reshape(shards, nd)
+            segments += segment_schedule(lengths, nd, sd, samples, burst, page_size, pages_per_chunk, prompt_tokens,
+                                  lookahead=False)
+            means.append(lengths.mean())
+        means = float(np.mean(means))
+    b, r, s, live, kv, pages, chunks = np.mean(segments, axis=0)
     return ContinuousWork(bursts=b, prefill_rounds=r / max(b, 1), steps=s, steps_per_burst=s / max(b, 1),
                           chunks_per_step=chunks / max(s, 1), kv_tokens=kv / max(s, 1), kv_pages=pages / max(s, 1),
-                          useful_fraction=live / max(s * shards * sd, 1), mean_length=mean)
+                          useful_fraction=live / max(s * shards * sd, 1), mean_length=float(means))

@@ -431,7 +431,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
         chunks = -(-prompts // chunk)
         if cfg.rollout.engine == "continuous":  # every prompt in one call, `slots` rows at a time
-            from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, PAGES_PER_CHUNK, continuous_program
+            from jaxrl4llm.sampling.continuous import PAGE_SIZE, PAGES_PER_CHUNK, continuous_program
             from jaxrl4llm.sampling.memory import continuous_memory, slots_that_fit
 
             num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
@@ -452,10 +452,12 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                 weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
                 scalar(jnp.int32), budget, config=config, num_samples=g_samples, max_new_tokens=response_len,
                 top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, backend=backend,
-                use_kernels=False, num_shards=ddp, slots=slots, attention=attention), analytic, 0.0, dmesh, log)
+                use_kernels=False, num_shards=ddp, slots=slots, burst=cfg.rollout.decode_burst, attention=attention),
+                analytic, 0.0, dmesh, log)
             chunk, chunks = prompts, 1
             continuous_sampler = dict(slots=slots, fitting_slots=fitting_slots, attention=attention)  # fits or not
-            decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=BURST, page_size=PAGE_SIZE,
+            decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
+                          partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE,
                           pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
                           q_heads=config.num_heads // dtp, kv_heads=config.num_kv_heads // dtp,
                           cache_bytes=jnp.dtype(config.dtype).itemsize)
@@ -668,7 +670,8 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     if d is not None and decode is not None and d.get("engine") == "continuous":
         work = continuous_decode_work(lengths, plan.rows, d["slots"], plan.response_len, shards=d["shards"],
                                       samples=d.get("samples", 1), burst=d["burst"], page_size=d["page_size"],
-                                      pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens)
+                                      pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens,
+                                      partial=bool(d.get("partial")))
         if d["attention"] == "kernel":  # XLA counts the Pallas call as nothing: its keys and pages, every layer
             layers = plan.model.num_layers * work.steps
             decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
@@ -801,7 +804,9 @@ def format_plan(plan: RunPlan) -> str:
         if work:
             lines.append(f"  at these lengths: {work['bursts']:.0f} refills x {work['steps_per_burst']:.1f} decode steps "
                          f"= {work['steps']:.0f} steps, {100 * work['useful_fraction']:.0f}% of slot-steps make a token, "
-                         f"{work['kv_pages']:.0f} KV pages read a step per shard")
+                         f"{work['kv_pages']:.0f} KV pages read a step per shard"
+                         + (" (rollout.partial: a segment's, the next rollout's rows filling the slots its rows free)"
+                            if d.get("partial") else ""))
     elif sm:
         lines.append(f"sampler: the static engine (rollout.engine=static): decode mesh data {sm['data_parallel']} x "
                      f"tensor {sm['tensor_parallel']} "

@@ -101,8 +101,9 @@ class PartialRollouts:
                            use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp, page_size=int(kv_page_size),
                            burst=int(decode_burst),
                            attention=paged_attention_choice(config, mesh, use_kernels, paged_attention))
-        self.state = partial_init(np.int32(pad_token_id), num_prompts=num_prompts, prompt_len=prompt_len,
-                                  **self.static)
+        state = partial_init(np.int32(pad_token_id), num_prompts=num_prompts, prompt_len=prompt_len, **self.static)
+        # committed to its devices, as every later state is (a segment's output): one program each
+        self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
         self.enqueued = 0  # rollouts enqueued
         self.handed_out = 0  # rollouts a segment returned
         self.versions: list[int] = []  # the policy version of each segment so far

@@ -77,3 +77,12 @@ def test_continuous_schedule_counts_every_row_step_once():
     fixed = continuous_decode_work(parse_lengths("fixed:9", budget), 8, 2, budget, samples=2, burst=4)
     assert (fixed.steps, fixed.bursts, fixed.prefill_rounds) == (32, 8, 0.5)  # 4 pairs x 8 steps, 2 bursts a pair
     assert fixed.kv_tokens == pytest.approx(2 * np.mean(np.arange(1, 9)))  # no prompt: a slot attends to 1..8 keys
+    # partial rollouts: the next rollout's rows fill the tail, so a segment takes fewer steps than a call,
+    # at least the row-steps of a rollout over the slots, and the slots waste less
+    for slots in (64, 16):
+        call = continuous_decode_work(lognormal, rows, slots, budget, samples=4, burst=8, draws=6)
+        seg = continuous_decode_work(lognormal, rows, slots, budget, samples=4, burst=8, draws=6, partial=True)
+        assert rows * (seg.mean_length - 1) / slots * 0.8 <= seg.steps < call.steps
+        assert seg.useful_fraction > call.useful_fraction
+    same = continuous_decode_work(parse_lengths("fixed:9", budget), 8, 2, budget, samples=2, burst=4, partial=True)
+    assert (same.steps, same.bursts) == (fixed.steps, fixed.bursts)  # equal lengths: no tail to fill
