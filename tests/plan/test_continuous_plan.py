@@ -86,3 +86,17 @@ def test_continuous_schedule_counts_every_row_step_once():
         assert seg.useful_fraction > call.useful_fraction
     same = continuous_decode_work(parse_lengths("fixed:9", budget), 8, 2, budget, samples=2, burst=4, partial=True)
     assert (same.steps, same.bursts) == (fixed.steps, fixed.bursts)  # equal lengths: no tail to fill
+
+
+def test_partial_rollouts_price_a_segment_of_the_stream(eval_plan):
+    """rollout.partial: the same compiled program priced by the steady-state segment (the next
+    rollout's rows fill the tail): fewer decode steps and less time than a whole call, said in the report."""
+    import dataclasses
+
+    lognormal = "lognormal:mean=12,sigma=0.8"
+    call = with_lengths(eval_plan, lognormal)
+    seg = with_lengths(dataclasses.replace(eval_plan, decode=dict(eval_plan.decode, partial=True)), lognormal)
+    assert seg.decode["work"]["steps"] < call.decode["work"]["steps"]
+    time = lambda p: next(q for q in p.programs if q.name == "sampler/decode").seconds
+    assert time(seg) < time(call)
+    assert "rollout.partial" in format_plan(seg) and "rollout.partial" not in format_plan(call)
