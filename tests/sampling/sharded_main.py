@@ -1,6 +1,6 @@
 """Run in a subprocess with 8 simulated CPU devices: sharded generate() == single-device generate(),
 for the static and the continuous engine (data-parallel shards with their own slots and pages,
-tensor-parallel weights and KV heads)."""
+tensor-parallel weights and KV heads), and partial rollouts through one engine."""
 
 import os
 
@@ -68,6 +68,30 @@ def continuous_rows(graphdef, state, sharded_state, mesh, config):
         for name in ("response_tokens", "lengths", "truncated", "response_mask"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(single, name)), name)
         np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+    partial_rows(graphdef, state, sharded_state, decode_mesh(mesh, 2, num_kv_heads=config.num_kv_heads), prompts,
+                 budgets, {k: v for k, v in kwargs.items() if k not in ("rng", "row_max_new_tokens")})
+
+
+def partial_rows(graphdef, state, sharded_state, mesh, prompts, budgets, sampling):
+    """Partial rollouts (`sampling.partial`) on the 4 x 1 x 2 mesh: two rollouts of 4 prompts through
+    one engine (1 slot a shard: the second rollout's rows start in the slots the first's free), the
+    same weights: each rollout is the single-device static engine's rows of its prompts."""
+    from jaxrl4llm.sampling.partial import PartialRollouts
+
+    g = sampling["num_samples"]
+    parts, keys = [prompts[:4], prompts[4:]], [jax.random.key(5), jax.random.key(6)]
+    rows = [budgets[:4 * g], budgets[4 * g:]]
+    stream = PartialRollouts(graphdef, sharded_state, num_prompts=4, prompt_len=8, mesh=mesh, slots=4,
+                             kv_page_size=4, decode_burst=3, **sampling)
+    for t in range(2):
+        stream.enqueue(parts[t], keys[t], rows[t])
+    for t in range(2):
+        got, _ = stream.segment(graphdef, sharded_state, version=0)
+        want = generate(graphdef, state, parts[t], engine="static", rng=keys[t], row_max_new_tokens=rows[t],
+                        prompt_buckets=(8,), **sampling)
+        for name in ("response_tokens", "lengths", "truncated", "prompt_tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
 if __name__ == "__main__":
