@@ -64,14 +64,15 @@ class PartialRollouts:
     Args: graphdef, state: the model (`generate`'s); mesh: the sampler's mesh (rows over its batch
     axes, P a multiple of their size); num_prompts: P per rollout; prompt_len: T, every prompt's
     padded width (fixed for the stream); slots: S (None: all rows of one rollout); the sampling
-    settings as `generate` takes them.
+    settings as `generate` takes them; fetch: a global array's whole value on this host (default
+    `jax.device_get`; a multi-host run passes `train.hosts.fetch`).
     """
 
     def __init__(self, graphdef, state, *, num_prompts: int, num_samples: int, max_new_tokens: int, prompt_len: int,
                  eos_token_ids: Sequence[int], pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, mesh: Mesh | None = None, slots: int | None = None,
                  cpu_kernels: bool | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
-                 paged_attention: str | None = None):
+                 paged_attention: str | None = None, fetch=None):
         model = merge(graphdef, state)
         if not isinstance(model, CausalLM):
             raise TypeError(f"partial rollouts need a jaxrl4llm CausalLM (the continuous engine); got "
@@ -85,6 +86,7 @@ class PartialRollouts:
             raise ValueError(f"prompt width {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}")
         use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
+        self.fetch = fetch or (lambda x: np.asarray(jax.device_get(x)))
         self.config, self.mesh, self.greedy = config, mesh, bool(greedy or temperature <= 0)
         self.backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels,
                                       block_size=block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
@@ -147,7 +149,7 @@ class PartialRollouts:
         self.state, out, segment, split = partial_segment(weights, self.state, self.temperature, self.top_p, self.eos,
                                                           np.int32(self.pad_token_id), **self.static)
         self.handed_out += 1
-        segment, split = np.asarray(jax.device_get(segment)), np.asarray(jax.device_get(split))
+        segment, split = self.fetch(segment), self.fetch(split)
         by_segment = np.asarray(self.versions)  # a row's second segment is the one after its first
         first = by_segment[segment]
         second = by_segment[np.minimum(segment + 1, len(self.versions) - 1)]

@@ -279,7 +279,7 @@ def partial_stream(policy: Policy, prompts: PromptSet, cfg: RunConfig) -> Partia
             policy.graphdef, policy.state, num_prompts=r.prompts_per_step, num_samples=r.samples_per_prompt,
             max_new_tokens=r.max_new_tokens, prompt_len=width, eos_token_ids=policy.eos_token_ids,
             pad_token_id=policy.pad_token_id, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            mesh=policy.sampler_mesh, cpu_kernels=policy.cpu_kernels, decode_burst=r.decode_burst,
+            mesh=policy.sampler_mesh, cpu_kernels=policy.cpu_kernels, decode_burst=r.decode_burst, fetch=hosts.fetch,
             slots=policy.slots_for(r.prompts_per_step, r.samples_per_prompt, width, r.max_new_tokens))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rollout.partial=true: {e}") from None
