@@ -32,6 +32,7 @@ from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, _lm_head, prefill
 from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
+from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
@@ -208,7 +209,8 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     budget = shard(jnp.minimum(row_budget.astype(jnp.int32), r))  # [D, Nd]
     uniforms = None if greedy else shard(row_uniforms(rng, first_row, num_prompts * g, r))  # [D, Nd, R]
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
+                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels,
+                               shards=vocab_shards(b.mesh, b.rules))  # top-k per vocab shard + one gather
 
     def draw(logits, rows, column):
         """Sample [D, M] slots: logits [D, M, V]; row uniforms at (rows, column)."""

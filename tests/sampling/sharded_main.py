@@ -1,6 +1,6 @@
 """Run in a subprocess with 8 simulated CPU devices: sharded generate() == single-device generate(),
 for the static and the continuous engine (data-parallel shards with their own slots and pages,
-tensor-parallel weights and KV heads)."""
+tensor-parallel weights and KV heads); the vocab-split top-k == lax.top_k."""
 
 import os
 
@@ -40,13 +40,49 @@ def main():
             got = generate(graphdef, sharded_state, prompts, mesh=regrouped, prompts_per_chunk=chunk, **kwargs)
             np.testing.assert_array_equal(np.asarray(got.response_tokens), np.asarray(single.response_tokens))
             np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(got.logprobs_untruncated),
+                                       np.asarray(single.logprobs_untruncated), atol=1e-5)
         try:
             decode_mesh(mesh, 4, num_kv_heads=config.num_kv_heads)
             raise AssertionError("tensor_parallel=4 over 2 kv heads was accepted")
         except ValueError as e:
             assert "KV heads" in str(e), e
     continuous_rows(graphdef, state, sharded_state, mesh, config)
+    split_vocab_top_k_is_lax_top_k()
     print("OK")
+
+
+def split_vocab_top_k_is_lax_top_k():
+    """`filters.split_vocab_top_k` over a vocabulary split 4 ways (rows 2 ways) == lax.top_k of the
+    whole row (values and ids, ties to the lower id, rows of -inf, k above a shard's 16 entries),
+    and its log-normaliser == logsumexp; one all-gather and no all-to-all in the compiled program."""
+    import jax.numpy as jnp
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from jaxrl4llm.sampling.filters import VocabShards, split_vocab_top_k
+
+    shards = VocabShards(make_mesh(data=2, fsdp=1, tensor=4), "tensor", ("data", "fsdp"))
+    run = jax.jit(split_vocab_top_k, static_argnums=(1, 2))
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(st.sampled_from([1, 7, 16, 40]), st.integers(0, 2**31 - 1), st.sampled_from([3, 1000]),
+           st.floats(0.0, 0.9))
+    def check(k, seed, spread, inf_share):
+        rng = np.random.default_rng(seed)
+        z = rng.integers(-spread, spread + 1, (4, 64)).astype(np.float32) / 4  # few distinct values: ties
+        z[rng.random(z.shape) < inf_share] = -np.inf
+        z[0, :40] = -np.inf  # a row with whole shards of -inf
+        values, ids, log_norm = run(jnp.asarray(z), k, shards)
+        want_values, want_ids = jax.lax.top_k(jnp.asarray(z), k)
+        np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(log_norm), np.asarray(jax.nn.logsumexp(jnp.asarray(z), axis=-1)),
+                                   rtol=1e-6)
+
+    check()
+    hlo = run.lower(jnp.zeros((4, 64), jnp.float32), 7, shards).compile().as_text()
+    assert hlo.count("all-gather(") == 1 and "all-to-all" not in hlo and "all-reduce(" not in hlo, hlo
 
 
 def continuous_rows(graphdef, state, sharded_state, mesh, config):
@@ -68,6 +104,8 @@ def continuous_rows(graphdef, state, sharded_state, mesh, config):
         for name in ("response_tokens", "lengths", "truncated", "response_mask"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(single, name)), name)
         np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.logprobs_untruncated),
+                                   np.asarray(single.logprobs_untruncated), atol=1e-5)
 
 
 if __name__ == "__main__":
