@@ -243,8 +243,9 @@ def _xla_cost(text: str) -> dict:
 
 def _group_size(rest: str, default: int) -> int:
     """Devices in one replica group: `replica_groups=mesh['a'=2,'b'=8] {'b'}` (the named axes'
-    sizes multiplied), `[groups,size]<=[n]` (iota form) or explicit `{{0,1,...},...}`."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    sizes multiplied; a device order may stand between: `mesh[...], device_ids=([2,2]T(1,0)) {'a'}`),
+    `[groups,size]<=[n]` (iota form) or explicit `{{0,1,...},...}`."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{((?:'[^}]*)?)\}", rest)
     if m:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
         return max(math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2))), 1)

@@ -58,6 +58,7 @@ def test_decode_step_collectives_are_reported(eval_plan, plan):
     assert [(k["op"], k["shape"], k["count"]) for k in coll["kinds"] if k["op"] != "all-reduce"] == [
         ("all-gather", "s32[2,22,8]", 1.0)]  # 2 shards x (10 values, 10 ids, max, sum) x 8 rows
     assert all(k["shape"].endswith(",128]") for k in coll["kinds"] if k["op"] == "all-reduce")  # [rows, (1,) D]
+    assert {k["group"] for k in coll["kinds"]} == {2}  # the tensor pair: a step never reaches across row shards
     assert coll["bytes"] == pytest.approx(sum(k["bytes"] for k in coll["kinds"])) and coll["bytes"] > 0
     assert "decode step collectives (one step, per chip)" in format_plan(eval_plan)
     out = json.loads(json.dumps(plan_to_dict(eval_plan)))
