@@ -143,7 +143,8 @@ def top_k_logits(z: jax.Array, k: int, *, use_kernel: bool = False) -> tuple[jax
 
     Two levels for large V: the k largest lie in the k blocks with the largest maxima, so
     TopK runs over the V/c block maxima and then over the k*c entries of those blocks
-    (c ~ sqrt(V / k) balances the two), not over all V entries.
+    (c ~ sqrt(V / k) balances the two), not over all V entries. Ties go to the lower index, as
+    in lax.top_k.
     """
     if use_kernel:
         return kernel_top_k(z, k)
@@ -156,6 +157,9 @@ def top_k_logits(z: jax.Array, k: int, *, use_kernel: bool = False) -> tuple[jax
     blocks = _blocks(z, block, -jnp.inf)
     block_max = jnp.max(blocks, axis=-1)
     _, best_blocks = jax.lax.top_k(block_max, k)  # [N, k]
+    # in index order, so candidates run in id order and TopK's ties go to the lower id (lax.top_k's
+    # answer: the blocks with the k best maxima, ties to the lower block, hold the k best entries)
+    best_blocks = jnp.sort(best_blocks, axis=1)
     candidates = _gather_blocks(blocks, best_blocks).reshape(n, k * block)
     values, pos = jax.lax.top_k(candidates, k)
     ids = jnp.take_along_axis(best_blocks, pos // block, axis=1) * block + pos % block
