@@ -376,8 +376,9 @@ def _operand_text_end(rest: str) -> int:
 def off_hbm_bytes(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
     """Bytes XLA's cost analysis counts for computation `name` (its top-level ops, its loops' bodies
     once, as XLA does) that do not touch HBM, by the module docstring's rule: subtract them from
-    its "bytes accessed". 0 for a program without memory-space annotations (CPU)."""
-    if "S(" not in hlo_text:
+    its "bytes accessed". TPU programs only (known by their tiled layouts, `:T(8,128)`): 0 for CPU
+    and GPU ones (a GPU's memory space 1, collective buffers, is in HBM)."""
+    if "S(" not in hlo_text or ":T(" not in hlo_text:
         return 0.0
     first = hlo_text.splitlines()[0]
     header = ", ".join([first.split(",")[0], *re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", first)])

@@ -33,18 +33,18 @@ def _chain(n: int, unrolled: bool):
 _PREFETCHED = """HloModule prefetched, is_scheduled=true
 
 ENTRY %main (w: f32[128,128], x: f32[128,128]) -> f32[128,128] {
-  %w = f32[128,128]{1,0} parameter(0)
-  %x = f32[128,128]{1,0} parameter(1)
-  %cs = (f32[128,128]{1,0:S(1)}, f32[128,128]{1,0}, u32[]{:S(2)}) copy-start(%w)
-  %cd = f32[128,128]{1,0:S(1)} copy-done(%cs)
-  ROOT %y = f32[128,128]{1,0} dot(%x, %cd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %w = f32[128,128]{1,0:T(8,128)} parameter(0)
+  %x = f32[128,128]{1,0:T(8,128)} parameter(1)
+  %cs = (f32[128,128]{1,0:T(8,128)S(1)}, f32[128,128]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%w)
+  %cd = f32[128,128]{1,0:T(8,128)S(1)} copy-done(%cs)
+  ROOT %y = f32[128,128]{1,0:T(8,128)} dot(%x, %cd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
 
 
 def test_a_weight_prefetched_on_chip_is_read_from_hbm_once():
     """y = x w with w first copied into on-chip memory (S(1), as TPU memory-space assignment
-    does): XLA's cost analysis counts w's 64 KiB seven times over (copy-start operand and
+    does; T(8,128): TPU tiles): XLA's cost analysis counts w's 64 KiB seven times over (copy-start operand and
     results, copy-done, the dot); the meter counts what moves to and from HBM: read w once (the
     copy), read x, write y = 3 arrays, the same as the dot reading w from HBM directly."""
     plain = _PREFETCHED.replace("%cd)", "%w)").replace("prefetched", "plain")
