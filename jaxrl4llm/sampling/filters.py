@@ -244,14 +244,18 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
       uniform: optional [N, 1] float32 in (0, 1], the row uniforms drawn in advance (the decode
         loop draws all steps' uniforms at once: no PRNG work inside the loop).
       use_kernels: static; top-k with the CPU kernel (`jaxrl4llm.kernels`; CPU programs only).
-      shards: static; where the logits live on a mesh. With a vocabulary split n > 1 ways and
-        0 < top_k < V (not greedy), top-k and the log-normaliser run per shard plus one
-        all-gather (`split_vocab_top_k`); otherwise ignored.
+      shards: static; where the logits live on a mesh. With a vocabulary split n > 1 ways, greedy
+        (top-1) or 0 < top_k < V, top-k and the log-normaliser run per shard plus one all-gather
+        (`split_vocab_top_k`); otherwise (plain temperature sampling, top-p alone) ignored.
     Returns: TokenSample of [N] arrays.
     """
     n, vocab = logits.shape
     z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    if shards is not None and shards.splits(vocab) and not greedy and 0 < top_k < vocab:
+    if shards is not None and shards.splits(vocab) and greedy:  # argmax = top-1, ties to the lower id
+        values, ids, log_norm = split_vocab_top_k(z, 1, shards)
+        lp = values[:, 0] - log_norm
+        return TokenSample(ids[:, 0], lp, lp)
+    if shards is not None and shards.splits(vocab) and 0 < top_k < vocab:
         u = open_uniform(key, (n, 1)) if uniform is None else uniform
         candidates, candidate_ids, log_norm = split_vocab_top_k(z, top_k, shards)
         tokens, lp, chosen = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=True)

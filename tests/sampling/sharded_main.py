@@ -47,6 +47,14 @@ def main():
             raise AssertionError("tensor_parallel=4 over 2 kv heads was accepted")
         except ValueError as e:
             assert "KV heads" in str(e), e
+    # greedy over the vocab split 2 ways: top-1 per shard + one gather, the single device's argmax
+    greedy = dict(num_samples=1, max_new_tokens=12, eos_token_ids=[1], pad_token_id=0, rng=jax.random.key(3),
+                  engine="static", greedy=True)
+    single = generate(graphdef, state, prompts, **greedy)
+    got = generate(graphdef, sharded_state, prompts, mesh=decode_mesh(mesh, 2, num_kv_heads=config.num_kv_heads),
+                   **greedy)
+    np.testing.assert_array_equal(np.asarray(got.response_tokens), np.asarray(single.response_tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
     continuous_rows(graphdef, state, sharded_state, mesh, config)
     split_vocab_top_k_is_lax_top_k()
     print("OK")
