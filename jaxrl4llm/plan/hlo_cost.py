@@ -314,7 +314,8 @@ def collective_sent(inst: Instruction, num_devices: int) -> float | None:
     return (n - 1) / n * total
 
 
-_LAID_OUT_ARRAY = re.compile(r"\b(?:" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[[\d,]*\](\{[^}]*\})?")
+_LAID_OUT_ARRAY = re.compile(r"\b(?:" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True))
+                             + r")\[[\d,]*\](\{[^}]*\})?")  # an array and its layout
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _NO_TRAFFIC = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "after-all", "partition-id",
                "replica-id", "call", "conditional")
@@ -322,7 +323,8 @@ _NO_TRAFFIC = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant",
 
 def _hbm_flags(shape_text: str) -> list[bool]:
     """For each array of a shape text: True if it lives in HBM (its layout names no memory space S(n), n != 0)."""
-    return [not any(int(n) for n in _MEMORY_SPACE.findall(m.group(1) or "")) for m in _LAID_OUT_ARRAY.finditer(shape_text)]
+    return [not any(int(n) for n in _MEMORY_SPACE.findall(m.group(1) or ""))
+            for m in _LAID_OUT_ARRAY.finditer(shape_text)]
 
 
 def _needed(comps: dict[str, Computation], name: str, acc: set) -> set:
@@ -381,7 +383,8 @@ def off_hbm_bytes(hlo_text: str, comps: dict[str, Computation], name: str) -> fl
     if "S(" not in hlo_text or ":T(" not in hlo_text:
         return 0.0
     first = hlo_text.splitlines()[0]
-    header = ", ".join([first.split(",")[0], *re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", first)])
+    kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", first)
+    header = ", ".join([first.split(",")[0], *kept])
     return _off_hbm(hlo_text, header, comps, name)
 
 
