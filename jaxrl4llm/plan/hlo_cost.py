@@ -19,6 +19,16 @@ from the same HLO with their result shapes and replica groups, weighted by the s
 turned into the bytes one chip sends over its links (ring algorithms: an all-reduce of S bytes
 over n chips moves 2 (n-1)/n S, an all-gather or reduce-scatter (n-1)/n S of the full array).
 
+HBM bytes are XLA's "bytes accessed" with one correction (`off_hbm_bytes`): XLA's cost analysis
+does not know memory spaces. On TPU the compiler's memory-space assignment prefetches arrays
+(the decode step's weights, mostly) from HBM into on-chip memory with async copies, and the
+consumer reads them there; an array's layout says where it lives (`bf16[4096,3072]{1,0:T(8,128)S(1)}`:
+memory space 1, not HBM). XLA counts such a weight up to five times (the copy-start's operand and
+its two tuple results, the copy-done, the consumer). The rule here: a top-level op's operands and
+results outside HBM (any `S(n)`, n != 0) move no HBM bytes; a copy-start moves its HBM side once
+(read from, or written to, HBM); a copy-done moves nothing more. Per op, XLA's own per-operand
+counts are kept for the operands in HBM (so a fusion that reads a slice still counts the slice).
+
 Uses two private jaxlib entry points (`_jax.hlo_module_cost_analysis`, `_hlo.hlo_module_from_text`),
 checked on jax 0.10.2; `pyproject.toml` pins jax below 0.11 for them.
 """
@@ -74,7 +84,7 @@ class ProgramCost:
 
     flops: XLA's HloCostAnalysis flops (matmuls and elementwise), loop bodies x trips;
     hbm_bytes: its "bytes accessed" (operands + results of every top-level op and fusion: the
-      traffic to the chip's main memory), weighted the same way;
+      traffic to the chip's main memory) less what stays on chip (`off_hbm_bytes`), weighted the same way;
     collective_bytes: bytes a chip sends for collectives (ring model, see the module docstring);
     collectives: how many collective ops run (weighted by trips);
     loops: every while loop with its trip count (static or given).
@@ -243,8 +253,9 @@ def _xla_cost(text: str) -> dict:
 
 def _group_size(rest: str, default: int) -> int:
     """Devices in one replica group: `replica_groups=mesh['a'=2,'b'=8] {'b'}` (the named axes'
-    sizes multiplied), `[groups,size]<=[n]` (iota form) or explicit `{{0,1,...},...}`."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    sizes multiplied; a device order may stand between: `mesh[...], device_ids=([2,2]T(1,0)) {'a'}`),
+    `[groups,size]<=[n]` (iota form) or explicit `{{0,1,...},...}`."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{((?:'[^}]*)?)\}", rest)
     if m:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
         return max(math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2))), 1)
@@ -303,6 +314,128 @@ def collective_sent(inst: Instruction, num_devices: int) -> float | None:
     return (n - 1) / n * total
 
 
+_LAID_OUT_ARRAY = re.compile(r"\b(?:" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True))
+                             + r")\[[\d,]*\](\{[^}]*\})?")  # an array and its layout
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+_NO_TRAFFIC = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "after-all", "partition-id",
+               "replica-id", "call", "conditional")
+
+
+def _hbm_flags(shape_text: str) -> list[bool]:
+    """For each array of a shape text: True if it lives in HBM (its layout names no memory space S(n), n != 0)."""
+    return [not any(int(n) for n in _MEMORY_SPACE.findall(m.group(1) or ""))
+            for m in _LAID_OUT_ARRAY.finditer(shape_text)]
+
+
+def _needed(comps: dict[str, Computation], name: str, acc: set) -> set:
+    """`name` and every computation it calls, transitively."""
+    if name in comps and name not in acc:
+        acc.add(name)
+        for inst in comps[name].instructions.values():
+            for key in ("calls", "to_apply", "body", "condition"):
+                _needed(comps, _attr(inst.rest, key) or "", acc)
+            m = re.search(r"(?:called_computations|branch_computations)=\{([^}]*)\}", inst.rest)
+            for callee in (m.group(1).split(",") if m else ()):
+                _needed(comps, callee.strip().lstrip("%"), acc)
+    return acc
+
+
+def op_bytes(header: str, comps: dict[str, Computation], comp: Computation, inst: Instruction) -> dict:
+    """XLA's cost analysis of one top-level instruction alone ("bytes accessed", and per operand
+    "bytes accessed{i}{}" and result "bytes accessedout{...}"): a module whose entry feeds it parameters."""
+    ops = _operands(inst.rest)
+    close = _operand_text_end(inst.rest)
+    args = ", ".join(f"%p{i}" for i in range(len(ops)))
+    lines = [header]
+    callees: set = set()
+    for key in ("calls", "to_apply"):
+        _needed(comps, _attr(inst.rest, key) or "", callees)
+    m = re.search(r"called_computations=\{([^}]*)\}", inst.rest)
+    for callee in (m.group(1).split(",") if m else ()):
+        _needed(comps, callee.strip().lstrip("%"), callees)
+    for c in comps.values():  # in the module's order: a computation before its callers
+        if c.name in callees:
+            lines += [c.header.removeprefix("ENTRY "), *c.lines, "}"]
+    lines.append("ENTRY %probe {")
+    lines += [f"  %p{i} = {comp.instructions[o].shape} parameter({i})" for i, o in enumerate(ops)]
+    lines += [f"  ROOT %probe.out = {inst.shape} {inst.opcode}({args}{inst.rest[close:]}", "}"]
+    return _xla_cost("\n".join(lines))
+
+
+def _operand_text_end(rest: str) -> int:
+    """Index of the parenthesis closing an instruction's operand list in its `rest` text."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            if depth == 0:
+                return i
+            depth -= 1
+    return len(rest)
+
+
+def off_hbm_bytes(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
+    """Bytes XLA's cost analysis counts for computation `name` (its top-level ops, its loops' bodies
+    once, as XLA does) that do not touch HBM, by the module docstring's rule: subtract them from
+    its "bytes accessed". TPU programs only (known by their tiled layouts, `:T(8,128)`): 0 for CPU
+    and GPU ones (a GPU's memory space 1, collective buffers, is in HBM)."""
+    if "S(" not in hlo_text or ":T(" not in hlo_text:
+        return 0.0
+    first = hlo_text.splitlines()[0]
+    kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", first)
+    header = ", ".join([first.split(",")[0], *kept])
+    return _off_hbm(hlo_text, header, comps, name)
+
+
+_OFF_HBM_SEEN: dict = {}  # (program, computation) -> bytes: loop nests ask for a body again
+
+
+def _off_hbm(hlo_text: str, header: str, comps: dict[str, Computation], name: str) -> float:
+    key = (hash(hlo_text), len(hlo_text), name)
+    if key not in _OFF_HBM_SEEN:
+        if len(_OFF_HBM_SEEN) > 100_000:
+            _OFF_HBM_SEEN.clear()
+        _OFF_HBM_SEEN[key] = _off_hbm_once(hlo_text, header, comps, name)
+    return _OFF_HBM_SEEN[key]
+
+
+def _off_hbm_once(hlo_text: str, header: str, comps: dict[str, Computation], name: str) -> float:
+    comp, out = comps[name], 0.0
+    for inst in comp.instructions.values():
+        if inst.opcode in ("while", "call"):
+            out += sum(_off_hbm(hlo_text, header, comps, c) for c in
+                       {_attr(inst.rest, k) for k in ("body", "condition", "to_apply")} if c in comps)
+        if inst.opcode in _NO_TRAFFIC:
+            continue
+        ops = [o for o in _operands(inst.rest) if o in comp.instructions]
+        op_flags = [_hbm_flags(comp.instructions[o].shape) for o in ops]
+        out_flags = _hbm_flags(inst.shape)
+        if all(all(f) for f in op_flags) and all(out_flags):
+            continue
+        try:
+            cost = op_bytes(header, comps, comp, inst)
+        except Exception:  # an op the probe cannot rebuild keeps XLA's count
+            continue
+        if inst.opcode == "copy-done":
+            hbm = 0.0
+        elif inst.opcode == "copy-start":  # (destination, source alias, context): one side in HBM, moved once
+            src = comp.instructions[ops[0]].shape
+            hbm = sum(array_bytes(src)) if all(op_flags[0]) else (
+                array_bytes(inst.shape)[0] if out_flags and out_flags[0] else 0.0)
+        else:
+            hbm = sum(cost.get(f"bytes accessed{i}{{}}", 0.0) for i, f in enumerate(op_flags) if all(f))
+            per_output = [cost.get(f"bytes accessedout{{{j}}}") for j in range(len(out_flags))]
+            if inst.shape.startswith("(") and all(v is not None for v in per_output):
+                hbm += sum(v for v, f in zip(per_output, out_flags) if f)
+            else:
+                sizes = array_bytes(inst.shape)
+                share = sum(b for b, f in zip(sizes, out_flags) if f) / max(sum(sizes), 1.0)
+                hbm += share * cost.get("bytes accessedout{}", 0.0)
+        out += max(cost.get("bytes accessed", 0.0) - hbm, 0.0)
+    return out
+
+
 def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int) -> tuple[float, float]:
     """(bytes one chip sends, number of collective ops) of the collectives in computation `name`
     and in what it calls (fusions, async wrappers), not in its loops."""
@@ -337,7 +470,8 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
         if name not in once:
             comp = comps[name]
             c = _xla_cost(hlo_text if comp.is_entry else _rerooted(hlo_text, comps, name))
-            once[name] = {"flops": c.get("flops", 0.0), "bytes": c.get("bytes accessed", 0.0)}
+            once[name] = {"flops": c.get("flops", 0.0),
+                          "bytes": c.get("bytes accessed", 0.0) - off_hbm_bytes(hlo_text, comps, name)}
         return once[name]
 
     @functools.cache

@@ -32,6 +32,7 @@ from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, _lm_head, prefill
 from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
+from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
@@ -210,7 +211,8 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
         raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
                          "bfloat16 or float32 model)")
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
+                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels,
+                               shards=vocab_shards(b.mesh, b.rules))  # top-k per vocab shard + one gather
     buffer_row = lambda m: jnp.where(m >= 0, m % hn, -1)  # a stream row's buffer row (-1: none)
 
     def draw(queue: Queue, logits, rows, column):

@@ -28,6 +28,7 @@ from jaxrl4llm.models.decode import (DECODE_RULES, DecodeBackend, decode_step, d
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import logical_to_spec
+from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 
 
@@ -186,7 +187,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
     mesh = backend.mesh
     first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, backend=backend)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels)
+                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels,
+                               shards=vocab_shards(mesh, backend.rules))
     prompt_len = _row_constraint(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
     padding_row = _row_constraint(jnp.repeat(~row_valid, g), mesh)
     zeros = lambda dtype: _row_constraint(jnp.zeros((num_rows, r), dtype), mesh)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl4llm.sampling.filters import VocabShards
+
 
 def decode_mesh(mesh: Mesh | None, tensor_parallel: int, *, num_kv_heads: int | None = None) -> Mesh | None:
     """The sampler's ("data", "fsdp", "tensor") mesh over `mesh`'s devices with `tensor_parallel` = tp.
@@ -41,3 +43,18 @@ def decode_mesh(mesh: Mesh | None, tensor_parallel: int, *, num_kv_heads: int | 
         return None
     return Mesh(devices.reshape(n // tensor_parallel, 1, tensor_parallel), ("data", "fsdp", "tensor"),
                 axis_types=mesh.axis_types)
+
+
+def vocab_shards(mesh: Mesh | None, rules) -> VocabShards | None:
+    """Where the decode step's logits [N, V] live on `mesh` under the logical `rules` (the
+    backend's): the vocabulary over the "vocab" rule's axis, the rows over the "batch" rule's
+    axes. None without a mesh or when the vocabulary is not split (the sampler's one-device path)."""
+    if mesh is None:
+        return None
+    table = dict(rules)
+    vocab = table.get("vocab")
+    if not isinstance(vocab, str) or mesh.shape.get(vocab, 1) == 1:
+        return None
+    batch = table.get("batch")
+    rows = tuple(a for a in ((batch,) if isinstance(batch, str) else tuple(batch or ())) if a in mesh.shape)
+    return VocabShards(mesh, vocab, rows)

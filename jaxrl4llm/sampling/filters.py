@@ -15,6 +15,10 @@ random draws over [N, V] cost more than the LM head itself: the vocabulary is vi
 maxima; block sums of exp) and works on small arrays after that. Sampling is by inverse CDF
 with one uniform per row. All functions are pure and jit-able; `top_k`, `use_top_p` and
 `greedy` are static, `temperature` and `top_p` may be traced.
+
+With tensor parallelism the LM head's logits are split over the vocabulary (`VocabShards`):
+top-k then runs on each shard's slice and one all-gather of n*k candidates per row replaces
+the resharding XLA would do for a whole-row top-k (`split_vocab_top_k`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm.kernels.top_k import top_k as kernel_top_k
 
@@ -137,7 +143,8 @@ def top_k_logits(z: jax.Array, k: int, *, use_kernel: bool = False) -> tuple[jax
 
     Two levels for large V: the k largest lie in the k blocks with the largest maxima, so
     TopK runs over the V/c block maxima and then over the k*c entries of those blocks
-    (c ~ sqrt(V / k) balances the two), not over all V entries.
+    (c ~ sqrt(V / k) balances the two), not over all V entries. Ties go to the lower index, as
+    in lax.top_k.
     """
     if use_kernel:
         return kernel_top_k(z, k)
@@ -150,16 +157,81 @@ def top_k_logits(z: jax.Array, k: int, *, use_kernel: bool = False) -> tuple[jax
     blocks = _blocks(z, block, -jnp.inf)
     block_max = jnp.max(blocks, axis=-1)
     _, best_blocks = jax.lax.top_k(block_max, k)  # [N, k]
+    # in index order, so candidates run in id order and TopK's ties go to the lower id (lax.top_k's
+    # answer: the blocks with the k best maxima, ties to the lower block, hold the k best entries)
+    best_blocks = jnp.sort(best_blocks, axis=1)
     candidates = _gather_blocks(blocks, best_blocks).reshape(n, k * block)
     values, pos = jax.lax.top_k(candidates, k)
     ids = jnp.take_along_axis(best_blocks, pos // block, axis=1) * block + pos % block
     return values, ids.astype(jnp.int32)
 
 
+class VocabShards(NamedTuple):
+    """Where logits [N, V] live on a mesh: the vocabulary split over mesh axis `vocab`, the rows
+    over the mesh axes `rows` (those that do not divide N are dropped: rows replicated there)."""
+
+    mesh: Mesh
+    vocab: str
+    rows: tuple[str, ...] = ()
+
+    def splits(self, vocab_size: int) -> bool:
+        """True if the vocabulary axis has n > 1 shards that divide `vocab_size` evenly."""
+        n = self.mesh.shape[self.vocab]
+        return n > 1 and vocab_size % n == 0
+
+
+def split_vocab_top_k(z: jax.Array, k: int, shards: VocabShards) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`top_k_logits(z, k)` and log sum_v exp z_v for logits whose vocabulary is split n ways.
+
+        shard i: (top-k of z_i with global ids, m_i = max z_i, s_i = sum exp(z_i - m_i))
+        one all-gather of the n (2k + 2) numbers per row, then on every shard:
+        top-k over the n*k candidates;  log_norm = M + log sum_i s_i exp(m_i - M),  M = max_i m_i
+
+    Exactly lax.top_k of the whole row: a shard's candidates come in shard order, each descending
+    with ties to the lower id, so a stable top-k over them keeps the lower global id on ties; every
+    entry of the global top-k is in its own shard's top-k. The all-gather (int32: the float values
+    travel bit-cast) is the only collective; the results are replicated over the vocab axis.
+
+    Args: z [N, V] float32 (V a multiple of the vocab shards); k static, 1 <= k <= V.
+    Returns: (values [N, k] float32 descending, ids [N, k] int32, log_norm [N] float32).
+    """
+    mesh, axis = shards.mesh, shards.vocab
+    n, vocab = z.shape
+    rows, size = [], 1
+    for a in shards.rows:
+        if a in mesh.shape and a != axis and n % (size * mesh.shape[a]) == 0:
+            rows.append(a)
+            size *= mesh.shape[a]
+    rows = tuple(rows) or None
+    as_int = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+    as_float = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
+
+    def per_shard(zl):  # zl [n_local, V / shards]
+        width = zl.shape[1]
+        kl = min(k, width)
+        values, ids = top_k_logits(zl, kl)
+        ids = ids + jax.lax.axis_index(axis).astype(jnp.int32) * width
+        m = jnp.max(zl, axis=-1, keepdims=True)
+        s = jnp.sum(jnp.exp(zl - jnp.where(m > -jnp.inf, m, 0.0)), axis=-1, keepdims=True)
+        packed = jnp.concatenate([as_int(values), ids, as_int(m), as_int(s)], axis=-1)  # [n_local, 2kl + 2]
+        every = jax.lax.all_gather(packed, axis, axis=1)  # [n_local, shards, 2kl + 2]
+        candidates = as_float(every[..., :kl]).reshape(every.shape[0], -1)
+        candidate_ids = every[..., kl:2 * kl].reshape(every.shape[0], -1)
+        m_all, s_all = as_float(every[..., 2 * kl]), as_float(every[..., 2 * kl + 1])  # [n_local, shards]
+        top = jnp.max(m_all, axis=-1, keepdims=True)
+        top = jnp.where(top > -jnp.inf, top, 0.0)
+        log_norm = top[:, 0] + jnp.log(jnp.sum(s_all * jnp.exp(m_all - top), axis=-1))
+        values, pos = jax.lax.top_k(candidates, k)
+        return values, jnp.take_along_axis(candidate_ids, pos, axis=1), log_norm
+
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=P(rows, axis),
+                         out_specs=(P(rows, None), P(rows, None), P(rows)), check_vma=False)(z)
+
+
 # ---------------------------------------------------------------------------- the sampler
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, top_k: int = 0, top_p=1.0,
                   use_top_p: bool = False, greedy: bool = False, uniform: jax.Array | None = None,
-                  use_kernels: bool = False) -> TokenSample:
+                  use_kernels: bool = False, shards: VocabShards | None = None) -> TokenSample:
     """y ~ softmax(z | top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
 
     Args:
@@ -172,10 +244,22 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
       uniform: optional [N, 1] float32 in (0, 1], the row uniforms drawn in advance (the decode
         loop draws all steps' uniforms at once: no PRNG work inside the loop).
       use_kernels: static; top-k with the CPU kernel (`jaxrl4llm.kernels`; CPU programs only).
+      shards: static; where the logits live on a mesh. With a vocabulary split n > 1 ways, greedy
+        (top-1) or 0 < top_k < V, top-k and the log-normaliser run per shard plus one all-gather
+        (`split_vocab_top_k`); otherwise (plain temperature sampling, top-p alone) ignored.
     Returns: TokenSample of [N] arrays.
     """
     n, vocab = logits.shape
     z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    if shards is not None and shards.splits(vocab) and greedy:  # argmax = top-1, ties to the lower id
+        values, ids, log_norm = split_vocab_top_k(z, 1, shards)
+        lp = values[:, 0] - log_norm
+        return TokenSample(ids[:, 0], lp, lp)
+    if shards is not None and shards.splits(vocab) and 0 < top_k < vocab:
+        u = open_uniform(key, (n, 1)) if uniform is None else uniform
+        candidates, candidate_ids, log_norm = split_vocab_top_k(z, top_k, shards)
+        tokens, lp, chosen = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=True)
+        return TokenSample(tokens, lp, chosen - log_norm)
     block = block_size_for_vocab(vocab)
     zb = _blocks(z, block, -jnp.inf)  # [N, B, c]
     block_max = jnp.max(zb, axis=-1)  # pass 1 over the logits
@@ -209,6 +293,15 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
         candidates, candidate_ids, sorted_desc = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1), False
     else:  # top-p over a large vocabulary without top-k: full sort (slow path)
         candidates, candidate_ids = jax.lax.top_k(z, vocab)
+    tokens, lp, _ = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=sorted_desc)
+    return TokenSample(tokens, lp, untruncated(tokens))
+
+
+def _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p: bool, *, sorted_desc: bool):
+    """y ~ softmax(candidates | nucleus) by inverse CDF: (tokens [N] int32, log p(y | kept) [N], z_y [N]).
+
+    candidates [N, K] float32 (descending if `sorted_desc`), candidate_ids [N, K]; u [N, 1] in (0, 1].
+    """
     if use_top_p:
         keep = top_p_keep(candidates, top_p) if sorted_desc else nucleus_keep(candidates, top_p)
         candidates = jnp.where(keep, candidates, -jnp.inf)
@@ -216,8 +309,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
     choice = _pick(weights, u)
     tokens = jnp.take_along_axis(candidate_ids, choice[:, None], axis=1)[:, 0].astype(jnp.int32)
     chosen = jnp.take_along_axis(candidates, choice[:, None], axis=1)[:, 0]
-    lp = chosen - jax.nn.logsumexp(candidates, axis=-1)
-    return TokenSample(tokens, lp, untruncated(tokens))
+    return tokens, chosen - jax.nn.logsumexp(candidates, axis=-1), chosen
 
 
 def allowed_tokens(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0) -> jax.Array:

@@ -17,9 +17,9 @@ from tests.plan.conftest import TINY  # noqa: E402
 @pytest.fixture(scope="module")
 def eval_plan():
     """The tiny run's evaluation (4 problems x 4 samples) on the continuous engine, compiled for
-    v5e:2x2 with the sampler 2-way tensor parallel (head_dim 128: the kernel's lane width)."""
+    v5e:2x2 with the sampler 2-way tensor parallel (head_dim 128: the kernel's lane width), top-k 10."""
     cfg = load_config(None, TINY + ["rollout.engine=continuous", "model.head_dim=128", "rollout.tensor_parallel=2",
-                                    "trainer.eval_samples=4", "trainer.eval_temperature=0.6"])
+                                    "trainer.eval_samples=4", "trainer.eval_temperature=0.6", "rollout.top_k=10"])
     return plan_eval(cfg, "v5e:2x2", problems=4)
 
 
@@ -46,13 +46,19 @@ def test_continuous_sampler_runs_the_paged_kernel_and_is_priced_by_its_schedule(
 
 def test_decode_step_collectives_are_reported(eval_plan, plan):
     """Per decode step: the tensor-parallel sampler's activation all-reduces (one per attention
-    output and MLP output a layer, at least), in the text and the JSON; the static sampler too."""
+    output and MLP output a layer, at least), in the text and the JSON; the static sampler too.
+    The top-k over the vocab-split logits is one all-gather of the shards' candidates
+    (`filters.split_vocab_top_k`): no all-to-all, permute or small all-reduce (XLA's resharding)."""
     coll = eval_plan.decode["step_collectives"]
     # the attention output's and the MLP's partial sums of every layer are summed across the
     # tensor axis in bf16 (`DecodeBackend.split_matmul`), [slots a shard, hidden]
     activations = [k for k in coll["kinds"] if k["op"] == "all-reduce" and k["shape"].startswith("bf16[8,128]")]
     assert sum(k["count"] for k in activations) == 2 * eval_plan.model.num_layers
     assert not [k for k in coll["kinds"] if k["op"] == "all-reduce" and k["shape"].startswith("f32[8,128]")]
+    assert [(k["op"], k["shape"], k["count"]) for k in coll["kinds"] if k["op"] != "all-reduce"] == [
+        ("all-gather", "s32[2,22,8]", 1.0)]  # 2 shards x (10 values, 10 ids, max, sum) x 8 rows
+    assert all(k["shape"].endswith(",128]") for k in coll["kinds"] if k["op"] == "all-reduce")  # [rows, (1,) D]
+    assert {k["group"] for k in coll["kinds"]} == {2}  # the tensor pair: a step never reaches across row shards
     assert coll["bytes"] == pytest.approx(sum(k["bytes"] for k in coll["kinds"])) and coll["bytes"] > 0
     assert "decode step collectives (one step, per chip)" in format_plan(eval_plan)
     out = json.loads(json.dumps(plan_to_dict(eval_plan)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl4llm.plan.hlo_cost import compiled_hlo_text, program_cost
+from jaxrl4llm.plan.hlo_cost import _xla_cost, compiled_hlo_text, program_cost
 from jaxrl4llm.plan.lengths import (LengthDistribution, decode_block_trips, parse_lengths, static_decode_work)
 from jaxrl4llm.plan.programs import plan_run, topology_mesh, with_lengths
 from jaxrl4llm.train.config import ConfigError, load_config
@@ -28,6 +28,31 @@ def _chain(n: int, unrolled: bool):
         return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()
 
     return jax.jit(jax.grad(forward, argnums=(0, 1)))
+
+
+_PREFETCHED = """HloModule prefetched, is_scheduled=true
+
+ENTRY %main (w: f32[128,128], x: f32[128,128]) -> f32[128,128] {
+  %w = f32[128,128]{1,0:T(8,128)} parameter(0)
+  %x = f32[128,128]{1,0:T(8,128)} parameter(1)
+  %cs = (f32[128,128]{1,0:T(8,128)S(1)}, f32[128,128]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%w)
+  %cd = f32[128,128]{1,0:T(8,128)S(1)} copy-done(%cs)
+  ROOT %y = f32[128,128]{1,0:T(8,128)} dot(%x, %cd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_weight_prefetched_on_chip_is_read_from_hbm_once():
+    """y = x w with w first copied into on-chip memory (S(1), as TPU memory-space assignment
+    does; T(8,128): TPU tiles): XLA's cost analysis counts w's 64 KiB seven times over (copy-start operand and
+    results, copy-done, the dot); the meter counts what moves to and from HBM: read w once (the
+    copy), read x, write y = 3 arrays, the same as the dot reading w from HBM directly."""
+    plain = _PREFETCHED.replace("%cd)", "%w)").replace("prefetched", "plain")
+    plain = "\n".join(line for line in plain.splitlines() if "copy-" not in line)
+    array = 128 * 128 * 4
+    assert _xla_cost(_PREFETCHED)["bytes accessed"] == pytest.approx(7 * array, rel=1e-3)
+    assert program_cost(_PREFETCHED, num_devices=1).hbm_bytes == pytest.approx(3 * array, rel=1e-3)
+    assert program_cost(plain, num_devices=1).hbm_bytes == pytest.approx(3 * array)
 
 
 @pytest.mark.parametrize("n", [1, 6])

@@ -1,6 +1,6 @@
 """Run in a subprocess with 8 simulated CPU devices: sharded generate() == single-device generate(),
 for the static and the continuous engine (data-parallel shards with their own slots and pages,
-tensor-parallel weights and KV heads), and partial rollouts through one engine."""
+tensor-parallel weights and KV heads), partial rollouts through one engine; the vocab-split top-k == lax.top_k."""
 
 import os
 
@@ -40,13 +40,60 @@ def main():
             got = generate(graphdef, sharded_state, prompts, mesh=regrouped, prompts_per_chunk=chunk, **kwargs)
             np.testing.assert_array_equal(np.asarray(got.response_tokens), np.asarray(single.response_tokens))
             np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(got.logprobs_untruncated),
+                                       np.asarray(single.logprobs_untruncated), atol=1e-5)
         try:
             decode_mesh(mesh, 4, num_kv_heads=config.num_kv_heads)
             raise AssertionError("tensor_parallel=4 over 2 kv heads was accepted")
         except ValueError as e:
             assert "KV heads" in str(e), e
+    # greedy over the vocab split 2 ways: top-1 per shard + one gather, the single device's argmax
+    greedy = dict(num_samples=1, max_new_tokens=12, eos_token_ids=[1], pad_token_id=0, rng=jax.random.key(3),
+                  engine="static", greedy=True)
+    single = generate(graphdef, state, prompts, **greedy)
+    got = generate(graphdef, sharded_state, prompts, mesh=decode_mesh(mesh, 2, num_kv_heads=config.num_kv_heads),
+                   **greedy)
+    np.testing.assert_array_equal(np.asarray(got.response_tokens), np.asarray(single.response_tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
     continuous_rows(graphdef, state, sharded_state, mesh, config)
+    split_vocab_top_k_is_lax_top_k()
     print("OK")
+
+
+def split_vocab_top_k_is_lax_top_k():
+    """`filters.split_vocab_top_k` over a vocabulary split 4 ways (rows 2 ways) == lax.top_k of the
+    whole row (values and ids, ties to the lower id, rows of -inf, k above a shard's 64 entries;
+    k = 1, 2 run `top_k_logits`' two-level path in each shard),
+    and its log-normaliser == logsumexp; one all-gather and no all-to-all in the compiled program."""
+    import jax.numpy as jnp
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from jaxrl4llm.sampling.filters import VocabShards, split_vocab_top_k
+
+    shards = VocabShards(make_mesh(data=2, fsdp=1, tensor=4), "tensor", ("data", "fsdp"))
+    run = jax.jit(split_vocab_top_k, static_argnums=(1, 2))
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(st.sampled_from([1, 2, 7, 100]), st.integers(0, 2**31 - 1), st.sampled_from([3, 30, 1000]),
+           st.floats(0.0, 0.9))
+    def check(k, seed, spread, inf_share):
+        rng = np.random.default_rng(seed)
+        z = rng.integers(-spread, spread + 1, (4, 256)).astype(np.float32) / 4  # few distinct values: ties
+        z[rng.random(z.shape) < inf_share] = -np.inf
+        z[0, :160] = -np.inf  # a row with whole shards of -inf
+        z[1] = -1.0  # a boundary tie across blocks that rank out of index order (block 5 has the 5)
+        z[1, [40, 41, 16]] = [5.0, 3.0, 3.0]  # top-2: ids 40, 16 (not 41)
+        values, ids, log_norm = run(jnp.asarray(z), k, shards)
+        want_values, want_ids = jax.lax.top_k(jnp.asarray(z), k)
+        np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(log_norm), np.asarray(jax.nn.logsumexp(jnp.asarray(z), axis=-1)),
+                                   rtol=1e-6)
+
+    check()
+    hlo = run.lower(jnp.zeros((4, 256), jnp.float32), 7, shards).compile().as_text()
+    assert hlo.count("all-gather(") == 1 and "all-to-all" not in hlo and "all-reduce(" not in hlo, hlo
 
 
 def continuous_rows(graphdef, state, sharded_state, mesh, config):
@@ -68,6 +115,8 @@ def continuous_rows(graphdef, state, sharded_state, mesh, config):
         for name in ("response_tokens", "lengths", "truncated", "response_mask"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(single, name)), name)
         np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.logprobs_untruncated),
+                                   np.asarray(single.logprobs_untruncated), atol=1e-5)
     partial_rows(graphdef, state, sharded_state, decode_mesh(mesh, 2, num_kv_heads=config.num_kv_heads), prompts,
                  budgets, {k: v for k, v in kwargs.items() if k not in ("rng", "row_max_new_tokens")})
 
