@@ -890,9 +890,11 @@ def format_eval(plan: RunPlan, problems: int) -> str:
            f"{decode.runs:.0f} static calls of {sm['prompts_per_chunk']} problems" if decode else "")
     lines = [f"eval: {problems} problems x {plan.rows // max(problems, 1)} samples, {sm.get('engine')} engine ({how}): "
              f"{_seconds(plan.step_seconds)} a chip, {100 * plan.padding_fraction:.0f}% of it on finished rows"]
-    for p in plan.programs:
-        lines.append(f"  {p.name:<16} fits {'yes' if p.fits else 'NO':<3} {_gib(p.total_bytes + p.resident_bytes)} GiB "
-                     f"with the state, {p.runs:.0f} x {_seconds(p.seconds)} ({p.binding}-bound)")
+    for p in plan.programs:  # fits: it compiled, and with the state beside it under 90% of HBM (`RunPlan.fits`)
+        fits = p.fits and p.total_bytes + p.resident_bytes <= 0.9 * plan.chip.hbm
+        lines.append(f"  {p.name:<16} fits {'yes' if fits else 'NO':<3} {_gib(p.total_bytes + p.resident_bytes)} GiB "
+                     f"with the state, {p.runs:.0f} x {_seconds(p.seconds)} ({p.binding}-bound)"
+                     + ("" if fits else f": over 90% of the chip's {_gib(plan.chip.hbm)} GiB (lower rollout.slots)"))
     coll = d.get("step_collectives")
     if coll:
         lines.append(f"  decode step collectives: {coll['count']:.0f} ops, {coll['bytes'] / 1e6:.2f} MB a chip")

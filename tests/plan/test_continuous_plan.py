@@ -106,3 +106,16 @@ def test_partial_rollouts_price_a_segment_of_the_stream(eval_plan):
     time = lambda p: next(q for q in p.programs if q.name == "sampler/decode").seconds
     assert time(seg) < time(call)
     assert "rollout.partial" in format_plan(seg) and "rollout.partial" not in format_plan(call)
+
+
+def test_the_eval_report_says_no_when_the_sampler_and_the_state_overflow_the_chip(eval_plan):
+    """`fits` in the eval report is the plan's rule (compiled, and with the state under 90% of HBM),
+    not only that XLA compiled it."""
+    import dataclasses
+
+    from jaxrl4llm.plan.programs import format_eval
+
+    assert "fits NO" not in format_eval(eval_plan, 4)
+    decode = next(p for p in eval_plan.programs if p.name == "sampler/decode")
+    small = dataclasses.replace(eval_plan, chip=eval_plan.chip._replace(hbm=decode.total_bytes))
+    assert "fits NO" in format_eval(small, 4) and "lower rollout.slots" in format_eval(small, 4)
