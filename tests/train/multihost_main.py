@@ -5,7 +5,7 @@
 SPEC_JSON: {"process_id", "num_processes", "port", "devices" (per process), "assets" (the
 demo_assets paths), "out_dir", "steps", "resume", "result" (where process 0 writes the
 history and final parameters), "hold" (seconds to sleep after each step: the kill and SIGTERM
-tests), "compile_cache" (trainer.compile_cache; default off), "watch" (run under preemption.watch, as `jaxrl4llm train` does: a SIGTERM'd run writes
+tests), "light" (the fault tests' cheaper run: LIGHT), "compile_cache" (trainer.compile_cache; default off), "watch" (run under preemption.watch, as `jaxrl4llm train` does: a SIGTERM'd run writes
 {"preempted": step} to the result and exits 75), "staleness" (trainer.max_staleness, default 0)}.
 """
 
@@ -35,13 +35,20 @@ from jaxrl4llm.train.config import load_config  # noqa: E402
 from tests.train.conftest import tiny_overrides  # noqa: E402
 
 
+# the fault tests (spec "light"): what they show needs two processes and checkpoints, not the
+# update's structure: one mini-batch of padded rows, the sampler on the training mesh, no
+# evaluation or export (fewer and smaller programs to compile: the run is up sooner)
+LIGHT = {"trainer.mini_batches": 1, "trainer.micro_batch_size": "null", "rollout.tensor_parallel": 0,
+         "trainer.eval_every": -1, "trainer.export_hf": False, "trainer.packing": False}
+
+
 def overrides() -> list[str]:
     return tiny_overrides(spec["assets"], spec["out_dir"], **{
         "model.num_heads": 2, "model.num_kv_heads": 2, "rollout.prompts_per_step": 4, "trainer.mini_batches": 2,
         "trainer.micro_batch_size": 8, "mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1,
         "rollout.tensor_parallel": 2, "trainer.steps": spec["steps"], "trainer.checkpoint_every": 2,
         "trainer.eval_every": 2, "trainer.export_hf": True, "trainer.compile_cache": spec.get("compile_cache", "off"),
-        "trainer.max_staleness": spec.get("staleness", 0)})
+        "trainer.max_staleness": spec.get("staleness", 0), **(LIGHT if spec.get("light") else {})})
 
 
 def main() -> int:
