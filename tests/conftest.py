@@ -35,20 +35,19 @@ def session_compile_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _compile_cache_follows_the_config(request, session_compile_cache):
-    """JAX opens its cache once, where the config pointed at the first compile: after a test that
-    moved it (and maybe set the folder back), it reopens where the config now points."""
+def _compile_cache_back_in_the_session_folder(request, session_compile_cache):
+    """JAX opens its cache once, in the folder the config names at the first compile after a
+    reset: after a test that pointed it elsewhere (its own folder, or `auto`'s ~/.cache), the next
+    test's programs go to the session's folder again."""
     tests = Path(__file__).parent
-    if request.node.path.is_relative_to(tests) and request.node.path.relative_to(tests).parts[0] in WITHOUT:
+    without = request.node.path.is_relative_to(tests) and request.node.path.relative_to(tests).parts[0] in WITHOUT
+    if without:
         jax.config.update("jax_enable_compilation_cache", False)
         reset_cache()  # JAX checks the flag once per opening
-        try:
-            yield
-        finally:
-            jax.config.update("jax_enable_compilation_cache", True)
-            reset_cache()
-        return
-    yield
-    if jax.config.jax_compilation_cache_dir == str(session_compile_cache):
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", str(session_compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    reset_cache()
+        reset_cache()
