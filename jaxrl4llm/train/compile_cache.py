@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 
 def cache_dir(setting: str | bool) -> Path | None:
@@ -29,11 +30,16 @@ def cache_dir(setting: str | bool) -> Path | None:
 
 def enable_compile_cache(setting: str | bool) -> Path | None:
     """Points JAX's persistent compilation cache at `cache_dir(setting)`; every program is cached,
-    however quick its compile (a run's dozens of small ones add up). Returns the folder."""
+    however quick its compile (a run's dozens of small ones add up). Returns the folder.
+
+    JAX opens its cache once per process, in the folder set at the first compile: a later run of
+    the same process with another folder (a notebook's second run, the test suite) reopens it there."""
     folder = cache_dir(setting)
     if folder is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir != str(folder):
+        reset_cache()  # reopened in `folder` at the next compile
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -19,8 +19,8 @@ from jaxrl4llm.train.loop import train
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     """`jaxrl4llm demo --quick` once: (its --out-dir, what it printed). It and the learning runs
-    below use XLA's persistent compile cache (this module's folder, or the one a test before it
-    started: JAX keeps the first for the process), so those load the programs they share with it."""
+    below use XLA's persistent compile cache (this module's folder), so those load the programs
+    they share with it."""
     root = tmp_path_factory.mktemp("quick_demo")
     before = jax.config.jax_compilation_cache_dir
     printed = io.StringIO()

@@ -33,9 +33,11 @@ def step_records(out: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-def test_sigterm_saves_the_step_exits_75_and_auto_resume_matches_a_straight_run(demo_assets, tmp_path):
+def test_sigterm_saves_the_step_exits_75_and_auto_resume_matches_a_straight_run(demo_assets, tmp_path,
+                                                                                session_compile_cache):
     steps = {"trainer.steps": 4, "trainer.checkpoint_every": 0,  # no periodic checkpoint: the preemption's is the one
-             "trainer.compile_cache": str(tmp_path / "xla")}  # as a relaunch does, each run after the first loads its programs
+             # as a relaunch does, each run after the first loads its programs (the session's cache: tests/conftest.py)
+             "trainer.compile_cache": str(session_compile_cache)}
     straight_out = tmp_path / "straight"
     straight = load_config(None, tiny_overrides(demo_assets, straight_out, **steps))
     train(straight, resume="auto", log=lambda s: None)  # auto on an empty folder: a fresh start

@@ -58,7 +58,8 @@ def _steps(lines: str) -> list[dict]:
     return [r for r in map(json.loads, lines.splitlines()) if "loss" in r]
 
 
-def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_path, monkeypatch):
+def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_path, monkeypatch,
+                                                      session_compile_cache):
     """trainer.out_dir=gs:// and gs:// data files: 2 steps, then (the staging folder gone: another VM) --resume to 4;
     the metrics equal a local 4-step run's, once each, in the bucket; the run folder's marker
     refuses a fresh start there; the run exports."""
@@ -69,7 +70,7 @@ def test_train_on_gcs_resumes_to_a_local_runs_metrics(bucket, demo_assets, tmp_p
     from jaxrl4llm.train.run_folder import prepare_out_dir, read_marker
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    common = {"trainer.checkpoint_every": 2, "trainer.compile_cache": str(tmp_path / "xla")}
+    common = {"trainer.checkpoint_every": 2, "trainer.compile_cache": str(session_compile_cache)}  # the session's
     local = tmp_path / "local"
     train(load_config(None, tiny_overrides(demo_assets, local, **common, **{"trainer.steps": 4})), log=lambda s: None)
 

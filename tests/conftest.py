@@ -1,0 +1,53 @@
+"""One XLA persistent compilation cache for the whole test session, in a folder of its own.
+
+Every `train()` builds its jitted programs anew (closures over its config), so tests that train
+the same tiny model compile the same programs again and again; with the cache, a program compiled
+once is loaded from disk after that, as a relaunched run's are (train/compile_cache.py). The
+folder is new each session: nothing comes from ~/.cache or an earlier run. Only programs that
+took a while to compile are written (the suite's thousands of tiny ones are quicker to compile
+than to store). A test that points the cache at a folder of its own (trainer.compile_cache=PATH)
+has it there; the next test is back in the session's. The plan tests go without: their programs
+are compiled for TPU topologies with no chip, which XLA can write but not load back.
+"""
+
+from pathlib import Path
+
+import jax
+import pytest
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+MIN_COMPILE_SECONDS = 0.2  # a program quicker to compile than this is not written
+WITHOUT = ("plan",)  # tests/<folder>/ whose programs are not cached
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_compile_cache(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("xla_session")
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    reset_cache()
+    yield folder
+    for k, v in before.items():
+        jax.config.update(k, v)
+    reset_cache()
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_back_in_the_session_folder(request, session_compile_cache):
+    """JAX opens its cache once, in the folder the config names at the first compile after a
+    reset: after a test that pointed it elsewhere (its own folder, or `auto`'s ~/.cache), the next
+    test's programs go to the session's folder again."""
+    tests = Path(__file__).parent
+    without = request.node.path.is_relative_to(tests) and request.node.path.relative_to(tests).parts[0] in WITHOUT
+    if without:
+        jax.config.update("jax_enable_compilation_cache", False)
+        reset_cache()  # JAX checks the flag once per opening
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", str(session_compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+        reset_cache()
