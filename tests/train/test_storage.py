@@ -24,12 +24,44 @@ def _need(module: str) -> None:
         pytest.skip(f"{module} not installed (the test extra has it)")
 
 
+def _serialized_handlers(server_module) -> None:
+    """The emulator, made to answer as GCS does under concurrent requests: one request at a time
+    (its in-memory store is read and rewritten without a lock: a download read an object's bytes
+    and its metadata apart while tensorstore rewrote an OCDBT manifest, and tensorstore then
+    failed with "Malformed StorageGeneration" once in a loaded CI run), and media downloads carry
+    the object's x-goog-generation / x-goog-metageneration headers, as GCS's do."""
+    import threading
+
+    if getattr(server_module, "_jaxrl4llm_serialized", False):
+        return
+    lock = threading.Lock()
+    objects = importlib.import_module("gcp_storage_emulator.handlers.objects")
+
+    def wrap(fn):
+        def handler(request, response, storage, *args, **kwargs):
+            with lock:
+                fn(request, response, storage, *args, **kwargs)
+                if fn is objects.download and response.status < 300:
+                    try:
+                        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+                    except Exception:  # noqa: BLE001 (not found: the handler answered already)
+                        return
+                    response["x-goog-generation"] = str(obj.get("generation") or "1")
+                    response["x-goog-metageneration"] = str(obj.get("metageneration") or "1")
+        return handler
+
+    server_module.HANDLERS = tuple((regex, {method: wrap(fn) for method, fn in handlers.items()})
+                                   for regex, handlers in server_module.HANDLERS)
+    server_module._jaxrl4llm_serialized = True
+
+
 @pytest.fixture(scope="module")
 def bucket():
     """gs://jaxrl4llm-test on an in-memory emulator; STORAGE_EMULATOR_HOST set for the module."""
     _need("gcsfs")
     _need("gcp_storage_emulator")
     server_module = importlib.import_module("gcp_storage_emulator.server")
+    _serialized_handlers(server_module)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
