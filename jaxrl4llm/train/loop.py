@@ -259,11 +259,17 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
     }
-    if hasattr(reward_fn, "drain"):  # a RewardFn: responses whose reward failed (scored 0), warned once
+    return merged, np.concatenate([e[2] for e in kept]), with_scoring_stats(stats, reward_fn, stream, cfg, retired)
+
+
+def with_scoring_stats(stats: dict, reward_fn, stream: PromptStream, cfg: RunConfig, retired: int) -> dict:
+    """A rollout's stats plus what scoring it left: responses whose reward failed (a RewardFn's,
+    scored 0, warned once) and, with rollout.retire_pass_rate, the prompts retired."""
+    if hasattr(reward_fn, "drain"):
         stats["reward_errors"] = reward_fn.drain("sampling")
     if cfg.rollout.retire_pass_rate is not None:
         stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
-    return merged, np.concatenate([e[2] for e in kept]), stats
+    return stats
 
 
 def partial_stream(policy: Policy, prompts: PromptSet, cfg: RunConfig) -> PartialStream:
@@ -313,11 +319,7 @@ def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, s
     stats = {"time_sampling": t1 - t0, "time_reward": time.perf_counter() - t1, "sampling_draws": 1,
              "sampling_prompts_drawn": P, "groups_filled_constant": 0, "reward_all_draws": float(np.mean(rewards)),
              "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens))}
-    if hasattr(reward_fn, "drain"):
-        stats["reward_errors"] = reward_fn.drain("sampling")
-    if cfg.rollout.retire_pass_rate is not None:
-        stats.update(prompts_retired=retired, prompts_retired_total=len(stream.retired))
-    return rollout, rewards, stats, versions
+    return rollout, rewards, with_scoring_stats(stats, reward_fn, stream, cfg, retired), versions
 
 
 @dataclasses.dataclass
