@@ -37,8 +37,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
-from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, find_loops,
-                                     parse_module, program_cost)
+from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
+                                     find_conditionals, find_loops, parse_module, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -668,17 +668,22 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
     if d is not None and decode is not None and d.get("engine") == "continuous":
+        from jaxrl4llm.sampling.continuous import prefill_batch
+
         work = continuous_decode_work(lengths, plan.rows, d["slots"], plan.response_len, shards=d["shards"],
                                       samples=d.get("samples", 1), burst=d["burst"], page_size=d["page_size"],
                                       pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens,
-                                      partial=bool(d.get("partial")))
+                                      partial=bool(d.get("partial")),
+                                      prefill=prefill_batch(d["num_prompts"] // d["shards"], d["slots"] // d["shards"],
+                                                            d.get("samples", 1)))
         if d["attention"] == "kernel":  # XLA counts the Pallas call as nothing: its keys and pages, every layer
             layers = plan.model.num_layers * work.steps
             decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
             decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
                 * d["cache_bytes"]
-        decode.price(program_cost(decode.hlo, num_devices=decode.devices,
-                                  dynamic_trips=continuous_trips(decode.hlo, work)), plan.chip)
+        trips, weights = continuous_trips(decode.hlo, work)
+        decode.price(program_cost(decode.hlo, num_devices=decode.devices, dynamic_trips=trips, branch_weights=weights),
+                     plan.chip)
         decode.model_flops = 2 * n * (d["slots"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - work.useful_fraction
         d = dict(d, work=dataclasses.asdict(work))
@@ -708,14 +713,29 @@ def _decode_loops(hlo: str):
     return comps, loops, top, inner
 
 
-def continuous_trips(hlo: str, work) -> list[float]:
-    """`dynamic_trips` of `sampling.continuous.continuous_program` under a `ContinuousWork`: the
-    refill loop runs `bursts` times; inside it the admission loop `prefill_rounds` and the burst
-    loop `steps_per_burst` times; the page-chunk loops inside a step `chunks_per_step` times."""
+def continuous_trips(hlo: str, work) -> tuple[list[float], dict[str, list[float]]]:
+    """(`dynamic_trips`, `branch_weights`) of `sampling.continuous.continuous_program` under a
+    `ContinuousWork`: the refill loop runs `bursts` times; inside it the admission loop
+    `prefill_rounds` and the burst loop `steps_per_burst` times; the page-chunk loops inside a step
+    `chunks_per_step` times. When a refill chooses its prefill batch (`prefill_batch`), the
+    admission is a conditional: its batched branch (the one with more flops) runs on
+    `batched_refills` of the `bursts` refills, `batched_rounds` rounds each, the one-prompt branch
+    on the others, `single_rounds` rounds each."""
     comps, loops, top, inner = _decode_loops(hlo)
     if not top or not inner:
         raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
     outer, burst = top[0], inner[-1]
+    weights, branch_trips = {}, {}
+    admission = [c for c in find_conditionals(comps) if c.parent == outer.body]
+    if admission:
+        if len(admission) != 1 or len(admission[0].branches) != 2:
+            raise ValueError(f"the continuous sampler's refill holds {len(admission)} conditionals, not the one "
+                             "choosing its prefill batch")
+        cond = admission[0]
+        batched = max((0, 1), key=lambda i: computation_flops(hlo, comps, cond.branches[i]))
+        share = work.batched_refills / max(work.bursts, 1e-9)
+        weights[cond.name] = [share if i == batched else 1 - share for i in (0, 1)]
+        branch_trips = {cond.branches[batched]: work.batched_rounds, cond.branches[1 - batched]: work.single_rounds}
     under_burst = {burst.body}
     trips = []
     for loop in loops:
@@ -729,11 +749,13 @@ def continuous_trips(hlo: str, work) -> list[float]:
             trips.append(work.steps_per_burst)
         elif loop.parent == outer.body:
             trips.append(work.prefill_rounds)
+        elif loop.parent in branch_trips:
+            trips.append(branch_trips[loop.parent])
         elif loop.parent in under_burst:
             trips.append(work.chunks_per_step)
         else:
             trips.append(1.0)
-    return trips
+    return trips, weights
 
 
 def decode_step_collectives(hlo: str, devices: int, engine: str) -> dict:
