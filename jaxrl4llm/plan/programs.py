@@ -438,10 +438,13 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             fitting_slots = slots_that_fit(config, 0.85 * chip.hbm - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
             slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
+            from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports
             from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
 
-            tpu = topology != "cpu" and not is_gpu_topology(topology)
-            attention = "kernel" if tpu and tpu_kernel_supports(config.head_dim) else "xla"  # as `generate` picks
+            gpus = is_gpu_topology(topology)
+            tpu = topology != "cpu" and not gpus
+            attention = "kernel" if (tpu and tpu_kernel_supports(config.head_dim)) or (  # as `generate` picks
+                gpus and gpu_kernel_supports(config.head_dim, config.dtype, PAGE_SIZE)) else "xla"
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -818,7 +821,8 @@ def format_plan(plan: RunPlan) -> str:
     d = plan.decode or {}
     if sm and sm.get("engine") == "continuous":
         work = d.get("work", {})
-        kernel = "the ragged paged attention kernel" if sm["attention"] == "kernel" else "XLA's chunks of live pages"
+        kernel = "XLA's chunks of live pages" if sm["attention"] != "kernel" else \
+            "the Triton paged attention kernel" if is_gpu_topology(plan.topology) else "the ragged paged attention kernel"
         lines.append(f"sampler: the continuous engine (rollout.engine=continuous): decode mesh data "
                      f"{sm['data_parallel']} x tensor {sm['tensor_parallel']} (rollout.tensor_parallel), "
                      f"{sm['slots']} slots (rollout.slots; the most that fit by our count: {sm['fitting_slots']}), "
