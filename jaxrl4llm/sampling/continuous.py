@@ -217,8 +217,8 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
         batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
         tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend)
     gpu_kernel = attention == "kernel" and is_gpu(list(b.mesh.devices.flat) if b.mesh is not None else jax.devices())
+    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend) and not gpu_kernel
     if gpu_kernel and not gpu_kernel_supports(dh, cache_dtype, page_size):
         raise ValueError(f"continuous sampler: attention='kernel' on GPU needs a power-of-two head_dim >= 16 (this "
                          f"model's: {dh}), a power-of-two page size (kv_page_size: {page_size}) and a bfloat16 or "

@@ -147,6 +147,44 @@ def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)  # the idle slot
 
 
+def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkeypatch):
+    """The engine's GPU path end to end on CPU: `generate` and the engine taken for a GPU, the kernel
+    run by Pallas' interpreter (float32: no bf16 rounding between the paths) on every layer's pool
+    as the engine writes it, its page tables and lengths. The greedy case of
+    `test_continuous_engine_gives_the_static_rows` (its static rollout compiled once in a session):
+    the static engine's tokens, log-probs to float32 rounding."""
+    import functools
+
+    import importlib
+
+    from jaxrl4llm.sampling import continuous, gpu_paged_attention as gpa
+
+    generate_module = importlib.import_module("jaxrl4llm.sampling.generate")  # the package exports the function
+
+    for module in (continuous, generate_module):
+        monkeypatch.setattr(module, "is_gpu", lambda devices: True)
+        monkeypatch.setattr(module, "gpu_kernel_supports", lambda *shape: True)
+    calls = []
+    monkeypatch.setattr(continuous, "gpu_paged_attention", lambda *a, **k: calls.append(a[0].shape) or
+                        functools.partial(gpa.gpu_paged_attention, interpret=True)(*a, **k))
+    _, _, graphdef, state = qwen3
+    prompts = random_prompts(6, lengths=(7, 3, 12, 5, 9))
+    kwargs = dict(num_samples=3, max_new_tokens=21, pad_token_id=PAD, rng=jax.random.key(5), greedy=True,
+                  eos_token_ids=[])
+    static = generate(graphdef, state, prompts, engine="static", **kwargs)
+    # its static arguments are the CPU kernel's (jit's cache key): compile it anew, and drop it after
+    continuous.continuous_program.clear_cache()
+    try:
+        on_gpu_kernel = generate(graphdef, state, prompts, engine="continuous", slots=4, kv_page_size=4,
+                                 decode_burst=3, paged_attention="kernel", **kwargs)
+    finally:
+        continuous.continuous_program.clear_cache()
+    assert calls and all(shape[1:] == (4, 2, 2, 24) for shape in calls)  # [D, S, KVH, H/KVH, Dh], every layer
+    for name in ("response_tokens", "response_mask", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(on_gpu_kernel, name)), np.asarray(getattr(static, name)))
+    np.testing.assert_allclose(np.asarray(on_gpu_kernel.logprobs), np.asarray(static.logprobs), atol=1e-4)
+
+
 def test_gpu_kernel_takes_power_of_two_16_bit_shapes_and_generate_says_why_not():
     from jaxrl4llm.models import ModelConfig
     from jaxrl4llm.sampling.generate import paged_attention_choice
