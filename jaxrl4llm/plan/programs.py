@@ -462,7 +462,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
                           partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE,
                           pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
-                          q_heads=config.num_heads // dtp, kv_heads=config.num_kv_heads // dtp,
+                          q_heads=kernel_query_rows(config, dtp, gpus and attention == "kernel"),
+                          kv_heads=config.num_kv_heads // dtp,
                           cache_bytes=jnp.dtype(config.dtype).itemsize)
         else:
             analytic = decode_memory(config, prompts=num_prompts, **sizing)
@@ -597,6 +598,17 @@ def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, len
         if p.name == "sampler/decode":
             p.runs *= calls
     return dataclasses.replace(plan, rows=problems * k)
+
+
+def kernel_query_rows(config, tensor_parallel: int, gpu_kernel: bool) -> int:
+    """Query heads a chip's paged attention kernel computes per slot: the model's, or on GPU each kv
+    head's group padded to the Triton kernel's 16 rows (`gpu_paged_attention.BLOCK_H`)."""
+    kv_heads, group = config.num_kv_heads // tensor_parallel, config.num_heads // config.num_kv_heads
+    if not gpu_kernel:
+        return kv_heads * group
+    from jaxrl4llm.sampling.gpu_paged_attention import BLOCK_H
+
+    return kv_heads * -(-group // BLOCK_H) * BLOCK_H
 
 
 def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *, remat: bool, epochs: int,

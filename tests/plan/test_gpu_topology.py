@@ -142,7 +142,7 @@ def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_readi
     one kv head a GPU) runs the Pallas/Triton paged attention kernel, one custom call per layer, whose
     key and value operands are the same buffer, a bitcast of the layer's pool as the step's token write
     (a scatter) left it: no transpose or copy of the pool a step. The meter adds the kernel's FLOPs and
-    KV bytes (XLA counts the custom call as nothing)."""
+    KV bytes (XLA counts the custom call as nothing), the FLOPs of the query rows it computes."""
     from jaxrl4llm.plan.programs import format_plan, plan_eval
     from jaxrl4llm.train.config import load_config
     from tests.plan.conftest import TINY
@@ -163,4 +163,5 @@ def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_readi
         source = re.search(rf"\n\s*{re.escape(keys)} = bf16\[(\d+),16,2,32\]\S* bitcast\(([\w.]+)\)", hlo)
         assert source and "scatter" in source[2], source  # the pool as write_tokens left it
     assert 0 < decode.kernel_flops < decode.flops and 0 < decode.kernel_bytes < decode.hbm_bytes
+    assert plan.decode["q_heads"] == 16  # a GPU's kv head and its 2 query heads, padded to the kernel's 16 rows
     assert "attention by the Triton paged attention kernel" in format_plan(plan)
