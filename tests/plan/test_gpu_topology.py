@@ -102,6 +102,30 @@ def test_a_sharded_matmul_compiles_for_two_h100s():
 
 
 @needs_gpu_extra
+def test_a_write_into_a_pool_in_place_moves_the_update_not_the_pool():
+    """XLA's cost analysis counts a GPU scatter fusion as reading and writing its whole operand (a
+    KV write into the sampler's page pool: the pool, every step); the meter counts the update
+    (hlo_cost.in_place_excess_bytes). A loop of n writes of 32 tokens into a 134 MB pool."""
+    from jaxrl4llm.plan.hlo_cost import compiled_hlo_text, program_cost
+
+    mesh = Mesh(np.array(gpu_topology_devices("h100:2"))[:1], ("x",), axis_types=(AxisType.Auto,))
+    pool = _sharded((4096, 16, 8, 128), jnp.bfloat16, mesh, P())
+    new, at = _sharded((32, 8, 128), jnp.bfloat16, mesh, P()), _sharded((32,), jnp.int32, mesh, P())
+
+    def writes(pool, new, page, offset, n):
+        return jax.lax.fori_loop(0, n, lambda i, p: p.at[page, offset].set(new + i.astype(new.dtype)), pool)
+
+    hbm = {}
+    for n in (10, 20):
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(writes, static_argnums=4, donate_argnums=0).lower(pool, new, at, at, n).compile()
+        hbm[n] = program_cost(compiled_hlo_text(compiled), num_devices=1).hbm_bytes
+    update = 32 * 8 * 128 * 2
+    per_write = (hbm[20] - hbm[10]) / 10
+    assert update <= per_write <= 4 * update, per_write  # XLA alone: 2 x 134 MB a write
+
+
+@needs_gpu_extra
 def test_a_tiny_model_forward_compiles_for_two_h100s_and_fits():
     from jaxrl4llm.models import ModelConfig, abstract_model, param_shardings, score_tokens
 
