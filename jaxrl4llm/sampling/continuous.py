@@ -274,15 +274,18 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
         count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), state.end - state.next_row)  # [D]
         first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
         new_prompts = -(-(state.next_row + count) // g) - first_prompt
-        def prefill(s, a):
-            rounds = -(-jnp.max(new_prompts) // a)
+        def prefill(s, a, rounds):
             return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
 
+        most = jnp.max(new_prompts)
         if a_big == pd or a_big == 1:  # every row has a slot (one admission: A = all prompts), or A = 1
-            state = prefill(state, a_big)
-        else:
-            state = jax.lax.cond(2 * jnp.max(new_prompts) > a_big, lambda s: prefill(s, a_big), lambda s: prefill(s, 1),
-                                 state)
+            state = prefill(state, a_big, -(-most // a_big))
+        else:  # A at a time when more than A / 2 prompts come in, else one at a time: one of the two loops runs.
+            # Two loops in a row, not a lax.cond between them: XLA:TPU copied the page pool into and out
+            # of the loop inside each branch on every round, holding it twice (docs/sampling.md)
+            batched = 2 * most > a_big
+            state = prefill(state, a_big, jnp.where(batched, -(-most // a_big), 0))
+            state = prefill(state, 1, jnp.where(batched, 0, most))
         out, en = state.out, state.entries
         rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
         mine = free_slot & (rank < count[:, None])  # [D, S]
