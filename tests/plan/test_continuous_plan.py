@@ -119,3 +119,21 @@ def test_the_eval_report_says_no_when_the_sampler_and_the_state_overflow_the_chi
     decode = next(p for p in eval_plan.programs if p.name == "sampler/decode")
     small = dataclasses.replace(eval_plan, chip=eval_plan.chip._replace(hbm=decode.total_bytes))
     assert "fits NO" in format_eval(small, 4) and "lower rollout.slots" in format_eval(small, 4)
+
+
+def test_the_decode_program_holds_the_page_pool_once():
+    """XLA's temporaries are the page pool once plus the small rest (`continuous_memory`), on a
+    pool too large for on-chip memory (262 MiB a chip, one layer) with fewer slots than rows, so
+    refills prefill prompts in rounds. The refill's prefill was a `lax.cond` between two loops,
+    and XLA:TPU copied the pool into and out of the loop in each branch on every round: 3.0x the
+    pool in temporaries."""
+    cfg = load_config(None, TINY + ["rollout.engine=continuous", "model.head_dim=128", "rollout.tensor_parallel=2",
+                                    "model.num_layers=1", "model.num_heads=32", "model.num_kv_heads=8",
+                                    "rollout.max_new_tokens=2048", "rollout.slots=128", "trainer.eval_samples=4",
+                                    "trainer.eval_temperature=0.6", "rollout.top_k=10"])
+    plan = plan_eval(cfg, "v5e:2x2", problems=64)  # 256 rows on 128 slots: 16 of a shard's 32 prompts a round
+    decode = next(p for p in plan.programs if p.name == "sampler/decode")
+    pool, rest = decode.analytic["page pool"], decode.analytic_total - decode.analytic["decode weights"]
+    assert plan.sampler["slots"] == 128 and pool > 2**28
+    assert pool <= decode.temp_bytes <= 1.1 * rest  # the pool in HBM, once
+    assert 0.85 < decode.analytic_total / decode.total_bytes < 1.15
