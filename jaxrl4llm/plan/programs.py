@@ -678,7 +678,9 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
             decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
                 * d["cache_bytes"]
         decode.price(program_cost(decode.hlo, num_devices=decode.devices,
-                                  dynamic_trips=continuous_trips(decode.hlo, work)), plan.chip)
+                                  dynamic_trips=continuous_trips(decode.hlo, work, batch_prompts=max(
+                                      1, min(d["num_prompts"] // d["shards"],
+                                             d["slots"] // d["shards"] // d.get("samples", 1))))), plan.chip)
         decode.model_flops = 2 * n * (d["slots"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - work.useful_fraction
         d = dict(d, work=dataclasses.asdict(work))
@@ -708,14 +710,24 @@ def _decode_loops(hlo: str):
     return comps, loops, top, inner
 
 
-def continuous_trips(hlo: str, work) -> list[float]:
+def continuous_trips(hlo: str, work, batch_prompts: int = 1) -> list[float]:
     """`dynamic_trips` of `sampling.continuous.continuous_program` under a `ContinuousWork`: the
     refill loop runs `bursts` times; inside it the admission loop `prefill_rounds` and the burst
-    loop `steps_per_burst` times; the page-chunk loops inside a step `chunks_per_step` times."""
+    loop `steps_per_burst` times; the page-chunk loops inside a step `chunks_per_step` times.
+
+    With two admission loops (fewer slots than rows: `batch_prompts` = A prompts a round, then one
+    a round) the batched one runs once a call (the first admission, every slot free: A prompts of
+    a shard) and the one-prompt loop the other prompts' rounds."""
     comps, loops, top, inner = _decode_loops(hlo)
     if not top or not inner:
         raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
     outer, burst = top[0], inner[-1]
+    admissions = [loop for loop in loops if loop.trips is None and loop.parent == outer.body and loop is not burst]
+    per_refill = {id(loop): work.prefill_rounds for loop in admissions}
+    if len(admissions) == 2:
+        batched = 1 / max(work.bursts, 1)
+        per_refill = {id(admissions[0]): batched,
+                      id(admissions[1]): max(work.prefill_rounds - batch_prompts * batched, 0.0)}
     under_burst = {burst.body}
     trips = []
     for loop in loops:
@@ -728,7 +740,7 @@ def continuous_trips(hlo: str, work) -> list[float]:
         elif loop is burst:
             trips.append(work.steps_per_burst)
         elif loop.parent == outer.body:
-            trips.append(work.prefill_rounds)
+            trips.append(per_refill[id(loop)])
         elif loop.parent in under_burst:
             trips.append(work.chunks_per_step)
         else:

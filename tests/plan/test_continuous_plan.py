@@ -137,3 +137,7 @@ def test_the_decode_program_holds_the_page_pool_once():
     assert plan.sampler["slots"] == 128 and pool > 2**28
     assert pool <= decode.temp_bytes <= 1.1 * rest  # the pool in HBM, once
     assert 0.85 < decode.analytic_total / decode.total_bytes < 1.15
+    # the refill prefills in two loops one after the other: A prompts a round once a call (the
+    # first admission), then one a round; the batched loop is priced at one round a call
+    bursts = plan.decode["work"]["bursts"]
+    assert [t for _, t in decode.loops].count(pytest.approx(1 / bursts)) == 1
