@@ -14,6 +14,12 @@ TPU/GPU the condition of a jax loop is `i < N` on a counter that starts from a c
 whose exit depends on data (the sampler's "until every row is done") has no static trip count:
 the caller passes it (`dynamic_trips`, in the order the loops appear).
 
+A `conditional` (`lax.cond`, `lax.switch`) runs one branch, but XLA's cost analysis counts the
+maximum over its branches of each figure, with the branches' loops once and their collectives
+not at all. Here its count is replaced by the branches' full costs, weighted by how often each
+runs per run of the computation holding it (`branch_weights`, known to the caller, as trips are);
+without weights, the branch with the most flops runs every time.
+
 Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) are read
 from the same HLO with their result shapes and replica groups, weighted by the same trips, and
 turned into the bytes one chip sends over its links (ring algorithms: an all-reduce of S bytes
@@ -39,7 +45,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Sequence
+from typing import Mapping, Sequence
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
                 "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1,
@@ -76,6 +82,15 @@ class Loop:
     body: str
     condition: str
     trips: float | None
+
+
+@dataclasses.dataclass
+class Conditional:
+    """A conditional of the program: where it is and the computations it chooses between (in its branch order)."""
+
+    name: str
+    parent: str
+    branches: tuple[str, ...]
 
 
 @dataclasses.dataclass
@@ -190,35 +205,54 @@ def _static_trips(comps: dict[str, Computation], parent: Computation, inst: Inst
     return float(max(bound - init, 0))
 
 
-def find_loops(comps: dict[str, Computation], dynamic_trips: Sequence[float] = ()) -> list[Loop]:
-    """Every while loop, in the order of a walk from the entry; data-dependent loops take their
-    trips from `dynamic_trips` in that order (None when the list runs out)."""
-    loops, given = [], list(dynamic_trips)
+def branches(inst: Instruction) -> tuple[str, ...]:
+    """The computations a conditional chooses between: `branch_computations` (index order) or (true, false)."""
+    m = re.search(r"branch_computations=\{([^}]*)\}", inst.rest)
+    if m:
+        return tuple(name.strip().lstrip("%") for name in m.group(1).split(","))
+    pair = (_attr(inst.rest, "true_computation"), _attr(inst.rest, "false_computation"))
+    return pair if all(pair) else ()
+
+
+def _walk(comps: dict[str, Computation]) -> list[tuple[Computation, Instruction]]:
+    """Every (computation, instruction) in the order of a walk from the entry: a while's body, a
+    call's callee and a conditional's branches right after the instruction that runs them."""
+    out = []
     entry = next(c for c in comps.values() if c.is_entry)
 
     def walk(comp: Computation, seen: frozenset):
         for inst in comp.instructions.values():
-            if inst.opcode == "while":
-                trips = _static_trips(comps, comp, inst)
-                if trips is None and given:
-                    trips = float(given.pop(0))
-                body = _attr(inst.rest, "body")
-                loops.append(Loop(inst.name, comp.name, body, _attr(inst.rest, "condition"), trips))
-                if body in comps and body not in seen:
-                    walk(comps[body], seen | {body})
-            for key in ("to_apply", "calls", "true_computation", "false_computation"):
-                callee = _attr(inst.rest, key) if inst.opcode in ("call", "conditional", "async-start") else None
+            out.append((comp, inst))
+            callees = [_attr(inst.rest, "body")] if inst.opcode == "while" else []
+            if inst.opcode in ("call", "conditional", "async-start"):
+                callees += [_attr(inst.rest, key) for key in ("to_apply", "calls")]
+            if inst.opcode == "conditional":
+                callees += list(branches(inst))
+            for callee in callees:
                 if callee in comps and callee not in seen:
                     walk(comps[callee], seen | {callee})
-            if inst.opcode == "conditional":
-                for callee in re.findall(r"branch_computations=\{([^}]*)\}", inst.rest):
-                    for name in callee.split(","):
-                        name = name.strip().lstrip("%")
-                        if name in comps and name not in seen:
-                            walk(comps[name], seen | {name})
 
     walk(entry, frozenset({entry.name}))
+    return out
+
+
+def find_loops(comps: dict[str, Computation], dynamic_trips: Sequence[float] = ()) -> list[Loop]:
+    """Every while loop, in the order of a walk from the entry; data-dependent loops take their
+    trips from `dynamic_trips` in that order (None when the list runs out)."""
+    loops, given = [], list(dynamic_trips)
+    for comp, inst in _walk(comps):
+        if inst.opcode == "while":
+            trips = _static_trips(comps, comp, inst)
+            if trips is None and given:
+                trips = float(given.pop(0))
+            loops.append(Loop(inst.name, comp.name, _attr(inst.rest, "body"), _attr(inst.rest, "condition"), trips))
     return loops
+
+
+def find_conditionals(comps: dict[str, Computation]) -> list[Conditional]:
+    """Every conditional, in the order of a walk from the entry."""
+    return [Conditional(inst.name, comp.name, branches(inst)) for comp, inst in _walk(comps)
+            if inst.opcode == "conditional" and branches(inst)]
 
 
 def _rerooted(text: str, comps: dict[str, Computation], root: str) -> str:
@@ -249,6 +283,11 @@ def _xla_cost(text: str) -> dict:
 
     module = _hlo.hlo_module_from_text(text)
     return dict(_jax.hlo_module_cost_analysis(_cpu_client(), module))
+
+
+def computation_flops(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
+    """XLA's flops of computation `name`, its loops once (as `cost_analysis()` counts them)."""
+    return _xla_cost(hlo_text if comps[name].is_entry else _rerooted(hlo_text, comps, name)).get("flops", 0.0)
 
 
 def _group_size(rest: str, default: int) -> int:
@@ -451,27 +490,38 @@ def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int)
     return sent, count
 
 
-def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[float] = ()) -> ProgramCost:
+def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[float] = (),
+                 branch_weights: Mapping[str, Sequence[float]] | None = None) -> ProgramCost:
     """Per-chip flops, HBM bytes and collective bytes of one compiled program, loops weighted by trips.
 
     Args:
       hlo_text: the optimized per-chip HLO (`compiled_hlo_text(compiled)`).
       num_devices: chips of the program (collectives without replica groups span all of them).
       dynamic_trips: trip counts of the data-dependent loops, in the order `find_loops` walks them.
+      branch_weights: {conditional's name: how often each branch runs per run of the computation
+        holding it, in branch order} (`find_conditionals`); a conditional not named runs its branch
+        with the most flops every time.
     """
     comps = parse_module(hlo_text)
     loops = find_loops(comps, dynamic_trips)
     by_body: dict[str, list[Loop]] = {}
     for loop in loops:
         by_body.setdefault(loop.parent, []).append(loop)
+    conds: dict[str, list[Conditional]] = {}
+    for c in find_conditionals(comps):
+        conds.setdefault(c.parent, []).append(c)
+    unknown = set(branch_weights or {}) - {c.name for cs in conds.values() for c in cs}
+    if unknown:
+        raise ValueError(f"branch_weights names no conditional of the program: {sorted(unknown)}")
     once: dict[str, dict] = {}
 
     def cost(name: str) -> dict:
         if name not in once:
             comp = comps[name]
             c = _xla_cost(hlo_text if comp.is_entry else _rerooted(hlo_text, comps, name))
-            once[name] = {"flops": c.get("flops", 0.0),
-                          "bytes": c.get("bytes accessed", 0.0) - off_hbm_bytes(hlo_text, comps, name)}
+            raw = c.get("bytes accessed", 0.0)
+            once[name] = {"flops": c.get("flops", 0.0), "raw_bytes": raw,
+                          "bytes": raw - off_hbm_bytes(hlo_text, comps, name)}
         return once[name]
 
     @functools.cache
@@ -488,6 +538,21 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
             totals[1] += trips * inner[1] - once_body["bytes"]
             totals[2] += trips * inner[2]  # collectives are read per computation, not from XLA's once-count
             totals[3] += trips * inner[3]
+        for cond in conds.get(name, []):  # XLA counted each figure's max over the branches
+            onces = [cost(b) for b in cond.branches]
+            weights = (branch_weights or {}).get(cond.name)
+            if weights is None:
+                heaviest = max(range(len(onces)), key=lambda i: onces[i]["flops"])
+                weights = [float(i == heaviest) for i in range(len(onces))]
+            if len(weights) != len(cond.branches):
+                raise ValueError(f"conditional {cond.name} has {len(cond.branches)} branches, "
+                                 f"branch_weights gives {len(weights)}")
+            totals[0] -= max(o["flops"] for o in onces)
+            totals[1] -= max(o["raw_bytes"] for o in onces)
+            for w, branch in zip(weights, cond.branches):
+                inner = full(branch)
+                for i in range(4):
+                    totals[i] += w * inner[i]
         return tuple(totals)
 
     entry = next(c.name for c in comps.values() if c.is_entry)

@@ -152,6 +152,10 @@ class ContinuousWork:
       kv_tokens, kv_pages: per step and shard, keys every slot attends to (an idle slot counts one,
       as the kernel runs it) and the pages read for them; useful_fraction: live slot-steps over
       slot-steps (the row-steps that make a token).
+    When a refill chooses its prefill batch at run time (`sampling.continuous.prefill_batch`):
+    batched_refills: refills a call that prefill rounds of `prefill_batch` prompts (they admit more
+    than half of it), batched_rounds: those rounds per such refill, single_rounds: one-prompt rounds
+    per other refill (0 when it admits none).
     """
 
     bursts: float
@@ -163,15 +167,22 @@ class ContinuousWork:
     kv_pages: float
     useful_fraction: float
     mean_length: float
+    prefill_batch: int = 1
+    batched_refills: float = 0.0
+    batched_rounds: float = 0.0
+    single_rounds: float = 0.0
 
 
 def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst: int, page_size: int, pages_per_chunk: int,
-              prompt_tokens: float, lookahead: bool) -> list[np.ndarray]:
+                     prompt_tokens: float, lookahead: bool, prefill: tuple[int, bool] = (1, False)) -> list[np.ndarray]:
     """The continuous engine's schedule over a stream of rollouts (lengths [shards, K * nd], rollout
     j = the rows j*nd .. (j+1)*nd - 1 of each shard), one segment a rollout: it ends after the
     burst in which the rollout's last row finishes; with `lookahead` (partial rollouts) it admits
-    the next rollout's rows too, and the slots carry over. Returns per segment [bursts, rounds,
-    steps, live slot-steps, keys, pages, page-chunk trips]."""
+    the next rollout's rows too, and the slots carry over. `prefill`: (A, choose) of
+    `sampling.continuous.prefill_batch` (a refill of m prompts runs ceil(m / A) rounds of A; with
+    choose, m rounds of one when m <= A / 2). Returns per segment [bursts, rounds, steps, live
+    slot-steps, keys, pages, page-chunk trips, batched refills, their rounds, one-prompt rounds]."""
+    a, choose = prefill
     shards = lengths.shape[0]
     need = lengths - 1  # decode steps each row takes after its prefill token
     left = np.zeros((shards, sd), np.int64)  # steps a slot's row still takes (0: free)
@@ -181,14 +192,17 @@ def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst:
     out = []
     for j in range(lengths.shape[1] // nd):
         end, limit = (j + 1) * nd, min((j + 2 if lookahead else j + 1) * nd, lengths.shape[1])
-        totals = np.zeros(7)
+        totals = np.zeros(10)
         while True:
             if not (((left > 0) & (row < end)).any() or (nxt < end).any()):
                 break
             free = left == 0
             take = np.minimum(free.sum(1), limit - nxt)
-            new_prompts = -(-(nxt + take) // samples) - (-(-nxt // samples))
-            totals[1] += new_prompts.max()
+            m = int((-(-(nxt + take) // samples) - (-(-nxt // samples))).max())  # prompts the busiest shard admits
+            if choose and 2 * m <= a:
+                totals[[1, 9]] += m
+            else:
+                totals[[1, 7, 8]] += [-(-m // a), choose, -(-m // a) * choose]
             for d in range(shards):
                 at = np.flatnonzero(free[d])[:take[d]]
                 left[d, at], done[d, at], row[d, at] = need[d, nxt[d]:nxt[d] + take[d]], 0, np.arange(nxt[d],
@@ -215,7 +229,7 @@ def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst:
 def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budget: int, *, shards: int = 1,
                            samples: int = 1, burst: int = 16, page_size: int = 16, pages_per_chunk: int = 8,
                            prompt_tokens: float = 0.0, draws: int = 4, seed: int = 0,
-                           partial: bool = False) -> ContinuousWork:
+                           partial: bool = False, prefill: tuple[int, bool] = (1, False)) -> ContinuousWork:
     """Monte Carlo of the continuous engine's schedule over `draws` calls of `rows` rows.
 
     Each of `shards` shards holds rows/shards rows (in order, `samples` a prompt) and
@@ -226,24 +240,28 @@ def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budg
     prompt_tokens + j keys. The bursts ~ the makespan of the rows on the slots / burst.
     partial (rollout.partial): one stream of draws + 2 rollouts, each segment admitting the next
     rollout's rows into the slots its own free; the figures are per segment in the steady state
-    (the first segment, which starts from empty slots, and the last, with no next rollout, left out)."""
+    (the first segment, which starts from empty slots, and the last, with no next rollout, left out).
+    prefill: (A, choose) of `sampling.continuous.prefill_batch`: prompts a prefill round takes."""
     rng = np.random.default_rng(seed)
     nd, sd = rows // shards, max(slots // shards, 1)
     if partial:
         draws *= 3  # segments vary more than calls (a segment's length depends on the one before)
         lengths = dist.sample(shards * nd * (draws + 2), budget, rng).reshape(shards, draws + 2, nd)
         segments = segment_schedule(lengths.reshape(shards, -1), nd, sd, samples, burst, page_size, pages_per_chunk,
-                             prompt_tokens, lookahead=True)[1:-1]
+                                    prompt_tokens, lookahead=True, prefill=prefill)[1:-1]
         means = lengths[:, 1:-1].mean()
     else:
         segments, means = [], []
         for _ in range(draws):
             lengths = dist.sample(shards * nd, budget, rng).reshape(shards, nd)
             segments += segment_schedule(lengths, nd, sd, samples, burst, page_size, pages_per_chunk, prompt_tokens,
-                                  lookahead=False)
+                                         lookahead=False, prefill=prefill)
             means.append(lengths.mean())
         means = float(np.mean(means))
-    b, r, s, live, kv, pages, chunks = np.mean(segments, axis=0)
+    b, r, s, live, kv, pages, chunks, batched, batched_rounds, single_rounds = np.mean(segments, axis=0)
     return ContinuousWork(bursts=b, prefill_rounds=r / max(b, 1), steps=s, steps_per_burst=s / max(b, 1),
                           chunks_per_step=chunks / max(s, 1), kv_tokens=kv / max(s, 1), kv_pages=pages / max(s, 1),
-                          useful_fraction=live / max(s * shards * sd, 1), mean_length=float(means))
+                          useful_fraction=live / max(s * shards * sd, 1), mean_length=float(means),
+                          prefill_batch=prefill[0], batched_refills=batched,
+                          batched_rounds=batched_rounds / max(batched, 1e-9) if batched else 0.0,
+                          single_rounds=single_rounds / max(b - batched, 1e-9) if b > batched else 0.0)

@@ -37,8 +37,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
-from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, find_loops,
-                                     parse_module, program_cost)
+from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
+                                     find_loops, parse_module, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -668,19 +668,22 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
     if d is not None and decode is not None and d.get("engine") == "continuous":
+        from jaxrl4llm.sampling.continuous import prefill_batch
+
         work = continuous_decode_work(lengths, plan.rows, d["slots"], plan.response_len, shards=d["shards"],
                                       samples=d.get("samples", 1), burst=d["burst"], page_size=d["page_size"],
                                       pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens,
-                                      partial=bool(d.get("partial")))
+                                      partial=bool(d.get("partial")),
+                                      prefill=prefill_batch(d["num_prompts"] // d["shards"], d["slots"] // d["shards"],
+                                                            d.get("samples", 1)))
         if d["attention"] == "kernel":  # XLA counts the Pallas call as nothing: its keys and pages, every layer
             layers = plan.model.num_layers * work.steps
             decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
             decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
                 * d["cache_bytes"]
-        decode.price(program_cost(decode.hlo, num_devices=decode.devices,
-                                  dynamic_trips=continuous_trips(decode.hlo, work, batch_prompts=max(
-                                      1, min(d["num_prompts"] // d["shards"],
-                                             d["slots"] // d["shards"] // d.get("samples", 1))))), plan.chip)
+        trips, weights = continuous_trips(decode.hlo, work)
+        decode.price(program_cost(decode.hlo, num_devices=decode.devices, dynamic_trips=trips, branch_weights=weights),
+                     plan.chip)
         decode.model_flops = 2 * n * (d["slots"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - work.useful_fraction
         d = dict(d, work=dataclasses.asdict(work))
@@ -710,24 +713,28 @@ def _decode_loops(hlo: str):
     return comps, loops, top, inner
 
 
-def continuous_trips(hlo: str, work, batch_prompts: int = 1) -> list[float]:
-    """`dynamic_trips` of `sampling.continuous.continuous_program` under a `ContinuousWork`: the
-    refill loop runs `bursts` times; inside it the admission loop `prefill_rounds` and the burst
-    loop `steps_per_burst` times; the page-chunk loops inside a step `chunks_per_step` times.
-
-    With two admission loops (fewer slots than rows: `batch_prompts` = A prompts a round, then one
-    a round) the batched one runs once a call (the first admission, every slot free: A prompts of
-    a shard) and the one-prompt loop the other prompts' rounds."""
+def continuous_trips(hlo: str, work) -> tuple[list[float], dict[str, list[float]]]:
+    """(`dynamic_trips`, `branch_weights`) of `sampling.continuous.continuous_program` under a
+    `ContinuousWork`: the refill loop runs `bursts` times; inside it the admission loop
+    `prefill_rounds` and the burst loop `steps_per_burst` times; the page-chunk loops inside a step
+    `chunks_per_step` times. When a refill chooses its prefill batch (`prefill_batch`), the
+    admission is two loops one after the other, one of them with no trips: the batched one (the
+    one with more flops) runs `batched_rounds` rounds on `batched_refills` of the `bursts` refills,
+    the one-prompt one `single_rounds` rounds on the others (no branch weights: the program has no
+    conditional since the refill's `lax.cond` made XLA:TPU copy the page pool)."""
     comps, loops, top, inner = _decode_loops(hlo)
     if not top or not inner:
         raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
     outer, burst = top[0], inner[-1]
     admissions = [loop for loop in loops if loop.trips is None and loop.parent == outer.body and loop is not burst]
-    per_refill = {id(loop): work.prefill_rounds for loop in admissions}
+    per_refill = {loop.body: work.prefill_rounds for loop in admissions}
     if len(admissions) == 2:
-        batched = 1 / max(work.bursts, 1)
-        per_refill = {id(admissions[0]): batched,
-                      id(admissions[1]): max(work.prefill_rounds - batch_prompts * batched, 0.0)}
+        batched = max((0, 1), key=lambda i: computation_flops(hlo, comps, admissions[i].body))
+        share = work.batched_refills / max(work.bursts, 1e-9)
+        per_refill = {admissions[batched].body: share * work.batched_rounds,
+                      admissions[1 - batched].body: (1 - share) * work.single_rounds}
+    elif len(admissions) > 2:
+        raise ValueError(f"the continuous sampler's refill holds {len(admissions)} admission loops, not one or two")
     under_burst = {burst.body}
     trips = []
     for loop in loops:
@@ -740,12 +747,12 @@ def continuous_trips(hlo: str, work, batch_prompts: int = 1) -> list[float]:
         elif loop is burst:
             trips.append(work.steps_per_burst)
         elif loop.parent == outer.body:
-            trips.append(per_refill[id(loop)])
+            trips.append(per_refill[loop.body])
         elif loop.parent in under_burst:
             trips.append(work.chunks_per_step)
         else:
             trips.append(1.0)
-    return trips
+    return trips, {}
 
 
 def decode_step_collectives(hlo: str, devices: int, engine: str) -> dict:

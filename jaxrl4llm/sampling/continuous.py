@@ -46,6 +46,17 @@ PAGES_PER_CHUNK = 8
 BURST = 16
 
 
+def prefill_batch(prompts: int, slots: int, samples: int, prefill_prompts: int | None = None) -> tuple[int, bool]:
+    """How a shard of `prompts` prompts on `slots` slots (G = `samples` rows a prompt) prefills the
+    prompts a refill admits: (A, choose). A = min(prompts, prefill_prompts or slots // G), at least 1:
+    the prompts of one batched round. choose: whether each refill picks at run time between rounds
+    of A prompts (when it admits more than A / 2) and rounds of one (two loops one after the other,
+    one with no trips); not when A is every prompt (one admission takes them all) or 1. `plan`
+    prices the two loops with this rule."""
+    a = max(1, min(prompts, prefill_prompts or slots // samples))
+    return a, not (a == prompts or a == 1)
+
+
 class Slots(NamedTuple):
     """Per shard and slot [D, S]: row (local row id, -1 = none), entry (its prompt's entry), length
     (response tokens so far), token (the last one), live (still decoding), held (holds pages:
@@ -197,7 +208,7 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
     width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
     q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
     num_pages = pool_pages(sd, q, tp, rp)
-    a_big = max(1, min(pd, prefill_prompts or sd // g))
+    a_big, choose = prefill_batch(pd, sd, g, prefill_prompts)
     b = backend
     batch_axes, tensor_axis = (), None
     if b.mesh is not None:
@@ -278,7 +289,7 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
             return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
 
         most = jnp.max(new_prompts)
-        if a_big == pd or a_big == 1:  # every row has a slot (one admission: A = all prompts), or A = 1
+        if not choose:  # every row has a slot (one admission: A = all prompts), or A = 1
             state = prefill(state, a_big, -(-most // a_big))
         else:  # A at a time when more than A / 2 prompts come in, else one at a time: one of the two loops runs.
             # Two loops in a row, not a lax.cond between them: XLA:TPU copied the page pool into and out

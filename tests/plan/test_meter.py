@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl4llm.plan.hlo_cost import _xla_cost, compiled_hlo_text, program_cost
+from jaxrl4llm.plan.hlo_cost import _xla_cost, compiled_hlo_text, find_conditionals, parse_module, program_cost
 from jaxrl4llm.plan.lengths import (LengthDistribution, decode_block_trips, parse_lengths, static_decode_work)
 from jaxrl4llm.plan.programs import plan_run, topology_mesh, with_lengths
 from jaxrl4llm.train.config import ConfigError, load_config
@@ -96,6 +96,42 @@ def test_tpu_loops_are_counted_from_their_condition():
     for key in ("collectives", "collective_bytes"):  # linear in the trips: c(4) - c(2) = 2 (c(2) - c(1)) > 0
         c = {n: getattr(cost, key) for n, cost in costs.items()}
         assert c[4] - c[2] == pytest.approx(2 * (c[2] - c[1]), rel=0.02) and c[2] - c[1] > 0, key
+
+
+def test_a_conditional_costs_the_branch_it_runs_as_often_as_it_runs():
+    """XLA's cost analysis counts a conditional as the max over its branches, a loop inside a branch
+    once and its collectives not at all. The meter weights each branch by how often it runs
+    (`branch_weights`), its loops by their trips, and counts its collectives (TPU compile)."""
+    mesh = topology_mesh("v5e:2x2", 1, 4, 1)
+
+    def f(p, n, x, w):
+        heavy = lambda x: jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w), x)
+        return jax.lax.cond(p, heavy, lambda x: x + 1, x).sum()
+
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
+    with jax.set_mesh(mesh):
+        hlo = compiled_hlo_text(jax.jit(f).lower(True, 3, x, w).compile())
+    [cond] = find_conditionals(parse_module(hlo))
+    assert len(cond.branches) == 2
+    cost = lambda trips, weights=None: program_cost(hlo, num_devices=4, dynamic_trips=[trips],
+                                                    branch_weights=None if weights is None else {cond.name: weights})
+    by_flops = sorted((cost(1.0, [1.0 * (i == j) for j in range(2)]).flops, i) for i in range(2))
+    light, heavy = by_flops[0][1], by_flops[1][1]
+    runs = lambda share: [share if i == heavy else 1 - share for i in range(2)]
+    matmul = 2 * 512 * 1024 * 1024 / 4  # per chip
+    assert cost(1.0).flops == cost(1.0, runs(1.0)).flops  # unnamed: the heaviest branch, every time
+    assert cost(1.0).flops == pytest.approx(matmul, rel=0.05)
+    assert cost(3.0, runs(1.0)).flops == pytest.approx(3 * matmul, rel=0.05)  # the loop's trips inside the branch
+    assert cost(3.0, runs(0.0)).flops < matmul / 100  # the light branch every time
+    mixed = cost(3.0, runs(0.25))  # a quarter of the runs take the heavy branch: linear in the shares
+    for key in ("flops", "hbm_bytes", "collective_bytes", "collectives"):
+        want = 0.25 * getattr(cost(3.0, runs(1.0)), key) + 0.75 * getattr(cost(3.0, runs(0.0)), key)
+        assert getattr(mixed, key) == pytest.approx(want, rel=1e-9), key
+    c = {n: cost(n, runs(1.0)).collectives for n in (1.0, 3.0)}  # one per matmul, in the branch's loop
+    assert c[3.0] - c[1.0] == pytest.approx(2 * (c[1.0] - cost(1.0, runs(0.0)).collectives)) and c[3.0] > c[1.0]
+    with pytest.raises(ValueError, match="names no conditional"):
+        program_cost(hlo, num_devices=4, branch_weights={"no-such-conditional": [1.0, 0.0]})
 
 
 @pytest.fixture(scope="module")

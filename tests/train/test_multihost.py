@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 def launch(assets, out_dir, result, *, processes: int, steps: int, resume: bool = False, hold: float = 0.0,
-           watch: bool = False, light: bool = False, compile_cache: str = "off", staleness: int = 0):
+           watch: bool = False, light: bool = False, compile_cache: str = "off", staleness: int = 0,
+           partial: bool = False):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
     procs = []  # each process logs to a file: a full pipe would block it inside a collective
@@ -35,7 +36,7 @@ def launch(assets, out_dir, result, *, processes: int, steps: int, resume: bool 
         spec = dict(process_id=pid, num_processes=processes, port=port, devices=8 // processes,
                     assets={k: str(v) for k, v in assets.items()}, out_dir=str(out_dir), steps=steps, resume=resume,
                     result=str(result), hold=hold, watch=watch, light=light, compile_cache=str(compile_cache),
-                    staleness=staleness)
+                    staleness=staleness, partial=partial)
         log = open(f"{result}_{pid}.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "tests.train.multihost_main", json.dumps(spec)], cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -81,20 +82,22 @@ def xla_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(demo_assets, tmp_path_factory, xla_cache):
     """1 x 8 and 2 x 4 run 3 steps (checkpoint at 2), and 2 x 4 resumes a copy of its step-2 checkpoint;
-    asynchronously (trainer.max_staleness=1): the step-2 checkpoint holds step 3's rollout, sampled
-    by the step-2 policy (the synchronous loop is the same code with no rollout in flight)."""
+    asynchronously with partial rollouts (trainer.max_staleness=2, rollout.partial): the step-2
+    checkpoint holds a whole rollout in flight and the sampler's engine mid-way (slots, KV pages,
+    half-sampled rows, fetched per row from both processes); the synchronous loop is the same code
+    with nothing in flight."""
     root = tmp_path_factory.mktemp("multihost")
-    one = launch(demo_assets, root / "one", root / "one_result", processes=1, steps=3, staleness=1)
+    one = launch(demo_assets, root / "one", root / "one_result", processes=1, steps=3, staleness=2, partial=True)
     finish(one)
     two = launch(demo_assets, root / "two", root / "two_result", processes=2, steps=3, compile_cache=xla_cache,
-                 staleness=1)
+                 staleness=2, partial=True)
     finish(two)
     import shutil
 
     shutil.copytree(root / "two", root / "resumed")  # its latest checkpoint: step 2
     (root / "resumed" / "metrics.jsonl").write_text("")
     resumed = launch(demo_assets, root / "resumed", root / "resumed_result", processes=2, steps=3, resume=True,
-                     compile_cache=xla_cache, staleness=1)
+                     compile_cache=xla_cache, staleness=2, partial=True)
     finish(resumed)
     return root
 
@@ -107,6 +110,8 @@ def test_two_processes_equal_one(runs):
         for k in NUMBERS:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
         assert a["most_clipped_tokens"] == b["most_clipped_tokens"]
+        assert a["partial_rows_carried"] == b["partial_rows_carried"]
+    assert sum(r["partial_rows_carried"] for r in two["history"]) > 0  # rows begun a version earlier
     assert one["eval_after"] == pytest.approx(two["eval_after"])
     for a, b in zip(one_params, two_params):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
