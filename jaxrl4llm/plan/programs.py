@@ -438,10 +438,13 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             fitting_slots = slots_that_fit(config, 0.85 * chip.hbm - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
             slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
+            from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports
             from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
 
-            tpu = topology != "cpu" and not is_gpu_topology(topology)
-            attention = "kernel" if tpu and tpu_kernel_supports(config.head_dim) else "xla"  # as `generate` picks
+            gpus = is_gpu_topology(topology)
+            tpu = topology != "cpu" and not gpus
+            attention = "kernel" if (tpu and tpu_kernel_supports(config.head_dim)) or (  # as `generate` picks
+                gpus and gpu_kernel_supports(config.head_dim, config.dtype, PAGE_SIZE)) else "xla"
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -459,7 +462,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
                           partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE,
                           pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
-                          q_heads=config.num_heads // dtp, kv_heads=config.num_kv_heads // dtp,
+                          q_heads=kernel_query_rows(config, dtp, gpus and attention == "kernel"),
+                          kv_heads=config.num_kv_heads // dtp,
                           cache_bytes=jnp.dtype(config.dtype).itemsize)
         else:
             analytic = decode_memory(config, prompts=num_prompts, **sizing)
@@ -594,6 +598,17 @@ def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, len
         if p.name == "sampler/decode":
             p.runs *= calls
     return dataclasses.replace(plan, rows=problems * k)
+
+
+def kernel_query_rows(config, tensor_parallel: int, gpu_kernel: bool) -> int:
+    """Query heads a chip's paged attention kernel computes per slot: the model's, or on GPU each kv
+    head's group padded to the Triton kernel's 16 rows (`gpu_paged_attention.BLOCK_H`)."""
+    kv_heads, group = config.num_kv_heads // tensor_parallel, config.num_heads // config.num_kv_heads
+    if not gpu_kernel:
+        return kv_heads * group
+    from jaxrl4llm.sampling.gpu_paged_attention import BLOCK_H
+
+    return kv_heads * -(-group // BLOCK_H) * BLOCK_H
 
 
 def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *, remat: bool, epochs: int,
@@ -815,7 +830,8 @@ def format_plan(plan: RunPlan) -> str:
     d = plan.decode or {}
     if sm and sm.get("engine") == "continuous":
         work = d.get("work", {})
-        kernel = "the ragged paged attention kernel" if sm["attention"] == "kernel" else "XLA's chunks of live pages"
+        kernel = "XLA's chunks of live pages" if sm["attention"] != "kernel" else \
+            "the Triton paged attention kernel" if is_gpu_topology(plan.topology) else "the ragged paged attention kernel"
         lines.append(f"sampler: the continuous engine (rollout.engine=continuous): decode mesh data "
                      f"{sm['data_parallel']} x tensor {sm['tensor_parallel']} (rollout.tensor_parallel), "
                      f"{sm['slots']} slots (rollout.slots; the most that fit by our count: {sm['fitting_slots']}), "

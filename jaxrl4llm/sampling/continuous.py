@@ -37,6 +37,7 @@ from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
 from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
+from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention, is_gpu
 from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
@@ -217,7 +218,12 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
         batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
         tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
     rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend)
+    gpu_kernel = attention == "kernel" and is_gpu(list(b.mesh.devices.flat) if b.mesh is not None else jax.devices())
+    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend) and not gpu_kernel
+    if gpu_kernel and not gpu_kernel_supports(dh, cache_dtype, page_size):
+        raise ValueError(f"continuous sampler: attention='kernel' on GPU needs a power-of-two head_dim >= 16 (this "
+                         f"model's: {dh}), a power-of-two page size (kv_page_size: {page_size}) and a bfloat16 or "
+                         f"float16 model ({cache_dtype}); use paged_attention='xla'")
     if cpu_kernel and not (b.kernels and kernel_supports(config.dtype, config.dtype)):
         raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
                          "bfloat16 or float32 model)")
@@ -356,7 +362,10 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
                 pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
                                     v.reshape(d, sd, kvh, dh), cache_dtype)
                 pool = b.constrain(pool, POOL_AXES)
-                if attention == "kernel":
+                if gpu_kernel:
+                    out = gpu_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
+                                              tensor_axis=tensor_axis)
+                elif attention == "kernel":
                     out = kernel_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
                                                  tensor_axis=tensor_axis)
                 else:
@@ -454,8 +463,9 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
         that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
       attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
-        paged attention kernel (`paged_cache.kernel_paged_attention`), on CPU the C++ kernel
-        (`kernels.paged_attention`, which also writes the new token in place; a CpuBackend with kernels).
+        paged attention kernel (`paged_cache.kernel_paged_attention`), on GPU the Pallas/Triton paged
+        attention kernel (`gpu_paged_attention`), on CPU the C++ kernel (`kernels.paged_attention`,
+        which also writes the new token in place; a CpuBackend with kernels).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
     g, r, d = num_samples, max_new_tokens, num_shards

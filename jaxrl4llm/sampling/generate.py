@@ -31,6 +31,7 @@ from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, le
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
 from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, continuous_program
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
+from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, is_gpu
 from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
 from jaxrl4llm.sampling.rollout import Rollout
 
@@ -64,17 +65,22 @@ def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
     return True
 
 
-def paged_attention_choice(config, mesh: Mesh | None, use_kernels: bool, requested: str | None) -> str:
-    """The continuous engine's attention ("xla" or "kernel") for generate()'s `paged_attention` option."""
-    platform = (list(mesh.devices.flat)[0] if mesh is not None else jax.devices()[0]).platform
+def paged_attention_choice(config, mesh: Mesh | None, use_kernels: bool, requested: str | None, *,
+                           page_size: int = PAGE_SIZE) -> str:
+    """The continuous engine's attention ("xla" or "kernel") for generate()'s `paged_attention` option:
+    by default the platform's kernel where it takes the model's shapes, else XLA's chunks of live pages."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    platform = devices[0].platform
     cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
     tpu_kernel = platform == "tpu" and tpu_kernel_supports(config.head_dim)
-    attention = requested or ("kernel" if tpu_kernel or cpu_kernel else "xla")
-    if attention not in ("xla", "kernel") or (attention == "kernel" and not tpu_kernel and not cpu_kernel):
+    gpu_kernel = is_gpu(devices) and gpu_kernel_supports(config.head_dim, config.dtype, page_size)
+    attention = requested or ("kernel" if tpu_kernel or gpu_kernel or cpu_kernel else "xla")
+    if attention not in ("xla", "kernel") or (attention == "kernel" and not (tpu_kernel or gpu_kernel or cpu_kernel)):
         raise ValueError(f"paged_attention={requested!r}: 'xla' anywhere, 'kernel' on TPU (head_dim a "
-                         f"multiple of 128; this model's: {config.head_dim}) or on CPU with the CPU kernels "
-                         f"(one device, a bfloat16 or float32 model; this call runs on {platform}, CPU "
-                         f"kernels {'on' if use_kernels else 'off'})")
+                         f"multiple of 128), on GPU (a power-of-two head_dim >= 16 and kv_page_size, a bfloat16 "
+                         f"or float16 model) or on CPU with the CPU kernels (one device, a bfloat16 or float32 "
+                         f"model). This call: {platform}, head_dim {config.head_dim}, kv_page_size {page_size}, "
+                         f"{jnp.dtype(config.dtype).name}, CPU kernels {'on' if use_kernels else 'off'}")
     return attention
 
 
@@ -118,8 +124,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         the data-parallel size.
       kv_page_size: continuous engine: tokens per KV page. decode_burst: decode steps between refills.
       paged_attention: continuous engine: "xla" (chunks of live pages in XLA ops) or "kernel" (TPU:
-        the ragged paged attention kernel; CPU: the C++ paged attention kernel, `kernels.paged_attention`);
-        None: the kernel on TPU and on CPU when the CPU kernels are in use, XLA elsewhere.
+        the ragged paged attention kernel; GPU: the Pallas/Triton paged attention kernel,
+        `gpu_paged_attention`; CPU: the C++ paged attention kernel, `kernels.paged_attention`);
+        None: the kernel where it takes the model's shapes (on CPU when the CPU kernels are in use), else XLA.
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
@@ -191,7 +198,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
-            attention = paged_attention_choice(config, mesh, use_kernels, paged_attention)
+            attention = paged_attention_choice(config, mesh, use_kernels, paged_attention,
+                                               page_size=int(kv_page_size))
             per_shard = -(-(slots or num_rows * num_samples) // dp)
             per_shard = min(per_shard, num_rows // dp * num_samples)
             run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,

@@ -102,7 +102,8 @@ class PartialRollouts:
                            use_top_p=bool(top_p < 1.0), greedy=self.greedy, backend=self.backend,
                            use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp, page_size=int(kv_page_size),
                            burst=int(decode_burst),
-                           attention=paged_attention_choice(config, mesh, use_kernels, paged_attention))
+                           attention=paged_attention_choice(config, mesh, use_kernels, paged_attention,
+                                                            page_size=int(kv_page_size)))
         state = partial_init(np.int32(pad_token_id), num_prompts=num_prompts, prompt_len=prompt_len, **self.static)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)

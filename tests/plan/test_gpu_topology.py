@@ -134,3 +134,34 @@ def test_xla_compiles_a_program_larger_than_the_gpu_so_plan_must_check():
     big = _sharded((2 * 25 * 2**30,), jnp.float32, mesh, P("x"))  # 100 GiB a GPU in, 200 out
     memory = jax.jit(lambda x: (x * 2, x + 1)).lower(big).compile().memory_analysis()
     assert memory.argument_size_in_bytes + memory.output_size_in_bytes > 3 * GPU_CHIPS["h100"].hbm
+
+
+@needs_gpu_extra
+def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_reading_the_pool_in_place():
+    """`plan` on h100:2: the tiny run's eval on the continuous engine (decode mesh 2-way tensor parallel:
+    one kv head a GPU) runs the Pallas/Triton paged attention kernel, one custom call per layer, whose
+    key and value operands are the same buffer, a bitcast of the layer's pool as the step's token write
+    (a scatter) left it: no transpose or copy of the pool a step. The meter adds the kernel's FLOPs and
+    KV bytes (XLA counts the custom call as nothing), the FLOPs of the query rows it computes."""
+    from jaxrl4llm.plan.programs import format_plan, plan_eval
+    from jaxrl4llm.train.config import load_config
+    from tests.plan.conftest import TINY
+
+    cfg = load_config(None, TINY + ["rollout.engine=continuous", "mesh.fsdp=2", "rollout.tensor_parallel=2",
+                                    "trainer.eval_samples=4", "rollout.slots=8", "model.num_layers=1",
+                                    "rollout.max_new_tokens=16", "data.max_prompt_tokens=16"])
+    plan = plan_eval(cfg, "h100:2", problems=8)
+    decode = next(p for p in plan.programs if p.name == "sampler/decode")
+    assert plan.sampler["attention"] == "kernel" and decode.fits
+    hlo = decode.hlo
+    calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"__gpu\$xla\.gpu\.triton\"[^\n]*"
+                       r"jaxrl4llm_paged_attention", hlo)
+    assert len(calls) == cfg.model.num_layers
+    for operands in calls:
+        q, keys, values, table, lengths = [o.strip() for o in operands.split(",")]
+        assert keys == values  # one pool buffer, K and V picked by the block specs
+        source = re.search(rf"\n\s*{re.escape(keys)} = bf16\[(\d+),16,2,32\]\S* bitcast\(([\w.]+)\)", hlo)
+        assert source and "scatter" in source[2], source  # the pool as write_tokens left it
+    assert 0 < decode.kernel_flops < decode.flops and 0 < decode.kernel_bytes < decode.hbm_bytes
+    assert plan.decode["q_heads"] == 16  # a GPU's kv head and its 2 query heads, padded to the kernel's 16 rows
+    assert "attention by the Triton paged attention kernel" in format_plan(plan)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.sampling import generate
+from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
                                             push_pages, write_tokens)
 from tests.sampling.conftest import PAD, random_prompts
@@ -114,3 +115,87 @@ def test_the_ragged_kernel_call_traces():
                          shape((1, 8, 2, 4, 128), jnp.float32), shape((1, 64, 16, 4, 128), jnp.bfloat16),
                          shape((1, 8, 16), jnp.int32), shape((1, 8), jnp.int32))
     assert out.shape == (1, 8, 2, 4, 128) and out.dtype == jnp.float32
+
+
+_gpu_kernel = jax.jit(lambda q, pool, table, kv_len, k_splits: gpu_paged_attention(
+    q, pool, table, kv_len, interpret=True, pages_per_block=1, k_splits=k_splits), static_argnames="k_splits")
+_xla_path = jax.jit(lambda q, pool, table, counts: paged_attention(q, pool, table, counts, jnp.int32(2),
+                                                                   pages_per_chunk=2, dtype=jnp.bfloat16))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(st.sampled_from([(2, 3, 4, 2), (1, 4, 8, 1)]), st.integers(0, 2**31 - 1))
+def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
+    """The GPU (Triton) paged attention kernel, run by Pallas' interpreter on CPU, on our interleaved
+    pool as the engine holds it: equals `paged_attention` (XLA) on every live slot, for (kv heads,
+    GQA group, page size, partitions of a slot's pages) = (2, 3, 4, 2), (1, 4, 8, 1) (a group padded
+    to the kernel's 16 query rows; two partitions: the flash-decoding combine); lengths cross pages,
+    an idle slot gives 0. Tolerance: a bf16 pool; the kernel rounds unnormalised probabilities to
+    bf16 (the XLA path normalised ones). Two shapes: one compile each."""
+    kvh, hg, page, splits = case
+    rng = np.random.default_rng(seed)
+    slots, dh, width, pages = 3, 16, 4, 24
+    pool = jnp.asarray(rng.normal(size=(1, pages, page, 2 * kvh, dh)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(1, slots, kvh, hg, dh)), jnp.float32)
+    lengths = np.concatenate([[0], rng.integers(1, width * page + 1, size=slots - 1)])[None].astype(np.int32)
+    table = np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(slots)])[None].astype(np.int32)
+    counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
+    want = np.asarray(_xla_path(q, pool, table, counts))
+    got = _gpu_kernel(q, pool, table, lengths, k_splits=splits)
+    assert got.shape == q.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got)[0, 1:], want[0, 1:], atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)  # the idle slot
+
+
+def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkeypatch):
+    """The engine's GPU path end to end on CPU: `generate` and the engine taken for a GPU, the kernel
+    run by Pallas' interpreter (float32: no bf16 rounding between the paths) on every layer's pool
+    as the engine writes it, its page tables and lengths. The greedy case of
+    `test_continuous_engine_gives_the_static_rows` (its static rollout compiled once in a session):
+    the static engine's tokens, log-probs to float32 rounding."""
+    import functools
+
+    import importlib
+
+    from jaxrl4llm.sampling import continuous, gpu_paged_attention as gpa
+
+    generate_module = importlib.import_module("jaxrl4llm.sampling.generate")  # the package exports the function
+
+    for module in (continuous, generate_module):
+        monkeypatch.setattr(module, "is_gpu", lambda devices: True)
+        monkeypatch.setattr(module, "gpu_kernel_supports", lambda *shape: True)
+    calls = []
+    monkeypatch.setattr(continuous, "gpu_paged_attention", lambda *a, **k: calls.append(a[0].shape) or
+                        functools.partial(gpa.gpu_paged_attention, interpret=True)(*a, **k))
+    _, _, graphdef, state = qwen3
+    prompts = random_prompts(6, lengths=(7, 3, 12, 5, 9))
+    kwargs = dict(num_samples=3, max_new_tokens=21, pad_token_id=PAD, rng=jax.random.key(5), greedy=True,
+                  eos_token_ids=[])
+    static = generate(graphdef, state, prompts, engine="static", **kwargs)
+    # its static arguments are the CPU kernel's (jit's cache key): compile it anew, and drop it after
+    continuous.continuous_program.clear_cache()
+    try:
+        on_gpu_kernel = generate(graphdef, state, prompts, engine="continuous", slots=4, kv_page_size=4,
+                                 decode_burst=3, paged_attention="kernel", **kwargs)
+    finally:
+        continuous.continuous_program.clear_cache()
+    assert calls and all(shape[1:] == (4, 2, 2, 24) for shape in calls)  # [D, S, KVH, H/KVH, Dh], every layer
+    for name in ("response_tokens", "response_mask", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(on_gpu_kernel, name)), np.asarray(getattr(static, name)))
+    np.testing.assert_allclose(np.asarray(on_gpu_kernel.logprobs), np.asarray(static.logprobs), atol=1e-4)
+
+
+def test_gpu_kernel_takes_power_of_two_16_bit_shapes_and_generate_says_why_not():
+    from jaxrl4llm.models import ModelConfig
+    from jaxrl4llm.sampling.generate import paged_attention_choice
+
+    assert gpu_kernel_supports(128, jnp.bfloat16, 16) and gpu_kernel_supports(64, jnp.float16, 32)
+    assert not gpu_kernel_supports(96, jnp.bfloat16, 16)  # Triton blocks are powers of two
+    assert not gpu_kernel_supports(128, jnp.bfloat16, 12) and not gpu_kernel_supports(8, jnp.bfloat16, 16)
+    assert not gpu_kernel_supports(128, jnp.float32, 16)  # a float32 dot would run in TF32
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=32, dtype="float32")
+    assert paged_attention_choice(config, None, False, None) == "xla"  # on CPU without its kernels
+    with pytest.raises(ValueError, match=r"'kernel' on TPU .*on GPU \(a power-of-two head_dim.*This call: cpu, "
+                                         r"head_dim 32, kv_page_size 16, float32"):
+        paged_attention_choice(config, None, False, "kernel")

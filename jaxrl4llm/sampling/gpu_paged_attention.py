@@ -1,0 +1,144 @@
+"""The continuous sampler's decode attention on NVIDIA GPUs: JAX's Pallas (Triton) paged attention
+kernel (`jax.experimental.pallas.ops.gpu.paged_attention`) reading our page pool in place.
+
+Our pool keeps a layer's keys and values interleaved on the head axis, [pages, page, 2 KVH, Dh]
+per shard (`paged_cache`, the TPU kernel's layout); JAX's GPU wrapper wants k_pages and v_pages
+[KVH, pages, page, Dh], which would be a transpose (a copy of the whole pool) every layer of every
+step. So we call the kernel body (`paged_attention_kernel`) under our own `pallas_call`, whose block
+specs pick head h's keys at column 2h and its values at 2h + 1 of the same pool buffer: the kernel
+addresses the pool through its strides, nothing is copied. One program per (slot, kv head, block of
+16 query heads, partition of the slot's pages); each reads only the pages below its slot's length,
+`pages_per_block` at a time, with an online softmax:
+
+    o_k = sum_t exp(s_t - m_k) V_t,  l_k = sum_t exp(s_t - m_k)  over partition k,  s = q K^T / sqrt(Dh)
+    out = sum_k exp(m_k - m) o_k / sum_k exp(m_k - m) l_k,  m = max_k m_k      (flash decoding)
+
+It rounds unnormalised probabilities to the pool's dtype before the V matmul (as the TPU kernel
+does), so it equals `paged_cache.paged_attention` (which rounds normalised ones, as the training
+forward) to bf16 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+BLOCK_H = 16  # query heads a program computes (Triton's dot needs 16 rows; a GQA group is padded up)
+PAGES_PER_BLOCK = 4  # pages one loop step of a program reads (64 tokens at 16-token pages)
+_GRID_TARGET = 1024  # programs worth launching: the k-split parallelises long slots when slots are few
+
+
+def gpu_kernel_supports(head_dim: int, dtype, page_size: int) -> bool:
+    """Whether the Triton paged attention kernel takes these shapes: Triton blocks are powers of two
+    (head_dim >= 16, page_size), and a 16-bit pool (a float32 dot would run in TF32 on the tensor
+    cores, rounding differently from the XLA path; float32 models use `paged_cache.paged_attention`)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    return pow2(head_dim) and head_dim >= 16 and pow2(page_size) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def is_gpu(devices) -> bool:
+    """Whether `devices` (a mesh's, or `jax.devices()`) are NVIDIA GPUs, attached or of a compile-only
+    topology (`plan.gpu.gpu_topology_devices`)."""
+    return {d.platform for d in devices} <= {"gpu", "cuda"} and len(devices) > 0
+
+
+def _splits(pages: int, slots: int, kv_heads: int, pages_per_block: int) -> tuple[int, int]:
+    """(pages_per_block, k_splits) for a slot of `pages` logical pages: partitions of whole blocks,
+    as many as bring the grid near `_GRID_TARGET` programs."""
+    block = max(b for b in range(1, min(pages_per_block, pages) + 1) if pages % b == 0)
+    blocks = pages // block
+    want = max(1, _GRID_TARGET // max(1, slots * kv_heads))
+    return block, max(k for k in range(1, min(want, blocks) + 1) if blocks % k == 0)
+
+
+def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *,
+                                  pages_per_block: int = PAGES_PER_BLOCK, k_splits: int | None = None,
+                                  interpret: bool = False) -> jax.Array:
+    """softmax(q K^T / sqrt(Dh)) V over each slot's first kv_len tokens, K and V read in place.
+
+    Args:
+      q [S, KVH, H/KVH, Dh] (any float dtype; cast to the pool's).
+      pool [pages, page, 2 KVH, Dh] bf16/f16: key of head h at column 2h, its value at 2h + 1.
+      table [S, W] int32: a slot's logical pages (its tokens contiguous over them).
+      kv_len [S] int32: valid tokens of each slot (0: an idle slot, whose output is 0).
+      pages_per_block: pages a program reads per loop step; k_splits: partitions of a slot's
+        pages run as separate programs (default: enough for ~1024 programs).
+      interpret: run the kernel in Pallas' interpreter (any backend; for tests on CPU).
+    Returns: [S, KVH, H/KVH, Dh] float32.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas.ops.gpu.paged_attention import DEFAULT_MASK_VALUE, paged_attention_kernel
+
+    s, kvh, hg, dh = q.shape
+    _, page, two_kvh, _ = pool.shape
+    width = table.shape[1]
+    if two_kvh != 2 * kvh:
+        raise ValueError(f"pool [pages, page, 2 KVH, Dh] has {two_kvh} head columns for {kvh} kv heads of q")
+    block, splits = _splits(width, s, kvh, pages_per_block)
+    if k_splits is not None:
+        splits = k_splits
+    if width % (splits * block):
+        raise ValueError(f"a slot's {width} pages do not split into {splits} partitions of {block}-page blocks")
+    per_split = width // splits
+    heads = -(-hg // BLOCK_H) * BLOCK_H
+    head_blocks = heads // BLOCK_H
+    qp = jnp.pad((q * dh**-0.5).astype(pool.dtype), ((0, 0), (0, 0), (0, heads - hg), (0, 0)))
+    kernel = functools.partial(paged_attention_kernel, num_heads=hg, pages_per_compute_block=block,
+                               mask_value=DEFAULT_MASK_VALUE, attn_logits_soft_cap=None)
+    head = lambda g: (g // head_blocks, g % head_blocks)  # grid axis 1: (kv head, block of query heads)
+    # grid (slot, kv head x head block, partition): the kernel reads its partition as program_id(2)
+    o, l, m = pl.pallas_call(
+        kernel,
+        grid=(s, kvh * head_blocks, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, BLOCK_H, dh), lambda b, g, k: (b, *head(g), 0)),  # q
+            pl.BlockSpec((pool.shape[0], page, None, dh), lambda b, g, k: (0, 0, 2 * head(g)[0], 0)),  # keys
+            None,
+            pl.BlockSpec((pool.shape[0], page, None, dh), lambda b, g, k: (0, 0, 2 * head(g)[0] + 1, 0)),  # values
+            None,
+            pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),  # the partition's pages
+            pl.BlockSpec((1,), lambda b, g, k: (b,)),  # the slot's length
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, BLOCK_H, dh), lambda b, g, k: (k, b, *head(g), 0)),  # o_k
+            pl.BlockSpec((None, None, None, BLOCK_H), lambda b, g, k: (k, b, *head(g))),  # l_k
+            pl.BlockSpec((None, None, None, BLOCK_H), lambda b, g, k: (k, b, *head(g))),  # m_k
+        ],
+        out_shape=[jax.ShapeDtypeStruct((splits, s, kvh, heads, dh), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, s, kvh, heads), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, s, kvh, heads), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name="jaxrl4llm_paged_attention",
+    )(qp, pool, None, pool, None, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
+    o, l, m = o[..., :hg, :], l[..., :hg], m[..., :hg]
+    w = jnp.exp(m - jnp.max(m, axis=0))  # [K, S, KVH, hg]: each partition's share of the softmax
+    total = jnp.sum(w * l, axis=0)
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def gpu_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *, mesh=None,
+                        batch_axes: tuple = (), tensor_axis: str | None = None, interpret: bool = False,
+                        **blocks) -> jax.Array:
+    """`gpu_paged_attention_one_shard` for every shard: q [D, S, KVH, H/KVH, Dh], pool [D, pages,
+    page, 2 KVH, Dh], table [D, S, W], kv_len [D, S] -> [D, S, KVH, H/KVH, Dh] float32. With a mesh
+    the kernel runs per GPU (shard_map): D over `batch_axes`, kv heads over `tensor_axis` (a GPU
+    holds whole key/value column pairs: `paged_cache.POOL_AXES` splits the 2 KVH axis)."""
+
+    def one_device(q, pool, table, kv_len):
+        one = functools.partial(gpu_paged_attention_one_shard, interpret=interpret, **blocks)
+        if q.shape[0] == 1:  # a shard per device: [1, ...] -> [...] is free
+            return one(q[0], pool[0], table[0], kv_len[0])[None]
+        return jnp.stack([one(q[i], pool[i], table[i], kv_len[i]) for i in range(q.shape[0])])
+
+    if mesh is None:
+        return one_device(q, pool, table, kv_len)
+    from jax.sharding import PartitionSpec as P
+
+    rows = batch_axes or None
+    return jax.shard_map(one_device, mesh=mesh,
+                         in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
+                         out_specs=P(rows, None, tensor_axis), check_vma=False)(q, pool, table, kv_len)
