@@ -38,7 +38,7 @@ from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
 from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
-                                     find_conditionals, find_loops, parse_module, program_cost)
+                                     find_loops, parse_module, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -733,24 +733,23 @@ def continuous_trips(hlo: str, work) -> tuple[list[float], dict[str, list[float]
     `ContinuousWork`: the refill loop runs `bursts` times; inside it the admission loop
     `prefill_rounds` and the burst loop `steps_per_burst` times; the page-chunk loops inside a step
     `chunks_per_step` times. When a refill chooses its prefill batch (`prefill_batch`), the
-    admission is a conditional: its batched branch (the one with more flops) runs on
-    `batched_refills` of the `bursts` refills, `batched_rounds` rounds each, the one-prompt branch
-    on the others, `single_rounds` rounds each."""
+    admission is two loops one after the other, one of them with no trips: the batched one (the
+    one with more flops) runs `batched_rounds` rounds on `batched_refills` of the `bursts` refills,
+    the one-prompt one `single_rounds` rounds on the others (no branch weights: the program has no
+    conditional since the refill's `lax.cond` made XLA:TPU copy the page pool)."""
     comps, loops, top, inner = _decode_loops(hlo)
     if not top or not inner:
         raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
     outer, burst = top[0], inner[-1]
-    weights, branch_trips = {}, {}
-    admission = [c for c in find_conditionals(comps) if c.parent == outer.body]
-    if admission:
-        if len(admission) != 1 or len(admission[0].branches) != 2:
-            raise ValueError(f"the continuous sampler's refill holds {len(admission)} conditionals, not the one "
-                             "choosing its prefill batch")
-        cond = admission[0]
-        batched = max((0, 1), key=lambda i: computation_flops(hlo, comps, cond.branches[i]))
+    admissions = [loop for loop in loops if loop.trips is None and loop.parent == outer.body and loop is not burst]
+    per_refill = {loop.body: work.prefill_rounds for loop in admissions}
+    if len(admissions) == 2:
+        batched = max((0, 1), key=lambda i: computation_flops(hlo, comps, admissions[i].body))
         share = work.batched_refills / max(work.bursts, 1e-9)
-        weights[cond.name] = [share if i == batched else 1 - share for i in (0, 1)]
-        branch_trips = {cond.branches[batched]: work.batched_rounds, cond.branches[1 - batched]: work.single_rounds}
+        per_refill = {admissions[batched].body: share * work.batched_rounds,
+                      admissions[1 - batched].body: (1 - share) * work.single_rounds}
+    elif len(admissions) > 2:
+        raise ValueError(f"the continuous sampler's refill holds {len(admissions)} admission loops, not one or two")
     under_burst = {burst.body}
     trips = []
     for loop in loops:
@@ -763,14 +762,12 @@ def continuous_trips(hlo: str, work) -> tuple[list[float], dict[str, list[float]
         elif loop is burst:
             trips.append(work.steps_per_burst)
         elif loop.parent == outer.body:
-            trips.append(work.prefill_rounds)
-        elif loop.parent in branch_trips:
-            trips.append(branch_trips[loop.parent])
+            trips.append(per_refill[loop.body])
         elif loop.parent in under_burst:
             trips.append(work.chunks_per_step)
         else:
             trips.append(1.0)
-    return trips, weights
+    return trips, {}
 
 
 def decode_step_collectives(hlo: str, devices: int, engine: str) -> dict:

@@ -51,8 +51,9 @@ def prefill_batch(prompts: int, slots: int, samples: int, prefill_prompts: int |
     """How a shard of `prompts` prompts on `slots` slots (G = `samples` rows a prompt) prefills the
     prompts a refill admits: (A, choose). A = min(prompts, prefill_prompts or slots // G), at least 1:
     the prompts of one batched round. choose: whether each refill picks at run time between rounds
-    of A prompts (when it admits more than A / 2) and rounds of one (a `lax.cond`); not when A is
-    every prompt (one admission takes them all) or 1. `plan` prices the two branches with this rule."""
+    of A prompts (when it admits more than A / 2) and rounds of one (two loops one after the other,
+    one with no trips); not when A is every prompt (one admission takes them all) or 1. `plan`
+    prices the two loops with this rule."""
     a = max(1, min(prompts, prefill_prompts or slots // samples))
     return a, not (a == prompts or a == 1)
 
@@ -290,15 +291,18 @@ def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig
         count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), state.end - state.next_row)  # [D]
         first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
         new_prompts = -(-(state.next_row + count) // g) - first_prompt
-        def prefill(s, a):
-            rounds = -(-jnp.max(new_prompts) // a)
+        def prefill(s, a, rounds):
             return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
 
+        most = jnp.max(new_prompts)
         if not choose:  # every row has a slot (one admission: A = all prompts), or A = 1
-            state = prefill(state, a_big)
-        else:
-            state = jax.lax.cond(2 * jnp.max(new_prompts) > a_big, lambda s: prefill(s, a_big), lambda s: prefill(s, 1),
-                                 state)
+            state = prefill(state, a_big, -(-most // a_big))
+        else:  # A at a time when more than A / 2 prompts come in, else one at a time: one of the two loops runs.
+            # Two loops in a row, not a lax.cond between them: XLA:TPU copied the page pool into and out
+            # of the loop inside each branch on every round, holding it twice (docs/sampling.md)
+            batched = 2 * most > a_big
+            state = prefill(state, a_big, jnp.where(batched, -(-most // a_big), 0))
+            state = prefill(state, 1, jnp.where(batched, 0, most))
         out, en = state.out, state.entries
         rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
         mine = free_slot & (rank < count[:, None])  # [D, S]

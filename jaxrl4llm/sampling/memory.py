@@ -122,11 +122,17 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
 
     page pool      2 L (1 + S_d ceil((page-1 + R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
                    (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp)
-    pool copy      the page pool again: XLA's TPU compile of the decode loop keeps a second pool
-                   (Qwen3-8B on v5p: 39.4 GiB of temporaries against a 20.3 GiB pool at 1024
-                   slots on 64 chips, 78.2 against 40.6 on 32), so `rollout.slots: auto` counts it
+    prefill        A T (2 (H/tp) T + 3 F/tp + 4 D) 4    (one layer's prefill of A = min(P_d, S_d / G)
+                   prompts at once, float32: scores and probabilities, gate, up and their product, the
+                   residual, its norm and the two outputs; while the pool is held)
     per-row tables N R (4 uniforms + 12 tokens and two log-probs) / dp             (every row's outputs)
     score row      S_d H (pages of a slot) page 4 / tp                              (one layer's, float32)
+
+    XLA's TPU compile holds the pool once (Qwen3-8B's rollout shard on v5p, 64 slots, tp 4: 22.4
+    GiB of temporaries for a 20.3 GiB pool, ours/XLA 0.97 in all; 39.4 GiB before). The extra came
+    from every layer's prefill outputs, kept alive until `models.decode.prefill_kv` put a barrier
+    after each layer, and, with fewer slots than rows, from pool copies in the refill's `lax.cond`
+    between two prefill loops (now two loops in a row; docs/sampling.md).
     """
     from jaxrl4llm.sampling.continuous import PAGE_SIZE
     from jaxrl4llm.sampling.paged_cache import pool_pages
@@ -138,10 +144,13 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
     rows = math.ceil(prompts / data_parallel) * samples
     pool = width * pool_pages(per_shard, per_shard + 1, tp_pages, rp_pages) * page // tensor_parallel
+    at_once = max(1, min(math.ceil(prompts / data_parallel), per_shard // samples))  # `continuous._engine`'s A
+    per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * c.intermediate_size // tensor_parallel \
+        + 4 * c.hidden_size
     return {
         "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),
         "page pool": pool,
-        "pool copy": pool,
+        "prefill": at_once * prompt_len * per_token * 4,
         "per-row tables": rows * max_new_tokens * 16,
         "score row": per_shard * c.num_heads * (tp_pages + rp_pages) * page * 4 // tensor_parallel,
     }
