@@ -696,9 +696,8 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
             decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
             decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
                 * d["cache_bytes"]
-        trips, weights = continuous_trips(decode.hlo, work)
-        decode.price(program_cost(decode.hlo, num_devices=decode.devices, dynamic_trips=trips, branch_weights=weights),
-                     plan.chip)
+        decode.price(program_cost(decode.hlo, num_devices=decode.devices,
+                                  dynamic_trips=continuous_trips(decode.hlo, work)), plan.chip)
         decode.model_flops = 2 * n * (d["slots"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
         decode.padding_fraction = 1 - work.useful_fraction
         d = dict(d, work=dataclasses.asdict(work))
@@ -728,15 +727,15 @@ def _decode_loops(hlo: str):
     return comps, loops, top, inner
 
 
-def continuous_trips(hlo: str, work) -> tuple[list[float], dict[str, list[float]]]:
-    """(`dynamic_trips`, `branch_weights`) of `sampling.continuous.continuous_program` under a
+def continuous_trips(hlo: str, work) -> list[float]:
+    """`dynamic_trips` of `sampling.continuous.continuous_program` under a
     `ContinuousWork`: the refill loop runs `bursts` times; inside it the admission loop
     `prefill_rounds` and the burst loop `steps_per_burst` times; the page-chunk loops inside a step
     `chunks_per_step` times. When a refill chooses its prefill batch (`prefill_batch`), the
     admission is two loops one after the other, one of them with no trips: the batched one (the
     one with more flops) runs `batched_rounds` rounds on `batched_refills` of the `bursts` refills,
-    the one-prompt one `single_rounds` rounds on the others (no branch weights: the program has no
-    conditional since the refill's `lax.cond` made XLA:TPU copy the page pool)."""
+    the one-prompt one `single_rounds` rounds on the others (two loops, not a `lax.cond`: a
+    conditional there made XLA:TPU copy the page pool)."""
     comps, loops, top, inner = _decode_loops(hlo)
     if not top or not inner:
         raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
@@ -767,7 +766,7 @@ def continuous_trips(hlo: str, work) -> tuple[list[float], dict[str, list[float]
             trips.append(work.chunks_per_step)
         else:
             trips.append(1.0)
-    return trips, {}
+    return trips
 
 
 def decode_step_collectives(hlo: str, devices: int, engine: str) -> dict:
