@@ -35,12 +35,13 @@ results outside HBM (any `S(n)`, n != 0) move no HBM bytes; a copy-start moves i
 (read from, or written to, HBM); a copy-done moves nothing more. Per op, XLA's own per-operand
 counts are kept for the operands in HBM (so a fusion that reads a slice still counts the slice).
 
-A second correction (`in_place_excess_bytes`): a fusion whose root writes into one of its inputs
-in place (a `scatter` or `dynamic-update-slice` of a fused parameter, as the sampler's KV writes
-into its page pool) moves the update's bytes, not the whole buffer. XLA's cost analysis knows that
-for the TPU's fusions, but counts a GPU scatter fusion as reading and writing the whole operand
-(10 writes of 32 tokens into a 134 MB pool: 2685 MB on h100, 2.0 MB on v5e); the meter counts the
-written part once.
+A second correction (`fusion_excess_bytes`): a fusion that touches part of an input moves that
+part, not the whole buffer. Its root may write into an input in place (a `scatter` or
+`dynamic-update-slice` of a fused parameter, as the sampler's KV writes into its page pool): the
+update moves, written once. An input read only through gathers or dynamic slices (the sampler's
+page reads): what they take moves. XLA's cost analysis knows this for the TPU's fusions, but
+counts a GPU fusion as reading (and writing) the whole operand (10 writes of 32 tokens into a 134
+MB pool: 2685 MB on h100, 2.0 MB on v5e).
 
 Uses two private jaxlib entry points (`_jax.hlo_module_cost_analysis`, `_hlo.hlo_module_from_text`),
 checked on jax 0.10.2; `pyproject.toml` pins jax below 0.11 for them.
@@ -500,12 +501,33 @@ def _through_bitcasts(comp: Computation, name: str) -> Instruction | None:
     return inst
 
 
-def in_place_excess_bytes(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
-    """Bytes XLA's cost analysis counts for computation `name` (its top-level ops) beyond what its
-    in-place writes move (module docstring): for each fusion whose root scatters (or
-    dynamic-update-slices) into fused parameter k, XLA's count of operand k and of the result, less
-    the update's bytes (written once)."""
-    key = ("in place", hash(hlo_text), len(hlo_text), name)
+def _sliced_reads(fused: Computation, param: str) -> float | None:
+    """Bytes a fused computation reads of parameter `param` when it reads it only through gathers
+    or dynamic slices (as their operand 0, through bitcasts): their results' bytes; else None."""
+    names, total, frontier = {param}, 0.0, [param]
+    while frontier:
+        name = frontier.pop()
+        for inst in fused.instructions.values():
+            ops = _operands(inst.rest)
+            if name not in ops:
+                continue
+            if inst.opcode == "bitcast":
+                if inst.name not in names:
+                    names.add(inst.name)
+                    frontier.append(inst.name)
+            elif inst.opcode in ("gather", "dynamic-slice") and ops.index(name) == 0 and ops.count(name) == 1:
+                total += sum(array_bytes(inst.shape))
+            else:
+                return None
+    return total
+
+
+def fusion_excess_bytes(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
+    """Bytes XLA's cost analysis counts for computation `name`'s fusions beyond what they move
+    (module docstring): a fusion whose root scatters (or dynamic-update-slices) into fused
+    parameter k moves the update, written once, not operand k and the result; a parameter read
+    only through gathers or dynamic slices moves what they take."""
+    key = ("fusion excess", hash(hlo_text), len(hlo_text), name)
     if key in _OFF_HBM_SEEN:
         return _OFF_HBM_SEEN[key]
     first = hlo_text.splitlines()[0]
@@ -514,22 +536,36 @@ def in_place_excess_bytes(hlo_text: str, comps: dict[str, Computation], name: st
     comp, out = comps[name], 0.0
     for inst in comp.instructions.values():
         fused = comps.get(_attr(inst.rest, "calls") or "") if inst.opcode == "fusion" else None
-        root = _root(fused) if fused is not None else None
-        if root is None or root.opcode not in _IN_PLACE:
+        if fused is None:
             continue
-        target = _through_bitcasts(fused, _operands(root.rest)[0])
-        if target is None or target.opcode != "parameter" or array_bytes(target.shape) != array_bytes(root.shape):
-            continue
-        k = int(re.match(r"\s*(\d+)\)", target.rest).group(1))
-        update = fused.instructions.get(_operands(root.rest)[-1 if root.opcode == "scatter" else 1])
-        if update is None:
+        params = {int(re.match(r"\s*(\d+)\)", p.rest).group(1)): p for p in fused.instructions.values()
+                  if p.opcode == "parameter"}
+        true, written = {}, None  # parameter -> the bytes it really moves; the in-place write's bytes
+        root = _root(fused)
+        if root is not None and root.opcode in _IN_PLACE:
+            target = _through_bitcasts(fused, _operands(root.rest)[0])
+            update = fused.instructions.get(_operands(root.rest)[-1 if root.opcode == "scatter" else 1])
+            if target is not None and target.opcode == "parameter" and update is not None and \
+                    array_bytes(target.shape) == array_bytes(root.shape):
+                k = next(i for i, p in params.items() if p is target)
+                true[k], written = 0.0, sum(array_bytes(update.shape))
+        for k, p in params.items():
+            if k not in true:
+                reads = _sliced_reads(fused, p.name)
+                if reads is not None and reads < sum(array_bytes(p.shape)):
+                    true[k] = reads
+        if not true:
             continue
         try:
             cost = op_bytes(header, comps, comp, inst)
         except Exception:  # an op the probe cannot rebuild keeps XLA's count
             continue
-        counted = cost.get(f"bytes accessed{k}{{}}", 0.0) + cost.get("bytes accessedout{}", 0.0)
-        out += max(counted - sum(array_bytes(update.shape)), 0.0)
+        counted = sum(cost.get(f"bytes accessed{k}{{}}", 0.0) for k in true)
+        moved = sum(true.values())
+        if written is not None:
+            counted += cost.get("bytes accessedout{}", 0.0)
+            moved += written
+        out += max(counted - moved, 0.0)
     _OFF_HBM_SEEN[key] = out
     return out
 
@@ -581,7 +617,7 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
             raw = c.get("bytes accessed", 0.0)
             once[name] = {"flops": c.get("flops", 0.0), "raw_bytes": raw,
                           "bytes": raw - off_hbm_bytes(hlo_text, comps, name)
-                          - in_place_excess_bytes(hlo_text, comps, name)}
+                          - fusion_excess_bytes(hlo_text, comps, name)}
         return once[name]
 
     @functools.cache

@@ -102,10 +102,11 @@ def test_a_sharded_matmul_compiles_for_two_h100s():
 
 
 @needs_gpu_extra
-def test_a_write_into_a_pool_in_place_moves_the_update_not_the_pool():
+def test_a_write_into_a_pool_and_a_gather_from_it_move_their_part_not_the_pool():
     """XLA's cost analysis counts a GPU scatter fusion as reading and writing its whole operand (a
-    KV write into the sampler's page pool: the pool, every step); the meter counts the update
-    (hlo_cost.in_place_excess_bytes). A loop of n writes of 32 tokens into a 134 MB pool."""
+    KV write into the sampler's page pool: the pool, every step) and a gather fusion as reading its
+    whole operand; the meter counts the update and the gathered pages (hlo_cost.fusion_excess_bytes).
+    Loops of n writes of 32 tokens into a 134 MB pool, and of n gathers of 256 pages from it."""
     from jaxrl4llm.plan.hlo_cost import compiled_hlo_text, program_cost
 
     mesh = Mesh(np.array(gpu_topology_devices("h100:2"))[:1], ("x",), axis_types=(AxisType.Auto,))
@@ -123,6 +124,18 @@ def test_a_write_into_a_pool_in_place_moves_the_update_not_the_pool():
     update = 32 * 8 * 128 * 2
     per_write = (hbm[20] - hbm[10]) / 10
     assert update <= per_write <= 4 * update, per_write  # XLA alone: 2 x 134 MB a write
+
+    def reads(pool, pages, n):  # gathers of 32 x 8 pages (8.4 MB) a trip
+        take = lambda i, acc: acc + jnp.take(pool, (pages + i) % 4096, axis=0).astype(jnp.float32).sum(axis=(1, 2))
+        return jax.lax.fori_loop(0, n, take, jnp.zeros((32, 8, 128), jnp.float32))
+
+    pages = _sharded((32, 8), jnp.int32, mesh, P())
+    for n in (10, 20):
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(reads, static_argnums=2).lower(pool, pages, n).compile()
+        hbm[n] = program_cost(compiled_hlo_text(compiled), num_devices=1).hbm_bytes
+    gathered, per_read = 32 * 8 * 16 * 8 * 128 * 2, (hbm[20] - hbm[10]) / 10
+    assert gathered <= per_read <= 4 * gathered, per_read  # XLA alone: the 134 MB pool a read
 
 
 @needs_gpu_extra
