@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm.sampling.paged_cache import per_device
+
 BLOCK_H = 16  # query heads a program computes (Triton's dot needs 16 rows; a GQA group is padded up)
 PAGES_PER_BLOCK = 4  # pages one loop step of a program reads (64 tokens at 16-token pages)
 _GRID_TARGET = 1024  # programs worth launching: the k-split parallelises long slots when slots are few
@@ -125,7 +127,7 @@ def gpu_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len:
                         **blocks) -> jax.Array:
     """`gpu_paged_attention_one_shard` for every shard: q [D, S, KVH, H/KVH, Dh], pool [D, pages,
     page, 2 KVH, Dh], table [D, S, W], kv_len [D, S] -> [D, S, KVH, H/KVH, Dh] float32. With a mesh
-    the kernel runs per GPU (shard_map): D over `batch_axes`, kv heads over `tensor_axis` (a GPU
+    the kernel runs per GPU (`paged_cache.per_device`): D over `batch_axes`, kv heads over `tensor_axis` (a GPU
     holds whole key/value column pairs: `paged_cache.POOL_AXES` splits the 2 KVH axis)."""
 
     def one_device(q, pool, table, kv_len):
@@ -134,11 +136,4 @@ def gpu_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len:
             return one(q[0], pool[0], table[0], kv_len[0])[None]
         return jnp.stack([one(q[i], pool[i], table[i], kv_len[i]) for i in range(q.shape[0])])
 
-    if mesh is None:
-        return one_device(q, pool, table, kv_len)
-    from jax.sharding import PartitionSpec as P
-
-    rows = batch_axes or None
-    return jax.shard_map(one_device, mesh=mesh,
-                         in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
-                         out_specs=P(rows, None, tensor_axis), check_vma=False)(q, pool, table, kv_len)
+    return per_device(one_device, q, pool, table, kv_len, mesh=mesh, batch_axes=batch_axes, tensor_axis=tensor_axis)

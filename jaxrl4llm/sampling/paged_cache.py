@@ -174,6 +174,21 @@ def tpu_kernel_supports(head_dim: int) -> bool:
     return head_dim % 128 == 0
 
 
+def per_device(one_device, q, pool, table, kv_len, *, mesh=None, batch_axes=(), tensor_axis=None) -> jax.Array:
+    """`one_device(q, pool, table, kv_len)` (a kernel's call on its device's share) on every device:
+    under `shard_map` the shards D over `batch_axes` and the kv heads over `tensor_axis` (a device
+    holds whole key/value column pairs: POOL_AXES splits the pool's 2 KVH axis); without a mesh,
+    called once. Shapes as `kernel_paged_attention`."""
+    if mesh is None:
+        return one_device(q, pool, table, kv_len)
+    from jax.sharding import PartitionSpec as P
+
+    rows = batch_axes or None
+    return jax.shard_map(one_device, mesh=mesh,
+                         in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
+                         out_specs=P(rows, None, tensor_axis), check_vma=False)(q, pool, table, kv_len)
+
+
 def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *, mesh=None,
                            batch_axes: tuple = (), tensor_axis: str | None = None,
                            block_sizes: dict | None = None) -> jax.Array:
@@ -205,14 +220,7 @@ def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_l
             outs.append(out.reshape(s, kvh, hg, dh).astype(jnp.float32))
         return jnp.stack(outs)
 
-    if mesh is None:
-        return one_device(q, pool, table, kv_len)
-    from jax.sharding import PartitionSpec as P
-
-    rows = batch_axes or None
-    return jax.shard_map(one_device, mesh=mesh,
-                         in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
-                         out_specs=P(rows, None, tensor_axis), check_vma=False)(q, pool, table, kv_len)
+    return per_device(one_device, q, pool, table, kv_len, mesh=mesh, batch_axes=batch_axes, tensor_axis=tensor_axis)
 
 
 def target_block_sizes(device_kind: str, q_dtype, kv_dtype, q_heads: int, kv_heads: int, head_dim: int,
