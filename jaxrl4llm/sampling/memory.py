@@ -134,7 +134,7 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     after each layer, and, with fewer slots than rows, from pool copies in the refill's `lax.cond`
     between two prefill loops (now two loops in a row; docs/sampling.md).
     """
-    from jaxrl4llm.sampling.continuous import PAGE_SIZE
+    from jaxrl4llm.sampling.continuous import PAGE_SIZE, prefill_batch
     from jaxrl4llm.sampling.paged_cache import pool_pages
 
     c = config
@@ -144,7 +144,7 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
     rows = math.ceil(prompts / data_parallel) * samples
     pool = width * pool_pages(per_shard, per_shard + 1, tp_pages, rp_pages) * page // tensor_parallel
-    at_once = max(1, min(math.ceil(prompts / data_parallel), per_shard // samples))  # `continuous._engine`'s A
+    at_once, _ = prefill_batch(math.ceil(prompts / data_parallel), per_shard, samples)  # the engine's A
     per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * c.intermediate_size // tensor_parallel \
         + 4 * c.hidden_size
     return {
