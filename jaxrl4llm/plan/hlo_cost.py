@@ -268,8 +268,7 @@ def _rerooted(text: str, comps: dict[str, Computation], root: str) -> str:
     out = []
     for i, line in enumerate(text.splitlines()):
         if i == 0 and line.startswith("HloModule"):  # keep what the body's ops need, not the old entry's I/O
-            kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", line)
-            line = ", ".join([line.split(",")[0], *kept])
+            line = _probe_header(line)
         elif line.startswith("ENTRY "):
             line = line[len("ENTRY "):]
         elif line.startswith(comps[root].header):
@@ -293,9 +292,14 @@ def _xla_cost(text: str) -> dict:
     return dict(_jax.hlo_module_cost_analysis(_cpu_client(), module))
 
 
+def _computation_cost(hlo_text: str, comps: dict[str, Computation], name: str) -> dict:
+    """XLA's cost analysis of computation `name` alone, its loops once (as `cost_analysis()` counts them)."""
+    return _xla_cost(hlo_text if comps[name].is_entry else _rerooted(hlo_text, comps, name))
+
+
 def computation_flops(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
-    """XLA's flops of computation `name`, its loops once (as `cost_analysis()` counts them)."""
-    return _xla_cost(hlo_text if comps[name].is_entry else _rerooted(hlo_text, comps, name)).get("flops", 0.0)
+    """XLA's flops of computation `name`, its loops once."""
+    return _computation_cost(hlo_text, comps, name).get("flops", 0.0)
 
 
 def _group_size(rest: str, default: int) -> int:
@@ -429,10 +433,14 @@ def off_hbm_bytes(hlo_text: str, comps: dict[str, Computation], name: str) -> fl
     and GPU ones (a GPU's memory space 1, collective buffers, is in HBM)."""
     if "S(" not in hlo_text or ":T(" not in hlo_text:
         return 0.0
+    return _off_hbm(hlo_text, _probe_header(hlo_text), comps, name)
+
+
+def _probe_header(hlo_text: str) -> str:
+    """The module's first line as a probe or re-rooted module needs it: its ops' settings, not the old entry's I/O."""
     first = hlo_text.splitlines()[0]
     kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", first)
-    header = ", ".join([first.split(",")[0], *kept])
-    return _off_hbm(hlo_text, header, comps, name)
+    return ", ".join([first.split(",")[0], *kept])
 
 
 _OFF_HBM_SEEN: dict = {}  # (program, computation) -> bytes: loop nests ask for a body again
@@ -530,9 +538,7 @@ def fusion_excess_bytes(hlo_text: str, comps: dict[str, Computation], name: str)
     key = ("fusion excess", hash(hlo_text), len(hlo_text), name)
     if key in _OFF_HBM_SEEN:
         return _OFF_HBM_SEEN[key]
-    first = hlo_text.splitlines()[0]
-    kept = re.findall(r"\b(?:is_scheduled|num_partitions|replica_count)=\w+", first)
-    header = ", ".join([first.split(",")[0], *kept])
+    header = _probe_header(hlo_text)
     comp, out = comps[name], 0.0
     for inst in comp.instructions.values():
         fused = comps.get(_attr(inst.rest, "calls") or "") if inst.opcode == "fusion" else None
@@ -612,8 +618,7 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
 
     def cost(name: str) -> dict:
         if name not in once:
-            comp = comps[name]
-            c = _xla_cost(hlo_text if comp.is_entry else _rerooted(hlo_text, comps, name))
+            c = _computation_cost(hlo_text, comps, name)
             raw = c.get("bytes accessed", 0.0)
             once[name] = {"flops": c.get("flops", 0.0), "raw_bytes": raw,
                           "bytes": raw - off_hbm_bytes(hlo_text, comps, name)

@@ -263,5 +263,5 @@ def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budg
                           chunks_per_step=chunks / max(s, 1), kv_tokens=kv / max(s, 1), kv_pages=pages / max(s, 1),
                           useful_fraction=live / max(s * shards * sd, 1), mean_length=float(means),
                           prefill_batch=prefill[0], batched_refills=batched,
-                          batched_rounds=batched_rounds / max(batched, 1e-9) if batched else 0.0,
-                          single_rounds=single_rounds / max(b - batched, 1e-9) if b > batched else 0.0)
+                          batched_rounds=batched_rounds / batched if batched else 0.0,
+                          single_rounds=single_rounds / (b - batched) if b > batched else 0.0)

@@ -438,13 +438,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             fitting_slots = slots_that_fit(config, 0.85 * chip.hbm - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
             slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
-            from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports
-            from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
+            from jaxrl4llm.sampling.generate import paged_attention_choice
 
-            gpus = is_gpu_topology(topology)
-            tpu = topology != "cpu" and not gpus
-            attention = "kernel" if (tpu and tpu_kernel_supports(config.head_dim)) or (  # as `generate` picks
-                gpus and gpu_kernel_supports(config.head_dim, config.dtype, PAGE_SIZE)) else "xla"
+            attention = paged_attention_choice(config, dmesh, False, None, page_size=PAGE_SIZE)  # as `generate` picks
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -462,7 +458,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
                           partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE,
                           pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
-                          q_heads=kernel_query_rows(config, dtp, gpus and attention == "kernel"),
+                          q_heads=kernel_query_rows(config, dtp, is_gpu_topology(topology) and attention == "kernel"),
                           kv_heads=config.num_kv_heads // dtp,
                           cache_bytes=jnp.dtype(config.dtype).itemsize)
         else:
