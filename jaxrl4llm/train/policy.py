@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.step import join_params
@@ -91,7 +92,7 @@ class Policy:
         return self.decode_mesh if self.decode_mesh is not None else self.mesh
 
     def _memory_budget(self) -> float | None:
-        """85% of a sampler device's memory minus what it holds, where the device reports it (TPU,
+        """`SIZING_SHARE` (85%) of a sampler device's memory limit minus what it holds, where the device reports it (TPU,
         GPU): this process's first sampler device (another host's cannot be asked), the smallest
         over the processes (every process must size the sampler alike)."""
         devices = list(self.sampler_mesh.devices.flat) if self.sampler_mesh is not None else jax.devices()
@@ -99,7 +100,7 @@ class Policy:
         stats = local.memory_stats()
         if not stats or "bytes_limit" not in stats or self.config is None:
             return None  # the same on every process: one platform
-        return hosts.smallest(0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        return hosts.smallest(SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
     def slots_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Slots of the continuous sampler: `slots`, or with "auto" the most whose memory
@@ -119,7 +120,7 @@ class Policy:
 
     def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose
-        decode memory (`sampling.memory`) fits 85% of the free memory of a device that reports
+        decode memory (`sampling.memory`) fits `SIZING_SHARE` (85%) of the free memory of a device that reports
         it (TPU, GPU); None (all at once) otherwise."""
         if self.prompts_per_chunk != "auto":
             return self.prompts_per_chunk or None
@@ -129,7 +130,7 @@ class Policy:
             return None
         from jaxrl4llm.sampling.memory import decode_sizing, prompts_per_chunk
 
-        budget = 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
         return prompts_per_chunk(self.config, budget, prompts=num_prompts, **sizing)
