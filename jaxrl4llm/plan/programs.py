@@ -622,7 +622,8 @@ def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *
     tp = mesh.shape["tensor"]
     heads = config.num_heads // tp if config.num_heads % tp == 0 else config.num_heads
     per = lambda backward: config.num_layers * kernel_attention_flops(
-        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward)
+        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward,
+        impl=impl)
     return dict(impl=impl, forward=per(False), backward=per(True), remat=remat, epochs=epochs, minis=minis)
 
 
