@@ -440,7 +440,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
             from jaxrl4llm.sampling.generate import paged_attention_choice
 
-            attention = paged_attention_choice(config, dmesh, False, None, page_size=PAGE_SIZE)  # as `generate` picks
+            attention = paged_attention_choice(config, dmesh, False, cfg.rollout.decode_attention,
+                                               page_size=PAGE_SIZE)  # as `generate` picks
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
