@@ -207,3 +207,18 @@ def test_a_random_model_takes_model_vocab_size_at_least_the_tokenizers(demo_asse
     with pytest.raises(ConfigError, match=rf"model.vocab_size={tokens - 1} is smaller than the tokenizer's {tokens} "
                                           rf"tokens .*set model.vocab_size >= {tokens}, or unset it"):
         vocab(**{"model.vocab_size": tokens - 1})
+
+
+@pytest.mark.parametrize("name, total, non_embedding", [
+    ("qwen3_0.6b_base", 0.6, 0.44), ("qwen3_1.7b_base", 1.7, 1.4), ("qwen3_4b_base", 4.0, 3.6),
+    ("qwen3_8b_base", 8.2, 6.95)])
+def test_shipped_model_configs_have_the_model_cards_parameter_counts(name, total, non_embedding):
+    """The size fields of configs/models/*.yaml (what `plan` and a random model build) give the
+    Qwen3 model cards' parameter counts, in billions (total, and without the embedding)."""
+    from jaxrl4llm.plan.programs import plan_model_config
+
+    config = plan_model_config(load_config(CONFIGS / "models" / f"{name}.yaml"))
+    embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    assert round(config.num_params / 1e9, 1) == total
+    assert round((config.num_params - embedding) / 1e9, len(str(non_embedding)) - 2) == non_embedding
+    assert (config.rope_theta, config.rms_norm_eps, config.head_dim, config.num_kv_heads) == (1e6, 1e-6, 128, 8)
