@@ -193,6 +193,31 @@ def test_pallas_gpu_blocks_are_powers_of_two_dividing_the_padded_row_within_shar
     assert pallas_gpu_shared_memory(blocks.backward, head_dim, backward=True) <= GPU_SHARED_MEMORY
 
 
+@pytest.mark.skipif(bool(missing_gpu_packages()), reason="XLA's CUDA compiler is not installed (opt-in): "
+                                                          "pip install -e .[gpu]")
+@pytest.mark.parametrize("t, head_dim", [(80, 128), (512, 256)])
+def test_pallas_gpu_forward_and_backward_compile_for_an_h100(t, head_dim):
+    """XLA's Triton compiler for sm_90 (on this CPU host, no GPU) takes the blocks of
+    `pallas_gpu_blocks`: a row of 80 positions (one block of 128, not 80: Triton refuses a
+    non-power-of-two block) and head_dim 256 (forward blocks of 64: at 128 the forward asks for
+    328192 bytes of shared memory, more than the H100's 232448)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxrl4llm.plan.programs import topology_mesh
+
+    mesh = topology_mesh("h100:1", data=1, fsdp=1, tensor=1)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    args = (spec((1, t, 4, head_dim), jnp.bfloat16), spec((1, t, 2, head_dim), jnp.bfloat16),
+            spec((1, t, 2, head_dim), jnp.bfloat16), spec((1, t), jnp.int32))
+
+    def loss(q, k, v, ids):
+        return jnp.sum(segment_causal_attention(q, k, v, ids, dtype=jnp.bfloat16, impl="pallas_gpu") ** 2)
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    assert compiled.as_text().count("__gpu$xla.gpu.triton") >= 2  # the forward and backward kernels
+
+
 def test_pallas_gpu_blocks_follow_jax_defaults_and_halve_for_shared_memory():
     assert pallas_gpu_blocks(4096, 128) == (128, 32, 4096)  # JAX's BlockSizes.get_default: 128 forward, 32 backward
     assert pallas_gpu_blocks(4096, 256) == (64, 32, 4096)  # 128 at Dh 256: 352 KB of tiles > 227 KB
