@@ -80,9 +80,9 @@ def paged_attention_choice(config, mesh: Mesh | None, use_kernels: bool, request
     attention = ("kernel" if kernel else "xla") if requested in (None, "auto") else requested
     if attention not in ("xla", "kernel") or (attention == "kernel" and not kernel):
         raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): 'auto', 'xla' anywhere, "
-                         f"'kernel' on TPU (head_dim a multiple of 128), on GPU (a power-of-two head_dim >= 16 and kv_page_size, a bfloat16 "
-                         f"or float16 model) or on CPU with the CPU kernels (one device, a bfloat16 or float32 "
-                         f"model). This call: {platform}, head_dim {config.head_dim}, kv_page_size {page_size}, "
+                         f"'kernel' on TPU (head_dim a multiple of 128), on GPU (a power-of-two head_dim >= 16 "
+                         f"and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
+                         f"device, a bfloat16 or float32 model). This call: {platform}, head_dim {config.head_dim}, kv_page_size {page_size}, "
                          f"{jnp.dtype(config.dtype).name}, CPU kernels {'on' if use_kernels else 'off'}")
     return attention
 

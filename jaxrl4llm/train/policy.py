@@ -256,9 +256,9 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:
             model_config = ModelConfig(
-                architecture=m.architecture, vocab_size=random_model_vocab_size(m, tokenizer), hidden_size=m.hidden_size,
-                intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+                architecture=m.architecture, vocab_size=random_model_vocab_size(m, tokenizer),
+                hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
                 attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
                 rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 remat_policy=m.remat_policy, attention_impl=m.attention_impl,

@@ -294,8 +294,9 @@ def pallas_gpu_blocks(t: int, head_dim: int, block: int = 128, *, itemsize: int 
     (64 registers a thread at the 4 warps JAX runs it with); b = 64 would take 128 (256 at Dh 256)
     and spill. The estimate bounds what XLA's Triton compiler for sm_90 asks (compile-only, jax
     0.10.2): forward b = 128 at Dh 256 asks 328192 bytes (estimate 360448), backward b = 128 at
-    Dh 256 427520 (estimate 458752); both refused (232448 available). T is padded to a multiple of the forward block (so of the backward one too: the fused
-    backward needs the same count of query and key blocks, both powers of two dividing T').
+    Dh 256 427520 (estimate 458752); both refused (232448 available). T is padded to a multiple of
+    the forward block (so of the backward one too: the fused backward needs the same count of query
+    and key blocks, both powers of two dividing T').
 
     Args: t: positions of a row; head_dim: Dh; block: the largest forward block wanted
       (`DEFAULT_BLOCKS["pallas_gpu"]`); itemsize: bytes of the matmul inputs (bf16: 2).
