@@ -470,7 +470,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
             from jaxrl4llm.sampling.generate import paged_attention_choice
 
-            attention = paged_attention_choice(config, dmesh, False, None, page_size=PAGE_SIZE)  # as `generate` picks
+            attention = paged_attention_choice(config, dmesh, False, cfg.rollout.decode_attention,
+                                               page_size=PAGE_SIZE)  # as `generate` picks
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -652,7 +653,8 @@ def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *
     tp = mesh.shape["tensor"]
     heads = config.num_heads // tp if config.num_heads % tp == 0 else config.num_heads
     per = lambda backward: config.num_layers * kernel_attention_flops(
-        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward)
+        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward,
+        impl=impl)
     return dict(impl=impl, forward=per(False), backward=per(True), remat=remat, epochs=epochs, minis=minis)
 
 

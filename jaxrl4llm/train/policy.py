@@ -37,6 +37,7 @@ class Policy:
     engine: str = "continuous"  # rollout.engine: "continuous" or "static"
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
     decode_burst: int = 16  # rollout.decode_burst (continuous engine): decode steps between refills
+    decode_attention: str = "auto"  # rollout.decode_attention: generate(paged_attention=): auto, kernel or xla
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -84,7 +85,7 @@ class Policy:
             prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
             engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
-            decode_burst=self.decode_burst,
+            decode_burst=self.decode_burst, paged_attention=self.decode_attention,
         )
 
     @property
@@ -206,12 +207,25 @@ def _user_module(m, tokenizer, rng):
     from jaxrl4llm.train.user_code import import_object
 
     factory = import_object(m.module, "model.module")
-    model = factory(vocab_size=len(tokenizer), rngs=nnx.Rngs(params=rng))
+    model = factory(vocab_size=random_model_vocab_size(m, tokenizer), rngs=nnx.Rngs(params=rng))
     if not isinstance(model, nnx.Module):
         raise ConfigError(f"model.module={m.module!r} returned {type(model).__name__}, not an nnx.Module.")
     if m.lora is not None:
         raise ConfigError("model.lora applies to jaxrl4llm's models; wrap your own module's linears instead.")
     return nnx.split(model)
+
+
+def random_model_vocab_size(m, tokenizer) -> int:
+    """The vocabulary of a model built without a checkpoint (random, or `model.module`'s): `model.vocab_size`
+    when set (e.g. Qwen3's 151936 rows for a tokenizer of 151669 tokens), else the tokenizer's length.
+    A vocabulary smaller than the tokenizer's would leave token ids without an embedding row: ConfigError."""
+    if m.vocab_size is None:
+        return len(tokenizer)
+    if m.vocab_size < len(tokenizer):
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+                          f"(model.tokenizer={m.tokenizer!r}); set model.vocab_size >= {len(tokenizer)}, or unset it "
+                          f"(null) to take the tokenizer's length.")
+    return int(m.vocab_size)
 
 
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
@@ -243,9 +257,9 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:
             model_config = ModelConfig(
-                architecture=m.architecture, vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-                intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+                architecture=m.architecture, vocab_size=random_model_vocab_size(m, tokenizer),
+                hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
                 attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
                 rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 remat_policy=m.remat_policy, attention_impl=m.attention_impl,
@@ -268,6 +282,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
         decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
         engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
+        decode_attention=cfg.rollout.decode_attention,
     )
 
 
