@@ -91,7 +91,7 @@ def cmd_eval(args) -> int:
 
     from jaxrl4llm.train.config import ConfigError
     from jaxrl4llm.train.evaluation import evaluate
-    from jaxrl4llm.train.loop import _mesh
+    from jaxrl4llm.train.loop import run_meshes
     from jaxrl4llm.train.policy import load_policy
     from jaxrl4llm.train.prompts import load_eval_sets
     from jaxrl4llm.train.reward_fn import make_reward_fn
@@ -103,7 +103,7 @@ def cmd_eval(args) -> int:
     # the reward and the data before the model (then the tokenizer alone): a bad one fails in seconds
     reward_fn = make_reward_fn(cfg, log=lambda line: print(line, file=sys.stderr))
     sets = load_eval_sets(cfg)
-    policy = load_policy(cfg, _mesh(cfg))
+    policy = load_policy(cfg, run_meshes(cfg)[0])
     records = [] if args.output else None
     result = evaluate(policy, sets, cfg, reward_fn, jax.random.PRNGKey(cfg.trainer.seed), records=records)
     if args.output:
@@ -122,11 +122,11 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     import jax
 
-    from jaxrl4llm.train.loop import _mesh
+    from jaxrl4llm.train.loop import run_meshes
     from jaxrl4llm.train.policy import load_policy
 
     cfg = _load(args)
-    policy = load_policy(cfg, _mesh(cfg))
+    policy = load_policy(cfg, run_meshes(cfg)[0])
     prompts = args.prompt or [sys.stdin.read()]
     if args.template:
         from jaxrl4llm.data import format_prompt
@@ -174,6 +174,14 @@ def cmd_plan(args) -> int:
     cfg = _load(args)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
     topology = args.topology or cfg.mesh.topology
+    if args.show_layout:
+        from jaxrl4llm.plan.programs import plan_layout
+
+        if not topology:
+            raise ConfigError("plan --show-layout needs a topology: pass --topology (e.g. v5p:4x4x4, h100:8, cpu) "
+                              "or set mesh.topology.")
+        print(json.dumps(plan_layout(cfg, topology).to_dict(), indent=2))
+        return 0
     log(f"plan: compiling 4 programs for {topology} (seconds for a small model; a few "
         f"minutes each for a Qwen3-8B update or sampler on a TPU pod topology)")
     chip = chip_spec(topology, peak=args.peak, peak_flops=args.peak_flops, hbm_bandwidth=args.hbm_bandwidth,
@@ -300,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the share of a chip's memory a process gets (default JAX's: on a GPU "
                         "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75; 1 on TPU and CPU); the fit check takes 90%% of it")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--show-layout", action="store_true",
+                   help="print the run's layout on the topology (train/layout.py: the model, meshes, micro-batches, "
+                        "packing, the sampler's settings; a run writes the same to its layout.json) and compile nothing")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("bin-difficulty", help="bin problems into easy/medium/hard by correct answers in k rollouts",

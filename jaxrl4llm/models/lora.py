@@ -67,5 +67,12 @@ def merge_lora(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
     base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     flat = [(path, v.replace(merged[path]) if path in merged else v) for path, v in nnx.to_flat_state(base)]
     assert len(merged) == sum(path in merged for path, _ in flat), "every adapted kernel is in the base state"
-    plain_graphdef, _ = abstract_model(model.config)
-    return plain_graphdef, nnx.from_flat_state(flat)
+    return plain_graphdef(model.config), nnx.from_flat_state(flat)
+
+
+@functools.cache
+def plain_graphdef(config: ModelConfig) -> nnx.GraphDef:
+    """The graphdef of `config`'s model without adapters (what `merge_lora` returns), built once per
+    config. flax cannot build an abstract model under a mesh context whose axes are not the model's
+    logical names: a caller that merges under `jax.set_mesh` (plan's sampler weights) asks for it first."""
+    return abstract_model(config)[0]

@@ -43,6 +43,10 @@ from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, 
                                     static_decode_work)
 from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError, RunConfig
+from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+from jaxrl4llm.train.layout import (RunLayout, mesh_dims, model_config_from_fields, run_layout, sampler_mesh_for,
+                                    split_for_sampler)
+from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
 
 
 PEAKS = ("datasheet", "measured")
@@ -112,41 +116,24 @@ def topology_mesh(topology: str, data: int, fsdp: int, tensor: int) -> Mesh:
     these devices, so the mesh is built from the device array directly.
     """
     devices = topology_devices(topology)
-    from jaxrl4llm.train.loop import mesh_dims
-
     dims = mesh_dims(data, fsdp, tensor, len(devices), f"chips of {topology}")
     return Mesh(np.array(devices).reshape(dims), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 
 
 def topology_meshes(topology: str, cfg: RunConfig) -> tuple[Mesh, Mesh | None]:
-    """(training mesh, the sampler's own mesh or None) over a topology's chips, as the loop splits
-    devices (`mesh.sampler_devices` of every host to the sampler, `train.rollout_pipeline`)."""
-    if not cfg.mesh.sampler_devices:
-        return topology_mesh(topology, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), None
-    from jaxrl4llm.train.loop import mesh_dims
-    from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape, split_devices
-
-    if not cfg.trainer.max_staleness:
-        raise ConfigError(f"mesh.sampler_devices={cfg.mesh.sampler_devices} needs trainer.max_staleness >= 1 "
-                          f"(the sampler's own chips idle during the update otherwise).")
-    try:
-        trainer, sampler = split_devices(topology_devices(topology), cfg.mesh.sampler_devices)
-    except ValueError as e:
-        raise ConfigError(f"{e} (on {topology}: {len(topology_devices(topology))} chips)") from None
-    dims = mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer), f"chips of {topology} left to train on")
+    """(training mesh, the sampler's own mesh or None) over a topology's chips, split as the loop
+    splits its devices (`train.layout.split_for_sampler`); the meshes are built from the device
+    arrays (`jax.make_mesh` refuses topology devices)."""
+    trainer, sampler, dims = split_for_sampler(cfg, list(topology_devices(topology)), f"chips of {topology}")
     axes, types = ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3
     return (Mesh(np.array(trainer).reshape(dims), axes, axis_types=types),
-            Mesh(np.array(sampler).reshape(sampler_mesh_shape(len(sampler))), axes, axis_types=types))
+            Mesh(np.array(sampler).reshape(sampler_mesh_shape(len(sampler))), axes, axis_types=types) if sampler else None)
 
 
 def plan_model_config(cfg: RunConfig):
     """The ModelConfig a run would train: `model.path`'s config.json when it exists, else the
     size fields of the `model` section (the shipped model configs carry them, so a plan needs
     no checkpoint)."""
-    from pathlib import Path
-
-    from jaxrl4llm.models import ModelConfig
-
     m = cfg.model
     if m.path and (Path(m.path) / "config.json").is_file():
         return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
@@ -154,14 +141,7 @@ def plan_model_config(cfg: RunConfig):
     if m.vocab_size is None:
         raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
                           "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
-    return ModelConfig(
-        architecture=m.architecture, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
-        attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
-        max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
-        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_policy=m.remat_policy,
-        attention_impl=m.attention_impl)
+    return model_config_from_fields(cfg, vocab_size=m.vocab_size)
 
 
 # ---------------------------------------------------------------------------- per-chip bytes
@@ -321,6 +301,7 @@ class RunPlan:
     packing: Any = None  # trainer.packing: the PackLayout the trainer programs were compiled for, or None
     attention_kernel: dict | None = None  # a Pallas attention kernel's FLOPs per micro-batch (`kernel_flops`)
     trainer_hlo_flops: dict = dataclasses.field(default_factory=dict, repr=False)  # 2N/6N per position, by program
+    layout: Any = None  # the run's layout (train.layout.RunLayout) the trainer programs were compiled for
 
     @property
     def fits(self) -> bool:
@@ -366,6 +347,15 @@ class RunPlan:
         return sum(p.seconds * p.runs * p.padding_fraction for p in self.programs) / total if total else 0.0
 
 
+def plan_layout(cfg: RunConfig, topology: str) -> RunLayout:
+    """The layout (`train.layout.run_layout`) of `cfg` on `topology`'s chips, as `plan_run` compiles it:
+    the model from `plan_model_config`, prompts padded to `data.max_prompt_tokens`' bucket (the
+    longest a run can meet). `jaxrl4llm plan --show-layout` prints it without compiling."""
+    mesh, own_sampler = topology_meshes(topology, cfg)
+    return run_layout(cfg, mesh, plan_model_config(cfg), prompt_width=bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS),
+                      sampler_mesh=own_sampler)
+
+
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
              prompt_tokens: float | None = None, log=None, sampler_only: bool = False,
              chip: ChipSpec | None = None) -> RunPlan:
@@ -378,11 +368,12 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     from jaxrl4llm.core import policy_loss
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
-    from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
+    from jaxrl4llm.sampling.buckets import BATCH_BUCKETS
     from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
-    from jaxrl4llm.train.loop import _rows_per_micro, shared_prompt_group
-    from jaxrl4llm.train.step import (TrainBatch, UpdateSettings, batch_shardings, init_train_state,
-                                      make_logprob_pass, make_optimizer, make_update_fn, train_state_shardings)
+    from jaxrl4llm.models import split_trainable
+    from jaxrl4llm.models.lora import plain_graphdef
+    from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, make_logprob_pass,
+                                      make_optimizer, make_update_fn, train_state_shardings)
 
     topology = topology or cfg.mesh.topology
     if not topology:
@@ -398,8 +389,10 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     prompts = cfg.rollout.prompts_per_step
     rows = prompts * g_samples
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = None if sampler_only else _rows_per_micro(cfg, rows, dp)
     prompt_len = bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS)
+    # the run's layout as `train` resolves it (train/layout.py); an evaluation's sampler needs none
+    layout = None if sampler_only else plan_layout(cfg, topology)
+    lora = cfg.model.lora.settings() if cfg.model.lora is not None else None
     response_len = cfg.rollout.max_new_tokens
     seq = prompt_len + response_len - 1
     recipe = cfg.recipe()
@@ -410,22 +403,29 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             program.hlo, program.devices = compiled_hlo_text(compiled), devices
             program.price(program_cost(program.hlo, num_devices=devices, dynamic_trips=dynamic_trips), chip)
 
-    graphdef, abstract = abstract_model(config)
-    p_shard = param_shardings(abstract, mesh)
-    params = _with_shardings(abstract, p_shard)
+    graphdef, abstract = abstract_model(config, lora=lora)
+    # model.lora: the adapters train (and carry optimizer state), the base is frozen beside them
+    trainable, frozen_abstract = split_trainable(abstract) if lora is not None else (abstract, None)
+    p_shard = param_shardings(trainable, mesh)
+    f_shard = None if frozen_abstract is None else param_shardings(frozen_abstract, mesh)
+    train_params = _with_shardings(trainable, p_shard)
+    frozen = None if frozen_abstract is None else _with_shardings(frozen_abstract, f_shard)
+    params = join_params(train_params, frozen)  # what the forward takes: the whole model
     param_bytes = per_chip_bytes(params)
+    trainable_bytes = per_chip_bytes(train_params)
     programs = []
     optimizer, schedule = make_optimizer(lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm)
-    state_sh = train_state_shardings(p_shard, optimizer, abstract, mesh)
-    train_state = _with_shardings(jax.eval_shape(lambda p: init_train_state(p, optimizer), abstract), state_sh)
+    state_sh = train_state_shardings(p_shard, optimizer, trainable, mesh, f_shard)
+    train_state = _with_shardings(jax.eval_shape(lambda p, f: init_train_state(p, optimizer, f), trainable,
+                                                 frozen_abstract), state_sh)
     state_bytes = per_chip_bytes(train_state)  # stays in HBM while the sampler runs
-    sampler_params = params if own_sampler is None else _with_shardings(abstract, param_shardings(abstract, own_sampler))
+    whole = join_params(trainable, frozen_abstract)
+    sampler_params = params if own_sampler is None else _with_shardings(whole, param_shardings(whole, own_sampler))
     # what waits in a sampler chip's HBM while it decodes: the train state, or on chips of its own the parameters' copy
     sampler_resident = state_bytes if own_sampler is None else per_chip_bytes(sampler_params)
 
     # -- sampler: on its own mesh (rollout.tensor_parallel), one chunk of prompts at a time
     from jaxrl4llm.sampling.memory import decode_memory, decode_sizing, prompts_per_chunk, weights_program_memory
-    from jaxrl4llm.train.policy import sampler_mesh_for
 
     dmesh = sampler_mesh_for(cfg, smesh, config) or smesh
     sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
@@ -442,6 +442,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     chunk = min(chunk or prompts, prompts)
     num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=ddp)
     build_weights = weights_jit(graphdef, sampler_params, config=config, backend=backend)
+    if lora is not None:
+        plain_graphdef(config)  # merge_lora's plain model, built outside the mesh (models.lora.plain_graphdef)
     with jax.set_mesh(smesh):
         weights_abstract = jax.eval_shape(build_weights, sampler_params)
     kv_rows = num_prompts * g_samples
@@ -529,25 +531,25 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     from jaxrl4llm.train.policy import make_logprob_fn
 
     logprob_fn = make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
+    settings = layout.update
+    micro = settings.micro_batches
     micro_rows = rows // cfg.trainer.mini_batches // micro
     per_chip_rows = micro_rows / dp
-    from jaxrl4llm.train.loop import packing_layout
-
-    layout = packing_layout(cfg, True, dp, prompt_len, log=lambda _: None)
-    group = None if layout else shared_prompt_group(cfg, True, micro, dp)  # each prompt's forward once per group
-    if layout is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
+    group = settings.prompt_group  # each prompt's forward once per group
+    packing = settings.packing
+    if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
         from jaxrl4llm.train.packing import packed_abstract
 
-        batch = packed_abstract(layout, mesh)
-        micro, micro_rows = layout.micro_batches, layout.rows
-        per_chip_rows = layout.rows_per_shard
-        seq = layout.row_width
+        batch = packed_abstract(packing, mesh)
+        micro, micro_rows = packing.micro_batches, packing.rows
+        per_chip_rows = packing.rows_per_shard
+        seq = packing.row_width
     # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
     per_chip_positions = per_chip_rows * (seq if group is None else response_len - 1 + prompt_len / group)
-    if layout is not None:
+    if packing is not None:
         chunk_rows = per_chip_rows  # a packed micro-batch scores every position (the head too)
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    chunk = min(cfg.model.logprob_chunk_size, response_len if layout is None else seq)  # head positions at once
+    chunk = min(cfg.model.logprob_chunk_size, response_len if packing is None else seq)  # head positions at once
     residuals = config.num_layers * per_chip_positions * d * 4  # the scan's saved residual stream (remat)
     saved = config.num_layers * per_chip_positions * 4 * saved_floats_per_token(  # what the remat policy keeps
         config.remat_policy, hidden=d, intermediate=f, heads=config.num_heads, kv_heads=config.num_kv_heads,
@@ -562,28 +564,25 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     kernel = attention_kernel_flops(config, mesh, per_chip_rows, seq, remat=config.remat,
                                     epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
     plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(
-                             logprob_fn, micro, None if layout else response_len, group)).lower(params, batch),
+                             logprob_fn, micro, settings.scored_tokens, group)).lower(params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
                          2 * config.num_params * tokens / mesh.size, mesh, log)
-    single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1  # as the loop's setup_run
-    old_pass = cfg.trainer.old_logp_source == "recompute" and not single_step
+    old_pass = cfg.trainer.old_logp_source == "recompute" and not settings.old_logp_from_update
     plan_l.runs = int(old_pass) + int(cfg.trainer.reference_model or recipe.kl_coef > 0)  # pi_old, pi_ref
     plan_l.kernel_flops = kernel_flops_of(kernel, "logprob pass", micro)
     price(plan_l, compiled_l)
     programs.append(plan_l)
-    settings = UpdateSettings(ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
-                              micro_batches=micro, scored_tokens=None if layout else response_len, prompt_group=group,
-                              old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute",
-                              packing=layout)
-    b_sh = batch_shardings(mesh) if layout is None else jax.tree.map(lambda x: x.sharding, batch)
+    b_sh = batch_shardings(mesh) if packing is None else jax.tree.map(lambda x: x.sharding, batch)
+    dropout = lora is not None and lora.dropout > 0
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
-                            settings=settings, loss_fn=policy_loss)
+                            settings=settings, loss_fn=policy_loss, dropout_seed=cfg.trainer.seed if dropout else None,
+                            loss_seed=cfg.trainer.seed)
     plan_u, compiled_u = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
                                                     out_shardings=(state_sh, None, None),
                                                     donate_argnums=(0,)).lower(train_state, batch),
                          {"parameters": param_bytes, "optimizer state": state_bytes - param_bytes,
-                          "gradients": 2 * param_bytes,  # a micro-batch's gradients and their accumulator
+                          "gradients": 2 * trainable_bytes,  # a micro-batch's gradients and their accumulator
                           "batch": batch_bytes,
                           "activations": (residuals + saved if config.remat else 3 * residuals) + 2 * layer_work + head_work
                           + 2 * attention_work},
@@ -600,7 +599,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                        weight_copy_bytes=per_chip_bytes(sampler_params),
                        weight_copy_seconds=per_chip_bytes(sampler_params) / chip.ici_bandwidth)
     plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
-                   chips=mesh.size + (own_sampler.size if own_sampler is not None else 0), decode=decode, trainer_positions=tokens, packing=layout, attention_kernel=kernel,
+                   chips=mesh.size + (own_sampler.size if own_sampler is not None else 0), decode=decode, trainer_positions=tokens, packing=packing, attention_kernel=kernel,
+                   layout=layout,
                    trainer_hlo_flops={"logprob pass": 2 * config.num_params / mesh.size,
                                       "update": 6 * config.num_params * cfg.trainer.ppo_epochs / mesh.size})
     return with_lengths(plan, lengths, prompt_tokens)

@@ -48,8 +48,9 @@ class ModelConfigSection:
     without it, a random model of the given size is built (tests, demo) with `tokenizer`.
     `lora`: train LoRA adapters only (LoraConfig). `module`: "package.module:factory", your own
     NNX causal LM, factory(vocab_size=..., rngs=nnx.Rngs) -> nnx.Module (docs/models.md).
-    `vocab_size`, `tie_word_embeddings`, `max_position_embeddings` and the size fields describe
-    the model for `jaxrl4llm plan` when there is no checkpoint; a random model (and a `module`'s
+    `vocab_size`, `tie_word_embeddings`, `max_position_embeddings`, `rope_theta` and the size fields
+    describe the model for `jaxrl4llm plan` when there is no checkpoint (`train.layout.model_config_from_fields`:
+    the same model a run builds from them); a random model (and a `module`'s
     factory) takes `vocab_size` (at least the tokenizer's length; unset: the tokenizer's length);
     a checkpoint's config.json overrides them all."""
 
@@ -80,6 +81,7 @@ class ModelConfigSection:
     vocab_size: int | None = None
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
 
 
 @dataclasses.dataclass
@@ -453,7 +455,7 @@ _NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 RANGES: dict[str, tuple[Any, str]] = {
     "model.hidden_size": _POSITIVE, "model.intermediate_size": _POSITIVE, "model.num_layers": _POSITIVE,
     "model.num_heads": _POSITIVE, "model.num_kv_heads": _POSITIVE, "model.head_dim": _POSITIVE,
-    "model.logprob_chunk_size": _POSITIVE, "model.vocab_size": _POSITIVE, "model.max_position_embeddings": _POSITIVE,
+    "model.logprob_chunk_size": _POSITIVE, "model.vocab_size": _POSITIVE, "model.max_position_embeddings": _POSITIVE, "model.rope_theta": _POSITIVE,
     "model.lora.rank": _POSITIVE, "model.lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "data.max_prompt_tokens": _POSITIVE, "data.eval_limit": _NON_NEGATIVE,
     "rollout.prompts_per_step": _POSITIVE, "rollout.samples_per_prompt": _POSITIVE,

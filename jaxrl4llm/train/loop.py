@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
-from jaxrl4llm.models import param_shardings
+from jaxrl4llm.models import make_mesh, param_shardings
 from jaxrl4llm.storage import as_path
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import batch_program, merge_groups
@@ -31,14 +31,16 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
-from jaxrl4llm.train.policy import Policy, load_policy, sampler_mesh_for
+from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, run_layout, sampler_mesh_for,
+                                    split_for_sampler)
+from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import make_reward_fn
 from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, check_partial, partial_version,
                                               pending_from_host, pending_to_host, sampler_base_mesh, sampling_version,
-                                              split_devices, staleness_metrics)
+                                              staleness_metrics)
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.scoring import score_rows
@@ -92,43 +94,11 @@ class PromptStream:
         return len(new)
 
 
-def mesh_dims(data: int, fsdp: int, tensor: int, n: int, where: str = "devices") -> tuple[int, int, int]:
-    """(data, fsdp, tensor) of `mesh.*` over n devices; one of them may be -1 (the rest)."""
-    dims = [data, fsdp, tensor]
-    if dims.count(-1) > 1:
-        raise ConfigError("At most one of mesh.data / mesh.fsdp / mesh.tensor may be -1.")
-    fixed = int(np.prod([d for d in dims if d != -1]))
-    if -1 in dims:
-        if n % fixed:
-            raise ConfigError(f"mesh {dims}: the {n} {where} are not divisible by {fixed}.")
-        dims[dims.index(-1)] = n // fixed
-    if int(np.prod(dims)) != n:
-        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {int(np.prod(dims))}, but there are {n} {where}; "
-                          f"set mesh.data/fsdp/tensor to multiply to {n} (one of them may be -1).")
-    return tuple(dims)
-
-
-def _mesh(cfg: RunConfig):
-    return _meshes(cfg)[0]
-
-
-def _meshes(cfg: RunConfig):
-    """(training mesh, the sampler's own mesh or None): `mesh.sampler_devices` of each process's
-    devices go to the sampler (trainer.max_staleness >= 1; `rollout_pipeline.sampler_base_mesh`),
-    data/fsdp/tensor shape the rest."""
-    from jaxrl4llm.models import make_mesh
-
-    if cfg.mesh.sampler_devices and not cfg.trainer.max_staleness:
-        raise ConfigError(f"mesh.sampler_devices={cfg.mesh.sampler_devices} gives the sampler devices of its own, which "
-                          f"idle while the update runs unless rollouts run ahead: set trainer.max_staleness >= 1 "
-                          f"(asynchronous RL), or mesh.sampler_devices=0.")
-    try:
-        trainer, sampler = split_devices(jax.devices(), cfg.mesh.sampler_devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    mesh = make_mesh(*mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer),
-                                "devices left to train on" if sampler else "devices"),
-                     devices=trainer if sampler else None)
+def run_meshes(cfg: RunConfig):
+    """(training mesh, the sampler's own mesh or None) over this process's view of the run's devices:
+    `layout.split_for_sampler` splits them, `jax.make_mesh` orders each side by the topology."""
+    trainer, sampler, dims = split_for_sampler(cfg, jax.devices())
+    mesh = make_mesh(*dims, devices=trainer if sampler else None)
     return mesh, (sampler_base_mesh(sampler) if sampler else None)
 
 
@@ -138,52 +108,6 @@ def _in_mesh(fn: Callable, mesh) -> Callable:
         with jax.set_mesh(mesh):
             return fn(*args)
     return run
-
-
-def _rows_per_micro(cfg: RunConfig, rows: int, data_parallel: int = 1) -> int:
-    """Micro-batches per mini-batch; each micro-batch's rows must split evenly over the
-    `data_parallel` = mesh.data * mesh.fsdp devices (else chips would sit idle or hold copies)."""
-    minis = cfg.trainer.mini_batches
-    if rows % minis:
-        raise ConfigError(f"{rows} rollout rows are not divisible by trainer.mini_batches={minis}.")
-    per_mini = rows // minis
-    mbs = cfg.trainer.micro_batch_size or per_mini
-    if per_mini % mbs:
-        raise ConfigError(f"a mini-batch of {per_mini} rows is not divisible by trainer.micro_batch_size={mbs}.")
-    if mbs % data_parallel:
-        raise ConfigError(
-            f"trainer.micro_batch_size={mbs} rows do not split over the {data_parallel} data-parallel devices "
-            f"(mesh.data x mesh.fsdp): use a multiple of {data_parallel}, or fewer data/fsdp devices "
-            f"(more mesh.tensor).")
-    return per_mini // mbs
-
-
-def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, data_parallel: int = 1) -> int | None:
-    """UpdateSettings.prompt_group of `trainer.share_prompt`: G = rollout.samples_per_prompt when
-    each prompt's forward can run once for its G rows, else None (every row whole); with
-    share_prompt=true, a ConfigError that says why it cannot.
-
-    It applies when every data-parallel device (mesh.data x mesh.fsdp) holds whole groups of a
-    micro-batch: a group split over devices would have each of them run the whole prompt."""
-    share, G = cfg.trainer.share_prompt, cfg.rollout.samples_per_prompt
-    if share is False:
-        return None
-    rows = cfg.rollout.prompts_per_step * G // (cfg.trainer.mini_batches * micro_batches)
-    if not own_model:
-        why = "a model.module model scores whole rows (the shared forward is jaxrl4llm's CausalLM)"
-    elif G < 2:
-        why = "rollout.samples_per_prompt=1: no two rows share a prompt"
-    elif cfg.rollout.max_new_tokens < 2:
-        why = "rollout.max_new_tokens=1 leaves no response tokens to run after the prompt"
-    elif rows % (G * data_parallel):
-        over = f" over {data_parallel} data-parallel devices" if data_parallel > 1 else ""
-        why = (f"a micro-batch of {rows} rows{over} does not give each device whole groups of "
-               f"rollout.samples_per_prompt={G}; set trainer.micro_batch_size to a multiple of {G * data_parallel}")
-    else:
-        return G
-    if share is True:
-        raise ConfigError(f"trainer.share_prompt=true, but {why} (or set trainer.share_prompt=auto).")
-    return None
 
 
 def prompts_to_draw(P: int, missing: int, mixed: int, drawn: int) -> int:
@@ -339,7 +263,8 @@ class Run:
     ref_params: Any  # the reference policy's params (KL / reference log-probs), or None
     base_key: jax.Array
     batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
-    settings: UpdateSettings = UpdateSettings()  # old_logp_from_update: the update scores pi_old itself
+    settings: UpdateSettings = UpdateSettings()  # the layout's: old_logp_from_update, packing, prompt group
+    layout: RunLayout | None = None  # the run's layout (train/layout.py), written to layout.json
     pack: Callable | None = None  # (TrainBatch, PackPlan) -> PackedBatch on the training mesh (trainer.packing)
     sampler_mesh: Any = None  # the sampler's own devices (mesh.sampler_devices), or None: the training devices
     sampler_params: Any = None  # the trainable parameters' shardings on sampler_mesh (fsdp over its devices)
@@ -387,7 +312,7 @@ def update_while_sampling(run: Run, state, rollout, rewards, sample_next: Callab
 
 def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=None) -> tuple[Run, Any]:
     """The policy, data and the jitted update / log-prob programs of `cfg` on `mesh`; returns
-    (run, initial train state). sampler_mesh: the sampler's own devices (`_meshes`), or None."""
+    (run, initial train state). sampler_mesh: the sampler's own devices (`run_meshes`), or None."""
     recipe = cfg.recipe()
     rate = cfg.rollout.retire_pass_rate
     if rate is not None and not 0.0 < rate <= 1.0:
@@ -403,7 +328,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
             f"re-scores the rollout), or drop the correction.")
     loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
     G = cfg.rollout.samples_per_prompt
-    micro = _rows_per_micro(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])
+    micro_batches(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])  # fails fast
     # the reward and the data first (then the tokenizer alone, no weights): a bad one fails in seconds
     reward_fn = make_reward_fn(cfg, log if hosts.is_main() else lambda line: None)
     train_set, eval_sets = load_prompt_sets(cfg)
@@ -416,17 +341,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
         eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
     )
-    # One optimizer step per rollout (no dropout): pi_old is the policy the update itself scores, so
-    # old_logp is its own forward pass (detached) and the separate recompute pass is skipped.
-    single_step = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not policy.dropout
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    layout = packing_layout(cfg, policy.config is not None, dp, train_set.longest, log)
-    settings = UpdateSettings(
-        ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
-        old_logp_from_update=single_step and cfg.trainer.old_logp_source == "recompute",
-        scored_tokens=cfg.rollout.max_new_tokens if policy.config is not None else None,
-        prompt_group=None if layout else shared_prompt_group(cfg, policy.config is not None, micro, dp),
-        packing=layout)
+    layout = run_layout(cfg, mesh, policy.config, prompt_width=train_set.longest, sampler_mesh=sampler_mesh, log=log)
+    settings, micro = layout.update, layout.update.micro_batches
     # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
     # the update keeps every leaf where it is.
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -435,7 +351,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
     state = jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings)(
         policy.params, policy.frozen)
     batch_in = batch_shardings(mesh)
-    update_in = packed_shardings(mesh) if layout else batch_in
+    update_in = packed_shardings(mesh) if settings.packing else batch_in
     update = jax.jit(
         make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
                        settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None,
@@ -459,43 +375,14 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
         batch_shardings=batch_in,
         settings=settings,
-        pack=jax.jit(pack, out_shardings=update_in) if layout else None,
+        pack=jax.jit(pack, out_shardings=update_in) if settings.packing else None,
+        layout=layout,
         sampler_mesh=sampler_mesh,
         sampler_params=None if sampler_mesh is None else param_shardings(policy.params, sampler_mesh),
         sampler_frozen=None if sampler_mesh is None or policy.frozen is None else
         jax.device_put(policy.frozen, param_shardings(policy.frozen, sampler_mesh)),
     )
     return run, state
-
-
-def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_prompt: int, log) -> PackLayout | None:
-    """The PackLayout of `trainer.packing` (its micro-batch count and prompt width are per step:
-    see `pack_step`), or None: padded rows (packing off, a model.module, share_prompt=true)."""
-    t = cfg.trainer
-    if not t.packing:
-        return None
-    if not own_model:
-        log("trainer.packing: a model.module model scores padded rows (packed rows need jaxrl4llm's models); "
-            "set trainer.packing=false to silence this.")
-        return None
-    if t.share_prompt is True:
-        return None  # the user asked for the shared-prompt forward of padded rows
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    return packing_layout_for(cfg, rows, data_parallel, longest_prompt)
-
-
-def packing_layout_for(cfg: RunConfig, rows: int, data_parallel: int, prompt_width: int) -> PackLayout:
-    """pack_layout of this run for prompts padded to `prompt_width`; the token budget is
-    trainer.tokens_per_micro_batch, or micro_batch_size's padded rows per device when set."""
-    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
-
-    t = cfg.trainer
-    width = bucket(prompt_width, PROMPT_BUCKETS)
-    budget = t.tokens_per_micro_batch
-    if budget is None and t.micro_batch_size:
-        budget = max(t.micro_batch_size // data_parallel, 1) * (width + cfg.rollout.max_new_tokens - 1)
-    return pack_layout(rows=rows, mini_batches=t.mini_batches, shards=data_parallel, prompt_width=width,
-                       response_width=cfg.rollout.max_new_tokens, tokens_per_micro_batch=budget)
 
 
 def pack_step(run: Run, rollout, batch):
@@ -608,7 +495,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
         if resume else {}
     out = as_path(cfg.trainer.out_dir)
-    mesh, sampler_mesh = _meshes(cfg)
+    mesh, sampler_mesh = run_meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
     partial = partial_stream(sampler_policy(run, state), run.train_set, cfg) if cfg.rollout.partial else None
     ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
@@ -631,6 +518,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
         record_config_changes(files.dir, start_step, changes)
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        (out / "layout.json").write_text(json.dumps(run.layout.to_dict(), indent=2))  # what the config resolved to
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
     writer = MetricsWriter(files.dir, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),

@@ -14,8 +14,10 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl4llm.sampling.memory import SIZING_SHARE
+from jaxrl4llm.models import ModelConfig
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
+from jaxrl4llm.train.layout import model_config_from_fields, sampler_mesh_for
 from jaxrl4llm.train.step import join_params
 
 
@@ -228,12 +230,20 @@ def random_model_vocab_size(m, tokenizer) -> int:
     return int(m.vocab_size)
 
 
+def random_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
+    """The ModelConfig of the random model a run without `model.path` builds from the `model` section's
+    size fields (`layout.model_config_from_fields`, as `plan` does) with `tokenizer`'s vocabulary and
+    special tokens."""
+    return model_config_from_fields(cfg, vocab_size=random_model_vocab_size(cfg.model, tokenizer),
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     """From `model.path` (an HF folder), `model.module` (your NNX model) or a random model of the
     configured size + `model.tokenizer`; with `model.lora`, adapters on a frozen base."""
     from flax import nnx
 
-    from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer,
+    from jaxrl4llm.models import (add_lora, init_model, load_pretrained, load_tokenizer,
                                   param_shardings)
     from jaxrl4llm.storage import local_copy
 
@@ -256,15 +266,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         if m.module:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:
-            model_config = ModelConfig(
-                architecture=m.architecture, vocab_size=random_model_vocab_size(m, tokenizer),
-                hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
-                attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
-                rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                remat_policy=m.remat_policy, attention_impl=m.attention_impl,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            )
+            model_config = random_model_config(cfg, tokenizer)
             graphdef, state = init_model(model_config, rng)
         if mesh is not None:
             state = jax.device_put(state, param_shardings(state, mesh))
@@ -284,23 +286,3 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
         decode_attention=cfg.rollout.decode_attention,
     )
-
-
-def sampler_mesh_for(cfg: RunConfig, mesh: Mesh | None, model_config) -> Mesh | None:
-    """The sampler's mesh for `rollout.tensor_parallel` (sampling.decode_mesh of the training
-    mesh), or None (sample on the training mesh); a bad tensor_parallel is a ConfigError."""
-    from jaxrl4llm.sampling.decode_mesh import decode_mesh
-
-    tp = cfg.rollout.tensor_parallel
-    if tp and model_config is None:
-        raise ConfigError("rollout.tensor_parallel needs one of our models (model.path or a random model); a "
-                          "model.module is sampled on the training mesh (set rollout.tensor_parallel=0).")
-    if mesh is None:
-        if tp > 1:
-            raise ConfigError(f"rollout.tensor_parallel={tp} needs a device mesh; this run has one device.")
-        return None
-    try:
-        return decode_mesh(mesh, tp, num_kv_heads=model_config.num_kv_heads if model_config else None)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-

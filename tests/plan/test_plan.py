@@ -156,3 +156,19 @@ def test_an_asynchronous_split_compiles_each_side_on_its_chips_and_overlaps_them
     assert "the sampler on 2 chips of its own" in format_plan(split)
     with pytest.raises(ConfigError, match="trainer.max_staleness >= 1"):
         plan_run(load_config(None, TINY + ["mesh.fsdp=-1", "mesh.sampler_devices=0.5"]), "v5e:2x2")
+
+
+def test_a_lora_run_is_planned_with_its_adapters_and_without_the_base_s_optimizer_state(plan):
+    """`model.lora`: plan compiles the adapted model, the adapters train and the base stays frozen: the
+    state beside the sampler and the update's arguments shrink by the optimizer state it no longer holds."""
+    lora = plan_run(load_config(None, TINY + ["model.lora.rank=4"]), "v5e:2x2")
+    assert lora.layout.lora is not None and plan.layout.lora is None
+    full_update, lora_update = (next(p for p in x.programs if p.name == "update") for x in (plan, lora))
+    full_opt, lora_opt = (u.analytic["optimizer state"] for u in (full_update, lora_update))
+    adapters = lora_update.analytic["parameters"] - full_update.analytic["parameters"]
+    assert 0 < adapters and lora_opt < full_opt / 5
+    saved = full_opt - lora_opt - adapters
+    full_resident, lora_resident = (next(p for p in x.programs if p.name == "sampler/decode").resident_bytes
+                                    for x in (plan, lora))
+    assert full_resident - lora_resident == saved
+    assert full_update.argument_bytes - lora_update.argument_bytes >= 0.9 * saved

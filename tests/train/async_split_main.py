@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 from jaxrl4llm.data import build_char_tokenizer, write_demo_task  # noqa: E402
 from jaxrl4llm.train.config import load_config  # noqa: E402
-from jaxrl4llm.train.loop import _meshes, train  # noqa: E402
+from jaxrl4llm.train.loop import run_meshes, train  # noqa: E402
 from tests.train.conftest import tiny_overrides  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main() -> int:
     split = load_config(None, tiny_overrides(assets, root / "split", **common, **{"mesh.sampler_devices": 4}))
     shared = load_config(None, tiny_overrides(assets, root / "shared", **common))
 
-    mesh, sampler = _meshes(split)
+    mesh, sampler = run_meshes(split)
     devices = jax.devices()
     assert list(sampler.devices.flat) == devices[:4] and list(mesh.devices.flat) == devices[4:], (sampler, mesh)
     a = train(split, log=lambda s: None)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.train.loop import (PromptStream, _meshes, build_batch, partial_stream, sample_groups, sample_segment,
+from jaxrl4llm.train.loop import (PromptStream, run_meshes, build_batch, partial_stream, sample_groups, sample_segment,
                                   setup_run, train)
 from jaxrl4llm.train.rollout_pipeline import partial_version, sampling_version, split_devices, staleness_metrics
 
@@ -53,7 +53,7 @@ def test_sampler_devices_take_the_same_share_of_every_process():
 def test_sampler_devices_without_staleness_is_refused(demo_assets, tmp_path):
     cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"mesh.sampler_devices": 1}))
     with pytest.raises(ConfigError, match=r"trainer.max_staleness >= 1"):
-        _meshes(cfg)
+        run_meshes(cfg)
 
 
 # partial rollouts whose rows cross segments in the tiny runs: bursts of 3 steps, 6 slots for 8 rows a step
@@ -65,7 +65,7 @@ def _by_hand(cfg, k):
     after max(t - k, 0) updates (kept aside as copies): what trainer.max_staleness = k promises.
     rollout.partial: step t's rollout from the engine's segment t, sampled by the parameters after
     max(t - k + 1, 0) updates (its rows begun in segment t - 1 by the version before)."""
-    mesh, _ = _meshes(cfg)
+    mesh, _ = run_meshes(cfg)
     run, state = setup_run(cfg, mesh, lambda s: None)
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     versions = [jax.tree.map(jnp.copy, state.params)]

@@ -188,7 +188,7 @@ def test_shared_prompt_forward_changes_no_number_and_says_when_it_cannot(demo_as
     default where micro-batches hold whole groups, the same numbers as every row run whole; with
     true where it cannot apply, an error naming the fix. The second step of each run re-samples
     from the updated policy, so equal histories also say the update was the same."""
-    from jaxrl4llm.train.loop import shared_prompt_group
+    from jaxrl4llm.train.layout import shared_prompt_group
 
     runs = {}
     for share in ("auto", "false"):

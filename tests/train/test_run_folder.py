@@ -161,6 +161,8 @@ def test_a_reward_that_raises_leaves_a_folder_a_plain_rerun_starts_over(demo_ass
     summary = train(load_config(None, tiny_overrides(demo_assets, run, **{**tiny, "trainer.steps": 0})),
                     log=messages.append)
     assert summary["history"] == [] and (run / "config.json").is_file()
+    layout = json.loads((run / "layout.json").read_text())  # what the config resolved to (train/layout.py)
+    assert layout["rows"] == 8 and layout["model"]["hidden_size"] == 32 and layout["update"]["micro_batches"] == 1
     assert [m for m in messages if "removed the earlier run's" in m] == [
         f"no checkpoint to resume (the earlier run stopped before its first one): removed the earlier run's "
         f"checkpoints, tb, config.json from {run}"]

@@ -1,0 +1,272 @@
+"""The run's layout, resolved once from the config and the devices: what `train` runs and `plan` prices.
+
+    layout = run_layout(cfg, mesh, model_config, prompt_width=..., sampler_mesh=...)
+
+`train` resolves it on the run's devices (`loop.setup_run`), `plan` on a topology's chips
+(`plan.programs.plan_run`); both read the same object, so a rule about a run's shape is written
+here once and cannot drift between the two:
+- the model a run trains when it is built from the `model` section's size fields
+  (`model_config_from_fields`, with `model.lora`'s adapters: `RunLayout.lora`);
+- the split of the devices into the trainer's and the sampler's own (`split_for_sampler`,
+  `mesh.sampler_devices`) and the (data, fsdp, tensor) shape of each (`mesh_dims`);
+- rows per micro-batch and the micro-batch count (`micro_batches`), the single-optimizer-step
+  rule (`single_optimizer_step`), the packing layout (`packing_layout`), the shared-prompt group
+  (`shared_prompt_group`): together the update's `UpdateSettings`;
+- the sampler's decode mesh for `rollout.tensor_parallel` (`sampler_mesh_for`) and its settings
+  (`SamplerLayout`).
+`jaxrl4llm plan --show-layout` prints it; every run writes it beside its config.json (`layout.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl4llm.models import LoraSettings, ModelConfig
+from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+from jaxrl4llm.sampling.decode_mesh import decode_mesh
+from jaxrl4llm.sampling.memory import SIZING_SHARE
+from jaxrl4llm.train.config import ConfigError, RunConfig
+from jaxrl4llm.train.packing import PackLayout, pack_layout
+from jaxrl4llm.train.rollout_pipeline import split_devices
+from jaxrl4llm.train.step import UpdateSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerLayout:
+    """How the sampler runs: `engine` (continuous | static), `slots` (as configured: auto or a count;
+    auto is sized on the device at run time, by `plan` on the chip), `decode_burst`,
+    `prompts_per_chunk` (static), `partial` rollouts, the requested `decode_attention` (auto |
+    kernel | xla), and its decode mesh: `data_parallel` x `tensor_parallel` devices, `own_devices`
+    of its own (asynchronous RL; 0: the trainer's)."""
+
+    engine: str
+    slots: Any
+    decode_burst: int
+    prompts_per_chunk: Any
+    partial: bool
+    decode_attention: str
+    data_parallel: int
+    tensor_parallel: int
+    own_devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLayout:
+    """A run's layout (module docstring): the `model` it trains (its shape: no special-token ids; None
+    for a `model.module` model) and
+    its `lora` adapters, the trainer's `mesh` (data, fsdp, tensor), the step's `rows` (prompts x
+    samples), the update's `UpdateSettings` (micro-batches, packing, shared prompts, single step),
+    the `sampler`'s layout, and the share of a device's memory the sampler's automatic sizing fills."""
+
+    model: ModelConfig | None
+    lora: LoraSettings | None
+    mesh: tuple[int, int, int]
+    rows: int
+    update: UpdateSettings
+    sampler: SamplerLayout
+    sizing_share: float = SIZING_SHARE
+
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+    def to_dict(self) -> dict:
+        """The layout as JSON-ready values (`layout.json`, `plan --show-layout`)."""
+        def plain(value):
+            if dataclasses.is_dataclass(value):
+                return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            if isinstance(value, (tuple, list)):
+                return [plain(v) for v in value]
+            return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+        return plain(self)
+
+
+# ---------------------------------------------------------------------------- the model
+def model_config_from_fields(cfg: RunConfig, *, vocab_size: int, eos_token_id=None, pad_token_id=None) -> ModelConfig:
+    """The ModelConfig of a model built from the `model` section's size fields (a random model, or
+    `plan` without a checkpoint): architecture, widths, `tie_word_embeddings`, `rope_theta`, and
+    position embeddings for at least the run's prompt + response budget."""
+    m = cfg.model
+    return ModelConfig(
+        architecture=m.architecture, vocab_size=vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+        attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
+        max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
+        rope_theta=m.rope_theta, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+        remat_policy=m.remat_policy, attention_impl=m.attention_impl, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id)
+
+
+def lora_settings(cfg: RunConfig) -> LoraSettings | None:
+    """`model.lora`'s adapters (None: a full fine-tune)."""
+    return cfg.model.lora.settings() if cfg.model.lora is not None else None
+
+
+# ---------------------------------------------------------------------------- the meshes
+def mesh_dims(data: int, fsdp: int, tensor: int, n: int, where: str = "devices") -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of `mesh.*` over n devices; one of them may be -1 (the rest)."""
+    dims = [data, fsdp, tensor]
+    if dims.count(-1) > 1:
+        raise ConfigError("At most one of mesh.data / mesh.fsdp / mesh.tensor may be -1.")
+    fixed = int(np.prod([d for d in dims if d != -1]))
+    if -1 in dims:
+        if n % fixed:
+            raise ConfigError(f"mesh {dims}: the {n} {where} are not divisible by {fixed}.")
+        dims[dims.index(-1)] = n // fixed
+    if int(np.prod(dims)) != n:
+        raise ConfigError(f"mesh data*fsdp*tensor = {dims} = {int(np.prod(dims))}, but there are {n} {where}; "
+                          f"set mesh.data/fsdp/tensor to multiply to {n} (one of them may be -1).")
+    return tuple(dims)
+
+
+def split_for_sampler(cfg: RunConfig, devices: list, where: str = "devices") -> tuple[list, list, tuple[int, int, int]]:
+    """(trainer devices, the sampler's own devices, the trainer mesh's dims): `mesh.sampler_devices` of
+    each process's devices go to the sampler (asynchronous RL, `trainer.max_staleness` >= 1;
+    `rollout_pipeline.split_devices`), `mesh.data / fsdp / tensor` shape the rest."""
+    if cfg.mesh.sampler_devices and not cfg.trainer.max_staleness:
+        raise ConfigError(f"mesh.sampler_devices={cfg.mesh.sampler_devices} gives the sampler devices of its own, which "
+                          f"idle while the update runs unless rollouts run ahead: set trainer.max_staleness >= 1 "
+                          f"(asynchronous RL), or mesh.sampler_devices=0.")
+    try:
+        trainer, sampler = split_devices(devices, cfg.mesh.sampler_devices)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({len(devices)} {where})") from None
+    dims = mesh_dims(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(trainer),
+                     f"{where} left to train on" if sampler else where)
+    return trainer, sampler, dims
+
+
+def sampler_mesh_for(cfg: RunConfig, mesh: Mesh | None, model_config) -> Mesh | None:
+    """The sampler's mesh for `rollout.tensor_parallel` (sampling.decode_mesh of the training
+    mesh), or None (sample on the training mesh); a bad tensor_parallel is a ConfigError."""
+    tp = cfg.rollout.tensor_parallel
+    if tp and model_config is None:
+        raise ConfigError("rollout.tensor_parallel needs one of our models (model.path or a random model); a "
+                          "model.module is sampled on the training mesh (set rollout.tensor_parallel=0).")
+    if mesh is None:
+        if tp > 1:
+            raise ConfigError(f"rollout.tensor_parallel={tp} needs a device mesh; this run has one device.")
+        return None
+    try:
+        return decode_mesh(mesh, tp, num_kv_heads=model_config.num_kv_heads if model_config else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- the update
+def micro_batches(cfg: RunConfig, rows: int, data_parallel: int = 1) -> int:
+    """Micro-batches per mini-batch; each micro-batch's rows must split evenly over the
+    `data_parallel` = mesh.data * mesh.fsdp devices (else chips would sit idle or hold copies)."""
+    minis = cfg.trainer.mini_batches
+    if rows % minis:
+        raise ConfigError(f"{rows} rollout rows are not divisible by trainer.mini_batches={minis}.")
+    per_mini = rows // minis
+    mbs = cfg.trainer.micro_batch_size or per_mini
+    if per_mini % mbs:
+        raise ConfigError(f"a mini-batch of {per_mini} rows is not divisible by trainer.micro_batch_size={mbs}.")
+    if mbs % data_parallel:
+        raise ConfigError(
+            f"trainer.micro_batch_size={mbs} rows do not split over the {data_parallel} data-parallel devices "
+            f"(mesh.data x mesh.fsdp): use a multiple of {data_parallel}, or fewer data/fsdp devices "
+            f"(more mesh.tensor).")
+    return per_mini // mbs
+
+
+def single_optimizer_step(cfg: RunConfig) -> bool:
+    """One optimizer step per rollout and no LoRA dropout: pi_old is the policy the update itself
+    scores, so old_logp is its own forward pass (detached) and the recompute pass is skipped."""
+    dropout = cfg.model.lora is not None and cfg.model.lora.dropout > 0
+    return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not dropout
+
+
+def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, data_parallel: int = 1) -> int | None:
+    """UpdateSettings.prompt_group of `trainer.share_prompt`: G = rollout.samples_per_prompt when
+    each prompt's forward can run once for its G rows, else None (every row whole); with
+    share_prompt=true, a ConfigError that says why it cannot.
+
+    It applies when every data-parallel device (mesh.data x mesh.fsdp) holds whole groups of a
+    micro-batch: a group split over devices would have each of them run the whole prompt."""
+    share, G = cfg.trainer.share_prompt, cfg.rollout.samples_per_prompt
+    if share is False:
+        return None
+    rows = cfg.rollout.prompts_per_step * G // (cfg.trainer.mini_batches * micro_batches)
+    if not own_model:
+        why = "a model.module model scores whole rows (the shared forward is jaxrl4llm's CausalLM)"
+    elif G < 2:
+        why = "rollout.samples_per_prompt=1: no two rows share a prompt"
+    elif cfg.rollout.max_new_tokens < 2:
+        why = "rollout.max_new_tokens=1 leaves no response tokens to run after the prompt"
+    elif rows % (G * data_parallel):
+        over = f" over {data_parallel} data-parallel devices" if data_parallel > 1 else ""
+        why = (f"a micro-batch of {rows} rows{over} does not give each device whole groups of "
+               f"rollout.samples_per_prompt={G}; set trainer.micro_batch_size to a multiple of {G * data_parallel}")
+    else:
+        return G
+    if share is True:
+        raise ConfigError(f"trainer.share_prompt=true, but {why} (or set trainer.share_prompt=auto).")
+    return None
+
+
+def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_prompt: int, log) -> PackLayout | None:
+    """The PackLayout of `trainer.packing` (its micro-batch count and prompt width are per step:
+    see `loop.pack_step`), or None: padded rows (packing off, a model.module, share_prompt=true)."""
+    t = cfg.trainer
+    if not t.packing:
+        return None
+    if not own_model:
+        log("trainer.packing: a model.module model scores padded rows (packed rows need jaxrl4llm's models); "
+            "set trainer.packing=false to silence this.")
+        return None
+    if t.share_prompt is True:
+        return None  # the user asked for the shared-prompt forward of padded rows
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    return packing_layout_for(cfg, rows, data_parallel, longest_prompt)
+
+
+def packing_layout_for(cfg: RunConfig, rows: int, data_parallel: int, prompt_width: int) -> PackLayout:
+    """pack_layout of this run for prompts padded to `prompt_width`; the token budget is
+    trainer.tokens_per_micro_batch, or micro_batch_size's padded rows per device when set."""
+    t = cfg.trainer
+    width = bucket(prompt_width, PROMPT_BUCKETS)
+    budget = t.tokens_per_micro_batch
+    if budget is None and t.micro_batch_size:
+        budget = max(t.micro_batch_size // data_parallel, 1) * (width + cfg.rollout.max_new_tokens - 1)
+    return pack_layout(rows=rows, mini_batches=t.mini_batches, shards=data_parallel, prompt_width=width,
+                       response_width=cfg.rollout.max_new_tokens, tokens_per_micro_batch=budget)
+
+
+# ---------------------------------------------------------------------------- the layout
+def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, prompt_width: int,
+               sampler_mesh: Mesh | None = None, log=lambda line: None) -> RunLayout:
+    """The layout of `cfg` on the trainer's `mesh` (and the sampler's own `sampler_mesh`, if any) for
+    the model `model_config` (None: a `model.module` model), prompts padded to `prompt_width`
+    (the run: its data's longest prompt; `plan`: `data.max_prompt_tokens`'s bucket)."""
+    own_model = model_config is not None
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = micro_batches(cfg, rows, dp)
+    packing = packing_layout(cfg, own_model, dp, prompt_width, log)
+    update = UpdateSettings(
+        ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
+        old_logp_from_update=single_optimizer_step(cfg) and cfg.trainer.old_logp_source == "recompute",
+        scored_tokens=cfg.rollout.max_new_tokens if own_model else None,
+        prompt_group=None if packing else shared_prompt_group(cfg, own_model, micro, dp),
+        packing=packing)
+    dmesh = sampler_mesh_for(cfg, sampler_mesh or mesh, model_config) or sampler_mesh or mesh
+    r = cfg.rollout
+    sampler = SamplerLayout(
+        engine=r.engine, slots=r.slots, decode_burst=r.decode_burst, prompts_per_chunk=r.prompts_per_chunk,
+        partial=bool(r.partial), decode_attention=r.decode_attention,
+        data_parallel=dmesh.shape["data"] * dmesh.shape["fsdp"], tensor_parallel=dmesh.shape["tensor"],
+        own_devices=0 if sampler_mesh is None else math.prod(sampler_mesh.shape.values()))
+    shape = None if model_config is None else dataclasses.replace(  # the model's shape: no tokenizer's ids
+        model_config, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return RunLayout(model=shape, lora=lora_settings(cfg) if own_model else None,
+                     mesh=(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]), rows=rows,
+                     update=update, sampler=sampler)

@@ -1,0 +1,73 @@
+"""Run in a subprocess with 8 simulated CPU devices: for every shipped model config, alone and under
+each shipped recipe and ablation, with LoRA and with a sampler on devices of its own, the layout the
+loop resolves on the 8 devices (`loop.run_meshes`, `policy.random_model_config`, `layout.run_layout`)
+equals the one `plan` resolves for an 8-chip TPU topology (`plan.programs.plan_layout`), compared
+as one object. Prints "OK <n> layouts" or the first mismatch's fields."""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+
+from jaxrl4llm.data import build_char_tokenizer  # noqa: E402
+from jaxrl4llm.models import load_tokenizer  # noqa: E402
+from jaxrl4llm.plan.programs import plan_layout  # noqa: E402
+from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket  # noqa: E402
+from jaxrl4llm.train.config import load_config  # noqa: E402
+from jaxrl4llm.train.layout import run_layout  # noqa: E402
+from jaxrl4llm.train.loop import run_meshes  # noqa: E402
+from jaxrl4llm.train.policy import random_model_config  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TOPOLOGY = "v5p:2x2x2"  # 8 chips (2 hosts of 4), the shape of the 8 simulated devices
+EIGHT_CHIPS = ["mesh.data=-1", "mesh.fsdp=8", "mesh.tensor=1"]  # the shipped meshes (64 chips, fsdp 8-16) on 8
+VARIANTS = {
+    "as shipped": [],
+    "lora": ["model.lora.rank=16", "model.lora.dropout=0.05"],
+    "own sampler": ["mesh.sampler_devices=0.5", "trainer.max_staleness=1", "mesh.data=1", "mesh.fsdp=-1"],
+    "tensor-parallel sampler": ["rollout.tensor_parallel=2"],
+    "padded rows": ["trainer.packing=false", "trainer.share_prompt=auto"],
+    "single step": ["trainer.mini_batches=1", "trainer.micro_batch_size=128"],
+}
+
+
+def loop_layout(cfg, tokenizer):
+    """What `loop.setup_run` resolves: its meshes, the random model `load_policy` builds, the data's
+    longest prompt (here the bucket of data.max_prompt_tokens: plan's assumption)."""
+    mesh, sampler_mesh = run_meshes(cfg)
+    return run_layout(cfg, mesh, random_model_config(cfg, tokenizer),
+                      prompt_width=bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS), sampler_mesh=sampler_mesh)
+
+
+def main() -> int:
+    assert jax.device_count() == 8, jax.devices()
+    tokenizer = load_tokenizer(build_char_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer"))
+    recipes = [None, *sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "demo.yaml"),
+               *sorted((CONFIGS / "ablations").glob("*.yaml"))]
+    count = 0
+    for model in sorted((CONFIGS / "models").glob("*.yaml")):
+        for recipe in recipes:
+            for name, overrides in VARIANTS.items():
+                files = [model] + ([recipe] if recipe else [])
+                cfg = load_config(files, EIGHT_CHIPS + overrides)
+                cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="unused"))
+                ours, plans = loop_layout(cfg, tokenizer), plan_layout(cfg, TOPOLOGY)
+                if ours != plans:
+                    a, b = ours.to_dict(), plans.to_dict()
+                    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+                    print(f"MISMATCH {[f.name for f in files]} {name}: {diff}")
+                    return 1
+                count += 1
+    print(f"OK {count} layouts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
