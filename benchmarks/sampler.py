@@ -72,8 +72,14 @@ def best_time(fn, repeats: int) -> float:
 
 # ---------------------------------------------------------------------------- machine peaks
 def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of the best streaming copy on this machine (read + write counted): the max of
-    numpy copyto into a preallocated buffer and a jitted bf16 read-reduce (read only)."""
+    """Bytes/s of the best streaming copy on this machine's default device (read + write counted).
+    CPU: the max of numpy copyto into a preallocated buffer and a jitted bf16 read-reduce (read
+    only); an accelerator: a jitted device-to-device copy of a `megabytes` array (HBM to HBM)."""
+    if jax.default_backend() != "cpu":
+        x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+        copy = jax.jit(lambda x: x * 1.0 + 0.0)  # one read and one write of every element (not aliased)
+        copy(x).block_until_ready()
+        return 2 * x.nbytes / best_time(lambda: copy(x).block_until_ready(), repeats)
     a = np.ones(megabytes * 2**20 // 4, np.float32)
     b = np.empty_like(a)
     copy = 2 * a.nbytes / best_time(lambda: np.copyto(b, a), repeats)
@@ -105,20 +111,30 @@ def measure_matmul_peak(repeats: int = 5) -> float:
 
 
 # ---------------------------------------------------------------------------- models
-def make_hf_model(size: str, dtype: str, folder: str):
-    """A random Qwen3 of `size` in transformers (torch, `dtype`), saved to `folder`."""
+def make_hf_model(size, dtype: str, folder: str | None, device: str = "cpu"):
+    """A random Qwen3 of `size` in transformers (torch, `dtype`, on `device`), saved to `folder`
+    (None: not saved). size: a name of SIZES, or a dict of ModelConfig size fields (vocab_size,
+    hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim), or None: the
+    model already in `folder` (e.g. our weights, `Policy.export`)."""
     import torch
     import transformers
 
-    hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[size]
+    if size is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval().to(device)
+    if isinstance(size, str):
+        hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[size]
+    else:
+        hidden, layers, heads, kv_heads, head_dim, inter, vocab = (size[k] for k in (
+            "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size"))
     hf_config = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=True,
         max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype)).eval()
-    model.save_pretrained(folder)
-    return model
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model.to(device)
 
 
 def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool, repeats: int,
@@ -126,7 +142,7 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
     """Seconds for transformers generate over the P*G expanded rows (best of `repeats`)."""
     import torch
 
-    ids = torch.tensor(np.repeat(prompts, samples, axis=0), dtype=torch.long)
+    ids = torch.tensor(np.repeat(prompts, samples, axis=0), dtype=torch.long, device=model.device)
     mask = torch.ones_like(ids)
     options = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
 
@@ -135,18 +151,21 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                  pad_token_id=0, **options)
         assert out.shape == (ids.shape[0], ids.shape[1] + n), out.shape
+        if out.is_cuda:
+            torch.cuda.synchronize()
 
     if warm_up:
         call(2)
     return best_time(call, repeats)
 
 
-def transformers_worker(conn, size: str, dtype: str, folder: str) -> None:
-    """Child process: builds and saves the HF model, then times `generate` on request.
+def transformers_worker(conn, size, dtype: str, folder: str, device: str = "cpu") -> None:
+    """Child process: builds and saves the HF model (on `device`), then times `generate` on request.
 
-    torch runs only here, so its thread pool never shares a process with XLA's: each
-    framework is timed in its own process, the two interleaved on the same machine."""
-    model = make_hf_model(size, dtype, folder)
+    torch runs only here, so its thread pool (and on a GPU its memory pool) never shares a
+    process with XLA's: each framework is timed in its own process, the two interleaved on the
+    same machine."""
+    model = make_hf_model(size, dtype, folder, device)
     conn.send("ready")
     warmed = set()
     while (request := conn.recv()) is not None:
@@ -157,12 +176,12 @@ def transformers_worker(conn, size: str, dtype: str, folder: str) -> None:
 class TransformersPeer:
     """Handle on a `transformers_worker` process (a context manager)."""
 
-    def __init__(self, size: str, dtype: str, folder: str):
+    def __init__(self, size, dtype: str, folder: str, device: str = "cpu"):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=transformers_worker, args=(child, size, dtype, folder), daemon=True)
+        self.proc = ctx.Process(target=transformers_worker, args=(child, size, dtype, folder, device), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError("the transformers worker failed to start")
@@ -211,6 +230,22 @@ def decode_step_cost(config, num_prompts: int, samples: int, prompt_len: int, ne
     bytes_ = matmul_params * dtype_bytes + kv_per_slot * (num_prompts * prompt_len + rows * avg_generated)
     flops = 2 * rows * matmul_params + 4 * rows * c.num_layers * c.num_heads * c.head_dim * (prompt_len + avg_generated)
     return bytes_, flops
+
+
+def ragged_decode_bytes(config, prompt_lens, lengths, steps: int, dtype_bytes: int) -> float:
+    """HBM bytes a decode of ragged rows must read at least: the matmul weights once per decode step
+    (`steps` of them) and, per generated token, the live KV of its row (its prompt and the tokens
+    before it; each row reads its own prompt's KV, as the paged kernel does):
+
+        bytes = steps * weights + kv_per_token * sum_n sum_{t < L_n} (prompt_n + t)
+
+    prompt_lens, lengths: [N] real prompt tokens and generated tokens of each row."""
+    c = config
+    layer_matmul = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    weights = (c.num_layers * layer_matmul + c.vocab_size * c.hidden_size) * dtype_bytes
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+    p, n = np.asarray(prompt_lens, np.float64), np.asarray(lengths, np.float64)
+    return steps * weights + kv_per_token * float(np.sum(p * n + n * (n - 1) / 2))
 
 
 def main(argv=None):
