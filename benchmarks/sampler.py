@@ -218,13 +218,19 @@ def ours_call(graphdef, state, prompts: np.ndarray, samples: int, new_tokens: in
 
 
 # ---------------------------------------------------------------------------- roofline
+def decode_matmul_params(config) -> int:
+    """Parameters a decode step multiplies by: q, k, v, o and the MLP of every layer, and the LM head."""
+    c = config
+    layer = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * layer + c.vocab_size * c.hidden_size
+
+
 def decode_step_cost(config, num_prompts: int, samples: int, prompt_len: int, new_tokens: int,
                      dtype_bytes: int) -> tuple[float, float]:
     """(bytes, flops) of one average decode step, see module docstring."""
     c = config
     rows = num_prompts * samples
-    layer_matmul = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
-    matmul_params = c.num_layers * layer_matmul + c.vocab_size * c.hidden_size
+    matmul_params = decode_matmul_params(c)
     kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
     avg_generated = new_tokens / 2
     bytes_ = matmul_params * dtype_bytes + kv_per_slot * (num_prompts * prompt_len + rows * avg_generated)
@@ -241,8 +247,7 @@ def ragged_decode_bytes(config, prompt_lens, lengths, steps: int, dtype_bytes: i
 
     prompt_lens, lengths: [N] real prompt tokens and generated tokens of each row."""
     c = config
-    layer_matmul = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
-    weights = (c.num_layers * layer_matmul + c.vocab_size * c.hidden_size) * dtype_bytes
+    weights = decode_matmul_params(c) * dtype_bytes
     kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
     p, n = np.asarray(prompt_lens, np.float64), np.asarray(lengths, np.float64)
     return steps * weights + kv_per_token * float(np.sum(p * n + n * (n - 1) / 2))

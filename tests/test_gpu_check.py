@@ -16,9 +16,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check():
+    """benchmarks/gpu_check.py as a module (for its tables), sys.path and sys.modules as they were."""
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    path = list(sys.path)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        del sys.modules["gpu_check"]
     return module
 
 
