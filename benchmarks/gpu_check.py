@@ -53,11 +53,11 @@ PHASES = (
     Phase("setup",    30,  60, "probe the host's Python for WHEELS; install the missing ones from .gpu_wheels/"),
     Phase("kernels",  75, 120, "Triton paged attention, Pallas flash attention forward + backward vs the XLA path "
                                "and a float64 reference (bf16, Qwen3 heads): errors, pass/fail, times"),
-    Phase("step",    110, 240, "one phase per model of MODELS (step:<model>, random weights): a rollout of P x G "
+    Phase("step",    140, 240, "one phase per model of MODELS (step:<model>, random weights): a rollout of P x G "
                                "rows at forced lognormal lengths, the log-prob pass, the update, timed after compile"),
     Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
                                "beside their measured times", background=True),
-    Phase("decode",   60,  90, "the rollout's tokens/s vs the HBM roofline (copy bandwidth measured) and vs "
+    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (copy bandwidth measured) and vs "
                                "transformers' generate on the same weights"),
     Phase("tests",    60,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
     Phase("demo",    150, 300, "`jaxrl4llm demo` (--quick on the dry run): held-out accuracy before -> after"),
@@ -247,7 +247,7 @@ def segment_reference(q, k, v, ids, d_out):
     return outs
 
 
-def phase_kernels(mode: str, work: Path, log) -> dict:
+def phase_kernels(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
     """The Triton paged attention and the Pallas flash attention (forward and backward) against the
     XLA path and the float64 reference, at Qwen3's head shapes: errors, pass/fail, kernel vs XLA time."""
     import functools
@@ -333,6 +333,7 @@ def phase_kernels(mode: str, work: Path, log) -> dict:
             failed.append(f"flash {tag}")
             figures[f"flash {tag}"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             log(traceback.format_exc(limit=6))
+        partial(figures)
     figures["interpret"] = interpret
     if failed:
         raise PhaseFailed(f"failed: {', '.join(failed)}", figures)
@@ -340,7 +341,7 @@ def phase_kernels(mode: str, work: Path, log) -> dict:
 
 
 # ---------------------------------------------------------------------------- phase: step
-def phase_step(mode: str, work: Path, log, model: str) -> dict:
+def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: None) -> dict:
     """A Lite PPO step of `model` (random weights) as `jaxrl4llm train` sets it up (plan_accuracy's
     run): the rollout at forced lengths, the log-prob pass and the update, each timed after its compile."""
     import jax
@@ -350,7 +351,7 @@ def phase_step(mode: str, work: Path, log, model: str) -> dict:
     from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
     from jaxrl4llm.train.config import load_config
     from jaxrl4llm.train.loop import setup_run
-    from plan_accuracy import CONFIG_FILES, one_device_mesh, time_update_programs
+    from plan_accuracy import CONFIG_FILES, PROGRAMS, one_device_mesh, time_update_programs
 
     w = WORKLOAD[mode]
     cfg = load_config(CONFIG_FILES, step_overrides(mode, model, work / "run"))
@@ -377,6 +378,7 @@ def phase_step(mode: str, work: Path, log, model: str) -> dict:
     np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
     t_rollout = median_seconds(rollout, w["reps"])
     log(f"  rollout {t_rollout:.3f} s ({first:.1f} s with its compile)")
+    partial({"model": model, "rollout_s": t_rollout, "rollout_first_s": first})
     export = ""
     if model == next(iter(MODELS[mode])):  # the decode phase's transformers peer loads these weights
         export = str(policy.export(work / "hf"))  # before the update donates (deletes) them
@@ -387,7 +389,7 @@ def phase_step(mode: str, work: Path, log, model: str) -> dict:
             "params_m": run.policy.config.num_params / 1e6, "rows": len(lengths), "mean_length": float(lengths.mean()),
             "max_length": int(lengths.max()), "prompt_tokens": prompt_tokens, "setup_s": setup_s,
             "rollout_first_s": first,
-            "measured": {"sampler/decode": t_rollout, "logprob pass": t_logprob, "update": t_update},
+            "measured": dict(zip(PROGRAMS, (t_rollout, t_logprob, t_update))),
             "step_s": t_rollout + t_logprob + t_update, "rollout_tokens_per_s": float(lengths.sum()) / t_rollout}
 
 
@@ -504,12 +506,17 @@ def phase_tests(mode: str, work: Path, log, out_dir: Path, seconds: float) -> di
 
 
 # ---------------------------------------------------------------------------- phase: demo
-def phase_demo(mode: str, work: Path, log) -> dict:
-    """`jaxrl4llm demo` (its quick form on the dry run): held-out accuracy before -> after, seconds."""
+DEMO_SHORT = (100, ["trainer.steps=20", "data.eval_limit=100"])  # under 100 s left: 20 steps, evaluated at 0 and 20
+
+
+def phase_demo(mode: str, work: Path, log, seconds: float) -> dict:
+    """`jaxrl4llm demo` (its quick form on the dry run; DEMO_SHORT's with little time left): held-out
+    accuracy before -> after, seconds."""
     from jaxrl4llm.train.demo import run_demo
 
     quick = mode == "dry"
-    overrides = ["trainer.progress_bar=false", "trainer.compile_cache=false"]
+    short = not quick and seconds < DEMO_SHORT[0]
+    overrides = ["trainer.progress_bar=false", "trainer.compile_cache=false"] + (DEMO_SHORT[1] if short else [])
     if quick:  # the smallest run that still evaluates before and after
         overrides += ["data.eval_limit=4", "trainer.steps=1", "rollout.prompts_per_step=2",
                       "rollout.samples_per_prompt=2", "trainer.mini_batches=1", "trainer.eval_samples=1",
@@ -520,7 +527,7 @@ def phase_demo(mode: str, work: Path, log) -> dict:
     if "accuracy" not in before or "accuracy" not in after:
         raise PhaseFailed("the demo did not report held-out accuracy before and after", {})
     log(f"  held-out accuracy {100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}%")
-    return {"quick": quick, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+    return {"quick": quick, "short": short, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
             "seconds": summary["total_seconds"]}
 
 
@@ -546,15 +553,20 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
     try:
         kind, _, model = name.partition(":")
         if kind == "step":
-            record["figures"] = phase_step(mode, work, log, model)
+            record["figures"] = phase_step(mode, work, log, model, partial=lambda figures: write_record(result, {
+                "status": "timeout", "figures": figures, "error": "ran out of time after the rollout"}))
         elif kind == "tests":
             record["figures"] = phase_tests(mode, work, log, out_dir, seconds)
+        elif kind == "demo":
+            record["figures"] = phase_demo(mode, work, log, seconds)
         elif kind == "plan":
             record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
+        elif kind == "kernels":
+            record["figures"] = phase_kernels(mode, work, log, partial=lambda figures: write_record(result, {
+                "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
         else:
-            record["figures"] = {"kernels": phase_kernels, "decode": phase_decode, "demo": phase_demo}[kind](
-                mode, work, log)
+            record["figures"] = phase_decode(mode, work, log)
     except PhaseFailed as e:
         record.update(status="fail", error=str(e), figures=e.figures)
     except Exception as e:  # noqa: BLE001 - reported in the table; the driver runs the next phase
@@ -702,8 +714,11 @@ def run_driver(out_dir: Path, mode: str) -> int:
             timed_out = True
         output = result.with_suffix(".out").read_text(errors="replace")
         logfile.write(f"----- {name} output -----\n{output}\n----- end of {name} -----\n")
-        if result.is_file():  # written whole (`write_record`)
+        if result.is_file():  # written whole (`write_record`); a partial one says "timeout"
             record = json.loads(result.read_text())
+            if record["status"] == "timeout" and not timed_out:  # it died after writing a partial record
+                record.update(status="fail", error=f"exited {proc.returncode} after a partial record "
+                                                   f"({record['error']}): {output.strip()[-600:]}")
         else:
             record = {"status": "timeout" if timed_out else "fail", "figures": {},
                       "error": "ran out of its time budget" if timed_out else

@@ -154,7 +154,7 @@ def main() -> None:
                                                                   source=f"{k} stop tokens"),
                             prompt_tokens=real_prompt)
             predicted = {p.name: p.seconds * p.runs for p in plan.programs}
-            measured = {"sampler/decode": t_rollout, "logprob pass": t_logprob, "update": t_update}
+            measured = dict(zip(PROGRAMS, (t_rollout, t_logprob, t_update)))
             print(f"\n{k} stop tokens: mean length {lengths.mean():.1f}, longest {lengths.max()} of {args.response} "
                   f"(CPU measured: peak {plan.chip.peak_flops / 1e12:.3f} TFLOP/s, {plan.chip.hbm_bandwidth / 1e9:.1f} GB/s)")
             print(f"{'program':<16} {'measured s':>11} {'predicted s':>12} {'pred/meas':>9} {'binding':>8} "
