@@ -445,7 +445,8 @@ def phase_decode(mode: str, work: Path, log) -> dict:
 
     w = WORKLOAD[mode]
     model = next(iter(MODELS[mode]))
-    step = json.loads(result_path(work.parent, f"step:{model}").read_text())
+    step_result = result_path(work.parent, f"step:{model}")
+    step = json.loads(step_result.read_text()) if step_result.is_file() else {"status": "not run"}
     if step["status"] != "ok":
         raise PhaseFailed(f"needs the rollout of step:{model}, which did not run ({step['status']})", {})
     f = step["figures"]
@@ -702,9 +703,9 @@ def run_driver(out_dir: Path, mode: str) -> int:
             proc = subprocess.Popen(command(name, result, seconds), cwd=REPO,
                                     env=dict(env, **PHASE_ENV.get(name.partition(":")[0], {})), stdout=output,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        return proc, result, time.monotonic() + seconds
+        return proc, result, time.monotonic() + seconds, time.monotonic()
 
-    def finish(name: str, proc, result: Path, deadline: float) -> None:
+    def finish(name: str, proc, result: Path, deadline: float, started: float) -> None:
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 1))
             timed_out = False
@@ -723,6 +724,7 @@ def run_driver(out_dir: Path, mode: str) -> int:
             record = {"status": "timeout" if timed_out else "fail", "figures": {},
                       "error": "ran out of its time budget" if timed_out else
                       f"exited {proc.returncode} without a result: {output.strip()[-800:]}"}
+        record.setdefault("seconds", time.monotonic() - started)
         report["phases"][name] = record
         log(f"{name}: {record['status']} in {record.get('seconds', float('nan')):.1f} s {record.get('error', '')[:300]}")
 
@@ -745,8 +747,7 @@ def run_driver(out_dir: Path, mode: str) -> int:
                 continue
             seconds = min(budget[name], left)
             log(f"{phase}: running (budget {seconds:.0f} s)")
-            proc, result, deadline = launch(phase, seconds)
-            finish(phase, proc, result, deadline)
+            finish(phase, *launch(phase, seconds))
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", *(f"step:{m}" for m in models)):
