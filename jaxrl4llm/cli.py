@@ -169,13 +169,17 @@ def cmd_bin_difficulty(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxrl4llm.plan.programs import format_plan, plan_run, plan_to_dict
+    from jaxrl4llm.plan.programs import chip_spec, format_plan, plan_run, plan_to_dict
 
     cfg = _load(args)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
-    log(f"plan: compiling 4 programs for {args.topology or cfg.mesh.topology} (seconds for a small model; a few "
+    topology = args.topology or cfg.mesh.topology
+    log(f"plan: compiling 4 programs for {topology} (seconds for a small model; a few "
         f"minutes each for a Qwen3-8B update or sampler on a TPU pod topology)")
-    plan = plan_run(cfg, args.topology, lengths=args.response_lengths, prompt_tokens=args.prompt_tokens, log=log)
+    chip = chip_spec(topology, peak=args.peak, peak_flops=args.peak_flops, hbm_bandwidth=args.hbm_bandwidth,
+                     memory_fraction=args.memory_fraction) if topology else None  # None: plan_run says what is missing
+    plan = plan_run(cfg, args.topology, lengths=args.response_lengths, prompt_tokens=args.prompt_tokens, log=log,
+                    chip=chip)
     out = plan_to_dict(plan) if args.json else format_plan(plan)
     fits = plan.fits
     if args.eval_problems:
@@ -183,7 +187,7 @@ def cmd_plan(args) -> int:
 
         log(f"plan: compiling the sampler of an evaluation of {args.eval_problems} problems")
         ev = plan_eval(cfg, args.topology, problems=args.eval_problems, lengths=args.response_lengths,
-                       prompt_tokens=args.prompt_tokens, log=log)
+                       prompt_tokens=args.prompt_tokens, log=log, chip=chip)
         fits = fits and ev.fits
         if args.json:
             out["eval"] = plan_to_dict(ev)
@@ -285,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-problems", type=int, default=0, metavar="N",
                    help="also compile and price an evaluation of N problems x trainer.eval_samples samples (the "
                         "sampler as `train` evaluates: rollout.engine, rollout.slots / prompts_per_step)")
+    p.add_argument("--peak", default="datasheet", choices=("datasheet", "measured"),
+                   help="price at the chip's datasheet peak FLOP/s and memory bandwidth (default), or at what this "
+                        "host's accelerator measures now (a bf16 matmul and a copy; run plan on the GPU/TPU host)")
+    p.add_argument("--peak-flops", type=float, default=None, metavar="FLOP/S",
+                   help="price at this bf16 matmul rate (e.g. measured on the chip: 7.9e14 for an H100)")
+    p.add_argument("--hbm-bandwidth", type=float, default=None, metavar="BYTES/S",
+                   help="price at this memory bandwidth, bytes read + written per second (a copy's)")
+    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                   help="the share of a chip's memory a process gets (default JAX's: on a GPU "
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75; 1 on TPU and CPU); the fit check takes 90%% of it")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
 

@@ -35,22 +35,51 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrl4llm.models.remat import saved_floats_per_token
-from jaxrl4llm.plan.chips import GiB, ChipSpec, measure_cpu_chip, tpu_chip_spec
+from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
 from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
                                      find_loops, parse_module, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
+from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError, RunConfig
 
 
-def chip_spec(topology: str) -> ChipSpec:
-    """The chip of a topology name: `cpu` (this machine, measured now), a GPU (`h100:8`), or a TPU slice."""
+PEAKS = ("datasheet", "measured")
+
+
+def chip_spec(topology: str, *, peak: str = "datasheet", peak_flops: float | None = None,
+              hbm_bandwidth: float | None = None, memory_fraction: float | None = None) -> ChipSpec:
+    """The chip of a topology name: `cpu` (this machine, measured now), a GPU (`h100:8`), or a TPU slice,
+    priced at its datasheet peaks, or (`peak="measured"`) at the matmul rate and copy bandwidth this
+    host's accelerator shows now (`chips.measured_peaks`), or at `peak_flops` / `hbm_bandwidth` given
+    (bytes read + written per second, as a copy measures it). `memory_fraction`: the share of the
+    chip's memory JAX hands a process; default JAX's own (`chips.jax_memory_fraction`: 0.75 on a GPU
+    unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)."""
+    if peak not in PEAKS:
+        raise ConfigError(f"--peak {peak!r}: valid: {', '.join(PEAKS)}")
     if topology == "cpu":
-        return measure_cpu_chip()
-    if is_gpu_topology(topology):
-        return gpu_chip_spec(topology)
-    return tpu_chip_spec(topology)
+        chip = measure_cpu_chip()
+    elif is_gpu_topology(topology):
+        chip = gpu_chip_spec(topology)._replace(memory_fraction=jax_memory_fraction("gpu"))
+    else:
+        chip = tpu_chip_spec(topology)
+    if peak == "measured" and topology != "cpu":
+        accelerator = jax.devices()[0]
+        if accelerator.platform == "cpu":
+            raise ConfigError(f"--peak measured prices {topology} at this host's accelerator, but JAX sees none here "
+                              f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}); run plan on the GPU/TPU host, "
+                              f"or pass --peak-flops and --hbm-bandwidth measured there")
+        chip = measured_peaks(chip, accelerator)
+    for name, value in (("peak-flops", peak_flops), ("hbm-bandwidth", hbm_bandwidth), ("memory-fraction", memory_fraction)):
+        if value is not None and not (value > 0 and (name != "memory-fraction" or value <= 1)):
+            raise ConfigError(f"--{name} {value}: must be positive" + (" and at most 1" if name == "memory-fraction" else ""))
+    if peak_flops is not None or hbm_bandwidth is not None:
+        chip = chip._replace(peak_flops=float(peak_flops or chip.peak_flops),
+                             hbm_bandwidth=float(hbm_bandwidth or chip.hbm_bandwidth), peak_source="given")
+    if memory_fraction is not None:
+        chip = chip._replace(memory_fraction=float(memory_fraction))
+    return chip
 
 
 def topology_devices(topology: str) -> list:
@@ -295,7 +324,7 @@ class RunPlan:
 
     @property
     def fits(self) -> bool:
-        return all(p.fits and p.total_bytes + p.resident_bytes <= 0.9 * self.chip.hbm for p in self.programs)
+        return all(p.fits and p.total_bytes + p.resident_bytes <= self.chip.fit_bytes for p in self.programs)
 
     @property
     def step_seconds(self) -> float:
@@ -338,13 +367,14 @@ class RunPlan:
 
 
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
-             prompt_tokens: float | None = None, log=None, sampler_only: bool = False) -> RunPlan:
+             prompt_tokens: float | None = None, log=None, sampler_only: bool = False,
+             chip: ChipSpec | None = None) -> RunPlan:
     """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
     config's `mesh.topology`; see the module docstring) and model one step's time with the
     responses' lengths drawn from `lengths` (`plan.lengths`; default lognormal, mean a quarter of
     the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
     `log` gets a line per compiled program as it goes. `sampler_only`: the sampler's programs alone
-    (`plan_eval`)."""
+    (`plan_eval`). `chip`: the chip to price and fit on (default `chip_spec(topology)`: its datasheet)."""
     from jaxrl4llm.core import policy_loss
     from jaxrl4llm.models import abstract_model, param_shardings
     from jaxrl4llm.models.decode import DecodeBackend
@@ -362,7 +392,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         else lengths  # parsed first: a bad --response-lengths fails before minutes of compiles
     mesh, own_sampler = topology_meshes(topology, cfg)  # own_sampler: asynchronous RL on chips of its own
     smesh = own_sampler or mesh
-    chip = chip_spec(topology)
+    chip = chip or chip_spec(topology)
     config = plan_model_config(cfg)
     g_samples = cfg.rollout.samples_per_prompt
     prompts = cfg.rollout.prompts_per_step
@@ -408,7 +438,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                           f"KV heads; set rollout.tensor_parallel to a divisor of {config.num_kv_heads}.")
     chunk = cfg.rollout.prompts_per_chunk
     if chunk == "auto":
-        chunk = prompts_per_chunk(config, 0.85 * chip.hbm - sampler_resident, prompts=prompts, **sizing)
+        chunk = prompts_per_chunk(config, chip.sizing_bytes - sampler_resident, prompts=prompts, **sizing)
     chunk = min(chunk or prompts, prompts)
     num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=ddp)
     build_weights = weights_jit(graphdef, sampler_params, config=config, backend=backend)
@@ -435,12 +465,13 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             from jaxrl4llm.sampling.memory import continuous_memory, slots_that_fit
 
             num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
-            fitting_slots = slots_that_fit(config, 0.85 * chip.hbm - sampler_resident, prompts=num_prompts, **sizing)
+            fitting_slots = slots_that_fit(config, chip.sizing_bytes - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
             slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
             from jaxrl4llm.sampling.generate import paged_attention_choice
 
-            attention = paged_attention_choice(config, dmesh, False, None, page_size=PAGE_SIZE)  # as `generate` picks
+            attention = paged_attention_choice(config, dmesh, False, cfg.rollout.decode_attention,
+                                               page_size=PAGE_SIZE)  # as `generate` picks
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -478,7 +509,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             decode = None
     sampler = dict(engine=cfg.rollout.engine, tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk,
                    chunks=-(-prompts // chunk),
-                   fitting_chunk=prompts_per_chunk(config, 0.85 * chip.hbm - sampler_resident, prompts=prompts, **sizing))
+                   fitting_chunk=prompts_per_chunk(config, chip.sizing_bytes - sampler_resident, prompts=prompts, **sizing))
     if cfg.rollout.engine == "continuous" and compiled_w is not None:
         sampler.update(continuous_sampler)
     if sampler_only:
@@ -576,7 +607,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
 
 
 def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, lengths=None, prompt_tokens=None,
-              log=None) -> RunPlan:
+              log=None, chip: ChipSpec | None = None) -> RunPlan:
     """The sampler's programs of an evaluation of `problems` problems x `trainer.eval_samples`
     samples (`train.evaluation.evaluate`), compiled and priced as `plan_run` prices a rollout:
     the continuous engine takes every problem in one call on `rollout.slots` slots; the static
@@ -588,7 +619,7 @@ def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, len
     rollout = dataclasses.replace(cfg.rollout, prompts_per_step=per_call, samples_per_prompt=k,
                                   top_k=0 if greedy else cfg.rollout.top_k, top_p=1.0 if greedy else cfg.rollout.top_p)
     plan = plan_run(dataclasses.replace(cfg, rollout=rollout), topology, lengths=lengths, prompt_tokens=prompt_tokens,
-                    log=log, sampler_only=True)
+                    log=log, sampler_only=True, chip=chip)
     calls = -(-problems // per_call)
     for p in plan.programs:
         if p.name == "sampler/decode":
@@ -622,7 +653,8 @@ def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *
     tp = mesh.shape["tensor"]
     heads = config.num_heads // tp if config.num_heads % tp == 0 else config.num_heads
     per = lambda backward: config.num_layers * kernel_attention_flops(
-        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward)
+        max(int(round(rows_per_chip)), 1), seq, heads, config.head_dim, block=DEFAULT_BLOCKS[impl], backward=backward,
+        impl=impl)
     return dict(impl=impl, forward=per(False), backward=per(True), remat=remat, epochs=epochs, minis=minis)
 
 
@@ -784,27 +816,36 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
+def memory_limit_text(chip: ChipSpec) -> str:
+    """The fit check's limit in words: "90% of 79.1 GiB" or, where JAX's allocator hands a process a
+    share of the chip, "90% of the 59.3 GiB JAX takes of 79.1 GiB (XLA_PYTHON_CLIENT_MEM_FRACTION 0.75)"."""
+    if chip.memory_fraction >= 1:
+        return f"{100 * FIT_SHARE:.0f}% of {_gib(chip.hbm)} GiB"
+    return (f"{100 * FIT_SHARE:.0f}% of the {_gib(chip.usable_bytes)} GiB JAX takes of {_gib(chip.hbm)} GiB "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION {chip.memory_fraction:g})")
+
+
 def advice(plan: RunPlan) -> list[str]:
-    """What to change for each program that does not fit (or is over 90% of HBM)."""
+    """What to change for each program that does not fit (or is over the fit check's limit, `memory_limit_text`)."""
     out = []
     for p in plan.programs:
-        if p.fits and p.total_bytes + p.resident_bytes <= 0.9 * plan.chip.hbm:
+        if p.fits and p.total_bytes + p.resident_bytes <= plan.chip.fit_bytes:
             continue
         what = {
             "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
                       "trainer.micro_batch_size (activations), or keep model.remat=true",
             "logprob pass": "lower trainer.micro_batch_size or model.logprob_chunk_size",
-            "sampler/decode": (f"set rollout.slots={plan.sampler.get('fitting_slots')} (the most slots that fit 85% of "
-                               f"HBM by our count; or auto), or raise rollout.tensor_parallel (splits the decode "
+            "sampler/decode": (f"set rollout.slots={plan.sampler.get('fitting_slots')} (the most slots that fit "
+                               f"{100 * SIZING_SHARE:.0f}% of the memory JAX takes, by our count; or auto), or raise rollout.tensor_parallel (splits the decode "
                                f"weights and KV heads)") if plan.sampler.get("engine") == "continuous" else
                               f"set rollout.prompts_per_chunk={plan.sampler.get('fitting_chunk')} (the largest "
-                              f"chunk of prompts that fits 85% of HBM by our count; or auto), or raise "
+                              f"chunk of prompts that fits {100 * SIZING_SHARE:.0f}% of the memory JAX takes, by our count; or auto), or raise "
                               f"rollout.tensor_parallel (splits the decode weights and KV heads)",
             "sampler/weights": "raise rollout.tensor_parallel (the decode weights are replicated over the "
                                "sampler's data-parallel chips, split only over its tensor axis)",
         }[p.name]
-        out.append(f"{p.name}: needs {_gib(p.total_bytes + p.resident_bytes)} GiB of {_gib(plan.chip.hbm)} GiB per chip "
-                   f"(with the train state that stays beside it): {what}")
+        out.append(f"{p.name}: needs {_gib(p.total_bytes + p.resident_bytes)} GiB per chip, over "
+                   f"{memory_limit_text(plan.chip)} (with the train state that stays beside it): {what}")
     return out
 
 
@@ -816,7 +857,10 @@ def format_plan(plan: RunPlan) -> str:
     c = plan.model
     lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params on {plan.topology} "
              f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
-             f"{plan.prompt_len} prompt + {plan.response_len} response tokens"]
+             f"{plan.prompt_len} prompt + {plan.response_len} response tokens",
+             f"chip: {plan.chip.peak_flops / 1e12:.1f} TFLOP/s bf16, {plan.chip.hbm_bandwidth / 1e9:.0f} GB/s memory "
+             f"({plan.chip.peak_source}; --peak measured prices at what this host measures), programs fit under "
+             f"{memory_limit_text(plan.chip)}"]
     if plan.lengths is not None:
         lines.append(f"responses: {plan.lengths.describe(plan.response_len)}: {plan.mean_response:.0f} tokens a row "
                      f"on average (--response-lengths); prompts: {plan.prompt_tokens:.0f} real tokens a row "
@@ -908,7 +952,7 @@ def format_plan(plan: RunPlan) -> str:
                  "FLOP/s, HBM and link bandwidth (docs/scaling.md). padding: positions (trainer) or row-steps "
                  "(sampler) that hold no real token under the length distribution.")
     problems = advice(plan)
-    lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else ["every program fits (< 90% HBM)"])
+    lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else [f"every program fits (< {memory_limit_text(plan.chip)})"])
     return "\n".join(lines)
 
 
@@ -921,10 +965,10 @@ def format_eval(plan: RunPlan, problems: int) -> str:
     lines = [f"eval: {problems} problems x {plan.rows // max(problems, 1)} samples, {sm.get('engine')} engine ({how}): "
              f"{_seconds(plan.step_seconds)} a chip, {100 * plan.padding_fraction:.0f}% of it on finished rows"]
     for p in plan.programs:  # fits: it compiled, and with the state beside it under 90% of HBM (`RunPlan.fits`)
-        fits = p.fits and p.total_bytes + p.resident_bytes <= 0.9 * plan.chip.hbm
+        fits = p.fits and p.total_bytes + p.resident_bytes <= plan.chip.fit_bytes
         lines.append(f"  {p.name:<16} fits {'yes' if fits else 'NO':<3} {_gib(p.total_bytes + p.resident_bytes)} GiB "
                      f"with the state, {p.runs:.0f} x {_seconds(p.seconds)} ({p.binding}-bound)"
-                     + ("" if fits else f": over 90% of the chip's {_gib(plan.chip.hbm)} GiB (lower rollout.slots)"))
+                     + ("" if fits else f": over {memory_limit_text(plan.chip)} (lower rollout.slots)"))
     coll = d.get("step_collectives")
     if coll:
         lines.append(f"  decode step collectives: {coll['count']:.0f} ops, {coll['bytes'] / 1e6:.2f} MB a chip")

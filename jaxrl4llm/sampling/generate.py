@@ -67,19 +67,22 @@ def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
 
 def paged_attention_choice(config, mesh: Mesh | None, use_kernels: bool, requested: str | None, *,
                            page_size: int = PAGE_SIZE) -> str:
-    """The continuous engine's attention ("xla" or "kernel") for generate()'s `paged_attention` option:
-    by default the platform's kernel where it takes the model's shapes, else XLA's chunks of live pages."""
+    """The continuous engine's attention ("xla" or "kernel") for generate()'s `paged_attention` option
+    (`rollout.decode_attention`): None or "auto" = the platform's kernel where it takes the model's
+    shapes, else XLA's chunks of live pages; "kernel" = required (ValueError saying why it cannot run);
+    "xla" = XLA's path."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     platform = devices[0].platform
     cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
     tpu_kernel = platform == "tpu" and tpu_kernel_supports(config.head_dim)
     gpu_kernel = is_gpu(devices) and gpu_kernel_supports(config.head_dim, config.dtype, page_size)
-    attention = requested or ("kernel" if tpu_kernel or gpu_kernel or cpu_kernel else "xla")
-    if attention not in ("xla", "kernel") or (attention == "kernel" and not (tpu_kernel or gpu_kernel or cpu_kernel)):
-        raise ValueError(f"paged_attention={requested!r}: 'xla' anywhere, 'kernel' on TPU (head_dim a "
-                         f"multiple of 128), on GPU (a power-of-two head_dim >= 16 and kv_page_size, a bfloat16 "
-                         f"or float16 model) or on CPU with the CPU kernels (one device, a bfloat16 or float32 "
-                         f"model). This call: {platform}, head_dim {config.head_dim}, kv_page_size {page_size}, "
+    kernel = tpu_kernel or gpu_kernel or cpu_kernel
+    attention = ("kernel" if kernel else "xla") if requested in (None, "auto") else requested
+    if attention not in ("xla", "kernel") or (attention == "kernel" and not kernel):
+        raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): 'auto', 'xla' anywhere, "
+                         f"'kernel' on TPU (head_dim a multiple of 128), on GPU (a power-of-two head_dim >= 16 "
+                         f"and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
+                         f"device, a bfloat16 or float32 model). This call: {platform}, head_dim {config.head_dim}, kv_page_size {page_size}, "
                          f"{jnp.dtype(config.dtype).name}, CPU kernels {'on' if use_kernels else 'off'}")
     return attention
 
@@ -126,7 +129,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       paged_attention: continuous engine: "xla" (chunks of live pages in XLA ops) or "kernel" (TPU:
         the ragged paged attention kernel; GPU: the Pallas/Triton paged attention kernel,
         `gpu_paged_attention`; CPU: the C++ paged attention kernel, `kernels.paged_attention`);
-        None: the kernel where it takes the model's shapes (on CPU when the CPU kernels are in use), else XLA.
+        None or "auto": the kernel where it takes the model's shapes (on CPU when the CPU kernels are in
+        use), else XLA (`paged_attention_choice`; the trainer's `rollout.decode_attention`).
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.

@@ -27,6 +27,11 @@ import jax.numpy as jnp
 
 from jaxrl4llm.models.config import ModelConfig
 
+# The share of a device's memory limit (`memory_stats()["bytes_limit"]`: what JAX's allocator hands
+# the process) that the sampler's automatic sizing fills (`rollout.slots: auto`,
+# `rollout.prompts_per_chunk: auto`), by the loop on the device and by `plan` on a topology's chip.
+SIZING_SHARE = 0.85
+
 
 def decode_weight_bytes(config: ModelConfig, *, tensor_parallel: int = 1, embed_dtype="float32") -> int:
     """Bytes per chip of `models.decode.decode_weights`: matmul weights (and an untied or tied

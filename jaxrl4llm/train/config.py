@@ -49,8 +49,9 @@ class ModelConfigSection:
     `lora`: train LoRA adapters only (LoraConfig). `module`: "package.module:factory", your own
     NNX causal LM, factory(vocab_size=..., rngs=nnx.Rngs) -> nnx.Module (docs/models.md).
     `vocab_size`, `tie_word_embeddings`, `max_position_embeddings` and the size fields describe
-    the model for `jaxrl4llm plan` when there is no checkpoint; a random model takes its
-    vocabulary from the tokenizer; a checkpoint's config.json overrides them all."""
+    the model for `jaxrl4llm plan` when there is no checkpoint; a random model (and a `module`'s
+    factory) takes `vocab_size` (at least the tokenizer's length; unset: the tokenizer's length);
+    a checkpoint's config.json overrides them all."""
 
     path: str | None = None
     tokenizer: str | None = None
@@ -131,6 +132,11 @@ class RolloutConfig:
     slots: Literal["auto"] | int = "auto"
     # continuous: decode steps between two refills of finished slots.
     decode_burst: int = 16
+    # continuous: the decode attention over the paged KV cache (docs/sampling.md): auto = the
+    # platform's kernel where it takes the model's shapes (TPU ragged paged attention, GPU Triton
+    # paged attention, the CPU kernels), else XLA; kernel = required (an error says why it cannot
+    # run); xla = XLA's chunks of live pages (the fallback, any platform)
+    decode_attention: Literal["auto", "kernel", "xla"] = "auto"
     # Partial rollouts (docs/training.md "Partial rollouts"; trainer.max_staleness >= 1, continuous
     # engine): one engine runs across steps; a segment decodes until step t's rollout is complete
     # and admits step t+1's rows into the slots its rows free; those still decoding then continue

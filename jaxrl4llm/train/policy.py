@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.step import join_params
@@ -36,6 +37,7 @@ class Policy:
     engine: str = "continuous"  # rollout.engine: "continuous" or "static"
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
     decode_burst: int = 16  # rollout.decode_burst (continuous engine): decode steps between refills
+    decode_attention: str = "auto"  # rollout.decode_attention: generate(paged_attention=): auto, kernel or xla
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -83,7 +85,7 @@ class Policy:
             prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
             engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
-            decode_burst=self.decode_burst,
+            decode_burst=self.decode_burst, paged_attention=self.decode_attention,
         )
 
     @property
@@ -91,7 +93,7 @@ class Policy:
         return self.decode_mesh if self.decode_mesh is not None else self.mesh
 
     def _memory_budget(self) -> float | None:
-        """85% of a sampler device's memory minus what it holds, where the device reports it (TPU,
+        """`SIZING_SHARE` (85%) of a sampler device's memory limit minus what it holds, where the device reports it (TPU,
         GPU): this process's first sampler device (another host's cannot be asked), the smallest
         over the processes (every process must size the sampler alike)."""
         devices = list(self.sampler_mesh.devices.flat) if self.sampler_mesh is not None else jax.devices()
@@ -99,7 +101,7 @@ class Policy:
         stats = local.memory_stats()
         if not stats or "bytes_limit" not in stats or self.config is None:
             return None  # the same on every process: one platform
-        return hosts.smallest(0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        return hosts.smallest(SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
     def slots_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Slots of the continuous sampler: `slots`, or with "auto" the most whose memory
@@ -119,7 +121,7 @@ class Policy:
 
     def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose
-        decode memory (`sampling.memory`) fits 85% of the free memory of a device that reports
+        decode memory (`sampling.memory`) fits `SIZING_SHARE` (85%) of the free memory of a device that reports
         it (TPU, GPU); None (all at once) otherwise."""
         if self.prompts_per_chunk != "auto":
             return self.prompts_per_chunk or None
@@ -129,7 +131,7 @@ class Policy:
             return None
         from jaxrl4llm.sampling.memory import decode_sizing, prompts_per_chunk
 
-        budget = 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
         return prompts_per_chunk(self.config, budget, prompts=num_prompts, **sizing)
@@ -205,12 +207,25 @@ def _user_module(m, tokenizer, rng):
     from jaxrl4llm.train.user_code import import_object
 
     factory = import_object(m.module, "model.module")
-    model = factory(vocab_size=len(tokenizer), rngs=nnx.Rngs(params=rng))
+    model = factory(vocab_size=random_model_vocab_size(m, tokenizer), rngs=nnx.Rngs(params=rng))
     if not isinstance(model, nnx.Module):
         raise ConfigError(f"model.module={m.module!r} returned {type(model).__name__}, not an nnx.Module.")
     if m.lora is not None:
         raise ConfigError("model.lora applies to jaxrl4llm's models; wrap your own module's linears instead.")
     return nnx.split(model)
+
+
+def random_model_vocab_size(m, tokenizer) -> int:
+    """The vocabulary of a model built without a checkpoint (random, or `model.module`'s): `model.vocab_size`
+    when set (e.g. Qwen3's 151936 rows for a tokenizer of 151669 tokens), else the tokenizer's length.
+    A vocabulary smaller than the tokenizer's would leave token ids without an embedding row: ConfigError."""
+    if m.vocab_size is None:
+        return len(tokenizer)
+    if m.vocab_size < len(tokenizer):
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+                          f"(model.tokenizer={m.tokenizer!r}); set model.vocab_size >= {len(tokenizer)}, or unset it "
+                          f"(null) to take the tokenizer's length.")
+    return int(m.vocab_size)
 
 
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
@@ -242,9 +257,9 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:
             model_config = ModelConfig(
-                architecture=m.architecture, vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-                intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+                architecture=m.architecture, vocab_size=random_model_vocab_size(m, tokenizer),
+                hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
                 attention_bias=m.architecture == "qwen2", tie_word_embeddings=True, max_position_embeddings=4096,
                 rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 remat_policy=m.remat_policy, attention_impl=m.attention_impl,
@@ -267,6 +282,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
         decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
         engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
+        decode_attention=cfg.rollout.decode_attention,
     )
 
 

@@ -17,9 +17,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.models.config import ConfigError, ModelConfig
-from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, block_causal_attention, first_key_blocks,
-                                                       kernel_attention_flops, resolve_impl, segment_causal_attention)
+from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, GPU_SHARED_MEMORY, block_causal_attention,
+                                                       first_key_blocks, kernel_attention_flops, pallas_gpu_blocks,
+                                                       pallas_gpu_shared_memory, resolve_impl,
+                                                       segment_causal_attention)
 from jaxrl4llm.plan.gpu import missing_gpu_packages
+from tests.gpu_kernels import assert_close_bf16, bf16_normal, segment_attention_reference
 
 H, KVH = 4, 2
 
@@ -136,7 +139,9 @@ T_KERNEL = 200  # padded to 256 inside the kernels' wrappers: two splash blocks 
 KERNEL_ROWS = np.stack([packed_row([90, 70, 25], T_KERNEL), left_padded_row(57, T_KERNEL), np.zeros(T_KERNEL)])
 
 
-@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["splash", pytest.param("pallas_gpu", marks=pytest.mark.skipif(
+    jax.default_backend() == "gpu", reason="on a GPU the Triton kernel runs for real, in bf16: "
+                                           "test_pallas_gpu_flash_attention_in_bf16_at_qwen3_head_dim"))])
 def test_kernel_in_interpret_mode_equals_xla_values_and_gradients(impl):
     ids = jnp.asarray(KERNEL_ROWS, jnp.int32)
     q, k, v, w = qkv(1, 3, T_KERNEL, 32)
@@ -145,6 +150,82 @@ def test_kernel_in_interpret_mode_equals_xla_values_and_gradients(impl):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the Triton flash kernel for real on a GPU (pytest -m gpu)
+T_GPU = 200  # ragged: the kernel pads it to 256 (its forward blocks of 128)
+GPU_ROWS = np.stack([packed_row([90, 70, 25], T_GPU), left_padded_row(57, T_GPU)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2)])
+def test_pallas_gpu_flash_attention_in_bf16_at_qwen3_head_dim(heads, kv_heads):
+    """The "pallas_gpu" backend (Triton `mha`: the real kernel on a GPU, Pallas' interpreter elsewhere,
+    as `segment_causal_attention` decides) at Qwen3's head_dim 128 in bf16, packed and left-padded
+    rows of a ragged T: values and gradients wrt q, k, v equal the XLA path and a float64 reference
+    (`tests.gpu_kernels.BF16_*` tolerances). GQA 2:1 and 4:1 (Qwen3-0.6B's 16:8, Qwen3-8B's 32:8
+    ratios; the kernel repeats kv heads, so the ratio matters, not the head count)."""
+    rng = np.random.default_rng(heads)
+    b, dh = len(GPU_ROWS), 128
+    q, w = bf16_normal(rng, (b, T_GPU, heads, dh)), rng.standard_normal((b, T_GPU, heads, dh))
+    k, v = bf16_normal(rng, (b, T_GPU, kv_heads, dh)), bf16_normal(rng, (b, T_GPU, kv_heads, dh))
+    ids = jnp.asarray(GPU_ROWS, jnp.int32)
+    ref = segment_attention_reference(q, k, v, GPU_ROWS, w)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]  # bf16 values; cast to bf16 inside
+    for impl in ("pallas_gpu", "xla"):
+        out, grads = value_and_grads(attention_of(impl, 128, jnp.bfloat16))(*args, ids, jnp.asarray(w, jnp.float32))
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+            assert bool(jnp.isfinite(got).all()), f"{impl} {name}"
+            assert_close_bf16(got, want, f"{impl} {name}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("t", [1, 16, 17, 33, 48, 80, 96, 112, 127, 128, 200, 1000, 4096])
+def test_pallas_gpu_blocks_are_powers_of_two_dividing_the_padded_row_within_shared_memory(t, head_dim):
+    """Triton takes power-of-two blocks of >= 16 rows; T is padded to a multiple of every block;
+    both kernels' staged tiles fit an H100's shared memory (227 KB) in bf16 up to head_dim 256."""
+    blocks = pallas_gpu_blocks(t, head_dim)
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+    assert pow2(blocks.forward) and pow2(blocks.backward) and blocks.backward <= blocks.forward <= 128
+    assert blocks.padded >= t and blocks.padded % blocks.forward == 0 and blocks.padded % blocks.backward == 0
+    assert blocks.padded - t < blocks.forward
+    assert pallas_gpu_shared_memory(blocks.forward, head_dim, backward=False) <= GPU_SHARED_MEMORY
+    assert pallas_gpu_shared_memory(blocks.backward, head_dim, backward=True) <= GPU_SHARED_MEMORY
+
+
+@pytest.mark.skipif(bool(missing_gpu_packages()), reason="XLA's CUDA compiler is not installed (opt-in): "
+                                                          "pip install -e .[gpu]")
+@pytest.mark.parametrize("t, head_dim", [(80, 128), (512, 256)])
+def test_pallas_gpu_forward_and_backward_compile_for_an_h100(t, head_dim):
+    """XLA's Triton compiler for sm_90 (on this CPU host, no GPU) takes the blocks of
+    `pallas_gpu_blocks`: a row of 80 positions (one block of 128, not 80: Triton refuses a
+    non-power-of-two block) and head_dim 256 (forward blocks of 64: at 128 the forward asks for
+    328192 bytes of shared memory, more than the H100's 232448)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxrl4llm.plan.programs import topology_mesh
+
+    mesh = topology_mesh("h100:1", data=1, fsdp=1, tensor=1)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    args = (spec((1, t, 4, head_dim), jnp.bfloat16), spec((1, t, 2, head_dim), jnp.bfloat16),
+            spec((1, t, 2, head_dim), jnp.bfloat16), spec((1, t), jnp.int32))
+
+    def loss(q, k, v, ids):
+        return jnp.sum(segment_causal_attention(q, k, v, ids, dtype=jnp.bfloat16, impl="pallas_gpu") ** 2)
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    assert compiled.as_text().count("__gpu$xla.gpu.triton") >= 2  # the forward and backward kernels
+
+
+def test_pallas_gpu_blocks_follow_jax_defaults_and_halve_for_shared_memory():
+    assert pallas_gpu_blocks(4096, 128) == (128, 32, 4096)  # JAX's BlockSizes.get_default: 128 forward, 32 backward
+    assert pallas_gpu_blocks(4096, 256) == (64, 32, 4096)  # 128 at Dh 256: 352 KB of tiles > 227 KB
+    assert pallas_gpu_blocks(80, 128) == (128, 32, 128)  # 80 positions: one block of 128, not 80
+    assert pallas_gpu_blocks(40, 128) == (64, 32, 64) and pallas_gpu_blocks(5, 128) == (16, 16, 16)
+    assert pallas_gpu_blocks(4096, 128, block=100) == (64, 32, 4096)  # a smaller `block`: its power of two below
+    # forward: 2 B x (Q 128x128 + 2 stages x (K, V) 128x128 + P 128x128) = 192 KB at Dh 128
+    assert pallas_gpu_shared_memory(128, 128, backward=False) == 2 * (1 + 4 + 1) * 128 * 128
 
 
 @pytest.mark.parametrize("impl", ["xla", "splash"])
@@ -188,6 +269,11 @@ def test_kernel_attention_flops_counts_the_blocks_on_and_below_the_diagonal():
     assert kernel_attention_flops(2, 1000, 4, 128) == 2 * 4 * 3 * 4 * 512 * 512 * 128
     assert kernel_attention_flops(2, 1000, 4, 128, backward=True) == 2 * 4 * 3 * 10 * 512 * 512 * 128
     assert kernel_attention_flops(1, 100, 1, 64) == 4 * 128 * 128 * 64  # one block of 128 lanes
+    # pallas_gpu: its own blocks (pallas_gpu_blocks): T = 1000 -> 1024, forward 8 blocks of 128 (36 computed),
+    # backward 32 blocks of 32 (528 computed), 7 matmuls each
+    assert kernel_attention_flops(2, 1000, 4, 128, block=128, impl="pallas_gpu") == 2 * 4 * 36 * 4 * 128 * 128 * 128
+    assert kernel_attention_flops(2, 1000, 4, 128, block=128, impl="pallas_gpu", backward=True) == (
+        2 * 4 * 528 * 14 * 32 * 32 * 128)
 
 
 def topology_mesh_or_skip(topology):

@@ -11,6 +11,7 @@ from jaxrl4llm.sampling import generate
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
                                             push_pages, write_tokens)
+from tests.gpu_kernels import assert_close_bf16, bf16_normal, paged_attention_reference, pallas_interpret
 from tests.sampling.conftest import PAD, random_prompts
 
 
@@ -145,6 +146,34 @@ def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     assert got.shape == q.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got)[0, 1:], want[0, 1:], atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)  # the idle slot
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads, group", [(8, 2), (8, 4)])
+def test_gpu_paged_kernel_in_bf16_at_qwen3_shapes(kv_heads, group):
+    """The Triton paged attention kernel (for real on a GPU, Pallas' interpreter elsewhere:
+    `tests.gpu_kernels.pallas_interpret`) at Qwen3 shapes: head_dim 128, GQA 16:8 and 32:8, 16-token
+    pages, a bf16 pool, its default blocks and k-split; slots of ragged lengths over scattered pages
+    and an idle slot (output 0). Equals the XLA path and a float64 reference to bf16 tolerances
+    (`tests.gpu_kernels.BF16_*`)."""
+    rng = np.random.default_rng(group)
+    slots, dh, page, width, pages = 4, 128, 16, 8, 40
+    pool = bf16_normal(rng, (1, pages, page, 2 * kv_heads, dh))
+    q = rng.standard_normal((1, slots, kv_heads, group, dh))
+    lengths = np.array([[0, 1, 37, width * page]], np.int32)  # idle, one token, within a page's middle, full
+    table = np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(slots)])[None].astype(np.int32)
+    counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
+    pool_bf16, q32 = jnp.asarray(pool, jnp.bfloat16), jnp.asarray(q, jnp.float32)
+    got = jax.jit(lambda *a: gpu_paged_attention(*a, interpret=pallas_interpret()))(
+        q32, pool_bf16, jnp.asarray(table), jnp.asarray(lengths))
+    xla = jax.jit(lambda *a: paged_attention(*a, jnp.int32(width // 2), pages_per_chunk=2, dtype=jnp.bfloat16))(
+        q32, pool_bf16, jnp.asarray(table), jnp.asarray(counts))
+    want = paged_attention_reference(q[0], pool[0], table[0], lengths[0])
+    assert got.shape == q.shape and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)  # the idle slot
+    assert_close_bf16(np.asarray(got)[0, 1:], want[1:], "kernel vs float64")
+    assert_close_bf16(np.asarray(xla)[0, 1:], want[1:], "xla path vs float64")
+    assert_close_bf16(np.asarray(got)[0, 1:], np.asarray(xla)[0, 1:], "kernel vs xla path")
 
 
 def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkeypatch):

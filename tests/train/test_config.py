@@ -136,3 +136,89 @@ def test_in_range_edges_load():
     cfg = load_config(None, ["rollout.top_p=1", "rollout.temperature=0", "trainer.steps=0", "trainer.micro_batch_size=null",
                              "optim.max_grad_norm=0", "rollout.prompts_per_chunk=auto", "mesh.data=-1"])
     assert cfg.rollout.top_p == 1.0 and cfg.trainer.micro_batch_size is None
+
+
+def test_rollout_decode_attention_is_validated():
+    assert load_config(None, []).rollout.decode_attention == "auto"
+    assert load_config(None, ["rollout.decode_attention=xla"]).rollout.decode_attention == "xla"
+    with pytest.raises(ConfigError, match="rollout.decode_attention='fast' is not allowed; choose one of 'auto', "
+                                          "'kernel', 'xla'"):
+        load_config(None, ["rollout.decode_attention=fast"])
+
+
+class _Stop(Exception):
+    """Raised once the sampler has resolved its attention: the test needs no compiled program."""
+
+
+@pytest.mark.parametrize("requested", ["xla", "kernel", "auto"])
+def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(requested, demo_assets, tmp_path,
+                                                                          monkeypatch):
+    """A tiny run's `rollout.decode_attention` is the `paged_attention` that `generate` resolves
+    (`paged_attention_choice`; "kernel" on CPU is the CPU kernel, "auto" today's choice), for the
+    rollout and eval (both `Policy.generate`) and for the partial-rollout engine."""
+    import importlib
+
+    import jax
+
+    from jaxrl4llm.kernels import load_kernels
+    from jaxrl4llm.sampling import partial
+    from jaxrl4llm.train import loop
+    from jaxrl4llm.train.policy import load_policy
+    from jaxrl4llm.train.prompts import load_prompt_sets
+    from tests.train.conftest import tiny_overrides
+
+    if requested == "kernel" and not load_kernels():
+        pytest.skip("the CPU kernels do not build here: 'kernel' has no CPU kernel to run")
+    generate_module = importlib.import_module("jaxrl4llm.sampling.generate")
+    choice, seen = generate_module.paged_attention_choice, []
+
+    def recording_choice(config, mesh, use_kernels, asked, **kw):
+        seen.append((asked, choice(config, mesh, use_kernels, asked, **kw)))
+        raise _Stop
+
+    monkeypatch.setattr(generate_module, "paged_attention_choice", recording_choice)
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"rollout.decode_attention": requested}))
+    policy = load_policy(cfg, None)
+    assert policy.decode_attention == requested
+    with pytest.raises(_Stop):
+        policy.generate([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
+                        rng=jax.random.key(0))
+    expected = {"xla": "xla", "kernel": "kernel", "auto": choice(policy.config, None, load_kernels(), None)}[requested]
+    assert seen == [(requested, expected)]
+
+    monkeypatch.setattr(partial, "paged_attention_choice", recording_choice)
+    with pytest.raises(_Stop):
+        loop.partial_stream(policy, load_prompt_sets(cfg, policy.tokenizer)[0], cfg)
+    assert seen[1] == (requested, expected)
+
+
+def test_a_random_model_takes_model_vocab_size_at_least_the_tokenizers(demo_assets, tmp_path):
+    """model.vocab_size sizes a random model's embedding and head (Qwen3 pads 151669 tokens to 151936
+    rows); unset, the tokenizer's length; smaller than the tokenizer, a ConfigError naming both numbers."""
+    from jaxrl4llm.models import load_tokenizer
+    from jaxrl4llm.train.policy import load_policy
+    from tests.train.conftest import tiny_overrides
+
+    tokens = len(load_tokenizer(demo_assets["tokenizer"]))
+    vocab = lambda **extra: load_policy(load_config(None, tiny_overrides(demo_assets, tmp_path, **extra)),
+                                        None).config.vocab_size
+    assert vocab() == tokens
+    assert vocab(**{"model.vocab_size": tokens + 19}) == tokens + 19
+    with pytest.raises(ConfigError, match=rf"model.vocab_size={tokens - 1} is smaller than the tokenizer's {tokens} "
+                                          rf"tokens .*set model.vocab_size >= {tokens}, or unset it"):
+        vocab(**{"model.vocab_size": tokens - 1})
+
+
+@pytest.mark.parametrize("name, total, non_embedding", [
+    ("qwen3_0.6b_base", 0.6, 0.44), ("qwen3_1.7b_base", 1.7, 1.4), ("qwen3_4b_base", 4.0, 3.6),
+    ("qwen3_8b_base", 8.2, 6.95)])
+def test_shipped_model_configs_have_the_model_cards_parameter_counts(name, total, non_embedding):
+    """The size fields of configs/models/*.yaml (what `plan` and a random model build) give the
+    Qwen3 model cards' parameter counts, in billions (total, and without the embedding)."""
+    from jaxrl4llm.plan.programs import plan_model_config
+
+    config = plan_model_config(load_config(CONFIGS / "models" / f"{name}.yaml"))
+    embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    assert round(config.num_params / 1e9, 1) == total
+    assert round((config.num_params - embedding) / 1e9, len(str(non_embedding)) - 2) == non_embedding
+    assert (config.rope_theta, config.rms_norm_eps, config.head_dim, config.num_kv_heads) == (1e6, 1e-6, 128, 8)

@@ -27,6 +27,7 @@ kernel in Pallas interpret mode: the kernel's own semantics, slowly (tests).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,11 @@ DEFAULT_BLOCKS = {"xla": 128, "splash": 512, "pallas_gpu": 128}
 _MASKED = -1e30  # the score of a masked pair (finite: no inf - inf in the online softmax)
 _PAD_SEGMENT = -1  # the segment of the positions a backend pads T with (after every real token)
 _SPLASH_LANES = 128  # splash block sizes are multiples of the TPU lane width
+GPU_SHARED_MEMORY = 227 * 1024  # bytes of shared memory a thread block may use on an H100 (sm_90)
+_GPU_STAGES = 2  # software-pipelining stages of JAX's Triton flash kernels (mha's num_stages; its backward's)
+_GPU_MAX_FORWARD_BLOCK = 128  # JAX's default forward block_q = block_k (BlockSizes.get_default)
+_GPU_MAX_BACKWARD_BLOCK = 32  # JAX's default backward blocks (BlockSizes.get_default)
+_GPU_MIN_BLOCK = 16  # Triton's dot takes operands of at least 16 rows and columns
 
 
 def compile_platform() -> str:
@@ -228,19 +234,84 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def kernel_attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, block: int = 512,
-                           backward: bool = False) -> int:
+                           backward: bool = False, impl: str = "splash") -> int:
     """FLOPs of the causal kernels (splash, pallas_gpu) that XLA's cost analysis cannot see (a
     custom call counts as no FLOPs): the n (n + 1) / 2 query x key blocks of n = ceil(T / block)
-    on and below the diagonal, 2 matmuls of 2 block^2 Dh FLOPs each per block and query head:
+    on and below the diagonal, 2 FLOPs a multiply-add, 2 matmuls of block^2 Dh each per block and
+    query head (S = Q K^T, O = P V):
 
-        forward = B H n (n + 1) / 2 * 4 block^2 Dh;  backward = 2.5 forward (scores recomputed,
-        then dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q: 5 matmuls against 2).
-    Segment ids mask inside the blocks and skip none of them.
+        forward = B H n (n + 1) / 2 * 4 block^2 Dh
+        splash backward = 2.5 forward (scores recomputed, then dP = dO V^T, dV = P^T dO,
+          dQ = dS K, dK = dS^T Q: 5 matmuls against 2)
+        pallas_gpu backward = B H m (m + 1) / 2 * 14 b^2 Dh over its own blocks b (m = T' / b):
+          the fused kernel recomputes S in each of its two phases (dK/dV: S, dP, dV, dK; dQ: S, dP, dQ).
+    The blocks are the kernel's own (`_splash_block`, `pallas_gpu_blocks` of `block`). Segment
+    ids mask inside the blocks and skip none of them.
     """
+    if impl == "pallas_gpu":
+        blocks = pallas_gpu_blocks(seq, head_dim, block)
+        triangle = lambda b: (blocks.padded // b) * (blocks.padded // b + 1) // 2 * b * b
+        if backward:
+            return batch * heads * triangle(blocks.backward) * 14 * head_dim
+        return batch * heads * triangle(blocks.forward) * 4 * head_dim
     block = _splash_block(seq, block)
     n = -(-seq // block)
     forward = batch * heads * n * (n + 1) // 2 * 4 * block * block * head_dim
     return int(forward * 2.5) if backward else forward
+
+
+class GpuFlashBlocks(NamedTuple):
+    """The Triton flash attention's blocks for rows of T (`pallas_gpu_blocks`)."""
+
+    forward: int  # block_q = block_k of the forward kernel
+    backward: int  # block_q_dkv = block_kv_dkv = block_q_dq = block_kv_dq of the fused backward kernel
+    padded: int  # T padded up to a multiple of both
+
+
+def pallas_gpu_shared_memory(block: int, head_dim: int, *, backward: bool, itemsize: int = 2) -> int:
+    """Bytes of shared memory a program of JAX's Triton flash kernel stages (an upper estimate),
+    blocks of `block` rows, Dh padded to a power of two (as the kernel pads it), e = itemsize:
+
+        forward  = e (b Dh + stages 2 b Dh + b^2)     Q held; K, V pipelined; P (input dtype) for P V
+        backward = e (2 b Dh + stages 2 b Dh + 2 b^2)  two tiles held (K, V; then Q, dO), two
+                   pipelined (Q, dO; then K, V); P^T and dS^T for the transposed matmuls
+    """
+    dh = 1 << max(head_dim - 1, 0).bit_length()
+    held = 2 if backward else 1
+    return itemsize * (held * block * dh + _GPU_STAGES * 2 * block * dh + held * block * block)
+
+
+def pallas_gpu_blocks(t: int, head_dim: int, block: int = 128, *, itemsize: int = 2) -> GpuFlashBlocks:
+    """The blocks of the "pallas_gpu" backend for rows of T positions; the one rule the kernel call,
+    `kernel_attention_flops` and `plan` read.
+
+    Triton blocks are powers of two of at least 16 rows (its dot's minimum). The forward block is
+    the largest power of two <= min(`block`, 128 (JAX's default), T rounded up to a power of two)
+    whose `pallas_gpu_shared_memory` fits `GPU_SHARED_MEMORY` (H100: 227 KB): 128 up to Dh 128,
+    64 at Dh 256 in bf16. The backward blocks are JAX's default 32 (`BlockSizes.get_default`; at
+    most the forward's, and halved while over the budget): its fused kernel holds two float32
+    accumulators [b, Dh] (dK and dV) in registers besides its tiles, 32 KB at b = 32 and Dh 128
+    (64 registers a thread at the 4 warps JAX runs it with); b = 64 would take 128 (256 at Dh 256)
+    and spill. The estimate bounds what XLA's Triton compiler for sm_90 asks (compile-only, jax
+    0.10.2): forward b = 128 at Dh 256 asks 328192 bytes (estimate 360448), backward b = 128 at
+    Dh 256 427520 (estimate 458752); both refused (232448 available). T is padded to a multiple of
+    the forward block (so of the backward one too: the fused backward needs the same count of query
+    and key blocks, both powers of two dividing T').
+
+    Args: t: positions of a row; head_dim: Dh; block: the largest forward block wanted
+      (`DEFAULT_BLOCKS["pallas_gpu"]`); itemsize: bytes of the matmul inputs (bf16: 2).
+    """
+    pow2_floor = lambda n: 1 << (max(int(n), 1).bit_length() - 1)
+    pow2_ceil = lambda n: 1 << max(int(n) - 1, 0).bit_length()
+    fits = lambda b, backward: pallas_gpu_shared_memory(b, head_dim, backward=backward,
+                                                        itemsize=itemsize) <= GPU_SHARED_MEMORY
+    forward = max(min(pow2_floor(block), _GPU_MAX_FORWARD_BLOCK, pow2_ceil(t)), _GPU_MIN_BLOCK)
+    while forward > _GPU_MIN_BLOCK and not fits(forward, False):
+        forward //= 2
+    backward = min(forward, _GPU_MAX_BACKWARD_BLOCK)
+    while backward > _GPU_MIN_BLOCK and not fits(backward, True):
+        backward //= 2
+    return GpuFlashBlocks(forward, backward, -(-t // forward) * forward)
 
 
 def _on_mesh(kernel, q, k, v, segment_ids):
@@ -301,16 +372,18 @@ def _splash_attention(q, k, v, segment_ids, *, dtype, block: int, interpret: boo
 
 def _pallas_gpu_attention(q, k, v, segment_ids, *, dtype, block: int, interpret: bool):
     """The "pallas_gpu" backend on one device's shard: Pallas/Triton flash attention (`mha`,
-    causal + segment ids), kv heads repeated to H (the kernel has no grouped-query heads)."""
+    causal + segment ids), kv heads repeated to H (the kernel has no grouped-query heads), T padded
+    to the blocks of `pallas_gpu_blocks`."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     b, t, h, dh = q.shape
     g = h // k.shape[2]
-    blk = min(block, 128, -(-t // 16) * 16)
+    blocks = pallas_gpu_blocks(t, dh, block, itemsize=jnp.dtype(dtype).itemsize)
     q, k, v, segment_ids = _pad_sequence(q.astype(dtype), jnp.repeat(k, g, axis=2).astype(dtype),
-                                         jnp.repeat(v, g, axis=2).astype(dtype), segment_ids, blk)
-    sizes = gpu_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=blk, block_kv_dkv=blk, block_q_dq=blk,
-                                     block_kv_dq=blk)
+                                         jnp.repeat(v, g, axis=2).astype(dtype), segment_ids, blocks.forward)
+    fwd, bwd = blocks.forward, blocks.backward
+    sizes = gpu_attention.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd,
+                                     block_kv_dq=bwd)
     out = gpu_attention.mha(q, k, v, segment_ids, sm_scale=dh**-0.5, causal=True, block_sizes=sizes,
                             interpret=interpret)
     return out[:, :t].astype(jnp.float32)
