@@ -8,8 +8,8 @@ against its limit and a peer, the GPU tests and the demo, in at most 8 minutes, 
 Phases run in the order of PHASES (the table below: budgets in seconds on the GPU and on the dry
 run), each in its own process under its budget: a phase that fails or runs out of time is reported
 (its exception in the table, its traceback in the log) and the next one runs. `plan` compiles on
-the CPU in the background from the start (JAX_PLATFORMS=cpu) while the GPU phases run, and is
-collected at its place in the order.
+the CPU (JAX_PLATFORMS=cpu) in the background from its place in the order, while the GPU phases
+run, and is collected after the step phases.
 
 The whole run stops at TOTAL_SECONDS: a late phase gets what is left of it. OUT_DIR receives
 gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (every phase's output) and
@@ -44,20 +44,22 @@ class Phase:
     gpu_seconds: int
     dry_seconds: int
     what: str
-    background: bool = False
+    collect_after: str | None = None  # a background phase: started at its place, collected after this phase
 
 
 # The phases, in order (most valuable first), with their time budgets in seconds.
 PHASES = (
     #     name       GPU  dry  what
     Phase("setup",    30,  60, "probe the host's Python for WHEELS; install the missing ones from .gpu_wheels/"),
+    Phase("peaks",    45,  60, "the chip's bf16 matmul rate and copy bandwidth (plan.chips.measured_peaks)"),
+    Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
+                               "priced at the measured peaks, beside the measured times (compiles on the CPU "
+                               "while the next phases run)", collect_after="step"),
     Phase("kernels",  75, 120, "Triton paged attention, Pallas flash attention forward + backward vs the XLA path "
                                "and a float64 reference (bf16, Qwen3 heads): errors, pass/fail, times"),
     Phase("step",    140, 240, "one phase per model of MODELS (step:<model>, random weights): a rollout of P x G "
                                "rows at forced lognormal lengths, the log-prob pass, the update, timed after compile"),
-    Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
-                               "beside their measured times", background=True),
-    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (copy bandwidth measured) and vs "
+    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (the measured copy bandwidth) and vs "
                                "transformers' generate on the same weights"),
     Phase("tests",    60,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
     Phase("demo",    150, 300, "`jaxrl4llm demo` (--quick on the dry run): held-out accuracy before -> after"),
@@ -73,14 +75,28 @@ PHASE_ENV = {
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
 
-# Qwen3 shapes, random weights (configs/models/qwen3_0.6b_base.yaml and qwen3_1.7b_base.yaml carry the
-# same fields once merged); the dry run's toy model is train_step.py's "demo" size.
-QWEN3 = dict(vocab_size=151936, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128)
+# The models of the step phases, random weights: Qwen3's shapes from their configs; the dry run's toy
+# model is train_step.py's "demo" size with a vocabulary that holds the demo's character tokenizer.
 MODELS = {
-    "gpu": {"qwen3-0.6b": dict(QWEN3, hidden_size=1024, intermediate_size=3072),
-            "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144)},
+    "gpu": {"qwen3-0.6b": "configs/models/qwen3_0.6b_base.yaml", "qwen3-1.7b": "configs/models/qwen3_1.7b_base.yaml"},
     "dry": {"demo": "demo"},
 }
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def model_fields(mode: str, model: str) -> dict:
+    """The ModelConfig size fields of `model` of MODELS[mode] (its config file's `model` section)."""
+    source = MODELS[mode][model]
+    if source == "demo":
+        from train_step import SIZES
+
+        return dict(SIZES["demo"], vocab_size=128)  # >= the character tokenizer's 101 tokens
+    import yaml
+
+    section = yaml.safe_load((REPO / source).read_text())["model"]
+    return {k: section[k] for k in SIZE_FIELDS}
+
+
 # The rollout: P prompts x G samples, response lengths forced (no EOS) from a lognormal of this mean
 # and sigma, clipped to R new tokens (benchmarks/sampler.py's --lengths mode).
 WORKLOAD = {
@@ -98,9 +114,21 @@ KERNEL_SHAPES = {
 # (backward) gradients to bf16).
 TOLERANCE = {"paged": 1e-2, "flash forward": 1e-2, "flash backward": 3e-2}
 PLAN_TOPOLOGY = {"gpu": "h100:1", "dry": "cpu"}
-# Extra flags of `jaxrl4llm plan` (the one place they are passed): price at the host's measured matmul
-# rate and copy bandwidth once plan has the flags (`--peak measured`), e.g. ("--peak", "measured").
-PLAN_FLAGS: tuple[str, ...] = ()
+
+
+def plan_topology(mode: str, device: str = "") -> str:
+    """The topology plan compiles for: PLAN_TOPOLOGY[mode], or one H200 when the chip is one."""
+    return "h200:1" if mode == "gpu" and "h200" in device.lower() else PLAN_TOPOLOGY[mode]
+
+
+def plan_flags(peaks: dict | None) -> list[str]:
+    """The extra flags of `jaxrl4llm plan` (the one place they are passed): price at the chip's matmul
+    rate and copy bandwidth measured by the peaks phase (plan runs on the CPU, so `--peak measured`
+    would measure the CPU); none (the datasheet's) when the peaks phase did not run."""
+    if not peaks:
+        return []
+    return ["--peak-flops", f"{peaks['peak_flops']:.6g}", "--hbm-bandwidth", f"{peaks['hbm_bandwidth']:.6g}"]
+
 
 # What the GPU host lacks, pinned to versions that work with each other and with the host's packages
 # (datasets 5.2 takes dill < 0.4.2 and multiprocess < 0.70.20; sympy's LaTeX parser needs antlr 4.11).
@@ -154,11 +182,28 @@ def step_overrides(mode: str, model: str, root: Path) -> list[str]:
 
     w = WORKLOAD[mode]
     rows = w["prompts"] * w["samples"]
-    return run_overrides(root, MODELS[mode][model], prompts=w["prompts"], samples=w["samples"],
+    return run_overrides(root, model_fields(mode, model), prompts=w["prompts"], samples=w["samples"],
                          response=w["max_new_tokens"], mini_batches=w["mini_batches"]) + [
         f"rollout.slots={rows}",  # every row in a slot at once: the step, decode and plan phases alike
         "model.remat=true",  # as the study's model configs (configs/models/*.yaml)
         "trainer.compile_cache=false"]
+
+
+# ---------------------------------------------------------------------------- phase: peaks
+def phase_peaks(mode: str, work: Path, log) -> dict:
+    """The default device's bf16 matmul FLOP/s and copy bandwidth (bytes read + written per second),
+    as `plan --peak measured` measures them (`plan.chips.measured_peaks`), and the datasheet's."""
+    from jaxrl4llm.plan.chips import measured_peaks
+    from jaxrl4llm.plan.programs import chip_spec
+
+    import jax
+
+    sheet = chip_spec(plan_topology(mode, jax.devices()[0].device_kind))
+    chip = measured_peaks(sheet)
+    log(f"  bf16 matmul {chip.peak_flops / 1e12:.1f} TFLOP/s ({sheet.peak_flops / 1e12:.1f} on the datasheet), "
+        f"copy {chip.hbm_bandwidth / 1e9:.0f} GB/s ({sheet.hbm_bandwidth / 1e9:.0f})")
+    return {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth, "datasheet_peak_flops": sheet.peak_flops,
+            "datasheet_hbm_bandwidth": sheet.hbm_bandwidth, "source": chip.peak_source}
 
 
 # ---------------------------------------------------------------------------- phase: kernels
@@ -395,7 +440,7 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
 
 # ---------------------------------------------------------------------------- phase: plan (background)
 def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
-    """`jaxrl4llm plan --json` of each step phase's run on PLAN_TOPOLOGY[mode], at the rollout's own
+    """`jaxrl4llm plan --json` of each step phase's run on `plan_topology`, at the rollout's own
     lengths and real prompt tokens (JAX_PLATFORMS=cpu: XLA's CUDA compiler on this host's CPU)."""
     from jaxrl4llm.train.config import load_config
     from jaxrl4llm.train.prompts import load_prompt_sets
@@ -403,6 +448,9 @@ def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict
 
     w = WORKLOAD[mode]
     lengths = [int(x) for x in forced_lengths(mode)]
+    peaks = read_record(work.parent, "peaks")
+    flags = plan_flags(peaks["figures"] if peaks["status"] == "ok" else None)
+    topology = plan_topology(mode, peaks.get("device", ""))
     figures = {}
     for model in MODELS[mode]:
         root = work / model
@@ -413,9 +461,9 @@ def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict
         lengths_file = root / "response_lengths.jsonl"
         lengths_file.write_text(json.dumps({"step": 1, "response_lengths": lengths}) + "\n")
         command = [sys.executable, "-m", "jaxrl4llm.cli", "plan", *(f"--config={c}" for c in CONFIG_FILES), *overrides,
-                   "--topology", PLAN_TOPOLOGY[mode], "--json", "--response-lengths", str(lengths_file),
-                   "--prompt-tokens", f"{prompt_tokens:.2f}", *PLAN_FLAGS]
-        log(f"  {model}: {' '.join(command[1:4])} ... --topology {PLAN_TOPOLOGY[mode]} {' '.join(PLAN_FLAGS)}")
+                   "--topology", topology, "--json", "--response-lengths", str(lengths_file),
+                   "--prompt-tokens", f"{prompt_tokens:.2f}", *flags]
+        log(f"  {model}: {' '.join(command[1:4])} ... --topology {topology} {' '.join(flags)}")
         t0 = time.perf_counter()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
         log(done.stderr[-3000:])
@@ -441,20 +489,21 @@ def phase_decode(mode: str, work: Path, log) -> dict:
 
     from jaxrl4llm.models import ModelConfig
     from jaxrl4llm.sampling.continuous import BURST
-    from sampler import TransformersPeer, continuous_steps, measure_copy_bandwidth, ragged_decode_bytes
+    from sampler import TransformersPeer, continuous_steps, ragged_decode_bytes
 
     w = WORKLOAD[mode]
     model = next(iter(MODELS[mode]))
-    step_result = result_path(work.parent, f"step:{model}")
-    step = json.loads(step_result.read_text()) if step_result.is_file() else {"status": "not run"}
+    step = read_record(work.parent, f"step:{model}")
     if step["status"] != "ok":
         raise PhaseFailed(f"needs the rollout of step:{model}, which did not run ({step['status']})", {})
     f = step["figures"]
     gpu = jax.default_backend() == "gpu"
     lengths = forced_lengths(mode)
     g, rows = w["samples"], w["prompts"] * w["samples"]
-    bandwidth = measure_copy_bandwidth(megabytes=2048 if gpu else 128)
-    log(f"  copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    peaks = read_record(work.parent, "peaks")
+    if peaks["status"] != "ok":
+        raise PhaseFailed(f"needs the copy bandwidth of the peaks phase ({peaks['status']})", {})
+    bandwidth = peaks["figures"]["hbm_bandwidth"]
     folder = f["export"]
     config = ModelConfig.from_pretrained_dir(folder)
     hf_tokens = max(1, int(round(lengths.mean())))
@@ -567,7 +616,7 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_kernels(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
         else:
-            record["figures"] = phase_decode(mode, work, log)
+            record["figures"] = {"peaks": phase_peaks, "decode": phase_decode}[kind](mode, work, log)
     except PhaseFailed as e:
         record.update(status="fail", error=str(e), figures=e.figures)
     except Exception as e:  # noqa: BLE001 - reported in the table; the driver runs the next phase
@@ -599,6 +648,12 @@ def work_path(work: Path, name: str) -> Path:
 def result_path(work: Path, name: str) -> Path:
     """Where phase `name` writes its record (a later phase may read an earlier one's)."""
     return work / f"{name.replace(':', '_')}.json"
+
+
+def read_record(work: Path, name: str) -> dict:
+    """Phase `name`'s record ({"status": "not run"} when there is none)."""
+    path = result_path(work, name)
+    return json.loads(path.read_text()) if path.is_file() else {"status": "not run", "figures": {}}
 
 
 def fetch_wheels() -> int:
@@ -729,25 +784,27 @@ def run_driver(out_dir: Path, mode: str) -> int:
         log(f"{name}: {record['status']} in {record.get('seconds', float('nan')):.1f} s {record.get('error', '')[:300]}")
 
     models = list(MODELS[mode])
-    background = {}  # started now, collected at their place in PHASES
-    for p in PHASES:
-        if p.background:
-            background[p.name] = launch(p.name, min(budget[p.name], total - (time.monotonic() - start)))
-            log(f"{p.name}: started in the background ({PHASE_ENV.get(p.name)}, up to {budget[p.name]} s)")
-    for name in (p.name for p in PHASES if p.name != "setup"):
-        if name in background:
-            log(f"{name}: waiting for the background job")
-            finish(name, *background[name])
+    background = {}  # name -> (the launched job, the phase after which it is collected)
+    for p in PHASES[1:]:
+        if p.collect_after:
+            seconds = min(budget[p.name], total - (time.monotonic() - start))
+            background[p.name] = (launch(p.name, seconds), p.collect_after)
+            log(f"{p.name}: started in the background ({PHASE_ENV.get(p.name)}, up to {seconds:.0f} s)")
             continue
-        for phase in ([f"step:{m}" for m in models] if name == "step" else [name]):
+        for phase in ([f"step:{m}" for m in models] if p.name == "step" else [p.name]):
             left = total - (time.monotonic() - start)
             if left < 10:
                 report["phases"][phase] = {"status": "skipped", "figures": {}, "error": "no time left"}
                 log(f"{phase}: skipped (no time left)")
                 continue
-            seconds = min(budget[name], left)
+            seconds = min(budget[p.name], left)
             log(f"{phase}: running (budget {seconds:.0f} s)")
             finish(phase, *launch(phase, seconds))
+        for name, (job, after) in list(background.items()):
+            if after == p.name:
+                log(f"{name}: waiting for the background job")
+                finish(name, *job)
+                del background[name]
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", *(f"step:{m}" for m in models)):
@@ -843,7 +900,7 @@ def markdown(report: dict) -> str:
         lines += [f"| {m} | {f['topology']} | {f['fits']} | {_fmt(f['step_s'])} | {_fmt(f['compile_s'])} | "
                   f"{_fmt(f['chip']['peak_flops'] / 1e12)} | {_fmt(f['chip']['hbm_bandwidth'] / 1e9)} |"
                   for m, f in plans.items()]
-    for name in ("decode", "tests", "demo"):
+    for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
         if f:
             lines += ["", f"## {name}", "", "| figure | value |", "| --- | --- |"]

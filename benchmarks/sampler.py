@@ -72,14 +72,8 @@ def best_time(fn, repeats: int) -> float:
 
 # ---------------------------------------------------------------------------- machine peaks
 def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of the best streaming copy on this machine's default device (read + write counted).
-    CPU: the max of numpy copyto into a preallocated buffer and a jitted bf16 read-reduce (read
-    only); an accelerator: a jitted device-to-device copy of a `megabytes` array (HBM to HBM)."""
-    if jax.default_backend() != "cpu":
-        x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-        copy = jax.jit(lambda x: x * 1.0 + 0.0)  # one read and one write of every element (not aliased)
-        copy(x).block_until_ready()
-        return 2 * x.nbytes / best_time(lambda: copy(x).block_until_ready(), repeats)
+    """Bytes/s of the best streaming copy on this machine (read + write counted): the max of
+    numpy copyto into a preallocated buffer and a jitted bf16 read-reduce (read only)."""
     a = np.ones(megabytes * 2**20 // 4, np.float32)
     b = np.empty_like(a)
     copy = 2 * a.nbytes / best_time(lambda: np.copyto(b, a), repeats)
@@ -111,29 +105,22 @@ def measure_matmul_peak(repeats: int = 5) -> float:
 
 
 # ---------------------------------------------------------------------------- models
-def make_hf_model(size, dtype: str, folder: str | None, device: str = "cpu"):
-    """A random Qwen3 of `size` in transformers (torch, `dtype`, on `device`), saved to `folder`
-    (None: not saved). size: a name of SIZES, or a dict of ModelConfig size fields (vocab_size,
-    hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim), or None: the
-    model already in `folder` (e.g. our weights, `Policy.export`)."""
+def make_hf_model(size: str | None, dtype: str, folder: str, device: str = "cpu"):
+    """A random Qwen3 of `size` (a name of SIZES) in transformers (torch, `dtype`, on `device`), saved
+    to `folder`; size None: the model already in `folder` (e.g. ours, written by `Policy.export`)."""
     import torch
     import transformers
 
     if size is None:
         return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval().to(device)
-    if isinstance(size, str):
-        hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[size]
-    else:
-        hidden, layers, heads, kv_heads, head_dim, inter, vocab = (size[k] for k in (
-            "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size"))
+    hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[size]
     hf_config = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=True,
         max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype)).eval()
-    if folder is not None:
-        model.save_pretrained(folder)
+    model.save_pretrained(folder)
     return model.to(device)
 
 
