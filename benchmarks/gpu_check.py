@@ -67,11 +67,13 @@ PHASES = (
 # the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
 TOTAL_SECONDS = {"gpu": 480, "dry": 1000}
 # A phase's environment on top of the driver's. JAX takes 75% of a GPU's memory when it starts: a step
-# takes more (Qwen3-1.7B's Adam state and activations), the decode phase none ahead (its transformers
-# peer is another process on the same GPU); plan compiles on the CPU beside the GPU phases.
+# takes more (Qwen3-1.7B's Adam state and activations), and plan checks the fit at the same share
+# (compiling on the CPU beside the GPU phases); the decode phase takes none ahead (its transformers
+# peer is another process on the same GPU).
+STEP_MEMORY = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 PHASE_ENV = {
-    "step": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"},
-    "plan": {"JAX_PLATFORMS": "cpu"},
+    "step": STEP_MEMORY,
+    "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
 
@@ -198,8 +200,9 @@ def phase_peaks(mode: str, work: Path, log) -> dict:
 
     import jax
 
-    sheet = chip_spec(plan_topology(mode, jax.devices()[0].device_kind))
-    chip = measured_peaks(sheet)
+    topology = plan_topology(mode, jax.devices()[0].device_kind)
+    sheet = chip_spec(topology)
+    chip = sheet if topology == "cpu" else measured_peaks(sheet)  # plan's "cpu" chip is measured already
     log(f"  bf16 matmul {chip.peak_flops / 1e12:.1f} TFLOP/s ({sheet.peak_flops / 1e12:.1f} on the datasheet), "
         f"copy {chip.hbm_bandwidth / 1e9:.0f} GB/s ({sheet.hbm_bandwidth / 1e9:.0f})")
     return {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth, "datasheet_peak_flops": sheet.peak_flops,
