@@ -203,8 +203,8 @@ def phase_peaks(mode: str, work: Path, log) -> dict:
     topology = plan_topology(mode, jax.devices()[0].device_kind)
     sheet = chip_spec(topology)
     chip = sheet if topology == "cpu" else measured_peaks(sheet)  # plan's "cpu" chip is measured already
-    log(f"  bf16 matmul {chip.peak_flops / 1e12:.1f} TFLOP/s ({sheet.peak_flops / 1e12:.1f} on the datasheet), "
-        f"copy {chip.hbm_bandwidth / 1e9:.0f} GB/s ({sheet.hbm_bandwidth / 1e9:.0f})")
+    log(f"  bf16 matmul {chip.peak_flops / 1e12:.3g} TFLOP/s ({sheet.peak_flops / 1e12:.3g} on the datasheet), "
+        f"copy {chip.hbm_bandwidth / 1e9:.3g} GB/s ({sheet.hbm_bandwidth / 1e9:.3g})")
     return {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth, "datasheet_peak_flops": sheet.peak_flops,
             "datasheet_hbm_bandwidth": sheet.hbm_bandwidth, "source": chip.peak_source}
 
