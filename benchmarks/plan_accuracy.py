@@ -51,29 +51,68 @@ def median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def run_config(args, root: Path):
-    """The run: vs_trl.py's 48M model (random Qwen3, 32000-token BPE) on GSM8K prompts (139 tokens in
-    a 192 bucket), or a random model of another --size on the demo task."""
-    if args.size == "48m":
+CONFIG_FILES = ["configs/lite_ppo.yaml"]  # the study's recipe
+PROGRAMS = ("sampler/decode", "logprob pass", "update")  # the programs timed here, by plan's names
+
+
+def run_overrides(root: Path, size: str | dict, *, prompts: int, samples: int, response: int,
+                  mini_batches: int) -> list[str]:
+    """`key=value` overrides of the run on CONFIG_FILES: vs_trl.py's 48M model (random Qwen3,
+    32000-token BPE) on GSM8K prompts (139 tokens in a 192 bucket), or a random model of another
+    size (a name of train_step.SIZES, or a dict of ModelConfig size fields) on the demo task."""
+    if size == "48m":
         from vs_trl import DATA, build_48m
 
         model = {"model.path": str(build_48m(root / "qwen3_48m"))}
         data = {"data.train_files": f"[{DATA}]", "data.template": "base", "data.max_prompt_tokens": 192,
                 "data.on_overlong_prompt": "drop"}
     else:
+        fields = SIZES[size] if isinstance(size, str) else size
         tasks = write_demo_task(root / "data", num_train=256, num_test=8, seed=0, digits=2, ops="+-", steps=2)
         model = {"model.tokenizer": build_char_tokenizer(root / "tokenizer"), "model.architecture": "qwen3",
-                 "model.tie_word_embeddings": True, **{f"model.{k}": v for k, v in SIZES[args.size].items()}}
+                 "model.tie_word_embeddings": True, **{f"model.{k}": v for k, v in fields.items()}}
         data = {"data.train_files": f"[{tasks['train']}]", "data.template": "demo", "data.max_prompt_tokens": 64}
     overrides = {
         **model, **data, "model.dtype": "bfloat16", "model.param_dtype": "float32", "data.shuffle": False,
-        "rollout.prompts_per_step": args.prompts, "rollout.samples_per_prompt": args.samples,
-        "rollout.max_new_tokens": args.response, "rollout.cpu_kernels": False,
-        "trainer.mini_batches": args.mini_batches, "trainer.micro_batch_size": args.prompts * args.samples // args.mini_batches,
+        "rollout.prompts_per_step": prompts, "rollout.samples_per_prompt": samples,
+        "rollout.max_new_tokens": response, "rollout.cpu_kernels": False,
+        "trainer.mini_batches": mini_batches, "trainer.micro_batch_size": prompts * samples // mini_batches,
         "trainer.out_dir": str(root / "run"), "trainer.progress_bar": False, "trainer.eval_every": -1,
         "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,
     }
-    return load_config(["configs/lite_ppo.yaml"], [f"{k}={v}" for k, v in overrides.items()])
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def run_config(args, root: Path):
+    """The run of `run_overrides` at --size, --prompts, --samples, --response, --mini-batches."""
+    return load_config(CONFIG_FILES, run_overrides(root, args.size, prompts=args.prompts, samples=args.samples,
+                                                   response=args.response, mini_batches=args.mini_batches))
+
+
+def one_device_mesh():
+    """The ("data", "fsdp", "tensor") mesh of this process's first device."""
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+
+
+def time_update_programs(run, state, rollout, reps: int):
+    """Median wall seconds of the log-prob pass (0 when the update scores old_logp itself) and of
+    the update on `rollout`'s batch (random 0/1 rewards), each after a compile: (logprob s, update s,
+    state after the updates)."""
+    rewards = np.random.default_rng(0).integers(0, 2, int(rollout.lengths.shape[0])).astype(np.float32)
+    batch, _ = build_batch(run, state, rollout, rewards)
+    t_logprob = 0.0
+    if run.settings.old_logp_from_update is False and run.cfg.trainer.old_logp_source == "recompute":
+        params = join_params(state.params, state.frozen)
+        run.logprob_pass(params, batch)
+        t_logprob = median_seconds(lambda: run.logprob_pass(params, batch)[0], reps)
+    box = {"state": state}
+
+    def update():
+        box["state"], metrics, _ = run.update(box["state"], batch)
+        return metrics
+
+    update()  # compile
+    return t_logprob, median_seconds(update, reps), box["state"]
 
 
 def main() -> None:
@@ -90,8 +129,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = run_config(args, Path(tmp))
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-        run, state = setup_run(cfg, mesh, print)
+        run, state = setup_run(cfg, one_device_mesh(), print)
         prompt_set = run.train_set
         prompts = [prompt_set.token_ids[i] for i in range(args.prompts)]
         vocab = run.policy.config.vocab_size
@@ -110,28 +148,13 @@ def main() -> None:
             rollout = policy.generate(prompts, num_samples=args.samples, max_new_tokens=args.response, temperature=1.0,
                                       top_p=1.0, top_k=0, rng=key)
             lengths = np.asarray(rollout.lengths)
-            rewards = np.random.default_rng(0).integers(0, 2, len(lengths)).astype(np.float32)
-            batch, _ = build_batch(run, state, rollout, rewards)
-            t_logprob = 0.0
-            if run.settings.old_logp_from_update is False and cfg.trainer.old_logp_source == "recompute":
-                params = join_params(state.params, state.frozen)
-                run.logprob_pass(params, batch)
-                t_logprob = median_seconds(lambda: run.logprob_pass(params, batch)[0], args.reps)
-            box = {"state": state}
-
-            def update():
-                box["state"], metrics, _ = run.update(box["state"], batch)
-                return metrics
-
-            update()  # compile
-            t_update = median_seconds(update, args.reps)
-            state = box["state"]
+            t_logprob, t_update, state = time_update_programs(run, state, rollout, args.reps)
             real_prompt = float(np.asarray(rollout.prompt_mask).sum(-1).mean())
             plan = plan_run(cfg, "cpu", lengths=LengthDistribution("empirical", values=tuple(int(x) for x in lengths),
                                                                   source=f"{k} stop tokens"),
                             prompt_tokens=real_prompt)
             predicted = {p.name: p.seconds * p.runs for p in plan.programs}
-            measured = {"sampler/decode": t_rollout, "logprob pass": t_logprob, "update": t_update}
+            measured = dict(zip(PROGRAMS, (t_rollout, t_logprob, t_update)))
             print(f"\n{k} stop tokens: mean length {lengths.mean():.1f}, longest {lengths.max()} of {args.response} "
                   f"(CPU measured: peak {plan.chip.peak_flops / 1e12:.3f} TFLOP/s, {plan.chip.hbm_bandwidth / 1e9:.1f} GB/s)")
             print(f"{'program':<16} {'measured s':>11} {'predicted s':>12} {'pred/meas':>9} {'binding':>8} "

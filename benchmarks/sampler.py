@@ -105,11 +105,14 @@ def measure_matmul_peak(repeats: int = 5) -> float:
 
 
 # ---------------------------------------------------------------------------- models
-def make_hf_model(size: str, dtype: str, folder: str):
-    """A random Qwen3 of `size` in transformers (torch, `dtype`), saved to `folder`."""
+def make_hf_model(size: str | None, dtype: str, folder: str, device: str = "cpu"):
+    """A random Qwen3 of `size` (a name of SIZES) in transformers (torch, `dtype`, on `device`), saved
+    to `folder`; size None: the model already in `folder` (e.g. ours, written by `Policy.export`)."""
     import torch
     import transformers
 
+    if size is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval().to(device)
     hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[size]
     hf_config = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -118,7 +121,7 @@ def make_hf_model(size: str, dtype: str, folder: str):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype)).eval()
     model.save_pretrained(folder)
-    return model
+    return model.to(device)
 
 
 def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, sampled: bool, repeats: int,
@@ -126,7 +129,7 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
     """Seconds for transformers generate over the P*G expanded rows (best of `repeats`)."""
     import torch
 
-    ids = torch.tensor(np.repeat(prompts, samples, axis=0), dtype=torch.long)
+    ids = torch.tensor(np.repeat(prompts, samples, axis=0), dtype=torch.long, device=model.device)
     mask = torch.ones_like(ids)
     options = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
 
@@ -135,18 +138,21 @@ def run_transformers(model, prompts: np.ndarray, samples: int, new_tokens: int, 
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                  pad_token_id=0, **options)
         assert out.shape == (ids.shape[0], ids.shape[1] + n), out.shape
+        if out.is_cuda:
+            torch.cuda.synchronize()
 
     if warm_up:
         call(2)
     return best_time(call, repeats)
 
 
-def transformers_worker(conn, size: str, dtype: str, folder: str) -> None:
-    """Child process: builds and saves the HF model, then times `generate` on request.
+def transformers_worker(conn, size, dtype: str, folder: str, device: str = "cpu") -> None:
+    """Child process: builds and saves the HF model (on `device`), then times `generate` on request.
 
-    torch runs only here, so its thread pool never shares a process with XLA's: each
-    framework is timed in its own process, the two interleaved on the same machine."""
-    model = make_hf_model(size, dtype, folder)
+    torch runs only here, so its thread pool (and on a GPU its memory pool) never shares a
+    process with XLA's: each framework is timed in its own process, the two interleaved on the
+    same machine."""
+    model = make_hf_model(size, dtype, folder, device)
     conn.send("ready")
     warmed = set()
     while (request := conn.recv()) is not None:
@@ -157,12 +163,12 @@ def transformers_worker(conn, size: str, dtype: str, folder: str) -> None:
 class TransformersPeer:
     """Handle on a `transformers_worker` process (a context manager)."""
 
-    def __init__(self, size: str, dtype: str, folder: str):
+    def __init__(self, size, dtype: str, folder: str, device: str = "cpu"):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=transformers_worker, args=(child, size, dtype, folder), daemon=True)
+        self.proc = ctx.Process(target=transformers_worker, args=(child, size, dtype, folder, device), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError("the transformers worker failed to start")
@@ -199,18 +205,39 @@ def ours_call(graphdef, state, prompts: np.ndarray, samples: int, new_tokens: in
 
 
 # ---------------------------------------------------------------------------- roofline
+def decode_matmul_params(config) -> int:
+    """Parameters a decode step multiplies by: q, k, v, o and the MLP of every layer, and the LM head."""
+    c = config
+    layer = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * layer + c.vocab_size * c.hidden_size
+
+
 def decode_step_cost(config, num_prompts: int, samples: int, prompt_len: int, new_tokens: int,
                      dtype_bytes: int) -> tuple[float, float]:
     """(bytes, flops) of one average decode step, see module docstring."""
     c = config
     rows = num_prompts * samples
-    layer_matmul = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
-    matmul_params = c.num_layers * layer_matmul + c.vocab_size * c.hidden_size
+    matmul_params = decode_matmul_params(c)
     kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
     avg_generated = new_tokens / 2
     bytes_ = matmul_params * dtype_bytes + kv_per_slot * (num_prompts * prompt_len + rows * avg_generated)
     flops = 2 * rows * matmul_params + 4 * rows * c.num_layers * c.num_heads * c.head_dim * (prompt_len + avg_generated)
     return bytes_, flops
+
+
+def ragged_decode_bytes(config, prompt_lens, lengths, steps: int, dtype_bytes: int) -> float:
+    """HBM bytes a decode of ragged rows must read at least: the matmul weights once per decode step
+    (`steps` of them) and, per generated token, the live KV of its row (its prompt and the tokens
+    before it; each row reads its own prompt's KV, as the paged kernel does):
+
+        bytes = steps * weights + kv_per_token * sum_n sum_{t < L_n} (prompt_n + t)
+
+    prompt_lens, lengths: [N] real prompt tokens and generated tokens of each row."""
+    c = config
+    weights = decode_matmul_params(c) * dtype_bytes
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+    p, n = np.asarray(prompt_lens, np.float64), np.asarray(lengths, np.float64)
+    return steps * weights + kv_per_token * float(np.sum(p * n + n * (n - 1) / 2))
 
 
 def main(argv=None):

@@ -1,0 +1,920 @@
+"""The first run on a GPU: kernels on the chip, a train step and a rollout, plan's prediction, decode
+against its limit and a peer, the GPU tests and the demo, in at most 8 minutes, into one folder.
+
+    scripts/gpu_check --fetch-wheels        # here (internet): the wheels the GPU host lacks -> .gpu_wheels/
+    scripts/gpu_check OUT_DIR               # on the GPU host: every phase, ~8 minutes
+    scripts/gpu_check --dry-run OUT_DIR     # on a CPU: every phase at toy sizes (Pallas' interpreter)
+
+Phases run in the order of PHASES (the table below: budgets in seconds on the GPU and on the dry
+run), each in its own process under its budget: a phase that fails or runs out of time is reported
+(its exception in the table, its traceback in the log) and the next one runs. `plan` compiles on
+the CPU (JAX_PLATFORMS=cpu) in the background from its place in the order, while the GPU phases
+run, and is collected after the step phases.
+
+The whole run stops at TOTAL_SECONDS: a late phase gets what is left of it. OUT_DIR receives
+gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (every phase's output) and
+pytest_gpu.log: four files, one folder level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the sibling benchmarks (plan_accuracy, sampler, train_step)
+sys.path.insert(0, str(REPO))  # this tree's jaxrl4llm, not an installed one
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    gpu_seconds: int
+    dry_seconds: int
+    what: str
+    collect_after: str | None = None  # a background phase: started at its place, collected after this phase
+
+
+# The phases, in order (most valuable first), with their time budgets in seconds.
+PHASES = (
+    #     name       GPU  dry  what
+    Phase("setup",    30,  60, "probe the host's Python for WHEELS; install the missing ones from .gpu_wheels/"),
+    Phase("peaks",    45,  60, "the chip's bf16 matmul rate and copy bandwidth (plan.chips.measured_peaks)"),
+    Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
+                               "priced at the measured peaks, beside the measured times (compiles on the CPU "
+                               "while the next phases run)", collect_after="step"),
+    Phase("kernels",  75, 120, "Triton paged attention, Pallas flash attention forward + backward vs the XLA path "
+                               "and a float64 reference (bf16, Qwen3 heads): errors, pass/fail, times"),
+    Phase("step",    140, 240, "one phase per model of MODELS (step:<model>, random weights): a rollout of P x G "
+                               "rows at forced lognormal lengths, the log-prob pass, the update, timed after compile"),
+    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (the measured copy bandwidth) and vs "
+                               "transformers' generate on the same weights"),
+    Phase("tests",    60,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
+    Phase("demo",    150, 300, "`jaxrl4llm demo` (--quick on the dry run): held-out accuracy before -> after"),
+)
+# the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
+TOTAL_SECONDS = {"gpu": 480, "dry": 1000}
+# A phase's environment on top of the driver's. JAX takes 75% of a GPU's memory when it starts: a step
+# takes more (Qwen3-1.7B's Adam state and activations), and plan checks the fit at the same share
+# (compiling on the CPU beside the GPU phases); the decode phase takes none ahead (its transformers
+# peer is another process on the same GPU).
+STEP_MEMORY = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
+PHASE_ENV = {
+    "step": STEP_MEMORY,
+    "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
+    "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+}
+
+# The models of the step phases, random weights: Qwen3's shapes from their configs; the dry run's toy
+# model is train_step.py's "demo" size with a vocabulary that holds the demo's character tokenizer.
+MODELS = {
+    "gpu": {"qwen3-0.6b": "configs/models/qwen3_0.6b_base.yaml", "qwen3-1.7b": "configs/models/qwen3_1.7b_base.yaml"},
+    "dry": {"demo": "demo"},
+}
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def model_fields(mode: str, model: str) -> dict:
+    """The ModelConfig size fields of `model` of MODELS[mode] (its config file's `model` section)."""
+    source = MODELS[mode][model]
+    if source == "demo":
+        from train_step import SIZES
+
+        return dict(SIZES["demo"], vocab_size=128)  # >= the character tokenizer's 101 tokens
+    import yaml
+
+    section = yaml.safe_load((REPO / source).read_text())["model"]
+    return {k: section[k] for k in SIZE_FIELDS}
+
+
+# The rollout: P prompts x G samples, response lengths forced (no EOS) from a lognormal of this mean
+# and sigma, clipped to R new tokens (benchmarks/sampler.py's --lengths mode).
+WORKLOAD = {
+    "gpu": dict(prompts=8, samples=8, max_new_tokens=1024, mean=256, sigma=0.8, mini_batches=2, reps=2),
+    "dry": dict(prompts=2, samples=2, max_new_tokens=16, mean=8, sigma=0.8, mini_batches=2, reps=1),
+}
+# Kernel shapes: Qwen3's head_dim 128, GQA 16:8 and 32:8 (query:kv heads), 16-token pages, ragged lengths.
+KERNEL_SHAPES = {
+    "gpu": dict(head_dim=128, heads=((16, 8), (32, 8)), page=16, slots=16, pages_per_slot=80, batch=2, seq=1024,
+                reps=5),
+    "dry": dict(head_dim=128, heads=((8, 2),), page=16, slots=3, pages_per_slot=4, batch=1, seq=64, reps=1),
+}
+# bf16 tolerances on the relative error ||out - ref|| / ||ref|| against the float64 reference (bf16 has
+# 8 bits of mantissa: one rounding is 2^-9 = 2e-3 relative; the kernels round inputs, probabilities and
+# (backward) gradients to bf16).
+TOLERANCE = {"paged": 1e-2, "flash forward": 1e-2, "flash backward": 3e-2}
+PLAN_TOPOLOGY = {"gpu": "h100:1", "dry": "cpu"}
+
+
+def plan_topology(mode: str, device: str = "") -> str:
+    """The topology plan compiles for: PLAN_TOPOLOGY[mode], or one H200 when the chip is one."""
+    return "h200:1" if mode == "gpu" and "h200" in device.lower() else PLAN_TOPOLOGY[mode]
+
+
+def plan_flags(peaks: dict | None) -> list[str]:
+    """The extra flags of `jaxrl4llm plan` (the one place they are passed): price at the chip's matmul
+    rate and copy bandwidth measured by the peaks phase (plan runs on the CPU, so `--peak measured`
+    would measure the CPU); none (the datasheet's) when the peaks phase did not run."""
+    if not peaks:
+        return []
+    return ["--peak-flops", f"{peaks['peak_flops']:.6g}", "--hbm-bandwidth", f"{peaks['hbm_bandwidth']:.6g}"]
+
+
+# What the GPU host lacks, pinned to versions that work with each other and with the host's packages
+# (datasets 5.2 takes dill < 0.4.2 and multiprocess < 0.70.20; sympy's LaTeX parser needs antlr 4.11).
+# import name -> pip requirement. Pure-Python wheels (py3-none-any; multiprocess ships py312 ones).
+WHEELS = {
+    "dill": "dill==0.4.1",
+    "multiprocess": "multiprocess==0.70.19",
+    "antlr4": "antlr4-python3-runtime==4.11.1",
+    "tensorboardX": "tensorboardX==2.6.5",
+    "datasets": "datasets==5.2.0",
+}
+WHEEL_DIR = REPO / ".gpu_wheels"
+OUT_FILES = ("gpu_check.md", "gpu_check.json", "gpu_check.log", "pytest_gpu.log")
+
+
+# ---------------------------------------------------------------------------- helpers (in a phase)
+def median_seconds(fn, reps: int) -> float:
+    """Median wall seconds of `reps` calls of fn() (it must block: `jax.block_until_ready` inside)."""
+    from plan_accuracy import median_seconds as timed
+
+    return timed(fn, reps)
+
+
+def device_info() -> dict:
+    import jax
+
+    d = jax.devices()[0]
+    return {"device": f"{d.platform}: {d.device_kind}", "devices": jax.device_count(), "jax": jax.__version__}
+
+
+def rel_error(got, want) -> tuple[float, float]:
+    """(max |got - want|, ||got - want|| / ||want||) in float64."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want))), float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def forced_lengths(mode: str):
+    """[P * G] response lengths of the workload (lognormal, clipped to [1, R]): the same in every phase."""
+    from sampler import draw_lengths
+
+    w = WORKLOAD[mode]
+    return draw_lengths(f"lognormal:mean={w['mean']},sigma={w['sigma']}", w["prompts"] * w["samples"],
+                        w["max_new_tokens"], seed=0)
+
+
+def step_overrides(mode: str, model: str, root: Path) -> list[str]:
+    """The run of a step phase (plan_accuracy's run on the study's recipe) for `model` of MODELS[mode]."""
+    from plan_accuracy import run_overrides
+
+    w = WORKLOAD[mode]
+    rows = w["prompts"] * w["samples"]
+    return run_overrides(root, model_fields(mode, model), prompts=w["prompts"], samples=w["samples"],
+                         response=w["max_new_tokens"], mini_batches=w["mini_batches"]) + [
+        f"rollout.slots={rows}",  # every row in a slot at once: the step, decode and plan phases alike
+        "model.remat=true",  # as the study's model configs (configs/models/*.yaml)
+        "trainer.compile_cache=false"]
+
+
+# ---------------------------------------------------------------------------- phase: peaks
+def phase_peaks(mode: str, work: Path, log) -> dict:
+    """The default device's bf16 matmul FLOP/s and copy bandwidth (bytes read + written per second),
+    as `plan --peak measured` measures them (`plan.chips.measured_peaks`), and the datasheet's."""
+    from jaxrl4llm.plan.chips import measured_peaks
+    from jaxrl4llm.plan.programs import chip_spec
+
+    import jax
+
+    topology = plan_topology(mode, jax.devices()[0].device_kind)
+    sheet = chip_spec(topology)
+    chip = sheet if topology == "cpu" else measured_peaks(sheet)  # plan's "cpu" chip is measured already
+    log(f"  bf16 matmul {chip.peak_flops / 1e12:.3g} TFLOP/s ({sheet.peak_flops / 1e12:.3g} on the datasheet), "
+        f"copy {chip.hbm_bandwidth / 1e9:.3g} GB/s ({sheet.hbm_bandwidth / 1e9:.3g})")
+    return {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth, "datasheet_peak_flops": sheet.peak_flops,
+            "datasheet_hbm_bandwidth": sheet.hbm_bandwidth, "source": chip.peak_source}
+
+
+# ---------------------------------------------------------------------------- phase: kernels
+def paged_case(rng, shapes: dict, heads: tuple[int, int]):
+    """A pool [1, pages, page, 2 KVH, Dh] bf16, q [1, S, KVH, H/KVH, Dh], a page table [1, S, W] of
+    scattered pages, ragged lengths [1, S] (slot 0 idle) and the per-page counts of the XLA path."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    h, kvh = heads
+    s, w, page, dh = shapes["slots"], shapes["pages_per_slot"], shapes["page"], shapes["head_dim"]
+    pages = s * w + 1
+    pool = jnp.asarray(rng.normal(size=(1, pages, page, 2 * kvh, dh)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(1, s, kvh, h // kvh, dh)), jnp.float32)
+    lengths = np.concatenate([[0], rng.integers(1, w * page + 1, size=s - 1)])[None].astype(np.int32)
+    table = (1 + rng.permutation(s * w).reshape(1, s, w)).astype(np.int32)
+    counts = np.clip(lengths[..., None] - np.arange(w) * page, 0, page).astype(np.int32)
+    return q, pool, table, lengths, counts
+
+
+def segment_case(rng, shapes: dict, heads: tuple[int, int]):
+    """q [B, T, H, Dh], k, v [B, T, KVH, Dh] bf16, packed segment ids [B, T] (ragged sequences
+    1, 2, ..., 0 on the trailing padding) and a cotangent [B, T, H, Dh] float32."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    h, kvh = heads
+    b, t, dh = shapes["batch"], shapes["seq"], shapes["head_dim"]
+    ids = np.zeros((b, t), np.int32)
+    for row in range(b):
+        pos, seg = 0, 1
+        while pos < t - t // 8:  # the last eighth (at least) is padding
+            n = int(rng.integers(1, max(2, t // 3)))
+            ids[row, pos:min(pos + n, t - t // 8)] = seg
+            pos, seg = pos + n, seg + 1
+    x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+    return x(b, t, h, dh), x(b, t, kvh, dh), x(b, t, kvh, dh), jnp.asarray(ids), jnp.asarray(
+        rng.normal(size=(b, t, h, dh)), jnp.float32)
+
+
+def segment_reference(q, k, v, ids, d_out):
+    """float64 out, dq, dk, dv of causal attention within segments (a token sees the tokens of its
+    segment at or before it), the gradients of sum(out * d_out): `tests.gpu_kernels.
+    segment_attention_reference` in BLAS matmuls a row at a time (its einsums take minutes at T 1024):
+        P = softmax(Q K^T / sqrt(Dh)), dS = P (dO V^T - rowsum(dO O)), dQ = dS K / sqrt(Dh),
+        dK = dS^T Q / sqrt(Dh), dV = P^T dO   (dK, dV summed over the query heads of a kv head)."""
+    import numpy as np
+
+    f = lambda a: np.asarray(a, np.float64)
+    q, k, v, d_out, ids = f(q), f(k), f(v), f(d_out), np.asarray(ids)
+    b, t, h, dh = q.shape
+    g = h // k.shape[2]
+    scale = dh**-0.5
+    outs = [np.zeros_like(q), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(b):
+        qh, do = q[i].transpose(1, 0, 2), d_out[i].transpose(1, 0, 2)  # [H, T, Dh]
+        kh, vh = (np.repeat(x[i], g, axis=1).transpose(1, 0, 2) for x in (k, v))
+        mask = causal & (ids[i][:, None] == ids[i][None, :])
+        s = np.where(mask, qh @ kh.transpose(0, 2, 1) * scale, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o = p @ vh
+        ds = p * (do @ vh.transpose(0, 2, 1) - np.sum(do * o, -1, keepdims=True))
+        dq, dk, dv = ds @ kh * scale, ds.transpose(0, 2, 1) @ qh * scale, p.transpose(0, 2, 1) @ do
+        outs[0][i], outs[1][i] = o.transpose(1, 0, 2), dq.transpose(1, 0, 2)
+        outs[2][i] = dk.transpose(1, 0, 2).reshape(t, -1, g, dh).sum(2)
+        outs[3][i] = dv.transpose(1, 0, 2).reshape(t, -1, g, dh).sum(2)
+    return outs
+
+
+def phase_kernels(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
+    """The Triton paged attention and the Pallas flash attention (forward and backward) against the
+    XLA path and the float64 reference, at Qwen3's head shapes: errors, pass/fail, kernel vs XLA time."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl4llm.models.layers.segment_attention import segment_causal_attention
+    from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
+    from jaxrl4llm.sampling.paged_cache import paged_attention
+    from tests.gpu_kernels import paged_attention_reference
+
+    shapes = KERNEL_SHAPES[mode]
+    interpret = jax.default_backend() == "cpu"  # Pallas' interpreter where there is no GPU
+    rng = np.random.default_rng(0)
+    figures, failed = {}, []
+
+    def check(name: str, kind: str, got, want, xla=None) -> dict:
+        abs_err, rel = rel_error(got, want)
+        row = {"max_abs": abs_err, "rel": rel, "tolerance": TOLERANCE[kind], "pass": rel <= TOLERANCE[kind]}
+        if xla is not None:
+            row["xla_max_abs"], row["xla_rel"] = rel_error(xla, want)
+        if not row["pass"]:
+            failed.append(name)
+        log(f"  {name}: max abs {abs_err:.3g}, rel {rel:.3g} (tolerance {TOLERANCE[kind]:g})"
+            + (f"; XLA path rel {row['xla_rel']:.3g}" if xla is not None else ""))
+        return row
+
+    for h, kvh in shapes["heads"]:
+        tag = f"{h}:{kvh}"
+        # -- paged attention (decode): the kernel and the XLA path on the same pool
+        try:
+            q, pool, table, lengths, counts = paged_case(rng, shapes, (h, kvh))
+            chunk = max(c for c in (1, 2, 4, 8) if shapes["pages_per_slot"] % c == 0)
+            kernel = jax.jit(functools.partial(gpu_paged_attention, interpret=interpret))
+            xla = jax.jit(lambda q, pool, table, counts: paged_attention(
+                q, pool, table, counts, jnp.int32(shapes["pages_per_slot"] // chunk), pages_per_chunk=chunk,
+                dtype=jnp.bfloat16))
+            got = jax.block_until_ready(kernel(q, pool, table, lengths))
+            want_xla = jax.block_until_ready(xla(q, pool, table, counts))
+            live = lambda x: np.asarray(x)[0, 1:]  # slot 0 is idle: the XLA path gives it a mean of V, unused
+            # the reference reads q as the kernel does: rounded to the pool's dtype
+            ref = paged_attention_reference(q[0].astype(pool.dtype), pool[0], table[0], lengths[0])[None]
+            row = check(f"paged {tag}", "paged", live(got), live(ref), live(want_xla))
+            row["idle_slot_zero"] = bool(np.all(np.asarray(got)[0, 0] == 0))
+            row["kernel_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(kernel(q, pool, table, lengths)),
+                                                    shapes["reps"])
+            row["xla_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(xla(q, pool, table, counts)),
+                                                 shapes["reps"])
+            figures[f"paged {tag}"] = row
+        except Exception as e:  # noqa: BLE001 - a kernel that raises on the chip is reported; the next runs
+            failed.append(f"paged {tag}")
+            figures[f"paged {tag}"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            log(traceback.format_exc(limit=6))
+        # -- flash attention (training): forward and backward, pallas_gpu and the XLA path
+        try:
+            q, k, v, ids, d_out = segment_case(rng, shapes, (h, kvh))
+            ref = segment_reference(q, k, v, ids, d_out)
+            fwd, grads = {}, {}
+            for impl in ("pallas_gpu", "xla"):
+                attend = functools.partial(segment_causal_attention, dtype=jnp.bfloat16, impl=impl)
+                fwd[impl] = jax.jit(attend)
+                grads[impl] = jax.jit(jax.grad(lambda q, k, v, ids, d, attend=attend: jnp.sum(attend(q, k, v, ids) * d),
+                                               argnums=(0, 1, 2)))
+            outs = {impl: jax.block_until_ready(fwd[impl](q, k, v, ids)) for impl in fwd}
+            row = check(f"flash forward {tag}", "flash forward", outs["pallas_gpu"], ref[0], outs["xla"])
+            row["kernel_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(fwd["pallas_gpu"](q, k, v, ids)),
+                                                    shapes["reps"])
+            row["xla_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(fwd["xla"](q, k, v, ids)),
+                                                 shapes["reps"])
+            figures[f"flash forward {tag}"] = row
+            gs = {impl: jax.block_until_ready(grads[impl](q, k, v, ids, d_out)) for impl in grads}
+            flat = lambda t: np.concatenate([np.asarray(x, np.float64).ravel() for x in t])
+            row = check(f"flash backward {tag}", "flash backward", flat(gs["pallas_gpu"]), flat(ref[1:]),
+                        flat(gs["xla"]))
+            for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
+                row[f"{name}_rel"] = rel_error(gs["pallas_gpu"][i], ref[1 + i])[1]
+            row["kernel_ms"] = 1e3 * median_seconds(
+                lambda: jax.block_until_ready(grads["pallas_gpu"](q, k, v, ids, d_out)), shapes["reps"])
+            row["xla_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(grads["xla"](q, k, v, ids, d_out)),
+                                                 shapes["reps"])
+            figures[f"flash backward {tag}"] = row
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"flash {tag}")
+            figures[f"flash {tag}"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            log(traceback.format_exc(limit=6))
+        partial(figures)
+    figures["interpret"] = interpret
+    if failed:
+        raise PhaseFailed(f"failed: {', '.join(failed)}", figures)
+    return figures
+
+
+# ---------------------------------------------------------------------------- phase: step
+def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: None) -> dict:
+    """A Lite PPO step of `model` (random weights) as `jaxrl4llm train` sets it up (plan_accuracy's
+    run): the rollout at forced lengths, the log-prob pass and the update, each timed after its compile."""
+    import jax
+    import numpy as np
+
+    from jaxrl4llm.sampling import generate
+    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.loop import setup_run
+    from plan_accuracy import CONFIG_FILES, PROGRAMS, one_device_mesh, time_update_programs
+
+    w = WORKLOAD[mode]
+    cfg = load_config(CONFIG_FILES, step_overrides(mode, model, work / "run"))
+    t0 = time.perf_counter()
+    run, state = setup_run(cfg, one_device_mesh(), log)
+    setup_s = time.perf_counter() - t0
+    prompts = [run.train_set.token_ids[i] for i in range(w["prompts"])]
+    lengths = forced_lengths(mode)
+    policy = run.policy.with_state(state)
+    r = cfg.rollout
+
+    def rollout():  # Policy.generate's call, with the forced per-row lengths and no EOS
+        out = generate(policy.graphdef, policy.state, prompts, num_samples=w["samples"],
+                       max_new_tokens=w["max_new_tokens"], temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                       eos_token_ids=[], pad_token_id=policy.pad_token_id, rng=jax.random.key(0),
+                       mesh=policy.sampler_mesh, cpu_kernels=policy.cpu_kernels, engine=policy.engine,
+                       slots=w["prompts"] * w["samples"], decode_burst=policy.decode_burst,
+                       prompt_buckets=(bucket(max(map(len, prompts)), PROMPT_BUCKETS),), row_max_new_tokens=lengths)
+        return jax.block_until_ready(out)
+
+    t0 = time.perf_counter()
+    out = rollout()
+    first = time.perf_counter() - t0
+    np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
+    t_rollout = median_seconds(rollout, w["reps"])
+    log(f"  rollout {t_rollout:.3f} s ({first:.1f} s with its compile)")
+    partial({"model": model, "rollout_s": t_rollout, "rollout_first_s": first})
+    export = ""
+    if model == next(iter(MODELS[mode])):  # the decode phase's transformers peer loads these weights
+        export = str(policy.export(work / "hf"))  # before the update donates (deletes) them
+    t_logprob, t_update, _ = time_update_programs(run, state, out, w["reps"] + 1)
+    log(f"  log-prob pass {t_logprob:.3f} s, update {t_update:.3f} s")
+    prompt_tokens = float(np.asarray(out.prompt_mask).sum(-1).mean())
+    return {"model": model, "export": export, "prompt_lens": [len(p) for p in prompts],
+            "params_m": run.policy.config.num_params / 1e6, "rows": len(lengths), "mean_length": float(lengths.mean()),
+            "max_length": int(lengths.max()), "prompt_tokens": prompt_tokens, "setup_s": setup_s,
+            "rollout_first_s": first,
+            "measured": dict(zip(PROGRAMS, (t_rollout, t_logprob, t_update))),
+            "step_s": t_rollout + t_logprob + t_update, "rollout_tokens_per_s": float(lengths.sum()) / t_rollout}
+
+
+# ---------------------------------------------------------------------------- phase: plan (background)
+def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
+    """`jaxrl4llm plan --json` of each step phase's run on `plan_topology`, at the rollout's own
+    lengths and real prompt tokens (JAX_PLATFORMS=cpu: XLA's CUDA compiler on this host's CPU)."""
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.prompts import load_prompt_sets
+    from plan_accuracy import CONFIG_FILES
+
+    w = WORKLOAD[mode]
+    lengths = [int(x) for x in forced_lengths(mode)]
+    peaks = read_record(work.parent, "peaks")
+    flags = plan_flags(peaks["figures"] if peaks["status"] == "ok" else None)
+    topology = plan_topology(mode, peaks.get("device", ""))
+    figures = {}
+    for model in MODELS[mode]:
+        root = work / model
+        root.mkdir(parents=True, exist_ok=True)
+        overrides = step_overrides(mode, model, root / "run")
+        train_set, _ = load_prompt_sets(load_config(CONFIG_FILES, overrides))
+        prompt_tokens = sum(len(train_set.token_ids[i]) for i in range(w["prompts"])) / w["prompts"]
+        lengths_file = root / "response_lengths.jsonl"
+        lengths_file.write_text(json.dumps({"step": 1, "response_lengths": lengths}) + "\n")
+        command = [sys.executable, "-m", "jaxrl4llm.cli", "plan", *(f"--config={c}" for c in CONFIG_FILES), *overrides,
+                   "--topology", topology, "--json", "--response-lengths", str(lengths_file),
+                   "--prompt-tokens", f"{prompt_tokens:.2f}", *flags]
+        log(f"  {model}: {' '.join(command[1:4])} ... --topology {topology} {' '.join(flags)}")
+        t0 = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        log(done.stderr[-3000:])
+        if done.returncode not in (0, 1):  # 1: a program does not fit (the plan is still printed)
+            raise PhaseFailed(f"plan of {model} exited {done.returncode}: {done.stderr.strip()[-800:]}", figures)
+        plan = json.loads(done.stdout)
+        figures[model] = {
+            "topology": plan["topology"], "fits": plan["fits"], "compile_s": time.perf_counter() - t0,
+            "chip": plan["chip"], "predicted": {p["name"]: p["seconds"] * p["runs"] for p in plan["programs"]},
+            "binding": {p["name"]: p["binding"] for p in plan["programs"]}, "step_s": plan["step_seconds"]}
+        partial(figures)  # what is planned so far survives a timeout
+    return figures
+
+
+# ---------------------------------------------------------------------------- phase: decode
+def phase_decode(mode: str, work: Path, log) -> dict:
+    """Generated tokens/s of the continuous engine (the first step phase's rollout: its rows, forced
+    lengths and weights) against the HBM roofline (weights + live KV a step / the copy bandwidth
+    measured here) and against transformers' `generate` on the same weights (the step phase's export)
+    on the same device, every row generating the rollout's mean length."""
+    import jax
+    import numpy as np
+
+    from jaxrl4llm.models import ModelConfig
+    from jaxrl4llm.sampling.continuous import BURST
+    from sampler import TransformersPeer, continuous_steps, ragged_decode_bytes
+
+    w = WORKLOAD[mode]
+    model = next(iter(MODELS[mode]))
+    step = read_record(work.parent, f"step:{model}")
+    if step["status"] != "ok":
+        raise PhaseFailed(f"needs the rollout of step:{model}, which did not run ({step['status']})", {})
+    f = step["figures"]
+    gpu = jax.default_backend() == "gpu"
+    lengths = forced_lengths(mode)
+    g, rows = w["samples"], w["prompts"] * w["samples"]
+    peaks = read_record(work.parent, "peaks")
+    if peaks["status"] != "ok":
+        raise PhaseFailed(f"needs the copy bandwidth of the peaks phase ({peaks['status']})", {})
+    bandwidth = peaks["figures"]["hbm_bandwidth"]
+    folder = f["export"]
+    config = ModelConfig.from_pretrained_dir(folder)
+    hf_tokens = max(1, int(round(lengths.mean())))
+    prompt_len = max(1, int(round(f["prompt_tokens"])))
+    prompts = np.random.default_rng(0).integers(1, config.vocab_size, (w["prompts"], prompt_len))
+    with TransformersPeer(None, "bfloat16", folder, device="cuda" if gpu else "cpu") as peer:
+        t_hf = min(peer.time_generate(prompts, g, hf_tokens, True) for _ in range(w["reps"]))
+    t_ours = f["measured"]["sampler/decode"]
+    steps = continuous_steps(lengths, g, rows, BURST)
+    roof_bytes = ragged_decode_bytes(config, np.repeat(f["prompt_lens"], g), lengths, steps, 2)
+    roof_s = roof_bytes / bandwidth
+    tokens = float(lengths.sum())
+    log(f"  ours {tokens / t_ours:.0f} tok/s, roofline {tokens / roof_s:.0f} tok/s, transformers "
+        f"{rows * hf_tokens / t_hf:.0f} tok/s")
+    return {"model": model, "rows": rows, "mean_length": float(lengths.mean()), "prompt_tokens": f["prompt_tokens"],
+            "copy_bandwidth_gb_s": bandwidth / 1e9, "ours_s": t_ours, "ours_tokens_per_s": tokens / t_ours,
+            "decode_steps": steps, "roofline_gb": roof_bytes / 1e9, "roofline_s": roof_s,
+            "roofline_tokens_per_s": tokens / roof_s, "roofline_use": roof_s / t_ours,
+            "transformers_new_tokens": hf_tokens, "transformers_s": t_hf,
+            "transformers_tokens_per_s": rows * hf_tokens / t_hf,
+            "ours_over_transformers": (tokens / t_ours) / (rows * hf_tokens / t_hf)}
+
+
+# ---------------------------------------------------------------------------- phase: tests
+def phase_tests(mode: str, work: Path, log, out_dir: Path, seconds: float) -> dict:
+    """`pytest -m gpu` on the kernel tests (collection only on the dry run: they run in CI on the CPU);
+    the full output goes to pytest_gpu.log."""
+    import re
+
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+               "tests/models/test_segment_attention.py", "tests/sampling"] + (["--collect-only"] if mode == "dry" else [])
+    with open(out_dir / "pytest_gpu.log", "w") as f:
+        f.write(f"$ {' '.join(command)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=max(seconds - 5, 5)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    tail = (out_dir / "pytest_gpu.log").read_text().strip().splitlines()[-1:]
+    log(f"  pytest exit {rc}: {tail[0] if tail else ''}")
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|tests? collected)",
+                                             tail[0] if tail else "")}
+    figures = {"exit": rc, "summary": tail[0] if tail else "", **counts}
+    unknown = "Unknown marker" in (out_dir / "pytest_gpu.log").read_text()  # pytest 9: -m of an unregistered marker
+    if rc == 5 or (rc == 4 and unknown):  # nothing selected: no test carries the gpu marker (yet)
+        figures["note"] = "no test is marked gpu (the marker is not registered yet)" if unknown else "no test is marked gpu"
+    elif rc != 0:
+        raise PhaseFailed(f"pytest -m gpu exited {rc}: {figures['summary']}", figures)
+    return figures
+
+
+# ---------------------------------------------------------------------------- phase: demo
+DEMO_SHORT = (100, ["trainer.steps=20", "data.eval_limit=100"])  # under 100 s left: 20 steps, evaluated at 0 and 20
+
+
+def phase_demo(mode: str, work: Path, log, seconds: float) -> dict:
+    """`jaxrl4llm demo` (its quick form on the dry run; DEMO_SHORT's with little time left): held-out
+    accuracy before -> after, seconds."""
+    from jaxrl4llm.train.demo import run_demo
+
+    quick = mode == "dry"
+    short = not quick and seconds < DEMO_SHORT[0]
+    overrides = ["trainer.progress_bar=false", "trainer.compile_cache=false"] + (DEMO_SHORT[1] if short else [])
+    if quick:  # the smallest run that still evaluates before and after
+        overrides += ["data.eval_limit=4", "trainer.steps=1", "rollout.prompts_per_step=2",
+                      "rollout.samples_per_prompt=2", "trainer.mini_batches=1", "trainer.eval_samples=1",
+                      "trainer.export_hf=false"]
+    summary = run_demo(out_dir=str(work / "demo"), overrides=overrides, quick=quick, log=log,
+                       sft_steps=5 if quick else None)
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    if "accuracy" not in before or "accuracy" not in after:
+        raise PhaseFailed("the demo did not report held-out accuracy before and after", {})
+    log(f"  held-out accuracy {100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}%")
+    return {"quick": quick, "short": short, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+            "seconds": summary["total_seconds"]}
+
+
+class PhaseFailed(Exception):
+    """A phase's check failed; `figures` are what it measured before."""
+
+    def __init__(self, message: str, figures: dict):
+        super().__init__(message)
+        self.figures = figures
+
+
+def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, seconds: float) -> int:
+    """Run phase `name` (`step:<model>` for a step) in this process; write {status, seconds, figures,
+    error, device} to `result`."""
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    if mode == "dry":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    record = {"status": "ok", "figures": {}, "error": ""}
+    try:
+        kind, _, model = name.partition(":")
+        if kind == "step":
+            record["figures"] = phase_step(mode, work, log, model, partial=lambda figures: write_record(result, {
+                "status": "timeout", "figures": figures, "error": "ran out of time after the rollout"}))
+        elif kind == "tests":
+            record["figures"] = phase_tests(mode, work, log, out_dir, seconds)
+        elif kind == "demo":
+            record["figures"] = phase_demo(mode, work, log, seconds)
+        elif kind == "plan":
+            record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
+                "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
+        elif kind == "kernels":
+            record["figures"] = phase_kernels(mode, work, log, partial=lambda figures: write_record(result, {
+                "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
+        else:
+            record["figures"] = {"peaks": phase_peaks, "decode": phase_decode}[kind](mode, work, log)
+    except PhaseFailed as e:
+        record.update(status="fail", error=str(e), figures=e.figures)
+    except Exception as e:  # noqa: BLE001 - reported in the table; the driver runs the next phase
+        record.update(status="fail", error=f"{type(e).__name__}: {str(e)[:1000]}")
+        traceback.print_exc()
+    record["seconds"] = time.perf_counter() - t0
+    if name != "plan":  # the plan phase runs on the CPU beside the GPU phases
+        try:
+            record.update(device_info())
+        except Exception:  # noqa: BLE001
+            pass
+    write_record(result, record)
+    return 0
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Write a phase's record whole or not at all (the driver may kill the phase at any moment)."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(record, default=float))
+    part.replace(path)
+
+
+# ---------------------------------------------------------------------------- driver
+def work_path(work: Path, name: str) -> Path:
+    """The folder of phase `name` under the check's work folder."""
+    return work / name.replace(":", "_")
+
+
+def result_path(work: Path, name: str) -> Path:
+    """Where phase `name` writes its record (a later phase may read an earlier one's)."""
+    return work / f"{name.replace(':', '_')}.json"
+
+
+def read_record(work: Path, name: str) -> dict:
+    """Phase `name`'s record ({"status": "not run"} when there is none)."""
+    path = result_path(work, name)
+    return json.loads(path.read_text()) if path.is_file() else {"status": "not run", "figures": {}}
+
+
+def fetch_wheels() -> int:
+    """Download WHEELS for the GPU host's Python 3.12 into .gpu_wheels/ (run here, with internet)."""
+    WHEEL_DIR.mkdir(exist_ok=True)
+    for requirement in WHEELS.values():
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                   "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
+                   "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "-d", str(WHEEL_DIR), requirement]
+        print("$", " ".join(command[3:]), flush=True)
+        subprocess.run(command, check=True)
+    total = sum(f.stat().st_size for f in WHEEL_DIR.glob("*.whl"))
+    print(f"{len(list(WHEEL_DIR.glob('*.whl')))} wheels, {total / 2**20:.1f} MiB in {WHEEL_DIR}")
+    return 0
+
+
+def wheel_files(requirement: str) -> list[Path]:
+    """The wheel(s) of `name==version` in WHEEL_DIR (pip normalises '-' to '_' in file names)."""
+    name, _, version = requirement.partition("==")
+    stem = name.replace("-", "_").lower()
+    return sorted(f for f in WHEEL_DIR.glob("*.whl") if f.name.lower().startswith(f"{stem}-{version}-"))
+
+
+def setup(site: Path, env: dict, log) -> dict:
+    """Probe the phases' Python for each module of WHEELS; pip-install the missing ones from
+    .gpu_wheels/ into `site` (put on PYTHONPATH); probe again."""
+    def probe(modules) -> dict:
+        """{module: its ImportError} of the modules the phases' Python cannot import (one process)."""
+        code = ("import importlib, json, sys\nbad = {}\nfor m in sys.argv[1:]:\n    try:\n"
+                "        importlib.import_module(m)\n    except Exception as e:\n"
+                "        bad[m] = f'{type(e).__name__}: {e}'\nprint(json.dumps(bad))")
+        done = subprocess.run([sys.executable, "-c", code, *modules], env=env, capture_output=True, text=True,
+                              timeout=120)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    missing = list(probe(WHEELS))
+    figures = {"python": platform.python_version(), "missing": missing, "installed": []}
+    if missing:
+        files = [f for m in missing for f in wheel_files(WHEELS[m])]
+        absent = [WHEELS[m] for m in missing if not wheel_files(WHEELS[m])]
+        if absent:
+            log(f"  no wheel in {WHEEL_DIR} for {', '.join(absent)}: run `scripts/gpu_check --fetch-wheels` where "
+                f"there is internet, and carry .gpu_wheels/")
+        if files:
+            site.mkdir(parents=True, exist_ok=True)
+            pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                                  str(site), *map(str, files)], env=env, timeout=120, capture_output=True, text=True)
+            if pip.returncode != 0:  # no pip in that Python: a pure-Python wheel is a zip of its import tree
+                import zipfile
+
+                log(f"  pip install failed ({pip.stderr.strip()[-300:]}); unpacking the wheels instead")
+                for f in files:
+                    zipfile.ZipFile(f).extractall(site)
+            figures["installed"] = [f.name for f in files]
+    figures["still_missing"] = probe(missing) if missing else {}
+    return figures
+
+
+def run_driver(out_dir: Path, mode: str) -> int:
+    """Every phase in order (PHASES), each a subprocess under its budget; the table and JSON into out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    total = TOTAL_SECONDS[mode]
+    budget = {p.name: p.gpu_seconds if mode == "gpu" else p.dry_seconds for p in PHASES}
+    logfile = open(out_dir / "gpu_check.log", "w", buffering=1)
+
+    def log(line: str) -> None:
+        stamp = f"[{time.monotonic() - start:6.1f}s] "
+        print(stamp + line, flush=True)
+        logfile.write(stamp + line + "\n")
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    site = work / "site"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(site),
+                                                                     os.environ.get("PYTHONPATH")])))
+    # explicit: plan_accuracy.py and train_step.py default JAX_PLATFORMS to cpu when they are imported;
+    # the CPU backend stays available on the GPU (tests that ask for CPU devices)
+    env["JAX_PLATFORMS"] = "cpu" if mode == "dry" else "cuda,cpu"
+    report = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+              "python": platform.python_version(), "phases": {}}
+    log(f"gpu_check {mode}: {out_dir}, budget {total} s, work folder {work}")
+
+    t0 = time.perf_counter()
+    try:
+        figures, status, error = setup(site, env, log), "ok", ""
+        if figures["still_missing"]:
+            status, error = "fail", f"still missing after install: {figures['still_missing']}"
+    except Exception as e:  # noqa: BLE001
+        figures, status, error = {}, "fail", f"{type(e).__name__}: {e}"
+    report["phases"]["setup"] = {"status": status, "seconds": time.perf_counter() - t0, "figures": figures,
+                                 "error": error}
+    log(f"setup: {status} {figures} {error}")
+
+    def command(name: str, result: Path, seconds: float) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), "--phase", name, "--result", str(result), "--work",
+                str(work_path(work, name)), "--budget", f"{seconds:.0f}", *(["--dry-run"] if mode == "dry" else []),
+                str(out_dir)]
+
+    def launch(name: str, seconds: float):
+        result = result_path(work, name)
+        with open(result.with_suffix(".out"), "w") as output:  # a file, not a pipe: nothing blocks on a full one
+            proc = subprocess.Popen(command(name, result, seconds), cwd=REPO,
+                                    env=dict(env, **PHASE_ENV.get(name.partition(":")[0], {})), stdout=output,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, result, time.monotonic() + seconds, time.monotonic()
+
+    def finish(name: str, proc, result: Path, deadline: float, started: float) -> None:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the phase and its children (the transformers peer, pytest)
+            proc.wait()
+            timed_out = True
+        output = result.with_suffix(".out").read_text(errors="replace")
+        logfile.write(f"----- {name} output -----\n{output}\n----- end of {name} -----\n")
+        if result.is_file():  # written whole (`write_record`); a partial one says "timeout"
+            record = json.loads(result.read_text())
+            if record["status"] == "timeout" and not timed_out:  # it died after writing a partial record
+                record.update(status="fail", error=f"exited {proc.returncode} after a partial record "
+                                                   f"({record['error']}): {output.strip()[-600:]}")
+        else:
+            record = {"status": "timeout" if timed_out else "fail", "figures": {},
+                      "error": "ran out of its time budget" if timed_out else
+                      f"exited {proc.returncode} without a result: {output.strip()[-800:]}"}
+        record.setdefault("seconds", time.monotonic() - started)
+        report["phases"][name] = record
+        log(f"{name}: {record['status']} in {record.get('seconds', float('nan')):.1f} s {record.get('error', '')[:300]}")
+
+    models = list(MODELS[mode])
+    background = {}  # name -> (the launched job, the phase after which it is collected)
+    for p in PHASES[1:]:
+        if p.collect_after:
+            seconds = min(budget[p.name], total - (time.monotonic() - start))
+            background[p.name] = (launch(p.name, seconds), p.collect_after)
+            log(f"{p.name}: started in the background ({PHASE_ENV.get(p.name)}, up to {seconds:.0f} s)")
+            continue
+        for phase in ([f"step:{m}" for m in models] if p.name == "step" else [p.name]):
+            left = total - (time.monotonic() - start)
+            if left < 10:
+                report["phases"][phase] = {"status": "skipped", "figures": {}, "error": "no time left"}
+                log(f"{phase}: skipped (no time left)")
+                continue
+            seconds = min(budget[p.name], left)
+            log(f"{phase}: running (budget {seconds:.0f} s)")
+            finish(phase, *launch(phase, seconds))
+        for name, (job, after) in list(background.items()):
+            if after == p.name:
+                log(f"{name}: waiting for the background job")
+                finish(name, *job)
+                del background[name]
+    compare_plan(report, models)
+    report["total_seconds"] = time.monotonic() - start
+    for name in ("kernels", *(f"step:{m}" for m in models)):
+        rec = report["phases"].get(name, {})
+        if "device" in rec:
+            report.update(device=rec["device"], jax=rec["jax"])
+            break
+    (out_dir / "gpu_check.json").write_text(json.dumps(strict_json(report), indent=1))
+    (out_dir / "gpu_check.md").write_text(markdown(report))
+    log(f"done in {report['total_seconds']:.0f} s: {out_dir / 'gpu_check.md'}")
+    logfile.close()
+    shutil.rmtree(work, ignore_errors=True)
+    bad = [n for n, r in report["phases"].items() if r["status"] != "ok"]
+    return 1 if bad else 0
+
+
+def strict_json(x):
+    """`x` with every non-finite float (an unmeasured ratio, a CPU's infinite interconnect) as None:
+    standard JSON has no NaN or Infinity."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def compare_plan(report: dict, models: list[str]) -> None:
+    """Put plan's predicted seconds beside the step phases' measured ones: measured / predicted."""
+    plan = report["phases"].get("plan", {})
+    rows = {}
+    for model in models:
+        measured = report["phases"].get(f"step:{model}", {}).get("figures", {}).get("measured")
+        predicted = plan.get("figures", {}).get(model, {}).get("predicted")
+        if not measured or not predicted:
+            continue
+        rows[model] = {name: {"measured_s": m, "predicted_s": predicted.get(name, float("nan")),
+                              "measured_over_predicted": m / predicted[name] if predicted.get(name) else float("nan")}
+                       for name, m in measured.items()}
+        m, p = sum(measured.values()), sum(predicted.get(n, 0.0) for n in measured)
+        rows[model]["step (3 programs)"] = {"measured_s": m, "predicted_s": p,
+                                            "measured_over_predicted": m / p if p else float("nan")}
+    if rows:
+        plan.setdefault("figures", {})["comparison"] = rows
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else (f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}")
+    return str(x)
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: a phase table, then a table per phase of its figures."""
+    lines = [f"# gpu_check ({report['mode']})", "",
+             f"{report.get('device', '?')}, jax {report.get('jax', '?')}, Python {report['python']}, {report['date']}, "
+             f"{report.get('total_seconds', 0):.0f} s in total", "",
+             "| phase | status | seconds | note |", "| --- | --- | --- | --- |"]
+    for name, rec in report["phases"].items():
+        lines.append(f"| {name} | {rec['status']} | {rec.get('seconds', float('nan')):.1f} | "
+                     f"{rec.get('error', '')[:200].replace('|', '/')} |")
+    kernels = report["phases"].get("kernels", {}).get("figures", {})
+    rows = [(k, v) for k, v in kernels.items() if isinstance(v, dict)]
+    if rows:
+        lines += ["", "## Kernels (bf16; rel = ||out - ref|| / ||ref|| against float64)", "",
+                  "| kernel (heads q:kv) | pass | rel | tolerance | max abs | XLA rel | kernel ms | XLA ms | XLA / kernel |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for k, v in rows:
+            if "error" in v:
+                lines.append(f"| {k} | error | {v['error'][:150].replace('|', '/')} | | | | | | |")
+                continue
+            speed = v["xla_ms"] / v["kernel_ms"] if v.get("kernel_ms") else float("nan")
+            lines.append(f"| {k} | {v['pass']} | {_fmt(v['rel'])} | {v['tolerance']:g} | {_fmt(v['max_abs'])} | "
+                         f"{_fmt(v.get('xla_rel', float('nan')))} | {_fmt(v.get('kernel_ms', float('nan')))} | "
+                         f"{_fmt(v.get('xla_ms', float('nan')))} | {_fmt(speed)} |")
+    comparison = report["phases"].get("plan", {}).get("figures", {}).get("comparison", {})
+    steps = {n[5:]: r["figures"] for n, r in report["phases"].items() if n.startswith("step:") and r.get("figures")}
+    if steps:
+        lines += ["", "## Train step and rollout (measured after compile) and plan's prediction", "",
+                  "| model | program | measured s | predicted s | measured / predicted |", "| --- | --- | --- | --- | --- |"]
+        for model, f in steps.items():
+            for name, m in f.get("measured", {}).items():
+                c = comparison.get(model, {}).get(name, {})
+                lines.append(f"| {model} | {name} | {_fmt(m)} | {_fmt(c.get('predicted_s', float('nan')))} | "
+                             f"{_fmt(c.get('measured_over_predicted', float('nan')))} |")
+            c = comparison.get(model, {}).get("step (3 programs)", {})
+            lines.append(f"| {model} | step (3 programs) | {_fmt(f.get('step_s', float('nan')))} | "
+                         f"{_fmt(c.get('predicted_s', float('nan')))} | "
+                         f"{_fmt(c.get('measured_over_predicted', float('nan')))} |")
+    plans = {m: f for m, f in report["phases"].get("plan", {}).get("figures", {}).items() if m != "comparison"}
+    if plans:
+        lines += ["", "## plan", "", "| model | topology | fits | predicted step s | compile s | peak TFLOP/s | HBM GB/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {m} | {f['topology']} | {f['fits']} | {_fmt(f['step_s'])} | {_fmt(f['compile_s'])} | "
+                  f"{_fmt(f['chip']['peak_flops'] / 1e12)} | {_fmt(f['chip']['hbm_bandwidth'] / 1e9)} |"
+                  for m, f in plans.items()]
+    for name in ("peaks", "decode", "tests", "demo"):
+        f = report["phases"].get(name, {}).get("figures", {})
+        if f:
+            lines += ["", f"## {name}", "", "| figure | value |", "| --- | --- |"]
+            lines += [f"| {k} | {_fmt(v)} |" for k, v in f.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", help="where gpu_check.md/.json/.log and pytest_gpu.log go")
+    ap.add_argument("--dry-run", action="store_true", help="every phase on this CPU at toy sizes")
+    ap.add_argument("--fetch-wheels", action="store_true", help="download the wheels the GPU host lacks")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.fetch_wheels:
+        return fetch_wheels()
+    if not args.out_dir:
+        ap.error("OUT_DIR is required (or --fetch-wheels)")
+    mode = "dry" if args.dry_run else "gpu"
+    if args.phase:
+        return run_phase(args.phase, mode, Path(args.work), Path(args.result), Path(args.out_dir), args.budget)
+    return run_driver(Path(args.out_dir), mode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`scripts/gpu_check --dry-run`: every phase of the first GPU run (benchmarks/gpu_check.py) runs on
+this CPU at toy sizes and reports "ok" with finite figures, into the four files a GPU session brings
+back. The one test runs the whole dry run (a few minutes: each phase compiles its own programs)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    """benchmarks/gpu_check.py as a module (for its tables), sys.path and sys.modules as they were."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        del sys.modules["gpu_check"]
+    return module
+
+
+def _numbers(x, path=""):
+    """(path, value) of every number and None in a JSON tree."""
+    if isinstance(x, dict):
+        return [n for k, v in x.items() for n in _numbers(v, f"{path}/{k}")]
+    if isinstance(x, list):
+        return [n for i, v in enumerate(x) for n in _numbers(v, f"{path}/{i}")]
+    return [(path, x)] if x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)) else []
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
+    gc = _gpu_check()
+    out = tmp_path / "out"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+    done = subprocess.run([str(REPO / "scripts" / "gpu_check"), "--dry-run", str(out)], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(gc.OUT_FILES)  # what a GPU session can bring back
+    report = json.loads((out / "gpu_check.json").read_text())
+    phases = [q.name for q in gc.PHASES if q.name != "step"] + [f"step:{m}" for m in gc.MODELS["dry"]]
+    assert sorted(report["phases"]) == sorted(phases)
+    for name, record in report["phases"].items():
+        assert record["status"] == "ok", (name, record.get("error"))
+    # every figure finite (None stands for a non-finite one), but a CPU's interconnect: none
+    missing = [p for p, v in _numbers(report["phases"]) if v is None or not math.isfinite(v)]
+    assert all(p.endswith("/chip/ici_bandwidth") for p in missing), missing
+    kernels = report["phases"]["kernels"]["figures"]
+    assert {k for k in kernels if k != "interpret"} == {f"{kind} {h}:{kv}" for kind in ("paged", "flash forward",
+                                                                                       "flash backward")
+                                                       for h, kv in gc.KERNEL_SHAPES["dry"]["heads"]}
+    assert all(v["pass"] for k, v in kernels.items() if k != "interpret")
+    comparison = report["phases"]["plan"]["figures"]["comparison"]
+    for model in gc.MODELS["dry"]:
+        assert comparison[model]["step (3 programs)"]["measured_over_predicted"] > 0
+    table = (out / "gpu_check.md").read_text()
+    assert "| kernels | ok |" in table and "measured / predicted" in table
