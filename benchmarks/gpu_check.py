@@ -92,7 +92,7 @@ def model_fields(mode: str, model: str) -> dict:
     if source == "demo":
         from train_step import SIZES
 
-        return dict(SIZES["demo"], vocab_size=128)  # >= the character tokenizer's 101 tokens
+        return SIZES["demo"]
     import yaml
 
     section = yaml.safe_load((REPO / source).read_text())["model"]

@@ -26,7 +26,7 @@ from jaxrl4llm.plan.chips import cpu_matmul_peak  # noqa: E402
 from jaxrl4llm.train.step import TrainBatch, UpdateSettings, init_train_state, make_optimizer, make_update_fn  # noqa: E402
 
 SIZES = {
-    "demo": dict(vocab_size=64, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
+    "demo": dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
     "48m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=4, head_dim=64),
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64),
 }
