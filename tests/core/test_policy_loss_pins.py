@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl4llm.core import CISPO, GRPO, LITE_PPO, PRESETS, compute_advantages, policy_loss
+from jaxrl4llm.core import CISPO, GRPO, LITE_PPO, PRESETS, apply_surrogate, compute_advantages, policy_loss
 
 FIXTURE = Path(__file__).parent / "data" / "policy_loss_cda4f50.npz"
 B, G, T = 8, 4, 12
@@ -104,3 +104,16 @@ def test_policy_loss_is_bit_identical_to_cda4f50(case):
     assert set(got) == set(want), "the metrics' names changed"
     for key, value in got.items():
         np.testing.assert_array_equal(value, want[key], err_msg=f"{case}: {key}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_step_clip_flags_are_those_of_cda4f50(case):
+    """The train step's flags (train/step.py: the surrogate's `clipped` on the loss mask, rows with
+    weight 0 removed) are the ones core.surrogate.clip_flags gave at cda4f50."""
+    recipe = CASES[case]
+    kw = loss_arguments(recipe, pinned_inputs())
+    flags = apply_surrogate(recipe, jax.lax.stop_gradient(kw["logp"]), kw["old_logp"], kw["advantages"],
+                            kw["mask"]).clipped
+    flags = flags & (kw["row_weights"][:, None] > 0)
+    _, want = load_pins(case)
+    np.testing.assert_array_equal(np.asarray(flags), want)
