@@ -41,3 +41,10 @@ def test_own_data_and_reward_page_runs_as_written(tmp_path, monkeypatch):
     for text in code:
         exec(compile(text, "docs/own_data_and_reward.md", "exec"), scope)
     sys.modules.pop("my_rewards", None)
+
+
+def test_surrogate_table_snippet_runs():
+    """docs/objectives.md: a surrogate registered from a notebook, validated and run by policy_loss."""
+    blocks = [b for b in _python_blocks("objectives.md") if "register_surrogate" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/objectives.md", "exec"), {})

@@ -9,8 +9,12 @@ string options static, works under vmap and stays finite on degenerate input.
 Advantages:   normalize_advantages, rloo_advantages, batch_whiten, scale_rewards
 Log-probs:    token_logprobs, token_logprobs_chunked, token_logprobs_from_hidden,
               token_logprobs_from_head, entropy_from_logits
-Surrogate:    clipped_surrogate (PPO / Clip-Higher / dual clip / GSPO / GSPO-token), cispo_surrogate,
-              sapo_surrogate, sapo_gate, SurrogateStats, truncated_is_weights
+Surrogate:    ppo_clip_loss (PPO / Clip-Higher / dual clip / GSPO / GSPO-token), cispo_loss, sapo_loss
+              -> SurrogateOutput(loss, stats, clipped); clipped_surrogate, cispo_surrogate,
+              sapo_surrogate -> (loss, stats); sapo_gate, SurrogateStats, surrogate_stats,
+              broadcast_advantages, truncated_is_weights
+Surrogate table: register_surrogate, registered_surrogate, surrogate_names, apply_surrogate,
+              RegisteredSurrogate (Recipe.surrogate names a row; core.surrogate_registry)
 Mismatch:     sampler-trainer corrections from old_logp vs sampler_logp: tis_token, tis_sequence,
               mis_token, mis_sequence, icepop, seq_mask, mismatch_correction, Correction, IS_CORRECTIONS
 Entropy:      Clip-Cov / KL-Cov (arXiv 2505.22617): token_covariance, clip_cov_mask, kl_cov_mask,
@@ -68,19 +72,32 @@ from jaxrl4llm.core.recipes import Recipe
 from jaxrl4llm.core.recipes import compute_advantages
 from jaxrl4llm.core.recipes import policy_loss
 from jaxrl4llm.core.recipes import policy_loss_from_rewards
+from jaxrl4llm.core.surrogate import SurrogateOutput
 from jaxrl4llm.core.surrogate import SurrogateStats
+from jaxrl4llm.core.surrogate import broadcast_advantages
+from jaxrl4llm.core.surrogate import cispo_loss
 from jaxrl4llm.core.surrogate import cispo_surrogate
 from jaxrl4llm.core.surrogate import clipped_surrogate
+from jaxrl4llm.core.surrogate import ppo_clip_loss
 from jaxrl4llm.core.surrogate import sapo_gate
+from jaxrl4llm.core.surrogate import sapo_loss
 from jaxrl4llm.core.surrogate import sapo_surrogate
+from jaxrl4llm.core.surrogate import surrogate_stats
 from jaxrl4llm.core.surrogate import truncated_is_weights
+from jaxrl4llm.core.surrogate_registry import RegisteredSurrogate
+from jaxrl4llm.core.surrogate_registry import apply_surrogate
+from jaxrl4llm.core.surrogate_registry import register_surrogate
+from jaxrl4llm.core.surrogate_registry import registered_surrogate
+from jaxrl4llm.core.surrogate_registry import surrogate_names
 
 __all__ = [
     "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "COV_CONTROLS", "clip_cov_mask", "kl_cov_mask", "kl_cov_penalty",
     "token_covariance", "top_k_mask", "Correction", "IS_CORRECTIONS", "icepop", "mis_sequence", "mis_token",
     "mismatch_correction", "seq_mask", "tis_sequence", "tis_token", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
-    "PPO_BASELINE", "PRESETS", "Recipe", "SCALERL", "SurrogateStats", "aggregate_loss", "batch_whiten",
-    "cispo_surrogate", "clipped_surrogate", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
+    "PPO_BASELINE", "PRESETS", "Recipe", "RegisteredSurrogate", "SCALERL", "SurrogateOutput", "SurrogateStats",
+    "aggregate_loss", "apply_surrogate", "batch_whiten", "broadcast_advantages", "cispo_loss", "cispo_surrogate",
+    "clipped_surrogate", "ppo_clip_loss", "register_surrogate", "registered_surrogate", "sapo_loss",
+    "surrogate_names", "surrogate_stats", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
     "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
     "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "scale_rewards", "sapo_surrogate", "token_logprobs",
     "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",

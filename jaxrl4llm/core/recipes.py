@@ -28,12 +28,10 @@ from jaxrl4llm.core.entropy_control import COV_CONTROLS, clip_cov_mask, kl_cov_m
 from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
 from jaxrl4llm.core.mismatch import IS_CORRECTIONS, mismatch_correction
-from jaxrl4llm.core.surrogate import (
-    CISPO_CAP_MODES, RATIO_LEVELS, cispo_surrogate, clip_flags, clipped_surrogate, sapo_surrogate,
-)
+from jaxrl4llm.core.surrogate import RATIO_LEVELS
+from jaxrl4llm.core.surrogate_registry import apply_surrogate, surrogate_problems
 
 ADV_ESTIMATORS = ("normalized", "rloo", "reinforce_pp")
-SURROGATES = ("ppo", "cispo", "sapo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +44,9 @@ class Recipe:
         (leave-one-out baseline) or "reinforce_pp" (group-free batch whitening of rewards).
       adv_mean, adv_std: "group" | "batch" | "none" (normalized estimator only).
       adv_eps: added to the std.
-      surrogate: "ppo" (clipped_surrogate), "cispo" (cispo_surrogate) or "sapo" (sapo_surrogate).
+      surrogate: a name in the surrogate table (core.surrogate_registry): "ppo" (ppo_clip_loss),
+        "cispo" (cispo_loss), "sapo" (sapo_loss), or one added with register_surrogate; its
+        row's check runs here.
       eps_low, eps_high: PPO clip range [1 - eps_low, 1 + eps_high]; eps_high > eps_low is
         Clip-Higher. For CISPO the IS-weight bounds (see cispo_cap_mode).
       cispo_cap_mode: "relative" (upper bound 1 + eps_high, verl) or "absolute" (upper bound
@@ -98,7 +98,7 @@ class Recipe:
     adv_eps: float = 1e-6
     eps_low: float = 0.2
     eps_high: float = 0.2
-    surrogate: Literal["ppo", "cispo", "sapo"] = "ppo"
+    surrogate: str = "ppo"
     cispo_cap_mode: Literal["relative", "absolute"] = "relative"
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
@@ -144,24 +144,7 @@ class Recipe:
             problems.append(f"kl_kind={self.kl_kind!r} (valid: {', '.join(KL_KINDS)})")
         if self.ratio_level not in RATIO_LEVELS:
             problems.append(f"ratio_level={self.ratio_level!r} (valid: {', '.join(RATIO_LEVELS)})")
-        if self.surrogate not in SURROGATES:
-            problems.append(f"surrogate={self.surrogate!r} (valid: {', '.join(SURROGATES)})")
-        if self.cispo_cap_mode not in CISPO_CAP_MODES:
-            problems.append(f"cispo_cap_mode={self.cispo_cap_mode!r} (valid: {', '.join(CISPO_CAP_MODES)})")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
-            problems.append(f"sapo_tau_pos/sapo_tau_neg must be > 0, got {self.sapo_tau_pos}/{self.sapo_tau_neg}")
-        if self.surrogate != "ppo":
-            if self.ratio_level != "token":
-                problems.append(f"ratio_level={self.ratio_level!r} needs surrogate='ppo' (surrogate={self.surrogate!r} is token-level)")
-            if self.dual_clip is not None:
-                problems.append(f"dual_clip={self.dual_clip} needs surrogate='ppo' (got surrogate={self.surrogate!r})")
-        if self.surrogate == "cispo":
-            hi = 1.0 + self.eps_high if self.cispo_cap_mode == "relative" else self.eps_high
-            if hi <= max(1.0 - self.eps_low, 0.0):
-                problems.append(
-                    f"eps_high={self.eps_high} with cispo_cap_mode={self.cispo_cap_mode!r} gives an IS-weight cap {hi} "
-                    f"not above the lower bound {max(1.0 - self.eps_low, 0.0)}"
-                )
+        problems += surrogate_problems(self)  # an unknown name, or the checks registered with the surrogate
         if self.eps_low < 0 or self.eps_high < 0:
             problems.append(f"eps_low/eps_high must be >= 0, got {self.eps_low}/{self.eps_high}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -345,7 +328,8 @@ def policy_loss(
 ) -> tuple[LossTerms, dict[str, chex.Array]]:
     """l_bt = w_bt·S(r_bt, A_b) + beta·KL_bt - alpha·H_bt, aggregated by recipe.loss_agg_mode.
 
-    S is recipe.surrogate: PPO clip (clipped_surrogate), CISPO or SAPO. w is the
+    S is the surrogate recipe.surrogate names in the table (core.surrogate_registry: PPO clip,
+    CISPO, SAPO, or one added with register_surrogate), looked up at trace time. w is the
     sampler-trainer mismatch weight of recipe.is_correction (core.mismatch, from old_logp and
     sampler_logp; 0 on masked tokens, which stay counted in the denominators), or the
     truncated IS weight when the legacy recipe.tis_cap and sampler_logp are set, else 1.
@@ -401,32 +385,18 @@ def policy_loss(
             "log-probs; old_logp must be the trainer's recomputed ones)."
         )
 
-    if recipe.surrogate == "cispo":
-        per_token, stats = cispo_surrogate(
-            logp, old_logp, advantages, m, eps_low=recipe.eps_low, eps_high=recipe.eps_high, cap_mode=recipe.cispo_cap_mode,
-        )
-    elif recipe.surrogate == "sapo":
-        per_token, stats = sapo_surrogate(
-            logp, old_logp, advantages, m, tau_pos=recipe.sapo_tau_pos, tau_neg=recipe.sapo_tau_neg,
-        )
-    else:
-        per_token, stats = clipped_surrogate(
-            logp, old_logp, advantages, m,
-            eps_low=recipe.eps_low, eps_high=recipe.eps_high, dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
-        )
+    surrogate = apply_surrogate(recipe, logp, old_logp, advantages, m)
+    per_token = surrogate.loss
     num = jnp.maximum(jnp.sum(m), 1.0)
-    metrics: dict[str, chex.Array] = dict(stats._asdict())
+    metrics: dict[str, chex.Array] = dict(surrogate.stats._asdict())
     metrics["pg_loss"] = jnp.sum(per_token * m) / num
     picked = None
     if recipe.cov_control == "clip_cov":
         if key is None:
             raise ValueError(f"recipe {recipe.name!r} has cov_control='clip_cov': pass key= (a PRNG key; the pick of "
                              "tokens is a function of it).")
-        already = clip_flags(jax.lax.stop_gradient(logp), old_logp, advantages, m, surrogate=recipe.surrogate,
-                             eps_low=recipe.eps_low, eps_high=recipe.eps_high, dual_clip=recipe.dual_clip,
-                             ratio_level=recipe.ratio_level, cispo_cap_mode=recipe.cispo_cap_mode)
         picked = clip_cov_mask(logp, advantages, m, key, ratio=recipe.cov_ratio, low=recipe.clip_cov_low,
-                               high=recipe.clip_cov_high, exclude=already)
+                               high=recipe.clip_cov_high, exclude=surrogate.clipped)
         per_token = jnp.where(picked, jax.lax.stop_gradient(per_token), per_token)
     elif recipe.cov_control == "kl_cov":
         picked = kl_cov_mask(logp, advantages, m, ratio=recipe.cov_ratio)

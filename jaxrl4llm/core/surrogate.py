@@ -3,8 +3,10 @@ clip, Clip-Higher, dual clip; token-, sequence- (GSPO) or GSPO-token-level ratio
 (clipped IS weight, MiniMax-M1), SAPO (soft sigmoid gate), and truncated importance weights
 for sampler drift.
 
-All functions return per-token values [B, T], zero where mask == 0; reduce them with
-`aggregate_loss`.
+Each surrogate is one function returning a SurrogateOutput: its per-token loss [B, T] (zero where
+mask == 0; reduce it with `aggregate_loss`), its SurrogateStats and its clip flags [B, T]:
+ppo_clip_loss, cispo_loss, sapo_loss. clipped_surrogate, cispo_surrogate and sapo_surrogate are
+the same functions returning (loss, stats). `core.surrogate_registry` names them for a Recipe.
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ class SurrogateStats(NamedTuple):
     num_tokens: chex.Array
 
 
+class SurrogateOutput(NamedTuple):
+    """What a surrogate returns.
+
+    loss:    [B, T] float32 per-token loss, zero where mask == 0.
+    stats:   SurrogateStats over the counted tokens.
+    clipped: [B, T] bool, the counted tokens its clip binds: exactly those its stats'
+             clip_frac + dual_clip_frac count (the loop's most-clipped-tokens report).
+    """
+
+    loss: chex.Array
+    stats: SurrogateStats
+    clipped: chex.Array
+
+
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 CISPO_CAP_MODES = ("relative", "absolute")
 
@@ -62,29 +78,39 @@ def _log_ratio(diff: chex.Array, logp: chex.Array, m: chex.Array, ratio_level: s
     return jax.lax.stop_gradient(seq) + safe_logp - jax.lax.stop_gradient(safe_logp)
 
 
-def _ratio_stats(r, m, diff, low_cond, high_cond, dual_cond=None) -> SurrogateStats:
-    """SurrogateStats over counted tokens; r has no gradient; conditions are [B, T] bools."""
-    counted = m > 0
-    n = jnp.sum(m)
+def surrogate_stats(ratio: chex.Array, mask: chex.Array, log_ratio: chex.Array, low_clipped: chex.Array,
+                    high_clipped: chex.Array, dual_clipped: chex.Array | None = None) -> SurrogateStats:
+    """SurrogateStats over the counted tokens (mask > 0), for a surrogate of one's own.
+
+    Args:
+      ratio: [B, T] importance ratio r (no gradient is taken through the statistics).
+      mask: [B, T] float mask of counted tokens.
+      log_ratio: [B, T] logp - old_logp, 0 where mask == 0 (approx_kl is its masked mean, negated).
+      low_clipped, high_clipped: [B, T] bool, tokens where the lower / upper bound binds.
+      dual_clipped: [B, T] bool, tokens where the dual clip binds, or None (dual_clip_frac 0).
+    """
+    counted = mask > 0
+    n = jnp.sum(mask)
     denom = jnp.maximum(n, 1.0)
     frac = lambda cond: jnp.sum(jnp.where(counted & cond, 1.0, 0.0)) / denom
-    low, high = frac(low_cond), frac(high_cond)
-    dual = frac(dual_cond) if dual_cond is not None else jnp.zeros((), jnp.float32)
+    low, high = frac(low_clipped), frac(high_clipped)
+    dual = frac(dual_clipped) if dual_clipped is not None else jnp.zeros((), jnp.float32)
     any_counted = n > 0
     return SurrogateStats(
         clip_frac_low=low,
         clip_frac_high=high,
         clip_frac=low + high,
         dual_clip_frac=dual,
-        ratio_mean=jnp.where(any_counted, jnp.sum(r * m) / denom, 1.0),
-        ratio_min=jnp.where(any_counted, jnp.min(jnp.where(counted, r, jnp.inf)), 1.0),
-        ratio_max=jnp.where(any_counted, jnp.max(jnp.where(counted, r, -jnp.inf)), 1.0),
-        approx_kl=jax.lax.stop_gradient(-jnp.sum(diff * m) / denom),
+        ratio_mean=jnp.where(any_counted, jnp.sum(ratio * mask) / denom, 1.0),
+        ratio_min=jnp.where(any_counted, jnp.min(jnp.where(counted, ratio, jnp.inf)), 1.0),
+        ratio_max=jnp.where(any_counted, jnp.max(jnp.where(counted, ratio, -jnp.inf)), 1.0),
+        approx_kl=jax.lax.stop_gradient(-jnp.sum(log_ratio * mask) / denom),
         num_tokens=n,
     )
 
 
-def _broadcast_advantages(advantages: chex.Array, like: chex.Array) -> chex.Array:
+def broadcast_advantages(advantages: chex.Array, like: chex.Array) -> chex.Array:
+    """[B] (one per response) or [B, T] advantages -> [B, T] float32, the shape of `like`."""
     if advantages.ndim == 1:
         chex.assert_equal_shape_prefix([advantages, like], 1)
         return jnp.broadcast_to(advantages[:, None], like.shape).astype(jnp.float32)
@@ -92,7 +118,7 @@ def _broadcast_advantages(advantages: chex.Array, like: chex.Array) -> chex.Arra
     return advantages.astype(jnp.float32)
 
 
-def clipped_surrogate(
+def ppo_clip_loss(
     logp: chex.Array,
     old_logp: chex.Array,
     advantages: chex.Array,
@@ -102,12 +128,12 @@ def clipped_surrogate(
     eps_high: float = 0.2,
     dual_clip: float | None = None,
     ratio_level: Literal["token", "sequence", "sequence_token"] = "token",
-) -> tuple[chex.Array, SurrogateStats]:
+) -> SurrogateOutput:
     """L = max(-r·A, -clip(r, 1-eps_low, 1+eps_high)·A); with dual clip c: L = min(L, c·|A|) where A < 0.
 
-    PPO (Schulman et al. 2017); Clip-Higher = eps_high > eps_low (DAPO, Yu et al. 2025);
-    dual clip (Ye et al. 2020, verl's clip_ratio_c = 3.0). Ratio levels (GSPO, Zheng et al.
-    2025, arXiv 2507.18071):
+    PPO (Schulman et al. 2017, arXiv 1707.06347); Clip-Higher = eps_high > eps_low (DAPO, Yu et
+    al. 2025, arXiv 2503.14476); dual clip (Ye et al. 2020, arXiv 1912.09729, verl's
+    clip_ratio_c = 3.0). Ratio levels (GSPO, Zheng et al. 2025, arXiv 2507.18071):
       "token":          r_t = exp(logp_t - old_logp_t).
       "sequence":       GSPO, s_i = exp(mean_t m·(logp - old_logp)) on every token of row i; the
                         gradient flows through the mean log-ratio, so token t's gradient mixes
@@ -134,7 +160,9 @@ def clipped_surrogate(
       ratio_level: "token" (PPO), "sequence" (GSPO) or "sequence_token" (GSPO-token).
 
     Returns:
-      (loss [B, T] float32, zero where mask == 0; SurrogateStats).
+      SurrogateOutput: loss [B, T] float32, zero where mask == 0; SurrogateStats; clipped [B, T]:
+      (A < 0 and r < 1 - eps_low) or (A > 0 and r > 1 + eps_high) or (dual clip: A < 0 and
+      r > c), r at `ratio_level` (GSPO: the row's sequence ratio on every token).
     """
     chex.assert_rank([logp, old_logp, mask], 2)
     chex.assert_equal_shape([logp, old_logp, mask])
@@ -144,27 +172,35 @@ def clipped_surrogate(
         raise ValueError(f"dual_clip must be > 1 (verl uses 3.0), got {dual_clip}.")
     m = mask.astype(jnp.float32)
     counted = m > 0
-    adv = _broadcast_advantages(advantages, logp)
+    adv = broadcast_advantages(advantages, logp)
     logp = logp.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
 
     diff = jnp.where(counted, logp - old, 0.0)
     ratio = jnp.exp(_log_ratio(diff, logp, m, ratio_level))
 
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(unclipped, clipped)
+    unclipped_loss = -adv * ratio
+    clipped_loss = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(unclipped_loss, clipped_loss)
     if dual_clip is not None:
         loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip * adv), loss)
     loss = jnp.where(counted, loss, 0.0)
 
     r = jax.lax.stop_gradient(ratio)
-    stats = _ratio_stats(
-        r, m, diff,
-        (adv < 0) & (r < 1.0 - eps_low),
-        (adv > 0) & (r > 1.0 + eps_high),
-        (adv < 0) & (r > dual_clip) if dual_clip is not None else None,
-    )
+    low = (adv < 0) & (r < 1.0 - eps_low)
+    high = (adv > 0) & (r > 1.0 + eps_high)
+    dual = (adv < 0) & (r > dual_clip) if dual_clip is not None else None
+    clipped = low | high if dual is None else low | high | dual
+    return SurrogateOutput(loss, surrogate_stats(r, m, diff, low, high, dual), counted & clipped)
+
+
+def clipped_surrogate(logp: chex.Array, old_logp: chex.Array, advantages: chex.Array, mask: chex.Array, *,
+                      eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+                      ratio_level: Literal["token", "sequence", "sequence_token"] = "token",
+                      ) -> tuple[chex.Array, SurrogateStats]:
+    """(loss [B, T], SurrogateStats) of `ppo_clip_loss` (PPO / Clip-Higher / dual clip / GSPO / GSPO-token)."""
+    loss, stats, _ = ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+                                   dual_clip=dual_clip, ratio_level=ratio_level)
     return loss, stats
 
 
@@ -179,7 +215,7 @@ def cispo_bounds(eps_low: float, eps_high: float, cap_mode: str) -> tuple[float,
     return lo, hi
 
 
-def cispo_surrogate(
+def cispo_loss(
     logp: chex.Array,
     old_logp: chex.Array,
     advantages: chex.Array,
@@ -188,7 +224,7 @@ def cispo_surrogate(
     eps_low: float = 1.0,
     eps_high: float = 4.0,
     cap_mode: Literal["relative", "absolute"] = "relative",
-) -> tuple[chex.Array, SurrogateStats]:
+) -> SurrogateOutput:
     """L = -sg(clip(r, lo, hi))·A·logp, r = exp(logp - old_logp): CISPO, clipped IS-weight policy optimisation.
 
     MiniMax-M1 (MiniMax 2025, arXiv 2506.13585, eq. 4): the importance weight, not the token
@@ -211,15 +247,16 @@ def cispo_surrogate(
       cap_mode: "relative" or "absolute" (see above).
 
     Returns:
-      (loss [B, T] float32, zero where mask == 0; SurrogateStats with clip_frac_low / high =
-      fraction of counted tokens whose weight hit the lower / upper bound, any advantage sign).
+      SurrogateOutput: loss [B, T] float32, zero where mask == 0; SurrogateStats with
+      clip_frac_low / high = fraction of counted tokens whose weight hit the lower / upper bound,
+      any advantage sign; clipped [B, T]: r outside [lo, hi] (`cispo_bounds`).
     """
     chex.assert_rank([logp, old_logp, mask], 2)
     chex.assert_equal_shape([logp, old_logp, mask])
     lo, hi = cispo_bounds(eps_low, eps_high, cap_mode)
     m = mask.astype(jnp.float32)
     counted = m > 0
-    adv = _broadcast_advantages(advantages, logp)
+    adv = broadcast_advantages(advantages, logp)
     logp = logp.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
     diff = jnp.where(counted, logp - old, 0.0)
@@ -227,7 +264,17 @@ def cispo_surrogate(
     weight = jnp.clip(r, lo, hi)
     safe_logp = jnp.where(counted, logp, 0.0)
     loss = jnp.where(counted, -weight * adv * safe_logp, 0.0)
-    return loss, _ratio_stats(r, m, diff, r < lo, r > hi)
+    low, high = r < lo, r > hi
+    return SurrogateOutput(loss, surrogate_stats(r, m, diff, low, high), counted & (low | high))
+
+
+def cispo_surrogate(logp: chex.Array, old_logp: chex.Array, advantages: chex.Array, mask: chex.Array, *,
+                    eps_low: float = 1.0, eps_high: float = 4.0, cap_mode: Literal["relative", "absolute"] = "relative",
+                    ) -> tuple[chex.Array, SurrogateStats]:
+    """(loss [B, T], SurrogateStats) of `cispo_loss` (CISPO, MiniMax-M1)."""
+    loss, stats, _ = cispo_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+                                cap_mode=cap_mode)
+    return loss, stats
 
 
 def sapo_gate(ratio: chex.Array, tau: chex.Array) -> chex.Array:
@@ -235,7 +282,7 @@ def sapo_gate(ratio: chex.Array, tau: chex.Array) -> chex.Array:
     return (4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0))
 
 
-def sapo_surrogate(
+def sapo_loss(
     logp: chex.Array,
     old_logp: chex.Array,
     advantages: chex.Array,
@@ -243,7 +290,7 @@ def sapo_surrogate(
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
-) -> tuple[chex.Array, SurrogateStats]:
+) -> SurrogateOutput:
     """L = -f_tau(r)·A, f_tau(r) = (4/tau)·sigmoid(tau·(r - 1)), tau = tau_pos if A > 0 else tau_neg: SAPO.
 
     Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv 2511.20347): a smooth,
@@ -262,7 +309,8 @@ def sapo_surrogate(
       tau_pos, tau_neg: gate temperatures (> 0) for A > 0 and A <= 0.
 
     Returns:
-      (loss [B, T] float32, zero where mask == 0; SurrogateStats, clip fractions 0).
+      SurrogateOutput: loss [B, T] float32, zero where mask == 0; SurrogateStats, clip
+      fractions 0; clipped all False (a soft gate clips nothing).
     """
     chex.assert_rank([logp, old_logp, mask], 2)
     chex.assert_equal_shape([logp, old_logp, mask])
@@ -270,7 +318,7 @@ def sapo_surrogate(
         raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}.")
     m = mask.astype(jnp.float32)
     counted = m > 0
-    adv = _broadcast_advantages(advantages, logp)
+    adv = broadcast_advantages(advantages, logp)
     logp = logp.astype(jnp.float32)
     old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
     diff = jnp.where(counted, logp - old, 0.0)
@@ -278,8 +326,14 @@ def sapo_surrogate(
     tau = jnp.where(adv > 0, tau_pos, tau_neg)
     loss = jnp.where(counted, -sapo_gate(ratio, tau) * adv, 0.0)
     never = jnp.zeros(logp.shape, bool)
-    return loss, _ratio_stats(jax.lax.stop_gradient(ratio), m, diff, never, never)
+    return SurrogateOutput(loss, surrogate_stats(jax.lax.stop_gradient(ratio), m, diff, never, never), never)
 
+
+def sapo_surrogate(logp: chex.Array, old_logp: chex.Array, advantages: chex.Array, mask: chex.Array, *,
+                   tau_pos: float = 1.0, tau_neg: float = 1.05) -> tuple[chex.Array, SurrogateStats]:
+    """(loss [B, T], SurrogateStats) of `sapo_loss` (SAPO's soft gate)."""
+    loss, stats, _ = sapo_loss(logp, old_logp, advantages, mask, tau_pos=tau_pos, tau_neg=tau_neg)
+    return loss, stats
 
 
 def truncated_is_weights(trainer_logp: chex.Array, sampler_logp: chex.Array, cap: float = 2.0) -> chex.Array:
@@ -308,31 +362,12 @@ def truncated_is_weights(trainer_logp: chex.Array, sampler_logp: chex.Array, cap
 
 
 def clip_flags(logp: chex.Array, old_logp: chex.Array, advantages: chex.Array, mask: chex.Array, *,
-               surrogate: str = "ppo", eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
-               ratio_level: str = "token", cispo_cap_mode: str = "relative") -> chex.Array:
-    """[B, T] bool: the counted tokens a surrogate clips, the ones its clip_frac and dual_clip_frac count.
+               eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+               ratio_level: str = "token") -> chex.Array:
+    """[B, T] bool: the counted tokens the PPO clip binds, `ppo_clip_loss(...).clipped` without a gradient.
 
-        ppo:   (A < 0 and r < 1 - eps_low) or (A > 0 and r > 1 + eps_high) or (dual clip: A < 0 and r > c),
-               r at `ratio_level` (GSPO: the row's sequence ratio on every token)
-        cispo: r outside [lo, hi] (`cispo_bounds`; its weight is capped, any advantage sign)
-        sapo:  none (a soft gate clips nothing)
-
-    For the analysis of which tokens were clipped (the loop's most-clipped-tokens report); the
-    fraction of True over counted tokens equals SurrogateStats.clip_frac + dual_clip_frac.
+    Another surrogate's flags are its own SurrogateOutput.clipped (for a Recipe:
+    `core.surrogate_registry.apply_surrogate(recipe, ...).clipped`).
     """
-    m = mask.astype(jnp.float32)
-    counted = m > 0
-    if surrogate == "sapo":
-        return jnp.zeros(logp.shape, bool)
-    adv = _broadcast_advantages(advantages, logp)
-    diff = jnp.where(counted, logp.astype(jnp.float32) - old_logp.astype(jnp.float32), 0.0)
-    diff = jax.lax.stop_gradient(diff)
-    if surrogate == "cispo":
-        lo, hi = cispo_bounds(eps_low, eps_high, cispo_cap_mode)
-        r = jnp.exp(jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        return counted & ((r < lo) | (r > hi))
-    r = jnp.exp(jax.lax.stop_gradient(_log_ratio(diff, logp, m, ratio_level)))
-    flags = ((adv < 0) & (r < 1.0 - eps_low)) | ((adv > 0) & (r > 1.0 + eps_high))
-    if dual_clip is not None:
-        flags = flags | ((adv < 0) & (r > dual_clip))
-    return counted & flags
+    return ppo_clip_loss(jax.lax.stop_gradient(logp), old_logp, advantages, mask, eps_low=eps_low,
+                         eps_high=eps_high, dual_clip=dual_clip, ratio_level=ratio_level).clipped

@@ -149,8 +149,8 @@ class RolloutConfig:
     # auto = the largest chunk whose decode memory (sampling.memory) fits 85% of a device's memory.
     prompts_per_chunk: Literal["auto"] | int = 0
     # No-Positive-Resampling (ScaleRL, arXiv 2510.13786): a prompt whose pass rate (share of its
-    # samples with reward > 0.5) reaches this value leaves the prompt stream for good (saved in
-    # checkpoints); null = off. ScaleRL uses 0.9.
+    # samples with reward > train.reward_fn.CORRECT_REWARD_THRESHOLD, 0.5) reaches this value leaves
+    # the prompt stream for good (saved in checkpoints); null = off. ScaleRL uses 0.9.
     retire_pass_rate: float | None = None
 
 

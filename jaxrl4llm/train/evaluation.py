@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import RunConfig
+from jaxrl4llm.train.reward_fn import CORRECT_REWARD_THRESHOLD
 from jaxrl4llm.train.scoring import score_rows
 
 
@@ -58,7 +59,7 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
                                  counted=len(ids) * k)[: len(ids) * k].reshape(len(ids), k)
             if records is not None:
                 _record(records, policy, rollout, ps, ids, k, rewards)
-            correct[ids] = rewards > 0.5
+            correct[ids] = rewards > CORRECT_REWARD_THRESHOLD
             lengths.extend(hosts.fetch(rollout.lengths)[: len(ids) * k].tolist())
         n = ps.name
         out[f"{n}/accuracy"] = float(correct.mean())

@@ -40,6 +40,11 @@ import numpy as np
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.user_code import import_object
 
+# A row counts as correct when its reward exceeds this: accuracy and pass@k (train/evaluation.py),
+# the step's accuracy and a prompt's pass rate (rollout.retire_pass_rate) in train/loop.py. The
+# built-in verifier scores 0 or 1; a reward of one's own is read the same way.
+CORRECT_REWARD_THRESHOLD = 0.5
+
 # names of the first two parameters that say "one response" or "a list of them"
 _ONE_RESPONSE = {"response", "completion", "text", "output", "generation", "prediction", "pred", "sample",
                  "solution", "string", "model_output", "response_str", "solution_str"}

@@ -35,9 +35,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl4llm.core import LossTerms, Recipe, policy_loss
+from jaxrl4llm.core import LossTerms, Recipe, apply_surrogate, policy_loss
 from jaxrl4llm.core.aggregation import ROW_SUM_MODES
-from jaxrl4llm.core.surrogate import clip_flags
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 from jaxrl4llm.train.packing import scatter_slots, unpack_micro
 from jaxrl4llm.train.train_batch import TrainBatch
@@ -191,10 +190,8 @@ def loss_terms_from_scores(
         entropy=entropy,
         **extra,
     )
-    clipped = clip_flags(jax.lax.stop_gradient(logp), batch.old_logp, batch.advantages, batch.loss_mask,
-                         surrogate=recipe.surrogate, eps_low=recipe.eps_low, eps_high=recipe.eps_high,
-                         dual_clip=recipe.dual_clip, ratio_level=recipe.ratio_level,
-                         cispo_cap_mode=recipe.cispo_cap_mode)
+    clipped = apply_surrogate(recipe, jax.lax.stop_gradient(logp), batch.old_logp, batch.advantages,
+                              batch.loss_mask).clipped
     clipped = clipped & (batch.row_weights[:, None] > 0)
     if gap is not None:
         metrics = dict(metrics, sampler_trainer_logp_gap=gap)
