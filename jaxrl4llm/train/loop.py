@@ -37,7 +37,7 @@ from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
-from jaxrl4llm.train.reward_fn import make_reward_fn
+from jaxrl4llm.train.reward_fn import CORRECT_REWARD_THRESHOLD, make_reward_fn
 from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, check_partial, partial_version,
                                               pending_from_host, pending_to_host, sampler_base_mesh, sampling_version,
                                               staleness_metrics)
@@ -159,7 +159,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         t_sample += t1 - t0
         t_reward += t2 - t1
         all_rewards.append(rewards)
-        retired += stream.retire(ids, (rewards.reshape(-1, G) > 0.5).mean(axis=1), cfg.rollout.retire_pass_rate)
+        retired += stream.retire(ids, (rewards.reshape(-1, G) > CORRECT_REWARD_THRESHOLD).mean(axis=1),
+                                 cfg.rollout.retire_pass_rate)
         for g, pid in enumerate(ids):
             rows = slice(g * G, (g + 1) * G)
             entry = (rollout, g, rewards[rows], pid)
@@ -240,7 +241,7 @@ def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, s
     rows = [i for i in ids for _ in range(G)]
     rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
                          [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
-    retired = stream.retire(ids, (rewards.reshape(-1, G) > 0.5).mean(axis=1), cfg.rollout.retire_pass_rate)
+    retired = stream.retire(ids, (rewards.reshape(-1, G) > CORRECT_REWARD_THRESHOLD).mean(axis=1), cfg.rollout.retire_pass_rate)
     stats = {"time_sampling": t1 - t0, "time_reward": time.perf_counter() - t1, "sampling_draws": 1,
              "sampling_prompts_drawn": P, "groups_filled_constant": 0, "reward_all_draws": float(np.mean(rewards)),
              "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens))}
@@ -445,7 +446,7 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
         **{k: float(v) for k, v in jax.device_get(_batch_scalars(batch, adv, rollout.prompt_mask)).items()},
         **{k: float(v) for k, v in jax.device_get(metrics).items()},
         "reward": float(np.mean(rewards)),
-        "accuracy": float(np.mean(rewards > 0.5)),
+        "accuracy": float(np.mean(rewards > CORRECT_REWARD_THRESHOLD)),
         "response_length": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
         "truncation_rate": float(truncated.mean()),
