@@ -11,14 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl4llm.sampling.memory import SIZING_SHARE
-from jaxrl4llm.models import ModelConfig
+from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, merge,
+                              param_shardings, save_pretrained, score_tokens)
+from jaxrl4llm.sampling import decode_responses, generate
+from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+from jaxrl4llm.sampling.memory import SIZING_SHARE, decode_sizing, prompts_per_chunk, slots_that_fit
+from jaxrl4llm.sampling.rollout import decode_token_lists
+from jaxrl4llm.storage import local_copy
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.layout import model_config_from_fields, sampler_mesh_for
 from jaxrl4llm.train.step import join_params
+from jaxrl4llm.train.user_code import import_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +64,6 @@ class Policy:
     @property
     def dropout(self) -> bool:
         """The model has LoRA adapters with dropout: updates pass a dropout key."""
-        from jaxrl4llm.models import merge
-
         settings = getattr(merge(self.graphdef, self.state), "lora_settings", None)
         return settings is not None and settings.dropout > 0
 
@@ -75,9 +80,6 @@ class Policy:
         (at least the longest prompt's) whatever this call's longest is, so calls share one program;
         `slots`: the continuous engine's slots when `rollout.slots: auto` finds no memory budget
         (default: all rows)."""
-        from jaxrl4llm.sampling import generate
-        from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
-
         longest = max(max(map(len, prompts)), prompt_len or 0)
         return generate(
             self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
@@ -115,8 +117,6 @@ class Policy:
         budget = self._memory_budget()
         if budget is None:
             return None
-        from jaxrl4llm.sampling.memory import decode_sizing, slots_that_fit
-
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
         return slots_that_fit(self.config, budget, prompts=num_prompts, **sizing)
@@ -131,22 +131,16 @@ class Policy:
             jax.devices()[0].memory_stats()
         if not stats or "bytes_limit" not in stats or self.config is None:
             return None
-        from jaxrl4llm.sampling.memory import decode_sizing, prompts_per_chunk
-
         budget = SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
         return prompts_per_chunk(self.config, budget, prompts=num_prompts, **sizing)
 
     def decode(self, rollout) -> list[str]:
-        from jaxrl4llm.sampling import decode_responses
-
         return decode_responses(rollout, self.tokenizer)
 
     def decode_rows(self, token_lists) -> list[str]:
         """Response texts of token-id lists (special tokens skipped, as `decode`)."""
-        from jaxrl4llm.sampling.rollout import decode_token_lists
-
         return decode_token_lists(token_lists, self.tokenizer)
 
     def decode_ids(self, ids) -> str:
@@ -155,8 +149,6 @@ class Policy:
     def export(self, path: str | Path) -> Path:
         """Writes an HF folder (config.json, safetensors, tokenizer) loadable by transformers/vLLM;
         LoRA adapters are merged into the weights."""
-        from jaxrl4llm.models import save_pretrained
-
         if self.config is None:
             raise ConfigError("model.module models have no Hugging Face layout to export to; set trainer.export_hf=false "
                               "and save the orbax checkpoint's state instead.")
@@ -173,8 +165,6 @@ def make_logprob_fn(graphdef, temperature: float, chunk_size: int):
     (0 = greedy: scored at 1); `last` = n scores only the last n positions (the others are 0);
     `group` = G (with `last`): rows n*G .. n*G+G-1 share the prompt before those n positions, run
     once; `segment_ids`: packed rows (train/packing.py)."""
-    from jaxrl4llm.models import score_tokens
-
     def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None, last=None, group=1, segment_ids=None):
         first = 0 if last is None else max(inputs.shape[1] - last, 0)
         return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
@@ -204,10 +194,6 @@ def _eos_ids(tokenizer, model_config) -> tuple[int, ...]:
 
 def _user_module(m, tokenizer, rng):
     """model.module = "package.module:factory" -> (graphdef, state) of the user's NNX model."""
-    from flax import nnx
-
-    from jaxrl4llm.train.user_code import import_object
-
     factory = import_object(m.module, "model.module")
     model = factory(vocab_size=random_model_vocab_size(m, tokenizer), rngs=nnx.Rngs(params=rng))
     if not isinstance(model, nnx.Module):
@@ -241,12 +227,6 @@ def random_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     """From `model.path` (an HF folder), `model.module` (your NNX model) or a random model of the
     configured size + `model.tokenizer`; with `model.lora`, adapters on a frozen base."""
-    from flax import nnx
-
-    from jaxrl4llm.models import (add_lora, init_model, load_pretrained, load_tokenizer,
-                                  param_shardings)
-    from jaxrl4llm.storage import local_copy
-
     m = cfg.model
     rng = jax.random.PRNGKey(cfg.trainer.seed)
     model_config = None
