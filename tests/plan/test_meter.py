@@ -203,8 +203,10 @@ def test_plan_json_holds_the_meter_figures(capsys, tmp_path):
 
 
 def test_the_private_entry_points_pass_their_self_check():
-    """jaxlib's private cost analysis works on the jax of this interpreter (checked in a child process)."""
+    """jaxlib's private cost analysis works on the jax of this interpreter, also when checked in a
+    child process (what a jaxlib outside CHECKED_JAXLIB gets)."""
     assert private_meter_problem() is None and meter_notice() is None
+    assert hlo_cost.self_check_problem() is None
 
 
 _ASYNC_HALF = """HloModule dispatch, is_scheduled=true, num_partitions=4
