@@ -46,8 +46,9 @@ MB pool: 2685 MB on h100, 2.0 MB on v5e).
 Uses two private jaxlib entry points (`_jax.hlo_module_cost_analysis`, `_hlo.hlo_module_from_text`),
 checked on jax 0.10.2 and 0.12.0.1 (`pyproject.toml` does not pin jax for them). A crash inside
 them cannot be caught, so on a jaxlib not checked here a child process first runs them on a few
-probe modules, once per process (`private_meter_problem`); where they are missing, changed or crash, `program_cost` falls back to
-the public `compiled.cost_analysis()` of each program (`compiled_hlo_text` keeps it): flops and HBM
+probe modules, once per process (`private_meter_problem`). Where they are missing, changed or
+crash, `program_cost` falls back to the public `compiled.cost_analysis()` of each program
+(`compiled_hlo_text` keeps it): flops and HBM
 bytes then count each loop body once, without the off-HBM and fusion corrections, and
 `meter_notice()` says so (plan prints it). Collectives are read from the HLO text either way.
 Set JAXRL4LLM_PLAN_METER=public to take the fallback on purpose.
@@ -355,8 +356,10 @@ import jax
 from jax._src.lib import _jax
 from jaxlib import _hlo
 client = jax.devices("cpu")[0].client
-texts = json.load(sys.stdin)
-print(json.dumps({k: dict(_jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(t))) for k, t in texts.items()}))
+costs = {}
+for name, text in json.load(sys.stdin).items():
+    costs[name] = dict(_jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(text)))
+print(json.dumps(costs))
 """
 
 
@@ -395,8 +398,9 @@ def self_check_problem() -> str | None:
     as they are by hand, else what went wrong."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     try:
-        child = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps({k: t for k, (t, _) in _SELF_CHECK.items()}),
-                               capture_output=True, text=True, env=env, timeout=300)
+        probes = json.dumps({name: text for name, (text, _) in _SELF_CHECK.items()})
+        child = subprocess.run([sys.executable, "-c", _CHILD], input=probes, capture_output=True, text=True, env=env,
+                               timeout=300)
     except subprocess.TimeoutExpired:
         return "the private cost analysis hung on a probe module"
     if child.returncode != 0:
@@ -408,8 +412,9 @@ def self_check_problem() -> str | None:
         return "the private cost analysis printed no figures"
     for name, (_, want) in _SELF_CHECK.items():
         for key, value in want.items():
-            if abs(got.get(name, {}).get(key, -1.0) - value) > 1e-6 * value:
-                return f"the private cost analysis counts {key} {got.get(name, {}).get(key)} for probe {name}, not {value}"
+            counted = got.get(name, {}).get(key)
+            if counted is None or abs(counted - value) > 1e-6 * value:
+                return f"the private cost analysis counts {key} {counted} for probe {name}, not {value}"
     return None
 
 
