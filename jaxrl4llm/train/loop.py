@@ -10,6 +10,7 @@ steps equals 4 steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -590,6 +591,14 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     summary (finished_before: its last step); a resume whose config differs from the run's lists
     the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    # However the run ends (a raise included), its checkpointer closes: the write in flight commits
+    # before the program ends (Python 3.12 cannot finish it at exit: train/checkpointing.py).
+    with contextlib.ExitStack() as closing:
+        return _train(cfg, resume, allow_config_change, log, closing)
+
+
+def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: Callable[[str], None],
+           closing: contextlib.ExitStack) -> dict:
     if resume and (done := finished_summary(cfg)) is not None:
         log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
@@ -610,7 +619,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     mesh, sampler_mesh = _meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
     partial = partial_stream(sampler_policy(run, state), run.train_set, cfg) if cfg.rollout.partial else None
-    ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
+    ckpt = closing.enter_context(RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints))
     start_step, cursor, retired, pending = 0, 0, [], []
     if resume:
         abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
