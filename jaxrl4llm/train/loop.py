@@ -591,8 +591,9 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     summary (finished_before: its last step); a resume whose config differs from the run's lists
     the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
-    # However the run ends (a raise included), its checkpointer closes: the write in flight commits
-    # before the program ends (Python 3.12 cannot finish it at exit: train/checkpointing.py).
+    # However the run ends (a raise included), its checkpointer and metrics writer close before the
+    # program ends: Python 3.12 refuses the threads they would start at exit (the checkpoint write in
+    # flight, TensorBoard's writer: train/checkpointing.py, train/metrics.py).
     with contextlib.ExitStack() as closing:
         return _train(cfg, resume, allow_config_change, log, closing)
 
@@ -643,6 +644,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
                           retired=retired)
     writer = MetricsWriter(files.dir, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
                            start_step=start_step, enabled=hosts.is_main())
+    closing.callback(writer.close)
     writer.truncate_after(start_step)
     evaluate_at = lambda step, st: evaluate(sampler_policy(run, st), run.eval_sets, cfg, run.reward_fn,
                                             jax.random.fold_in(run.base_key, 10**9 + step))
