@@ -5,15 +5,18 @@
 # tests installs nothing, the tests after the demo add their extras. Re-installs when
 # pyproject.toml changed since the last install or when the tests find a demo-only venv.
 # pip's output goes to .venv/install.log; on a failure its tail is printed.
+# VENV=<folder> and PYTHON=<interpreter> pick another venv and the interpreter that creates it
+# (.ci/run: VENV=.venv312 PYTHON=$(scripts/find_python.sh 3.12)); defaults: .venv, python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
 want=${1:-test}
 case "$want" in
   demo | test) ;;
   *) echo "usage: $0 [demo|test]" >&2; exit 2 ;;
 esac
-log=.venv/install.log
+log=$VENV/install.log
 
 run_logged() {
   if ! "$@" >>"$log" 2>&1; then
@@ -23,26 +26,27 @@ run_logged() {
   fi
 }
 
-if [ ! -x .venv/bin/python ]; then
-  echo "creating .venv with $("$PY" --version 2>&1) (first run: a few minutes; log: $log)"
-  "$PY" -m venv .venv
-  run_logged .venv/bin/python -m pip install --upgrade pip
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "creating $VENV with $("$PY" --version 2>&1) (first run: a few minutes; log: $log)"
+  "$PY" -m venv "$VENV"
+  run_logged "$VENV/bin/python" -m pip install --upgrade pip
 fi
 # The stamp holds "<sha256 of pyproject.toml> <demo|test>" (a hash alone: test, an older stamp).
-stamp=.venv/.jaxrl4llm-install-stamp
+stamp=$VENV/.jaxrl4llm-install-stamp
 hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
 have_hash="" have=""
 if [ -f "$stamp" ]; then read -r have_hash have < "$stamp" || true; fi
 if [ -n "$have_hash" ] && [ -z "$have" ]; then have="test"; fi
 if [ "$have_hash" != "$hash" ] || { [ "$want" = test ] && [ "$have" != test ]; }; then
   if [ "$want" = test ]; then
-    echo "installing jaxrl4llm and its test extras into .venv (log: $log)"
-    # torch (CPU build) is a test-time oracle only; pinning it keeps pip on the local CPU wheel.
-    run_logged .venv/bin/python -m pip install "torch==2.13.0"
-    run_logged .venv/bin/python -m pip install -e ".[test]"
+    echo "installing jaxrl4llm and its test extras into $VENV (log: $log)"
+    # torch is a test-time oracle only; pinning it keeps pip on the local CPU wheel where there is one
+    # (Python 3.11 here; for 3.12 pip takes PyPI's CUDA build, ~3 GB with its nvidia wheels).
+    run_logged "$VENV/bin/python" -m pip install "torch==2.13.0"
+    run_logged "$VENV/bin/python" -m pip install -e ".[test]"
   else
-    echo "installing jaxrl4llm into .venv (log: $log)"
-    run_logged .venv/bin/python -m pip install -e .
+    echo "installing jaxrl4llm into $VENV (log: $log)"
+    run_logged "$VENV/bin/python" -m pip install -e .
   fi
   echo "$hash $want" > "$stamp"
 fi

@@ -84,7 +84,8 @@ def _check_cap(cap: float) -> float:
 def tis_token(old_logp: chex.Array, sampler_logp: chex.Array, mask: chex.Array, cap: float) -> Correction:
     """w_t = min(pi_old_t / pi_sampler_t, C): token-level truncated IS (Yao et al. 2025; verl rollout_is, token, truncate).
 
-    The weights are `truncated_is_weights` (the legacy `tis_cap` path), bit for bit.
+    The weights are `truncated_is_weights` (the legacy `tis_cap` path): the same float32 formula,
+    equal to within one ulp (XLA may evaluate exp differently inside a larger jitted program).
     touched: counted tokens whose ratio exceeds C.
     """
     log_cap = _check_cap(cap)

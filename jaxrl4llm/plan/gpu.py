@@ -4,9 +4,11 @@ for XLA's CUDA compiler to compile for on this CPU, with no GPU present (`pip in
     jaxrl4llm plan ... --topology h100:8      # one host of 8 H100s
     jaxrl4llm plan ... --topology h100:2x8    # 2 hosts x 8 H100s
 
-XLA's CUDA plugin (jax-cuda12-plugin + jax-cuda12-pjrt) builds its devices from a description of
-the GPU (a `GpuTargetConfigProto`, shipped here as `gpu_targets/<gpu>.txtpb`, from openxla/xla)
-instead of asking a driver, and compiles through ptxas (nvidia-cuda-nvcc-cu12):
+XLA's CUDA plugin (jax-cuda12-plugin + jax-cuda12-pjrt, or the CUDA 13 build: jax-cuda13-plugin +
+jax-cuda13-pjrt, `pip install -e .[gpu13]`; whichever is installed at jaxlib's version,
+`cuda_plugin`) builds its devices from a description of the GPU (a `GpuTargetConfigProto`, shipped
+here as `gpu_targets/<gpu>.txtpb`, from openxla/xla) instead of asking a driver, and compiles
+through ptxas (nvidia-cuda-nvcc-cu12, or nvidia-cuda-nvcc for CUDA 13):
 `topologies.get_topology_desc(platform="cuda", target_config=<text>, topology="1x<hosts>x<gpus>")`.
 What a program compiled this way tells (jax 0.10.2, measured):
 - `memory_analysis()` per GPU. XLA does not refuse a program larger than the GPU's memory (it
@@ -46,8 +48,36 @@ GPU_CHIPS: dict[str, ChipSpec] = {
 }
 
 _TOPOLOGY = re.compile(r"(?P<gpu>[a-z0-9]+):(?:(?P<hosts>\d+)x)?(?P<per_host>\d+)")
-_PLUGIN, _PLUGIN_DIST = "jax_plugins.xla_cuda12", "jax-cuda12-plugin"
-_INSTALL = "install XLA's CUDA compiler with `pip install -e .[gpu]` (about 210 MB; no GPU needed)"
+# XLA's CUDA plugins, in order of preference: (module, pip package, its PJRT package).
+CUDA_PLUGINS = (("jax_plugins.xla_cuda12", "jax-cuda12-plugin", "jax-cuda12-pjrt"),
+                ("jax_plugins.xla_cuda13", "jax-cuda13-plugin", "jax-cuda13-pjrt"))
+# Where ptxas comes from: the CUDA 12 wheel (nvidia/cuda_nvcc/bin) or the CUDA 13 one (nvidia/cu13/bin).
+_NVCC_MODULES = ("nvidia.cuda_nvcc", "nvidia.cu13")
+_INSTALL = ("install XLA's CUDA compiler with `pip install -e .[gpu]` (CUDA 12, about 210 MB; no GPU needed) "
+            "or `pip install -e .[gpu13]` (CUDA 13)")
+
+
+def _find(module: str):
+    try:
+        return find_spec(module)
+    except ModuleNotFoundError:  # not even the parent namespace (jax_plugins, nvidia)
+        return None
+
+
+def cuda_plugin() -> tuple[str, str, str] | None:
+    """The (module, pip package, PJRT package) of `CUDA_PLUGINS` to compile with: an installed one
+    at jaxlib's version (CUDA 12 first), else the first installed one (`gpu_topology_devices`
+    then names the version mismatch), else None."""
+    installed = [p for p in CUDA_PLUGINS if _find(p[0]) is not None]
+    jaxlib_version = metadata.version("jaxlib")
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return next((p for p in installed if version(p[1]) == jaxlib_version), installed[0] if installed else None)
 
 
 def is_gpu_topology(topology: str) -> bool:
@@ -79,24 +109,17 @@ def gpu_target_config(gpu: str) -> str:
 
 
 def missing_gpu_packages() -> list[str]:
-    """The pip packages of the `gpu` extra that are missing: the CUDA plugin, and ptxas (from
-    nvidia-cuda-nvcc-cu12, or a CUDA toolkit where XLA looks for one)."""
+    """The pip packages of the `gpu` (or `gpu13`) extra that are missing: a CUDA plugin (either
+    CUDA_PLUGINS entry), and ptxas (from nvidia-cuda-nvcc-cu12 or nvidia-cuda-nvcc, or a CUDA
+    toolkit where XLA looks for one)."""
     missing = []
-    try:
-        plugin = find_spec(_PLUGIN)
-    except ModuleNotFoundError:  # not even the jax_plugins namespace
-        plugin = None
-    if plugin is None:
-        missing += [_PLUGIN_DIST, "jax-cuda12-pjrt"]
-    try:
-        nvcc = find_spec("nvidia.cuda_nvcc")
-    except ModuleNotFoundError:
-        nvcc = None
-    nvcc_dirs = list(nvcc.submodule_search_locations or []) if nvcc else []
+    if cuda_plugin() is None:
+        missing.append(" + ".join(CUDA_PLUGINS[0][1:]) + " (or " + " + ".join(CUDA_PLUGINS[1][1:]) + ")")
+    nvcc_dirs = [d for m in _NVCC_MODULES if (spec := _find(m)) for d in (spec.submodule_search_locations or [])]
     roots = [*nvcc_dirs, os.environ.get("CUDA_ROOT"), "/usr/local/cuda", "/opt/cuda"]
     if not (shutil.which("ptxas") or "xla_gpu_cuda_data_dir" in os.environ.get("XLA_FLAGS", "")
             or any(r and os.path.exists(os.path.join(r, "bin", "ptxas")) for r in roots)):
-        missing.append("nvidia-cuda-nvcc-cu12 (ptxas)")
+        missing.append("nvidia-cuda-nvcc-cu12 or nvidia-cuda-nvcc (ptxas)")
     return missing
 
 
@@ -107,10 +130,12 @@ def gpu_topology_devices(topology: str) -> list[jax.Device]:
     if missing := missing_gpu_packages():
         raise ConfigError(f"--topology {topology!r} needs XLA's CUDA compiler, but {', '.join(missing)} "
                           f"{'is' if len(missing) == 1 else 'are'} not installed: {_INSTALL}.")
-    plugin_version, jaxlib_version = metadata.version(_PLUGIN_DIST), metadata.version("jaxlib")
+    _, dist, _ = cuda_plugin()
+    plugin_version, jaxlib_version = metadata.version(dist), metadata.version("jaxlib")
     if plugin_version != jaxlib_version:
-        raise ConfigError(f"--topology {topology!r}: {_PLUGIN_DIST} {plugin_version} does not match jaxlib "
-                          f"{jaxlib_version}; reinstall with `pip install -e .[gpu]`.")
+        extra = "gpu13" if dist == CUDA_PLUGINS[1][1] else "gpu"
+        raise ConfigError(f"--topology {topology!r}: {dist} {plugin_version} does not match jaxlib "
+                          f"{jaxlib_version}; reinstall with `pip install -e .[{extra}]`.")
     from jax.experimental import topologies
 
     try:

@@ -44,15 +44,30 @@ counts a GPU fusion as reading (and writing) the whole operand (10 writes of 32 
 MB pool: 2685 MB on h100, 2.0 MB on v5e).
 
 Uses two private jaxlib entry points (`_jax.hlo_module_cost_analysis`, `_hlo.hlo_module_from_text`),
-checked on jax 0.10.2; `pyproject.toml` pins jax below 0.11 for them.
+checked on jax 0.10.2 and 0.12.0.1 (`pyproject.toml` does not pin jax for them). A crash inside
+them cannot be caught, so on a jaxlib not checked here a child process first runs them on a few
+probe modules, once per process (`private_meter_problem`). Where they are missing, changed or
+crash, `program_cost` falls back to the public `compiled.cost_analysis()` of each program
+(`compiled_hlo_text` keeps it): flops and HBM
+bytes then count each loop body once, without the off-HBM and fusion corrections, and
+`meter_notice()` says so (plan prints it). Collectives are read from the HLO text either way.
+Set JAXRL4LLM_PLAN_METER=public to take the fallback on purpose.
+
+On jax 0.12 the HLO parser accepts the `-done` half of an async op (`slice-done`) fed by a
+parameter instead of its `-start`, and then crashes the process (jax 0.10.2 rejected the text): a
+probe is built only for ops that stand alone (`_can_probe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 import re
+import subprocess
+import sys
 from typing import Mapping, Sequence
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
@@ -284,12 +299,140 @@ def _cpu_client():
     return jax.devices("cpu")[0].client
 
 
-def _xla_cost(text: str) -> dict:
+def _private_xla_cost(text: str) -> dict:
+    """XLA's HloCostAnalysis of an HLO module text, through jaxlib's private entry points (unguarded)."""
     from jax._src.lib import _jax
     from jaxlib import _hlo
 
     module = _hlo.hlo_module_from_text(text)
     return dict(_jax.hlo_module_cost_analysis(_cpu_client(), module))
+
+
+class PrivateMeterUnavailable(RuntimeError):
+    """jaxlib's private cost entry points are missing or misbehave on this jax (`private_meter_problem`)."""
+
+
+def _xla_cost(text: str) -> dict:
+    """XLA's HloCostAnalysis of an HLO module text; PrivateMeterUnavailable where the private path is off."""
+    problem = private_meter_problem()
+    if problem is not None:
+        raise PrivateMeterUnavailable(problem)
+    return _private_xla_cost(text)
+
+
+# The self-check's probes: a matmul (flops 2·64³, three 16 KiB arrays), a weight prefetched on chip
+# (copy-start / copy-done, TPU layouts: what `off_hbm_bytes` probes) and a fusion.
+_SELF_CHECK = {
+    "dot": ("""HloModule check_dot
+ENTRY %main (a: f32[64,64], b: f32[64,64]) -> f32[64,64] {
+  %a = f32[64,64]{1,0} parameter(0)
+  %b = f32[64,64]{1,0} parameter(1)
+  ROOT %d = f32[64,64]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}""", {"flops": 2 * 64 ** 3, "bytes accessed": 3 * 64 * 64 * 4}),
+    "prefetch": ("""HloModule check_prefetch, is_scheduled=true
+ENTRY %main (w: f32[128,128], x: f32[128,128]) -> f32[128,128] {
+  %w = f32[128,128]{1,0:T(8,128)} parameter(0)
+  %x = f32[128,128]{1,0:T(8,128)} parameter(1)
+  %cs = (f32[128,128]{1,0:T(8,128)S(1)}, f32[128,128]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%w)
+  %cd = f32[128,128]{1,0:T(8,128)S(1)} copy-done(%cs)
+  ROOT %y = f32[128,128]{1,0:T(8,128)} dot(%x, %cd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}""", {"flops": 2 * 128 ** 3}),
+    "fusion": ("""HloModule check_fusion
+fused {
+  p0 = f32[256]{0} parameter(0)
+  ROOT t = f32[256]{0} tanh(p0)
+}
+ENTRY %main (x: f32[256]) -> f32[256] {
+  %x = f32[256]{0} parameter(0)
+  ROOT %f = f32[256]{0} fusion(%x), kind=kLoop, calls=fused
+}""", {"bytes accessed": 2 * 256 * 4}),
+}
+
+
+# The child of `private_meter_problem`: reads {probe: module text} as JSON, prints {probe: XLA's
+# cost}; `_private_xla_cost`'s calls, standing alone (the child imports jax, not jaxrl4llm).
+_CHILD = """import json, sys
+import jax
+from jax._src.lib import _jax
+from jaxlib import _hlo
+client = jax.devices("cpu")[0].client
+costs = {}
+for name, text in json.load(sys.stdin).items():
+    costs[name] = dict(_jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(text)))
+print(json.dumps(costs))
+"""
+
+
+@functools.cache
+def private_meter_problem() -> str | None:
+    """None when jaxlib's private cost entry points work on this jax, else why not (one line).
+
+    Once per process: the entry points must exist; on a jaxlib not in CHECKED_JAXLIB a child process
+    (where a segmentation fault cannot take plan down) must cost `_SELF_CHECK`'s probes as they
+    are by hand (`self_check_problem`)."""
+    if os.environ.get("JAXRL4LLM_PLAN_METER") == "public":
+        return "JAXRL4LLM_PLAN_METER=public"
+    try:
+        from jax._src.lib import _jax
+        from jaxlib import _hlo
+
+        missing = [n for m, n in ((_jax, "hlo_module_cost_analysis"), (_hlo, "hlo_module_from_text"),
+                                  (_hlo, "HloPrintOptions")) if not hasattr(m, n)]
+    except ImportError as e:
+        return f"jaxlib's private modules are gone ({e})"
+    if missing:
+        return f"jaxlib has no {', '.join(missing)}"
+    import jaxlib
+
+    if jaxlib.__version__ in CHECKED_JAXLIB:  # the meter's tests pass there: skip the child (~3 s)
+        return None
+    return self_check_problem()
+
+
+# jaxlib versions on which tests/plan passes with the private entry points.
+CHECKED_JAXLIB = ("0.10.2", "0.12.0.1")
+
+
+def self_check_problem() -> str | None:
+    """`private_meter_problem`'s check in a child process: None when it costs `_SELF_CHECK`'s probes
+    as they are by hand, else what went wrong."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    try:
+        probes = json.dumps({name: text for name, (text, _) in _SELF_CHECK.items()})
+        child = subprocess.run([sys.executable, "-c", _CHILD], input=probes, capture_output=True, text=True, env=env,
+                               timeout=300)
+    except subprocess.TimeoutExpired:
+        return "the private cost analysis hung on a probe module"
+    if child.returncode != 0:
+        last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        return f"the private cost analysis failed on a probe module (exit status {child.returncode}: {last[:200]})"
+    try:
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return "the private cost analysis printed no figures"
+    for name, (_, want) in _SELF_CHECK.items():
+        for key, value in want.items():
+            counted = got.get(name, {}).get(key)
+            if counted is None or abs(counted - value) > 1e-6 * value:
+                return f"the private cost analysis counts {key} {counted} for probe {name}, not {value}"
+    return None
+
+
+def meter_notice() -> str | None:
+    """What plan says when the meter runs on the public fallback (module docstring); None otherwise."""
+    problem = private_meter_problem()
+    if problem is None:
+        return None
+    return (f"meter: XLA's private cost analysis is unavailable on jax {_jax_version()} ({problem}); the "
+            f"figures come from each program's public cost_analysis(): TFLOP and HBM GB count every loop body "
+            f"once (not times its trips; too low for the decode and micro-batch loops) and HBM GB keeps XLA's "
+            f"count of on-chip and partly-read buffers; coll GB is still weighted by trips.")
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
 
 
 def _computation_cost(hlo_text: str, comps: dict[str, Computation], name: str) -> dict:
@@ -298,7 +441,12 @@ def _computation_cost(hlo_text: str, comps: dict[str, Computation], name: str) -
 
 
 def computation_flops(hlo_text: str, comps: dict[str, Computation], name: str) -> float:
-    """XLA's flops of computation `name`, its loops once."""
+    """XLA's flops of computation `name`, its loops once. On the public fallback (module docstring),
+    a proxy that orders computations the same way for the same ops on larger arrays: the bytes of
+    every result in `name` and in what it calls."""
+    if private_meter_problem() is not None:
+        return sum(sum(array_bytes(inst.shape)) for c in _needed(comps, name, set())
+                   for inst in comps[c].instructions.values())
     return _computation_cost(hlo_text, comps, name).get("flops", 0.0)
 
 
@@ -393,7 +541,10 @@ def _needed(comps: dict[str, Computation], name: str, acc: set) -> set:
 
 def op_bytes(header: str, comps: dict[str, Computation], comp: Computation, inst: Instruction) -> dict:
     """XLA's cost analysis of one top-level instruction alone ("bytes accessed", and per operand
-    "bytes accessed{i}{}" and result "bytes accessedout{...}"): a module whose entry feeds it parameters."""
+    "bytes accessed{i}{}" and result "bytes accessedout{...}"): a module whose entry feeds it parameters.
+    ValueError for an op that cannot stand alone (`_can_probe`)."""
+    if not _can_probe(inst.opcode):
+        raise ValueError(f"{inst.opcode} {inst.name} is half of an async pair: no probe module without its start")
     ops = _operands(inst.rest)
     close = _operand_text_end(inst.rest)
     args = ", ".join(f"%p{i}" for i in range(len(ops)))
@@ -411,6 +562,19 @@ def op_bytes(header: str, comps: dict[str, Computation], comp: Computation, inst
     lines += [f"  %p{i} = {comp.instructions[o].shape} parameter({i})" for i, o in enumerate(ops)]
     lines += [f"  ROOT %probe.out = {inst.shape} {inst.opcode}({args}{inst.rest[close:]}", "}"]
     return _xla_cost("\n".join(lines))
+
+
+# The `-done` ops with an opcode of their own, which XLA parses fed by a parameter. Any other
+# `<op>-update` / `<op>-done` (async-done, slice-done, ...) is the second half of an async wrapper
+# and needs its `-start` as operand: jax 0.10.2's parser rejects such a probe; jax 0.12's accepts
+# it and crashes the process.
+_STANDALONE_DONE = ("copy-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "send-done",
+                    "recv-done")
+
+
+def _can_probe(opcode: str) -> bool:
+    """Whether `op_bytes` may build a probe module of one `opcode` fed by parameters."""
+    return opcode in _STANDALONE_DONE or not opcode.endswith(("-done", "-update"))
 
 
 def _operand_text_end(rest: str) -> int:
@@ -605,6 +769,8 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
     """
     comps = parse_module(hlo_text)
     loops = find_loops(comps, dynamic_trips)
+    if private_meter_problem() is not None:
+        return _public_program_cost(hlo_text, comps, loops, num_devices)
     by_body: dict[str, list[Loop]] = {}
     for loop in loops:
         by_body.setdefault(loop.parent, []).append(loop)
@@ -662,8 +828,42 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
                        once_counted_flops=cost(entry)["flops"])
 
 
+def _public_program_cost(hlo_text: str, comps: dict[str, Computation], loops: list[Loop],
+                         num_devices: int) -> ProgramCost:
+    """`program_cost` on the public fallback (module docstring): flops and HBM bytes as the program's
+    `cost_analysis()` counts them (loop bodies once; 0 when XLA gives none, as for GPU programs),
+    collectives from the HLO weighted by trips."""
+    public = _PUBLIC_COST.get(_text_key(hlo_text), {})
+    weight = {next(c.name for c in comps.values() if c.is_entry): 1.0}
+    for loop in loops:  # walk order: a parent's weight is known before its loops
+        weight[loop.body] = weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips)
+    sent = count = 0.0
+    for body, w in weight.items():
+        if body in comps:
+            s, c = collective_bytes(comps, body, num_devices)
+            sent, count = sent + w * s, count + w * c
+    flops = float(public.get("flops", 0.0))
+    return ProgramCost(flops=flops, hbm_bytes=float(public.get("bytes accessed", 0.0)), collective_bytes=sent,
+                       collectives=count, loops=loops, once_counted_flops=flops)
+
+
+_PUBLIC_COST: dict = {}  # hash of a program's HLO text -> its public cost_analysis() (the fallback's figures)
+
+
+def _text_key(hlo_text: str) -> tuple:
+    return hash(hlo_text), len(hlo_text)
+
+
 def compiled_hlo_text(compiled) -> str:
-    """The optimized per-chip HLO of a compiled program, in a form `hlo_module_from_text` parses."""
+    """The optimized per-chip HLO of a compiled program, in a form `hlo_module_from_text` parses
+    (on the public fallback, `compiled.as_text()`, and its `cost_analysis()` is kept for `program_cost`)."""
+    if private_meter_problem() is not None:
+        text = compiled.as_text()
+        if len(_PUBLIC_COST) > 10_000:
+            _PUBLIC_COST.clear()
+        cost = compiled.cost_analysis()
+        _PUBLIC_COST[_text_key(text)] = dict((cost[0] if isinstance(cost, (list, tuple)) else cost) or {})
+        return text
     from jaxlib import _hlo
 
     modules = compiled.runtime_executable().hlo_modules()

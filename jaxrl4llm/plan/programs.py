@@ -38,7 +38,7 @@ from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
 from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
-                                     find_loops, parse_module, program_cost)
+                                     find_loops, meter_notice, parse_module, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
 from jaxrl4llm.sampling.memory import SIZING_SHARE
@@ -951,6 +951,8 @@ def format_plan(plan: RunPlan) -> str:
                  "(/ours: against our 2N/6N count); time = max(compute, memory) + collectives at the chip's peak "
                  "FLOP/s, HBM and link bandwidth (docs/scaling.md). padding: positions (trainer) or row-steps "
                  "(sampler) that hold no real token under the length distribution.")
+    if notice := meter_notice():  # the public fallback: coarser TFLOP and HBM GB (plan.hlo_cost)
+        lines.append(notice)
     problems = advice(plan)
     lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else [f"every program fits (< {memory_limit_text(plan.chip)})"])
     return "\n".join(lines)
@@ -992,4 +994,5 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "generated_tokens_per_second_per_chip": plan.generated_tokens_per_second_per_chip,
         "useful_mfu": plan.useful_mfu, "padding_fraction": plan.padding_fraction,
         "advice": advice(plan),
+        "meter": meter_notice() or "hlo_cost: every loop body times its trips, off-HBM and fusion corrections",
     }

@@ -9,6 +9,11 @@ background thread writes them, so the next step starts at once; the next `save`,
 rename, or on gs:// the `commit_success.txt` orbax writes last) a step is not a checkpoint:
 `latest_step` and `run_folder.checkpoint_steps` never return it. A checkpoint that cannot be read is a CheckpointError naming its
 step folder, the cause and the newest earlier step that can be read.
+
+`close` (or a `with` block) before the program ends: from Python 3.12 on, a write still in flight
+at exit cannot finish (orbax's writer needs new threads, which the interpreter refuses once its
+shutdown has begun: "can't create new thread at interpreter shutdown"; no exit hook runs early
+enough), and that step is lost.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ def _cause(e: BaseException) -> str:
 
 
 class RunCheckpointer:
-    """Saves and restores (state pytree, metadata dict) under OUT/checkpoints/<step>."""
+    """Saves and restores (state pytree, metadata dict) under OUT/checkpoints/<step>.
+
+    `close` (or `with RunCheckpointer(...) as ckpt:`) waits for the write in flight and releases
+    orbax's threads: call it before the program ends (module docstring)."""
 
     METADATA_FILES = ("state/_METADATA", "meta/metadata")  # what orbax writes next to the arrays of a step
 
@@ -50,6 +58,13 @@ class RunCheckpointer:
         self._mngr = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True)
         )
+        self._closed = False
+
+    def __enter__(self) -> "RunCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -180,5 +195,8 @@ class RunCheckpointer:
         return True
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases orbax's threads."""
+        """Waits for the save in flight, then releases orbax's threads (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._mngr.close()

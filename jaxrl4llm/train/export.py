@@ -41,6 +41,6 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None 
     cfg = config_from_dict(json.loads(cfg_path.read_text()))
     policy = load_policy(cfg, None)
     # the parameters only (the optimizer state is twice their size and not needed to export)
-    params, restored_step = RunCheckpointer(run_dir, keep=cfg.trainer.keep_checkpoints).restore_params(
-        policy.params, step)
+    with RunCheckpointer(run_dir, keep=cfg.trainer.keep_checkpoints) as ckpt:
+        params, restored_step = ckpt.restore_params(policy.params, step)
     return export_policy(policy.with_params(params), out, {"run_dir": str(run_dir), "step": restored_step})

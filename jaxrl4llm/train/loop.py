@@ -10,6 +10,7 @@ steps equals 4 steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -479,6 +480,15 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     summary (finished_before: its last step); a resume whose config differs from the run's lists
     the changes and refuses those of train.resume.FIXED_ON_RESUME unless `allow_config_change`.
     Every process of a multi-host run calls it alike (`train.hosts`); process 0 writes the files."""
+    # However the run ends (a raise included), its checkpointer and metrics writer close before the
+    # program ends: Python 3.12 refuses the threads they would start at exit (the checkpoint write in
+    # flight, TensorBoard's writer: train/checkpointing.py, train/metrics.py).
+    with contextlib.ExitStack() as closing:
+        return _train(cfg, resume, allow_config_change, log, closing)
+
+
+def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: Callable[[str], None],
+           closing: contextlib.ExitStack) -> dict:
     if resume and (done := finished_summary(cfg)) is not None:
         log(f"{cfg.trainer.out_dir} holds a run that finished at step {done['finished_before']} "
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
@@ -499,7 +509,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
     mesh, sampler_mesh = run_meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
     partial = partial_stream(sampler_policy(run, state), run.train_set, cfg) if cfg.rollout.partial else None
-    ckpt = RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints)
+    ckpt = closing.enter_context(RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints))
     start_step, cursor, retired, pending = 0, 0, [], []
     if resume:
         abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
@@ -524,6 +534,7 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
                           retired=retired)
     writer = MetricsWriter(files.dir, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
                            start_step=start_step, enabled=hosts.is_main())
+    closing.callback(writer.close)
     writer.truncate_after(start_step)
     evaluate_at = lambda step, st: evaluate(sampler_policy(run, st), run.eval_sets, cfg, run.reward_fn,
                                             jax.random.fold_in(run.base_key, 10**9 + step))

@@ -105,10 +105,14 @@ class MetricsWriter:
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
 
     def close(self) -> None:
+        """Closes the progress bar and TensorBoard's writer (once; later calls do nothing). Call it
+        before the program ends: an open TensorBoard writer closes at exit by starting a thread,
+        which Python 3.12 refuses there ("can't create new thread at interpreter shutdown")."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        self._tb = self._bar = None
 
 
 def _plain(v):

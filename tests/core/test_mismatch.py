@@ -88,7 +88,9 @@ def test_tis_token_is_the_legacy_truncated_is_weight(seed):
     old, sampler, m, adv = _inputs(seed)
     w, touched = _run("tis_token", old, sampler, m, adv)
     legacy = np.asarray(truncated_is_weights(jnp.asarray(old), jnp.asarray(sampler), CAP))
-    np.testing.assert_array_equal(w, legacy)
+    # The same float32 formula; XLA may evaluate exp inside the jitted correction's fusion and in the
+    # eager call's own program differently (reported on jax 0.12.0.1): equal to within one ulp, not bit for bit.
+    np.testing.assert_array_max_ulp(w, legacy, maxulp=1)
     np.testing.assert_array_equal(touched, (m > 0) & (np.exp(old.astype(np.float64) - sampler) > CAP))
 
 

@@ -17,7 +17,8 @@ from jaxrl4llm.train.config import ConfigError
 
 needs_gpu_extra = pytest.mark.skipif(
     bool(missing_gpu_packages()),
-    reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu]; pytest tests/plan/test_gpu_topology.py")
+    reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu] (or .[gpu13]); "
+           "pytest tests/plan/test_gpu_topology.py")
 
 
 def test_topology_names_are_gpu_hosts_by_gpus():
@@ -57,8 +58,45 @@ def test_a_missing_plugin_names_the_extra(monkeypatch):
     monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
     monkeypatch.setattr(gpu.os.path, "exists", lambda path: False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert missing_gpu_packages() == ["jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12 (ptxas)"]
-    with pytest.raises(ConfigError, match=r"'h100:8' needs XLA's CUDA compiler.*jax-cuda12-plugin.*pip install -e \.\[gpu\]"):
+    assert missing_gpu_packages() == ["jax-cuda12-plugin + jax-cuda12-pjrt (or jax-cuda13-plugin + jax-cuda13-pjrt)",
+                                      "nvidia-cuda-nvcc-cu12 or nvidia-cuda-nvcc (ptxas)"]
+    with pytest.raises(ConfigError, match=r"'h100:8' needs XLA's CUDA compiler.*jax-cuda12-plugin.*jax-cuda13-plugin"
+                                          r".*pip install -e \.\[gpu\].*pip install -e \.\[gpu13\]"):
+        gpu_topology_devices("h100:8")
+
+
+def _installed(monkeypatch, versions: dict, jaxlib: str = "0.12.0.1"):
+    """Pretend the plugins in `versions` ({pip package: version}) are installed, at jaxlib `jaxlib`."""
+    modules = {module for module, dist, _ in gpu.CUDA_PLUGINS if dist in versions}
+    monkeypatch.setattr(gpu, "find_spec", lambda name: object() if name in modules else None)
+
+    def version(dist):
+        if dist == "jaxlib":
+            return jaxlib
+        if dist not in versions:
+            raise gpu.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(gpu.metadata, "version", version)
+
+
+def test_the_cuda_12_or_the_cuda_13_plugin_is_taken_at_jaxlibs_version(monkeypatch):
+    _installed(monkeypatch, {"jax-cuda13-plugin": "0.12.0.1"})
+    assert gpu.cuda_plugin() == ("jax_plugins.xla_cuda13", "jax-cuda13-plugin", "jax-cuda13-pjrt")
+    _installed(monkeypatch, {"jax-cuda12-plugin": "0.12.0.1"})
+    assert gpu.cuda_plugin()[1] == "jax-cuda12-plugin"
+    _installed(monkeypatch, {"jax-cuda12-plugin": "0.10.2", "jax-cuda13-plugin": "0.12.0.1"})
+    assert gpu.cuda_plugin()[1] == "jax-cuda13-plugin"  # the one matching jaxlib, not the first
+    _installed(monkeypatch, {"jax-cuda12-plugin": "0.12.0.1", "jax-cuda13-plugin": "0.12.0.1"})
+    assert gpu.cuda_plugin()[1] == "jax-cuda12-plugin"
+    _installed(monkeypatch, {})
+    assert gpu.cuda_plugin() is None
+
+
+def test_a_cuda_13_plugin_at_another_version_names_its_extra(monkeypatch):
+    _installed(monkeypatch, {"jax-cuda13-plugin": "0.11.2"})
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: "/usr/bin/ptxas")
+    with pytest.raises(ConfigError, match=r"jax-cuda13-plugin 0\.11\.2 does not match jaxlib 0\.12\.0\.1.*\.\[gpu13\]"):
         gpu_topology_devices("h100:8")
 
 
@@ -67,7 +105,7 @@ def test_ptxas_alone_missing_is_named(monkeypatch):
     monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
     monkeypatch.setattr(gpu.os.path, "exists", lambda path: False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    with pytest.raises(ConfigError, match=r"but nvidia-cuda-nvcc-cu12 \(ptxas\) is not installed.*\.\[gpu\]"):
+    with pytest.raises(ConfigError, match=r"but nvidia-cuda-nvcc-cu12 or nvidia-cuda-nvcc \(ptxas\) is not installed.*\.\[gpu\]"):
         gpu_topology_devices("h100:8")
 
 

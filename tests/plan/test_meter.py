@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl4llm.plan.hlo_cost import _xla_cost, compiled_hlo_text, find_conditionals, parse_module, program_cost
+from jaxrl4llm.plan import hlo_cost
+from jaxrl4llm.plan.hlo_cost import (_xla_cost, compiled_hlo_text, find_conditionals, meter_notice, op_bytes,
+                                     parse_module, private_meter_problem, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, decode_block_trips, parse_lengths, static_decode_work)
 from jaxrl4llm.plan.programs import plan_run, topology_mesh, with_lengths
 from jaxrl4llm.train.config import ConfigError, load_config
@@ -197,6 +199,52 @@ def test_plan_json_holds_the_meter_figures(capsys, tmp_path):
         assert {"flops", "hbm_bytes", "collective_bytes", "seconds", "binding"} <= p.keys()
         assert p["binding"] in ("compute", "HBM", "collectives") and p["seconds"] > 0
     assert "xla_mfu" not in json.dumps(out)
+    assert out["meter"].startswith("hlo_cost:")  # the private path, not the coarser fallback
+
+
+def test_the_private_entry_points_pass_their_self_check():
+    """jaxlib's private cost analysis works on the jax of this interpreter, also when checked in a
+    child process (what a jaxlib outside CHECKED_JAXLIB gets)."""
+    assert private_meter_problem() is None and meter_notice() is None
+    assert hlo_cost.self_check_problem() is None
+
+
+_ASYNC_HALF = """HloModule dispatch, is_scheduled=true, num_partitions=4
+
+ENTRY %main (p: f32[513,16,64]) -> f32[129,16,64] {
+  %p = f32[513,16,64]{2,1,0:T(8,128)} parameter(0)
+  %ss = ((f32[513,16,64]{2,1,0:T(8,128)}), f32[129,16,64]{2,1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:129], [0:16], [0:64]}
+  ROOT %sd = f32[129,16,64]{2,1,0:T(8,128)S(1)} slice-done(%ss)
+}
+"""
+
+
+def test_the_done_half_of_an_async_op_is_never_probed_alone():
+    """A `slice-done` fed by a parameter (not its slice-start) made jax 0.12's HLO parser crash the
+    process (0.10.2 refused the text): op_bytes refuses to build that probe, the meter keeps XLA's count."""
+    comps = parse_module(_ASYNC_HALF)
+    comp = comps["main"]
+    with pytest.raises(ValueError, match="async pair"):
+        op_bytes("HloModule probe, is_scheduled=true", comps, comp, comp.instructions["sd"])
+
+
+def test_without_the_private_entry_points_the_meter_falls_back_to_cost_analysis(monkeypatch):
+    """JAXRL4LLM_PLAN_METER=public (what a jax without working private entry points gets): the
+    figures are the public cost_analysis() of the program (its scan body once), and the notice says so."""
+    monkeypatch.setenv("JAXRL4LLM_PLAN_METER", "public")
+    private_meter_problem.cache_clear()
+    try:
+        x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+        compiled = _chain(4, unrolled=False).lower(x, jax.ShapeDtypeStruct((4, 256, 256), jnp.float32)).compile()
+        cost = program_cost(compiled_hlo_text(compiled), num_devices=1)
+        assert cost.flops == pytest.approx(compiled.cost_analysis()["flops"]) and cost.flops > 0
+        assert sorted(loop.trips for loop in cost.loops) == [4, 4]
+        assert "once" in meter_notice() and "JAXRL4LLM_PLAN_METER=public" in meter_notice()
+        with pytest.raises(hlo_cost.PrivateMeterUnavailable):
+            _xla_cost(_PREFETCHED)
+    finally:
+        monkeypatch.delenv("JAXRL4LLM_PLAN_METER")
+        private_meter_problem.cache_clear()
 
 
 def test_length_distributions():
