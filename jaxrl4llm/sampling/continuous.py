@@ -178,6 +178,8 @@ class Sampling(NamedTuple):
     top_p: jax.Array
     eos_ids: jax.Array
     pad_id: jax.Array
+
+
 class Slots(NamedTuple):
     """Per shard and slot [D, S]: row (local row id, -1 = none), entry (its prompt's entry), length
     (response tokens so far), token (the last one), live (still decoding), held (holds pages:

@@ -11,9 +11,9 @@ from jaxrl4llm.models import forward
 from jaxrl4llm.models.decode import prefill_kv
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.sampling.buckets import left_pad_prompts
-from jaxrl4llm.sampling.continuous import (Admission, Engine, EngineSpec, Queue, Sampling, admission, continuous_program,
-                                           decode_burst, decode_step, empty_state, insert, prefill, refill, retire,
-                                           rows_of_half)
+from jaxrl4llm.sampling.continuous import (Admission, Engine, EngineSpec, Queue, Sampling, admission,
+                                           continuous_program, decode_burst, decode_step, empty_state, insert, prefill,
+                                           refill, retire, rows_of_half)
 from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
@@ -267,7 +267,8 @@ def _next_token_logits(qwen3, tokens):
     _, _, graphdef, state = qwen3
     tokens = jnp.asarray([tokens], jnp.int32)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    return np.asarray(forward(graphdef, state, tokens, positions=positions, attention_mask=jnp.ones_like(tokens)))[0, -1]
+    logits = forward(graphdef, state, tokens, positions=positions, attention_mask=jnp.ones_like(tokens))
+    return np.asarray(logits)[0, -1]
 
 
 def _log_softmax(x):
@@ -278,8 +279,9 @@ def _log_softmax(x):
 def test_prefill_writes_the_prompts_kv_into_fresh_pages_and_draws_the_first_token_of_each_row(qwen3):
     """One round of one prompt (7 tokens, pages of 4): two pages taken from the stack, holding the
     prompt's keys and values as `prefill_kv` computes them (key of head h at column 2h, its value at
-    2h + 1; to float32 rounding: another program's fusion); an entry with length 7 and G refs; its G rows' first tokens are the greedy next token
-    of the training forward, with its log-probability; the other prompt's rows untouched."""
+    2h + 1; to float32 rounding: another program's fusion); an entry with length 7 and G refs; its G
+    rows' first tokens are the greedy next token of the training forward, with its log-probability;
+    the other prompt's rows untouched."""
     prompts = random_prompts(3, lengths=(7, 3))
     engine, weights, sampling, state = _empty_engine(qwen3, prompts, slots=3)
     top = int(state.free.top[0])
