@@ -332,9 +332,9 @@ def prefill(engine: Engine, weights, sampling: Sampling, state: EngineState, fir
     kv_heads, head_dim, cache_dtype = config.num_kv_heads, config.head_dim, jnp.dtype(config.dtype)
     prompt_pages, num_entries = engine.prompt_pages, engine.entries
     entries, out = state.entries, state.out
-    k = round_index * prompts_per_round + jnp.arange(prompts_per_round, dtype=jnp.int32)[None, :]  # [1, A]
-    valid = k < count[:, None]  # [D, A]
-    prompt = (first_prompt[:, None] + k) % engine.buffer_prompts  # buffer prompts
+    nth_new = round_index * prompts_per_round + jnp.arange(prompts_per_round, dtype=jnp.int32)[None, :]  # [1, A]
+    valid = nth_new < count[:, None]  # [D, A]
+    prompt = (first_prompt[:, None] + nth_new) % engine.buffer_prompts  # buffer prompts
     tokens, mask = _take(state.queue.tokens, prompt), _take(state.queue.mask, prompt)  # [D, A, T]
     logits, keys, values = prefill_kv(weights, config,
                                       engine.constrain_rows(tokens.reshape(shards * prompts_per_round, prompt_len)),
@@ -403,18 +403,18 @@ def insert(engine: Engine, state: EngineState, admitted: Admission) -> EngineSta
     rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
     mine = free_slot & (rank < count[:, None])  # [D, S]
     row = jnp.where(mine, state.next_row[:, None] + rank, -1)
-    at = jnp.maximum(engine.buffer_row(row), 0)
-    token = jnp.take_along_axis(out.tokens[:, :, 0], at, axis=1)
-    done = _take(out.eos_seen, at) | (_take(state.queue.budget, at) <= 1)
-    entry = jnp.where(mine, _take(entries.of_prompt, at // samples), slots.entry)
+    buffer_index = jnp.maximum(engine.buffer_row(row), 0)
+    token = jnp.take_along_axis(out.tokens[:, :, 0], buffer_index, axis=1)
+    done = _take(out.eos_seen, buffer_index) | (_take(state.queue.budget, buffer_index) <= 1)
+    entry = jnp.where(mine, _take(entries.of_prompt, buffer_index // samples), slots.entry)
     # the prompt's partial last page is copied into the slot's first own page (its tokens then
     # continue there: a slot's tokens stay contiguous, and shared pages are never written)
     prompt_len = _take(entries.length, entry)
     partial = mine & (prompt_len % page_size != 0)
     free, copy = pop_pages(state.free, partial)
-    prompt_pages = _take(entries.pages, entry)
+    entry_pages = _take(entries.pages, entry)
     last_prompt_page = (prompt_len // page_size)[..., None].clip(0, engine.prompt_pages - 1)
-    source = jnp.where(partial, jnp.take_along_axis(prompt_pages, last_prompt_page, axis=2)[..., 0], TRASH_PAGE)
+    source = jnp.where(partial, jnp.take_along_axis(entry_pages, last_prompt_page, axis=2)[..., 0], TRASH_PAGE)
     pages = jnp.where(partial[..., None] & (jnp.arange(engine.response_pages) == 0), copy[..., None], slots.pages)
     slots = Slots(row=jnp.where(mine, row, slots.row), entry=entry,
                   length=jnp.where(mine, 1, slots.length), token=jnp.where(mine, token, slots.token),
