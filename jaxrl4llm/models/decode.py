@@ -330,8 +330,12 @@ class FusedLayer:
         return self.backend.split_matmul(a.reshape(b * t, -1), self.w["down_t"], self.dtype).reshape(b, t, -1)
 
 
-def _lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):
-    """logits = norm(h) W_head. h [B, D] -> [B, V] float32."""
+def lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):
+    """The decoder's head on the last hidden states: logits = rms_norm(h) W_head.
+
+    weights from `decode_weights`; h [B, D] float32 -> logits [B, V] float32 (the matmul in
+    `config.dtype`, on `backend`). The prefill, the static decode step and the continuous
+    engine's step (`sampling.continuous.decode_step`) all end here."""
     h = rms_norm(h, weights["final_norm"], config.rms_norm_eps)
     return backend.matmul(h, weights["lm_head"], jnp.dtype(config.dtype))
 
@@ -375,7 +379,7 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
         x = jax.lax.optimization_barrier(x)
         ks.append(k)
         vs.append(v)
-    return _lm_head(weights, config, backend, x[:, -1]), ks, vs
+    return lm_head(weights, config, backend, x[:, -1]), ks, vs
 
 
 def empty_block(config: ModelConfig, rows: int, block_size: int, *, backend: DecodeBackend = DecodeBackend(),
@@ -416,4 +420,4 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
         x, (ck, cv) = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
         new_k.append(ck)
         new_v.append(cv)
-    return _lm_head(weights, config, backend, x[:, 0]), KVBlock(new_k, new_v)
+    return lm_head(weights, config, backend, x[:, 0]), KVBlock(new_k, new_v)

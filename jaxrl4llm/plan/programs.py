@@ -463,7 +463,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
         chunks = -(-prompts // chunk)
         if cfg.rollout.engine == "continuous":  # every prompt in one call, `slots` rows at a time
-            from jaxrl4llm.sampling.continuous import PAGE_SIZE, PAGES_PER_CHUNK, continuous_program
+            from jaxrl4llm.sampling.continuous import PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program
             from jaxrl4llm.sampling.memory import continuous_memory, slots_that_fit
 
             num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
@@ -482,9 +482,10 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                                          tensor_parallel=dtp, embed_dtype=embed_dtype)
             plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(
                 weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
-                scalar(jnp.int32), budget, config=config, num_samples=g_samples, max_new_tokens=response_len,
-                top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, backend=backend,
-                use_kernels=False, num_shards=ddp, slots=slots, burst=cfg.rollout.decode_burst, attention=attention),
+                scalar(jnp.int32), budget, spec=EngineSpec(
+                    config=config, num_samples=g_samples, max_new_tokens=response_len, top_k=int(cfg.rollout.top_k),
+                    use_top_p=cfg.rollout.top_p < 1.0, greedy=False, backend=backend, use_kernels=False,
+                    num_shards=ddp, slots=slots, burst=cfg.rollout.decode_burst, attention=attention)),
                 analytic, 0.0, dmesh, log)
             chunk, chunks = prompts, 1
             continuous_sampler = dict(slots=slots, fitting_slots=fitting_slots, attention=attention)  # fits or not

@@ -1,10 +1,15 @@
 """The continuous sampler: S slots over a paged KV cache, refilled from a queue of prompts, in one jit.
 
     while rows remain:                                  (one lax.while_loop)
-        retire finished slots (their pages back to the pool)
-        give each free slot the next waiting row         (in row order; a prompt is prefilled at the
-                                                          prompt bucket when its first row is admitted)
-        run up to `burst` decode steps over the S slots  (each slot: its own row, length, position)
+        refill:  retire finished slots (their pages back to the pool)          `retire`
+                 prefill the prompts of the rows it admits, A at a time        `prefill`
+                 give each free slot the next waiting row (in row order)       `insert`
+        decode:  up to `burst` decode steps over the S slots                   `decode_burst`, `decode_step`
+                 (each slot: its own row, length, position)
+
+The stages are pure functions of the carried `EngineState` (JetStream's prefill / insert /
+generate, without the class around them); the one static argument of every jitted program is an
+`EngineSpec`, which `Engine.resolve` turns into a shard's sizes for the call's prompt shapes.
 
 Row n answers prompt n // G and draws its uniforms from (rng, n) (`filters.row_uniforms`), so it
 samples what the static engine (`decode_loop.sample_program`) samples for row n, whichever slot
@@ -20,23 +25,23 @@ own slots, pool and queue; weights and KV heads are split over "tensor".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
+from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, _lm_head, prefill_kv
+from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, lm_head, prefill_kv
 from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
-from jaxrl4llm.kernels.backend import CpuBackend
-from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
-from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention, is_gpu
 from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
@@ -56,6 +61,123 @@ def prefill_batch(prompts: int, slots: int, samples: int, prefill_prompts: int |
     prices the two loops with this rule."""
     a = max(1, min(prompts, prefill_prompts or slots // samples))
     return a, not (a == prompts or a == 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What the continuous engine is: the static argument of its jitted programs (hashable).
+
+    config: the model; backend: the decode backend (`decode_loop.decode_backend`; its mesh, if any);
+    num_samples: G rows a prompt; max_new_tokens: R, a row's response budget; top_k (0 = off),
+    use_top_p, greedy: the sampling filters (`filters.sample_tokens`); use_kernels: the CPU kernels'
+    top-k; num_shards: D, data-parallel shards (the mesh's "batch" size; prompts and `slots` are
+    multiples of D); slots: S, rows decoded at once over all shards; page_size: tokens per KV page;
+    pages_per_chunk: pages the XLA attention reads per chunk; burst: decode steps between two
+    refills; prefill_prompts: A, prompts of a shard prefilled in one batch (`prefill_batch`; None:
+    the prompts that fill a shard's slots); attention: "xla" or "kernel" (`continuous_program`).
+    """
+
+    config: ModelConfig
+    backend: DecodeBackend
+    num_samples: int
+    max_new_tokens: int
+    top_k: int
+    use_top_p: bool
+    greedy: bool
+    slots: int
+    use_kernels: bool = False
+    num_shards: int = 1
+    page_size: int = PAGE_SIZE
+    pages_per_chunk: int = PAGES_PER_CHUNK
+    burst: int = BURST
+    prefill_prompts: int | None = None
+    attention: str = "xla"
+
+
+def decode_attention_path(spec: EngineSpec) -> str:
+    """Which paged attention a decode step runs for `spec`: "xla" (`paged_cache.paged_attention`),
+    "tpu_ragged" (`paged_cache.kernel_paged_attention`), "gpu_triton" (`gpu_paged_attention`) or
+    "cpu_native" (`kernels.paged_attention`). ValueError when attention="kernel" cannot take the
+    model's shapes on this platform."""
+    backend, config = spec.backend, spec.config
+    if spec.attention != "kernel":
+        return "xla"
+    if is_gpu(list(backend.mesh.devices.flat) if backend.mesh is not None else jax.devices()):
+        if not gpu_kernel_supports(config.head_dim, jnp.dtype(config.dtype), spec.page_size):
+            raise ValueError(f"continuous sampler: attention='kernel' on GPU needs a power-of-two head_dim >= 16 (this "
+                             f"model's: {config.head_dim}), a power-of-two page size (kv_page_size: {spec.page_size}) "
+                             f"and a bfloat16 or float16 model ({jnp.dtype(config.dtype)}); use paged_attention='xla'")
+        return "gpu_triton"
+    if isinstance(backend, CpuBackend):
+        if not (backend.kernels and kernel_supports(config.dtype, config.dtype)):
+            raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
+                             "bfloat16 or float32 model)")
+        return "cpu_native"
+    return "tpu_ragged"
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """An `EngineSpec` resolved for one program's prompts (`resolve`, at trace time): the sizes of
+    a shard's buffers, slots and page pool, and the decode attention path. The engine buffers
+    `halves` x `prompts_per_shard` prompts a shard (1 half for one call, 2 for partial rollouts)."""
+
+    spec: EngineSpec
+    prompt_len: int  # T, a prompt's padded width
+    prompts_per_shard: int  # P_d, a shard's prompts per half
+    rows_per_shard: int  # N_d = P_d * G
+    buffer_prompts: int  # H * P_d, a shard's prompt buffer
+    buffer_rows: int  # H * N_d, a shard's row buffer
+    slots_per_shard: int  # S_d
+    prompt_pages: int  # Tp, pages of a whole prompt
+    response_pages: int  # Rp, a slot's own pages: a partial prompt page + R - 1 tokens
+    table_pages: int  # W, a slot's logical pages (Tp + Rp in whole chunks)
+    entries: int  # Q, prompt entries: every prompt with a row in a slot, and one whose rows wait
+    pool_pages: int  # pages of a shard's pool
+    prefill_prompts: int  # A (`prefill_batch`)
+    choose_prefill: bool  # a refill picks rounds of A or of one prompt (`prefill_batch`)
+    attention_path: str  # `decode_attention_path`
+
+    @staticmethod
+    def resolve(spec: EngineSpec, *, num_prompts: int, prompt_len: int, halves: int) -> Engine:
+        """The engine of `spec` over `halves` x `num_prompts` prompts (all shards) of width `prompt_len`."""
+        shards, page_size = spec.num_shards, spec.page_size
+        if num_prompts % shards or spec.slots % shards:
+            raise ValueError(f"continuous sampler: {num_prompts} prompts and {spec.slots} slots must split over "
+                             f"{shards} shards")
+        prompts_per_shard, slots_per_shard = num_prompts // shards, spec.slots // shards
+        rows_per_shard = prompts_per_shard * spec.num_samples
+        prompt_pages = -(-prompt_len // page_size)
+        response_pages = -(-(page_size - 1 + max(spec.max_new_tokens - 1, 1)) // page_size)
+        table_pages = -(-(prompt_pages + response_pages) // spec.pages_per_chunk) * spec.pages_per_chunk
+        entries = slots_per_shard + 1
+        prefill_prompts, choose_prefill = prefill_batch(prompts_per_shard, slots_per_shard, spec.num_samples,
+                                                        spec.prefill_prompts)
+        return Engine(spec=spec, prompt_len=prompt_len, prompts_per_shard=prompts_per_shard,
+                      rows_per_shard=rows_per_shard, buffer_prompts=halves * prompts_per_shard,
+                      buffer_rows=halves * rows_per_shard, slots_per_shard=slots_per_shard,
+                      prompt_pages=prompt_pages, response_pages=response_pages, table_pages=table_pages,
+                      entries=entries, pool_pages=pool_pages(slots_per_shard, entries, prompt_pages, response_pages),
+                      prefill_prompts=prefill_prompts, choose_prefill=choose_prefill,
+                      attention_path=decode_attention_path(spec))
+
+    def constrain_rows(self, x: jax.Array) -> jax.Array:
+        """x with its leading axis on the "batch" rule (the shards, or rows over the shards)."""
+        return self.spec.backend.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+    def buffer_row(self, stream_row: jax.Array) -> jax.Array:
+        """A stream row's buffer row (-1: none)."""
+        return jnp.where(stream_row >= 0, stream_row % self.buffer_rows, -1)
+
+
+class Sampling(NamedTuple):
+    """The traced sampling settings of a program: temperature, top_p [] float32; eos_ids [E] int32
+    (tokens that end a row); pad_id [] int32 (fills the tokens after a row's end)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    eos_ids: jax.Array
+    pad_id: jax.Array
 
 
 class Slots(NamedTuple):
@@ -156,391 +278,439 @@ def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id) -> tuple[
     return out, is_eos
 
 
-def _retire(state: EngineState, page_size: int) -> EngineState:
-    """Finished slots (held, not live) give back their response pages; prompts without rows their pages."""
+def retire(state: EngineState, page_size: int) -> EngineState:
+    """Finished slots (held, not live) give back their response pages, and prompts left without rows
+    their prompt pages (JetStream's free_resource)."""
     slots, entries = state.slots, state.entries
     done = slots.held & ~slots.live
     # own pages taken: the prompt's partial last page (copied at admission) and tokens 0..length-2 fed back
     prompt_len = _take(entries.length, slots.entry)
     used = -(-(prompt_len % page_size + slots.length - 1) // page_size)
-    rp = slots.pages.shape[-1]
-    release = done[..., None] & (jnp.arange(rp) < used[..., None])
-    d, s = done.shape
-    free = push_pages(state.free, slots.pages.reshape(d, -1), release.reshape(d, -1))
-    q = entries.refs.shape[1]
-    drop = jax.vmap(lambda e, m: jnp.zeros((q,), jnp.int32).at[jnp.where(m, e, q)].add(1, mode="drop"))(slots.entry, done)
+    response_pages = slots.pages.shape[-1]
+    release = done[..., None] & (jnp.arange(response_pages) < used[..., None])
+    shards = done.shape[0]
+    free = push_pages(state.free, slots.pages.reshape(shards, -1), release.reshape(shards, -1))
+    num_entries = entries.refs.shape[1]
+    drop = jax.vmap(lambda entry, finished: jnp.zeros((num_entries,), jnp.int32).at[
+        jnp.where(finished, entry, num_entries)].add(1, mode="drop"))(slots.entry, done)
     refs = entries.refs - drop
     gone = (entries.refs > 0) & (refs == 0)
-    tp = entries.pages.shape[-1]
+    prompt_pages = entries.pages.shape[-1]
     prompt_used = -(-entries.length // page_size)
-    release = gone[..., None] & (jnp.arange(tp) < prompt_used[..., None])
-    free = push_pages(free, entries.pages.reshape(d, -1), release.reshape(d, -1))
+    release = gone[..., None] & (jnp.arange(prompt_pages) < prompt_used[..., None])
+    free = push_pages(free, entries.pages.reshape(shards, -1), release.reshape(shards, -1))
     return state._replace(slots=slots._replace(held=slots.held & ~done), entries=entries._replace(refs=refs), free=free)
 
 
-class _Engine(NamedTuple):
-    """The engine's stages for one program (built under its jit): sizes and closures."""
-
-    empty_state: object  # (queue, end) -> EngineState
-    burst_loop: object  # EngineState -> EngineState: admit, then up to `burst` decode steps
-    rows_c: object  # constrain an array's leading axis to the "batch" rule
-    nd: int  # rows of a shard per half
-    pd: int  # prompts of a shard per half
-
-
-def _engine(weights, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig, num_samples: int, max_new_tokens: int,
-            top_k: int, use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool, num_shards: int,
-            slots: int, num_prompts: int, prompt_len: int, halves: int, page_size: int, pages_per_chunk: int,
-            burst: int, prefill_prompts: int | None, attention: str) -> _Engine:
-    """The stages of the continuous engine over `halves` x `num_prompts` prompts of width `prompt_len`
-    (`continuous_program` documents the arguments)."""
-    g, r, t = num_samples, max_new_tokens, prompt_len
-    d = num_shards
-    if num_prompts % d or slots % d:
-        raise ValueError(f"continuous sampler: {num_prompts} prompts and {slots} slots must split over {d} shards")
-    pd, sd = num_prompts // d, slots // d
-    nd = pd * g
-    hp, hn = halves * pd, halves * nd  # buffer prompts and rows of a shard
-    kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
-    cache_dtype = jnp.dtype(config.dtype)
-    dtype = jnp.dtype(config.dtype)
-    tp = -(-t // page_size)
-    rp = -(-(page_size - 1 + max(r - 1, 1)) // page_size)  # own pages: a partial prompt page + R-1 tokens
-    width = -(-(tp + rp) // pages_per_chunk) * pages_per_chunk  # logical pages of a slot, whole chunks
-    q = sd + 1  # prompt entries: every prompt with a row in a slot, and one whose rows wait
-    num_pages = pool_pages(sd, q, tp, rp)
-    a_big, choose = prefill_batch(pd, sd, g, prefill_prompts)
-    b = backend
-    batch_axes, tensor_axis = (), None
-    if b.mesh is not None:
-        rules = dict(b.rules)
-        axes = rules["batch"]
-        batch_axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in b.mesh.shape)
-        tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
-    rows_c = lambda x: b.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    gpu_kernel = attention == "kernel" and is_gpu(list(b.mesh.devices.flat) if b.mesh is not None else jax.devices())
-    cpu_kernel = attention == "kernel" and isinstance(b, CpuBackend) and not gpu_kernel
-    if gpu_kernel and not gpu_kernel_supports(dh, cache_dtype, page_size):
-        raise ValueError(f"continuous sampler: attention='kernel' on GPU needs a power-of-two head_dim >= 16 (this "
-                         f"model's: {dh}), a power-of-two page size (kv_page_size: {page_size}) and a bfloat16 or "
-                         f"float16 model ({cache_dtype}); use paged_attention='xla'")
-    if cpu_kernel and not (b.kernels and kernel_supports(config.dtype, config.dtype)):
-        raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
-                         "bfloat16 or float32 model)")
-    sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels,
-                               shards=vocab_shards(b.mesh, b.rules))  # top-k per vocab shard + one gather
-    buffer_row = lambda m: jnp.where(m >= 0, m % hn, -1)  # a stream row's buffer row (-1: none)
-
-    def draw(queue: Queue, logits, rows, column):
-        """Sample [D, M] slots: logits [D, M, V]; the uniforms of buffer rows `rows` at `column`."""
-        m = rows.shape[1]
-        u = None if greedy else _take(queue.uniforms, rows)  # [D, M, R]
-        u = None if greedy else jnp.take_along_axis(u, jnp.broadcast_to(column, (d, m))[..., None], axis=2)
-        flat = sample(logits.reshape(d * m, -1), None, uniform=None if greedy else u.reshape(d * m, 1))
-        return jax.tree.map(lambda x: x.reshape(d, m), flat)
-
-    def prefill_round(i, state: EngineState, first_prompt, count, a: int) -> EngineState:
-        """Prefill stream prompts first_prompt + i*A .. + A-1 of each shard (those < first_prompt + count [D]):
-        their KV into fresh pages, an entry each, and the first tokens of all their G rows."""
-        en, out = state.entries, state.out
-        k = i * a + jnp.arange(a, dtype=jnp.int32)[None, :]  # [1, A]
-        valid = k < count[:, None]  # [D, A]
-        prompt = (first_prompt[:, None] + k) % hp  # buffer prompts
-        toks, msk = _take(state.queue.tokens, prompt), _take(state.queue.mask, prompt)  # [D, A, T]
-        logits, ks, vs = prefill_kv(weights, config, rows_c(toks.reshape(d * a, t)), rows_c(msk.reshape(d * a, t)),
-                                    backend=b, cache_dtype=cache_dtype)
-        length = jnp.sum(msk, axis=-1)  # [D, A]
-        need = valid[..., None] & (jnp.arange(tp) < -(-length // page_size)[..., None])  # [D, A, Tp]
-        free, ids = pop_pages(state.free, need.reshape(d, -1))
-        ids = ids.reshape(d, a, tp)
-        pos = jnp.arange(tp * page_size)  # logical prompt token i sits at padded position T - L + i
-        real = valid[..., None] & (pos < length[..., None])  # [D, A, Tp*page]
-        src = jnp.clip(t - length[..., None] + pos, 0, t - 1)
-        dst = jnp.where(real, jnp.take_along_axis(ids, jnp.broadcast_to(pos // page_size, real.shape), 2), TRASH_PAGE)
-        offset = jnp.broadcast_to(pos % page_size, real.shape)
-
-        def real_tokens(x):  # x [D*A, T, KVH, Dh] -> the prompts' real tokens [D, A*Tp*page, KVH, Dh]
-            return jnp.take_along_axis(x.reshape(d, a, t, kvh, dh), src[..., None, None], axis=2).reshape(d, -1, kvh, dh)
-
-        pool = [write_tokens(p, dst.reshape(d, -1), offset.reshape(d, -1), real_tokens(k), real_tokens(v), cache_dtype)
-                for p, k, v in zip(state.pool, ks, vs)]
-        # the i-th new prompt takes the i-th free entry
-        free_entry = en.refs == 0
-        rank = jnp.cumsum(free_entry, axis=1, dtype=jnp.int32) - 1
-        nth_free = jax.vmap(lambda fe, r: jnp.zeros((q,), jnp.int32).at[jnp.where(fe, r, q)].set(
-            jnp.arange(q, dtype=jnp.int32), mode="drop"))(free_entry, rank)  # [D, Q]
-        entry = jnp.where(valid, jnp.take_along_axis(nth_free, jnp.broadcast_to(jnp.arange(a), valid.shape), 1), -1)
-        en = Entries(_put(en.pages, entry, ids), _put(en.length, entry, length),
-                     _put(en.refs, entry, jnp.full(entry.shape, g, jnp.int32)),
-                     _put(en.of_prompt, jnp.where(valid, prompt, -1), entry))
-        # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
-        rows = jnp.where(valid[..., None], prompt[..., None] * g + jnp.arange(g), -1).reshape(d, a * g)
-        first = draw(state.queue, jnp.repeat(logits.reshape(d, a, -1), g, axis=1), jnp.maximum(rows, 0),
-                     jnp.zeros((), jnp.int32))
-        out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, eos_ids, pad_id)
-        out = out._replace(segment=_put(out.segment, rows, jnp.broadcast_to(state.segment, rows.shape)))
-        return state._replace(entries=en, free=free, pool=pool, out=out)
-
-    def admit(state: EngineState) -> EngineState:
-        """Retire finished slots, then give each free slot the next waiting row (in stream order),
-        prefilling the prompts whose first row is admitted, A at a time."""
-        state = _retire(state, page_size)
-        sl = state.slots
-        free_slot = ~sl.held
-        count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), state.end - state.next_row)  # [D]
-        first_prompt = -(-state.next_row // g)  # prompts before it are prefilled
-        new_prompts = -(-(state.next_row + count) // g) - first_prompt
-        def prefill(s, a, rounds):
-            return jax.lax.fori_loop(0, rounds, lambda i, s: prefill_round(i, s, first_prompt, new_prompts, a), s)
-
-        most = jnp.max(new_prompts)
-        if not choose:  # every row has a slot (one admission: A = all prompts), or A = 1
-            state = prefill(state, a_big, -(-most // a_big))
-        else:  # A at a time when more than A / 2 prompts come in, else one at a time: one of the two loops runs.
-            # Two loops in a row, not a lax.cond between them: XLA:TPU copied the page pool into and out
-            # of the loop inside each branch on every round, holding it twice (docs/sampling.md)
-            batched = 2 * most > a_big
-            state = prefill(state, a_big, jnp.where(batched, -(-most // a_big), 0))
-            state = prefill(state, 1, jnp.where(batched, 0, most))
-        out, en = state.out, state.entries
-        rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
-        mine = free_slot & (rank < count[:, None])  # [D, S]
-        row = jnp.where(mine, state.next_row[:, None] + rank, -1)
-        at = jnp.maximum(buffer_row(row), 0)
-        token = jnp.take_along_axis(out.tokens[:, :, 0], at, axis=1)
-        done = _take(out.eos_seen, at) | (_take(state.queue.budget, at) <= 1)
-        entry = jnp.where(mine, _take(en.of_prompt, at // g), sl.entry)
-        # the prompt's partial last page is copied into the slot's first own page (its tokens then
-        # continue there: a slot's tokens stay contiguous, and shared pages are never written)
-        prompt_len = _take(en.length, entry)
-        partial = mine & (prompt_len % page_size != 0)
-        free, copy = pop_pages(state.free, partial)
-        source = jnp.where(partial, jnp.take_along_axis(_take(en.pages, entry), (prompt_len // page_size)[..., None]
-                                                        .clip(0, tp - 1), axis=2)[..., 0], TRASH_PAGE)
-        pages = jnp.where(partial[..., None] & (jnp.arange(rp) == 0), copy[..., None], sl.pages)
-        sl = Slots(row=jnp.where(mine, row, sl.row), entry=entry,
-                   length=jnp.where(mine, 1, sl.length), token=jnp.where(mine, token, sl.token),
-                   live=jnp.where(mine, ~done, sl.live), held=sl.held | mine, pages=pages)
-        return state._replace(slots=sl, next_row=state.next_row + count, free=free,
-                              pool=[copy_pages(p, copy, source) for p in state.pool])
-
-    def step(state: EngineState) -> EngineState:
-        """One decode step of every live slot: feed its last token, sample the next."""
-        sl, en = state.slots, state.entries
-        j = sl.length - 1  # response index of the token fed back
-        prompt_len = _take(en.length, sl.entry)  # [D, S]
-        shared = prompt_len // page_size  # the prompt's full pages, read in place
-        own = prompt_len % page_size + j  # index of the fed token among the slot's own pages' tokens
-        need = sl.live & (own % page_size == 0)
-        free, new = pop_pages(state.free, need)
-        slot_ids = jnp.where(need, jnp.arange(sd, dtype=jnp.int32)[None], -1)
-        own_page = jnp.clip(own // page_size, 0, rp - 1)
-        pages = _put2(sl.pages, slot_ids, own_page, new)
-        write_page = jnp.where(sl.live, jnp.take_along_axis(pages, own_page[..., None], axis=2)[..., 0], TRASH_PAGE)
-        write_offset = jnp.where(sl.live, own % page_size, 0)
-        # a slot's tokens are contiguous over its logical pages: the prompt's full pages, then its own
-        logical = jnp.broadcast_to(jnp.arange(width)[None, None], (d, sd, width))
-        in_prompt = logical < shared[..., None]
-        from_prompt = jnp.take_along_axis(_take(en.pages, sl.entry), jnp.clip(logical, 0, tp - 1), axis=2)
-        from_own = jnp.take_along_axis(pages, jnp.clip(logical - shared[..., None], 0, rp - 1), axis=2)
-        table = jnp.where(in_prompt, from_prompt, from_own)
-        kv_len = jnp.where(sl.live, prompt_len + sl.length, 0)  # the fed token included
-        counts = jnp.clip(kv_len[..., None] - logical * page_size, 0, page_size)
-        num_chunks = -(-jnp.max(-(-kv_len // page_size)) // pages_per_chunk)
-
-        cos, sin = rope_tables(config, rows_c((prompt_len + j).reshape(d * sd, 1)))
-        x = b.embed(weights["embed"], rows_c(sl.token.reshape(d * sd, 1)))  # [M, 1, D]
-        pools = []
-        for i, p in enumerate(weights["layers"]):
-            def attend(q, k, v, i=i):
-                q = q.reshape(d, sd, kvh, hg, dh)
-                if cpu_kernel:  # the new token written and the live pages read in place, in C++
-                    out, pool = cpu_paged_attention(q, state.pool[i], k.reshape(d, sd, kvh, dh),
-                                                    v.reshape(d, sd, kvh, dh), write_page, write_offset, table, kv_len)
-                    return out.reshape(d * sd, 1, kvh * hg, dh), pool
-                pool = write_tokens(state.pool[i], write_page, write_offset, k.reshape(d, sd, kvh, dh),
-                                    v.reshape(d, sd, kvh, dh), cache_dtype)
-                pool = b.constrain(pool, POOL_AXES)
-                if gpu_kernel:
-                    out = gpu_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
-                                              tensor_axis=tensor_axis)
-                elif attention == "kernel":
-                    out = kernel_paged_attention(q, pool, table, kv_len, mesh=b.mesh, batch_axes=batch_axes,
-                                                 tensor_axis=tensor_axis)
-                else:
-                    out = paged_attention(q, pool, table, counts, num_chunks, pages_per_chunk=pages_per_chunk,
-                                          dtype=dtype, value_dtype=cache_dtype)
-                return out.reshape(d * sd, 1, kvh * hg, dh), pool
-
-            x, pool = decoder_layer(FusedLayer(p, config, b), x, cos, sin, attend)
-            pools.append(pool)
-        logits = _lm_head(weights, config, b, x[:, 0]).reshape(d, sd, -1)
-        rows = buffer_row(sl.row)
-        drawn = draw(state.queue, logits, jnp.maximum(rows, 0), sl.length)
-        out, is_eos = _record(state.out, rows, sl.length, drawn, sl.live, eos_ids, pad_id)
-        length = sl.length + sl.live.astype(jnp.int32)
-        done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
-        sl = sl._replace(length=length, token=jnp.where(sl.live, drawn.tokens, sl.token), live=sl.live & ~done,
-                         pages=pages)
-        return state._replace(slots=sl, free=free, pool=pools, out=out)
-
-    def burst_loop(state: EngineState) -> EngineState:
-        state = admit(state)
-        cond = lambda c: (c[0] < burst) & jnp.any(c[1].slots.live)
-        body = lambda c: (c[0] + 1, step(c[1]))
-        return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
-
-    zeros = lambda shape, dtype, fill=0: rows_c(jnp.full(shape, fill, dtype))
-    bits = isinstance(b, CpuBackend)
-    pool = lambda: b.constrain(empty_pool((d, num_pages, page_size, 2 * kvh, dh), cache_dtype, bits=bits), POOL_AXES)
-
-    def empty_state(queue: Queue, end) -> EngineState:
-        return EngineState(
-            slots=Slots(row=zeros((d, sd), jnp.int32, -1), entry=zeros((d, sd), jnp.int32),
-                        length=zeros((d, sd), jnp.int32), token=zeros((d, sd), jnp.int32), live=zeros((d, sd), bool),
-                        held=zeros((d, sd), bool), pages=zeros((d, sd, rp), jnp.int32)),
-            entries=Entries(zeros((d, q, tp), jnp.int32), zeros((d, q), jnp.int32), zeros((d, q), jnp.int32),
-                            zeros((d, hp), jnp.int32)),
-            free=empty_free_pages(d, num_pages),
-            next_row=jnp.zeros((d,), jnp.int32),
-            end=end,
-            pool=[pool() for _ in range(config.num_layers)],
-            out=Outputs(zeros((d, hn, r), jnp.int32) + pad_id, zeros((d, hn, r), jnp.float32),
-                        zeros((d, hn, r), jnp.float32), zeros((d, hn), jnp.int32), zeros((d, hn), bool),
-                        zeros((d, hn), jnp.int32, -1), zeros((d, hn), jnp.int32, r)),
-            queue=queue,
-            segment=jnp.zeros((), jnp.int32),
-            done=jnp.zeros((), jnp.int32),
-        )
-
-    return _Engine(empty_state, burst_loop, rows_c, nd, pd)
+def draw(engine: Engine, sampling: Sampling, queue: Queue, logits, rows, column):
+    """Sample [D, M] slots: logits [D, M, V]; the uniforms of buffer rows `rows` [D, M] at response
+    index `column`. Returns a `filters.TokenSample` of [D, M] arrays."""
+    spec = engine.spec
+    shards, count = rows.shape
+    uniforms = None
+    if not spec.greedy:
+        uniforms = _take(queue.uniforms, rows)  # [D, M, R]
+        uniforms = jnp.take_along_axis(uniforms, jnp.broadcast_to(column, (shards, count))[..., None], axis=2)
+    flat = sample_tokens(logits.reshape(shards * count, -1), None,
+                         uniform=None if spec.greedy else uniforms.reshape(shards * count, 1),
+                         temperature=sampling.temperature,
+                         top_k=spec.top_k, top_p=sampling.top_p, use_top_p=spec.use_top_p, greedy=spec.greedy,
+                         use_kernels=spec.use_kernels,
+                         shards=vocab_shards(spec.backend.mesh, spec.backend.rules))  # top-k per vocab shard + a gather
+    return jax.tree.map(lambda x: x.reshape(shards, count), flat)
 
 
-def _rows_of_half(eng: _Engine, state: EngineState, half, num_samples: int, max_new_tokens: int) -> ProgramOutput:
-    """The rows of buffer half `half` (traced) as one call's ProgramOutput ([N, ...], shards in order)."""
-    d = state.next_row.shape[0]
-    nd, pd = eng.nd, eng.pd
-    take = lambda x, size: jax.lax.dynamic_slice_in_dim(x, half * size, size, axis=1)
-    unshard = lambda x: eng.rows_c(x.reshape((d * x.shape[1],) + x.shape[2:]))
-    out, queue = state.out, state.queue
-    length = unshard(take(out.length, nd))
-    steps = jnp.arange(max_new_tokens, dtype=jnp.int32)
-    prompts = lambda x: eng.rows_c(jnp.repeat(unshard(take(x, pd)), num_samples, axis=0))
-    return ProgramOutput(
-        prompt_tokens=prompts(queue.tokens),
-        prompt_mask=prompts(queue.mask).astype(jnp.float32),
-        response_tokens=unshard(take(out.tokens, nd)),
-        response_mask=(steps[None, :] < length[:, None]).astype(jnp.float32),
-        logprobs=unshard(take(out.logprobs, nd)),
-        logprobs_untruncated=unshard(take(out.logprobs_untruncated, nd)),
-        lengths=length,
-        truncated=~unshard(take(out.eos_seen, nd)),
+def prefill(engine: Engine, weights, sampling: Sampling, state: EngineState, first_prompt, count, round_index,
+            prompts_per_round: int) -> EngineState:
+    """One prefill round: stream prompts first_prompt + round_index*A .. + A-1 of each shard (A =
+    `prompts_per_round`; those < first_prompt + count, [D]): their KV into fresh pages of the pool,
+    an entry each, and the first tokens of all their G rows (drawn now; rows admitted later read
+    them from `out`)."""
+    spec = engine.spec
+    config, backend, page_size = spec.config, spec.backend, spec.page_size
+    shards, samples, prompt_len = spec.num_shards, spec.num_samples, engine.prompt_len
+    kv_heads, head_dim, cache_dtype = config.num_kv_heads, config.head_dim, jnp.dtype(config.dtype)
+    prompt_pages, num_entries = engine.prompt_pages, engine.entries
+    entries, out = state.entries, state.out
+    nth_new = round_index * prompts_per_round + jnp.arange(prompts_per_round, dtype=jnp.int32)[None, :]  # [1, A]
+    valid = nth_new < count[:, None]  # [D, A]
+    prompt = (first_prompt[:, None] + nth_new) % engine.buffer_prompts  # buffer prompts
+    tokens, mask = _take(state.queue.tokens, prompt), _take(state.queue.mask, prompt)  # [D, A, T]
+    logits, keys, values = prefill_kv(weights, config,
+                                      engine.constrain_rows(tokens.reshape(shards * prompts_per_round, prompt_len)),
+                                      engine.constrain_rows(mask.reshape(shards * prompts_per_round, prompt_len)),
+                                      backend=backend, cache_dtype=cache_dtype)
+    length = jnp.sum(mask, axis=-1)  # [D, A]
+    need = valid[..., None] & (jnp.arange(prompt_pages) < -(-length // page_size)[..., None])  # [D, A, Tp]
+    free, page_ids = pop_pages(state.free, need.reshape(shards, -1))
+    page_ids = page_ids.reshape(shards, prompts_per_round, prompt_pages)
+    position = jnp.arange(prompt_pages * page_size)  # logical prompt token i sits at padded position T - L + i
+    real = valid[..., None] & (position < length[..., None])  # [D, A, Tp*page]
+    source = jnp.clip(prompt_len - length[..., None] + position, 0, prompt_len - 1)
+    write_page = jnp.where(real, jnp.take_along_axis(page_ids, jnp.broadcast_to(position // page_size, real.shape), 2),
+                           TRASH_PAGE)
+    write_offset = jnp.broadcast_to(position % page_size, real.shape)
+
+    def real_tokens(x):  # x [D*A, T, KVH, Dh] -> the prompts' real tokens [D, A*Tp*page, KVH, Dh]
+        x = x.reshape(shards, prompts_per_round, prompt_len, kv_heads, head_dim)
+        return jnp.take_along_axis(x, source[..., None, None], axis=2).reshape(shards, -1, kv_heads, head_dim)
+
+    pool = [write_tokens(layer_pool, write_page.reshape(shards, -1), write_offset.reshape(shards, -1),
+                         real_tokens(layer_keys), real_tokens(layer_values), cache_dtype)
+            for layer_pool, layer_keys, layer_values in zip(state.pool, keys, values)]
+    # the i-th new prompt takes the i-th free entry
+    free_entry = entries.refs == 0
+    rank = jnp.cumsum(free_entry, axis=1, dtype=jnp.int32) - 1
+    nth_free = jax.vmap(lambda is_free, rank: jnp.zeros((num_entries,), jnp.int32).at[
+        jnp.where(is_free, rank, num_entries)].set(jnp.arange(num_entries, dtype=jnp.int32), mode="drop"))(
+        free_entry, rank)  # [D, Q]
+    entry = jnp.where(valid, jnp.take_along_axis(nth_free, jnp.broadcast_to(jnp.arange(prompts_per_round),
+                                                                            valid.shape), 1), -1)
+    entries = Entries(_put(entries.pages, entry, page_ids), _put(entries.length, entry, length),
+                      _put(entries.refs, entry, jnp.full(entry.shape, samples, jnp.int32)),
+                      _put(entries.of_prompt, jnp.where(valid, prompt, -1), entry))
+    # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
+    rows = jnp.where(valid[..., None], prompt[..., None] * samples + jnp.arange(samples), -1)
+    rows = rows.reshape(shards, prompts_per_round * samples)
+    first = draw(engine, sampling, state.queue, jnp.repeat(logits.reshape(shards, prompts_per_round, -1), samples,
+                                                           axis=1), jnp.maximum(rows, 0), jnp.zeros((), jnp.int32))
+    out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, sampling.eos_ids, sampling.pad_id)
+    out = out._replace(segment=_put(out.segment, rows, jnp.broadcast_to(state.segment, rows.shape)))
+    return state._replace(entries=entries, free=free, pool=pool, out=out)
+
+
+class Admission(NamedTuple):
+    """What a refill admits, per shard: free_slot [D, S] the slots holding no row; count [D] the
+    waiting rows it gives them (at most the free slots)."""
+
+    free_slot: jax.Array
+    count: jax.Array
+
+
+def admission(state: EngineState) -> Admission:
+    """The rows the next refill admits: as many waiting rows (in stream order) as slots are free."""
+    free_slot = ~state.slots.held
+    count = jnp.minimum(jnp.sum(free_slot, axis=1, dtype=jnp.int32), state.end - state.next_row)  # [D]
+    return Admission(free_slot, count)
+
+
+def insert(engine: Engine, state: EngineState, admitted: Admission) -> EngineState:
+    """Give each free slot the next waiting row (in stream order; their prompts prefilled): the row's
+    first token, drawn at its prompt's prefill, is the token the slot feeds back first."""
+    page_size, samples = engine.spec.page_size, engine.spec.num_samples
+    slots, out, entries = state.slots, state.out, state.entries
+    free_slot, count = admitted
+    rank = jnp.cumsum(free_slot, axis=1, dtype=jnp.int32) - 1
+    mine = free_slot & (rank < count[:, None])  # [D, S]
+    row = jnp.where(mine, state.next_row[:, None] + rank, -1)
+    buffer_index = jnp.maximum(engine.buffer_row(row), 0)
+    token = jnp.take_along_axis(out.tokens[:, :, 0], buffer_index, axis=1)
+    done = _take(out.eos_seen, buffer_index) | (_take(state.queue.budget, buffer_index) <= 1)
+    entry = jnp.where(mine, _take(entries.of_prompt, buffer_index // samples), slots.entry)
+    # the prompt's partial last page is copied into the slot's first own page (its tokens then
+    # continue there: a slot's tokens stay contiguous, and shared pages are never written)
+    prompt_len = _take(entries.length, entry)
+    partial = mine & (prompt_len % page_size != 0)
+    free, copy = pop_pages(state.free, partial)
+    entry_pages = _take(entries.pages, entry)
+    last_prompt_page = (prompt_len // page_size)[..., None].clip(0, engine.prompt_pages - 1)
+    source = jnp.where(partial, jnp.take_along_axis(entry_pages, last_prompt_page, axis=2)[..., 0], TRASH_PAGE)
+    pages = jnp.where(partial[..., None] & (jnp.arange(engine.response_pages) == 0), copy[..., None], slots.pages)
+    slots = Slots(row=jnp.where(mine, row, slots.row), entry=entry,
+                  length=jnp.where(mine, 1, slots.length), token=jnp.where(mine, token, slots.token),
+                  live=jnp.where(mine, ~done, slots.live), held=slots.held | mine, pages=pages)
+    return state._replace(slots=slots, next_row=state.next_row + count, free=free,
+                          pool=[copy_pages(layer_pool, copy, source) for layer_pool in state.pool])
+
+
+def refill(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
+    """Retire finished slots, then give each free slot the next waiting row (in stream order),
+    prefilling the prompts whose first row is admitted, A at a time (`prefill_batch`)."""
+    samples, rounds_of = engine.spec.num_samples, engine.prefill_prompts
+    state = retire(state, engine.spec.page_size)
+    slots = state.slots
+    admitted = admission(state)
+    first_prompt = -(-state.next_row // samples)  # prompts before it are prefilled
+    new_prompts = -(-(state.next_row + admitted.count) // samples) - first_prompt
+
+    def prefill_rounds(state, prompts_per_round: int, rounds):
+        return jax.lax.fori_loop(0, rounds, lambda i, state: prefill(
+            engine, weights, sampling, state, first_prompt, new_prompts, i, prompts_per_round), state)
+
+    most = jnp.max(new_prompts)
+    if not engine.choose_prefill:  # every row has a slot (one admission: A = all prompts), or A = 1
+        state = prefill_rounds(state, rounds_of, -(-most // rounds_of))
+    else:  # A at a time when more than A / 2 prompts come in, else one at a time: one of the two loops runs.
+        # Two loops in a row, not a lax.cond between them: XLA:TPU copied the page pool into and out
+        # of the loop inside each branch on every round, holding it twice (docs/sampling.md)
+        batched = 2 * most > rounds_of
+        state = prefill_rounds(state, rounds_of, jnp.where(batched, -(-most // rounds_of), 0))
+        state = prefill_rounds(state, 1, jnp.where(batched, 0, most))
+    # the prefill loops carry the slots unchanged: insert reads them as the loops found them
+    return insert(engine, state._replace(slots=slots), admitted)
+
+
+class StepPages(NamedTuple):
+    """Where a decode step writes and reads each slot's KV [D, S]: write_page, write_offset (the
+    fed token's page and place; the trash page for idle slots); table [D, S, W] (a slot's logical
+    pages: its prompt's full pages, then its own); kv_len (tokens the slot attends to, the fed
+    one included; 0 when idle); counts [D, S, W] (tokens on each logical page); num_chunks []
+    (chunks of pages the longest live slot spans)."""
+
+    write_page: jax.Array
+    write_offset: jax.Array
+    table: jax.Array
+    kv_len: jax.Array
+    counts: jax.Array
+    num_chunks: jax.Array
+
+
+def _kernel_mesh_axes(backend: DecodeBackend) -> tuple[tuple[str, ...], str | None]:
+    """(batch_axes, tensor_axis): the mesh axes a paged attention kernel's shard_map splits the
+    shards and the kv heads over (the backend's "batch" and "kv_heads" rules); ((), None) without a mesh."""
+    if backend.mesh is None:
+        return (), None
+    rules = dict(backend.rules)
+    batch = rules["batch"]
+    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    tensor_axis = rules["kv_heads"] if isinstance(rules["kv_heads"], str) else None
+    return tuple(axis for axis in batch if axis in backend.mesh.shape), tensor_axis
+
+
+def _attend(engine: Engine, layer_pool, pages: StepPages, queries, keys, values):
+    """One layer's attention of the fed tokens over their slots' pages, the fed tokens' keys and
+    values written first: queries [D*S, 1, H, Dh], keys, values [D*S, 1, KVH, Dh] -> (out
+    [D*S, 1, H, Dh] float32, the layer's pool)."""
+    spec = engine.spec
+    config, backend = spec.config, spec.backend
+    shards, slots = spec.num_shards, engine.slots_per_shard
+    kv_heads, head_dim, cache_dtype = config.num_kv_heads, config.head_dim, jnp.dtype(config.dtype)
+    group = config.num_heads // kv_heads
+    queries = queries.reshape(shards, slots, kv_heads, group, head_dim)
+    keys, values = keys.reshape(shards, slots, kv_heads, head_dim), values.reshape(shards, slots, kv_heads, head_dim)
+    if engine.attention_path == "cpu_native":  # the new token written and the live pages read in place, in C++
+        out, pool = cpu_paged_attention(queries, layer_pool, keys, values, pages.write_page, pages.write_offset,
+                                        pages.table, pages.kv_len)
+        return out.reshape(shards * slots, 1, kv_heads * group, head_dim), pool
+    pool = write_tokens(layer_pool, pages.write_page, pages.write_offset, keys, values, cache_dtype)
+    pool = backend.constrain(pool, POOL_AXES)
+    batch_axes, tensor_axis = _kernel_mesh_axes(backend)
+    if engine.attention_path == "gpu_triton":
+        out = gpu_paged_attention(queries, pool, pages.table, pages.kv_len, mesh=backend.mesh, batch_axes=batch_axes,
+                                  tensor_axis=tensor_axis)
+    elif engine.attention_path == "tpu_ragged":
+        out = kernel_paged_attention(queries, pool, pages.table, pages.kv_len, mesh=backend.mesh,
+                                     batch_axes=batch_axes, tensor_axis=tensor_axis)
+    else:
+        out = paged_attention(queries, pool, pages.table, pages.counts, pages.num_chunks,
+                              pages_per_chunk=spec.pages_per_chunk, dtype=jnp.dtype(config.dtype),
+                              value_dtype=cache_dtype)
+    return out.reshape(shards * slots, 1, kv_heads * group, head_dim), pool
+
+
+def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
+    """One decode step of every live slot (JetStream's generate): feed its last token (its KV into
+    the slot's pages, a page taken when the token starts one), sample the next."""
+    spec = engine.spec
+    config, backend, page_size = spec.config, spec.backend, spec.page_size
+    shards, slots_per_shard, table_pages = spec.num_shards, engine.slots_per_shard, engine.table_pages
+    slots, entries = state.slots, state.entries
+    fed = slots.length - 1  # response index of the token fed back
+    prompt_len = _take(entries.length, slots.entry)  # [D, S]
+    shared = prompt_len // page_size  # the prompt's full pages, read in place
+    own = prompt_len % page_size + fed  # index of the fed token among the slot's own pages' tokens
+    need = slots.live & (own % page_size == 0)
+    free, new_page = pop_pages(state.free, need)
+    slot_ids = jnp.where(need, jnp.arange(slots_per_shard, dtype=jnp.int32)[None], -1)
+    own_page = jnp.clip(own // page_size, 0, engine.response_pages - 1)
+    slot_pages = _put2(slots.pages, slot_ids, own_page, new_page)
+    write_page = jnp.where(slots.live, jnp.take_along_axis(slot_pages, own_page[..., None], axis=2)[..., 0],
+                           TRASH_PAGE)
+    write_offset = jnp.where(slots.live, own % page_size, 0)
+    # a slot's tokens are contiguous over its logical pages: the prompt's full pages, then its own
+    logical = jnp.broadcast_to(jnp.arange(table_pages)[None, None], (shards, slots_per_shard, table_pages))
+    in_prompt = logical < shared[..., None]
+    from_prompt = jnp.take_along_axis(_take(entries.pages, slots.entry), jnp.clip(logical, 0, engine.prompt_pages - 1),
+                                      axis=2)
+    from_own = jnp.take_along_axis(slot_pages, jnp.clip(logical - shared[..., None], 0, engine.response_pages - 1),
+                                   axis=2)
+    table = jnp.where(in_prompt, from_prompt, from_own)
+    kv_len = jnp.where(slots.live, prompt_len + slots.length, 0)  # the fed token included
+    counts = jnp.clip(kv_len[..., None] - logical * page_size, 0, page_size)
+    num_chunks = -(-jnp.max(-(-kv_len // page_size)) // spec.pages_per_chunk)
+    pages = StepPages(write_page, write_offset, table, kv_len, counts, num_chunks)
+
+    cos, sin = rope_tables(config, engine.constrain_rows((prompt_len + fed).reshape(shards * slots_per_shard, 1)))
+    x = backend.embed(weights["embed"], engine.constrain_rows(slots.token.reshape(shards * slots_per_shard, 1)))
+    pool = []
+    for layer_weights, layer_pool in zip(weights["layers"], state.pool):
+        attend = functools.partial(_attend, engine, layer_pool, pages)
+        x, written = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
+        pool.append(written)
+    logits = lm_head(weights, config, backend, x[:, 0]).reshape(shards, slots_per_shard, -1)
+    rows = engine.buffer_row(slots.row)
+    drawn = draw(engine, sampling, state.queue, logits, jnp.maximum(rows, 0), slots.length)
+    out, is_eos = _record(state.out, rows, slots.length, drawn, slots.live, sampling.eos_ids, sampling.pad_id)
+    length = slots.length + slots.live.astype(jnp.int32)
+    done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
+    slots = slots._replace(length=length, token=jnp.where(slots.live, drawn.tokens, slots.token),
+                           live=slots.live & ~done, pages=slot_pages)
+    return state._replace(slots=slots, free=free, pool=pool, out=out)
+
+
+def decode_burst(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
+    """Up to `burst` decode steps, fewer when every slot finishes first."""
+    more = lambda carry: (carry[0] < engine.spec.burst) & jnp.any(carry[1].slots.live)
+    step = lambda carry: (carry[0] + 1, decode_step(engine, weights, sampling, carry[1]))
+    return jax.lax.while_loop(more, step, (jnp.zeros((), jnp.int32), state))[1]
+
+
+def refill_and_decode(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
+    """The body of the engine's loop: a refill, then a burst of decode steps."""
+    return decode_burst(engine, weights, sampling, refill(engine, weights, sampling, state))
+
+
+def empty_state(engine: Engine, queue: Queue, end, pad_id) -> EngineState:
+    """The engine with every slot free and the pool empty, over `queue`: rows before `end` [D]
+    (stream index) may be admitted; the outputs filled with `pad_id`."""
+    spec = engine.spec
+    config, backend = spec.config, spec.backend
+    shards, slots, rows, prompts = spec.num_shards, engine.slots_per_shard, engine.buffer_rows, engine.buffer_prompts
+    max_new_tokens, num_entries = spec.max_new_tokens, engine.entries
+    zeros = lambda shape, dtype, fill=0: engine.constrain_rows(jnp.full(shape, fill, dtype))
+    pool_shape = (shards, engine.pool_pages, spec.page_size, 2 * config.num_kv_heads, config.head_dim)
+    bits = isinstance(backend, CpuBackend)
+    empty_layer = lambda: backend.constrain(empty_pool(pool_shape, jnp.dtype(config.dtype), bits=bits), POOL_AXES)
+    return EngineState(
+        slots=Slots(row=zeros((shards, slots), jnp.int32, -1), entry=zeros((shards, slots), jnp.int32),
+                    length=zeros((shards, slots), jnp.int32), token=zeros((shards, slots), jnp.int32),
+                    live=zeros((shards, slots), bool), held=zeros((shards, slots), bool),
+                    pages=zeros((shards, slots, engine.response_pages), jnp.int32)),
+        entries=Entries(zeros((shards, num_entries, engine.prompt_pages), jnp.int32),
+                        zeros((shards, num_entries), jnp.int32), zeros((shards, num_entries), jnp.int32),
+                        zeros((shards, prompts), jnp.int32)),
+        free=empty_free_pages(shards, engine.pool_pages),
+        next_row=jnp.zeros((shards,), jnp.int32),
+        end=end,
+        pool=[empty_layer() for _ in range(config.num_layers)],
+        out=Outputs(zeros((shards, rows, max_new_tokens), jnp.int32) + pad_id,
+                    zeros((shards, rows, max_new_tokens), jnp.float32),
+                    zeros((shards, rows, max_new_tokens), jnp.float32), zeros((shards, rows), jnp.int32),
+                    zeros((shards, rows), bool), zeros((shards, rows), jnp.int32, -1),
+                    zeros((shards, rows), jnp.int32, max_new_tokens)),
+        queue=queue,
+        segment=jnp.zeros((), jnp.int32),
+        done=jnp.zeros((), jnp.int32),
     )
 
 
-_STATIC = ("config", "num_samples", "max_new_tokens", "top_k", "use_top_p", "greedy", "backend", "use_kernels",
-           "num_shards", "slots", "page_size", "pages_per_chunk", "burst", "prefill_prompts", "attention")
+def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
+    """The rows of buffer half `half` (traced) as one call's ProgramOutput ([N, ...], shards in order)."""
+    spec = engine.spec
+    shards, rows, prompts = spec.num_shards, engine.rows_per_shard, engine.prompts_per_shard
+    take = lambda x, size: jax.lax.dynamic_slice_in_dim(x, half * size, size, axis=1)
+    unshard = lambda x: engine.constrain_rows(x.reshape((shards * x.shape[1],) + x.shape[2:]))
+    out, queue = state.out, state.queue
+    length = unshard(take(out.length, rows))
+    steps = jnp.arange(spec.max_new_tokens, dtype=jnp.int32)
+    of_prompts = lambda x: engine.constrain_rows(jnp.repeat(unshard(take(x, prompts)), spec.num_samples, axis=0))
+    return ProgramOutput(
+        prompt_tokens=of_prompts(queue.tokens),
+        prompt_mask=of_prompts(queue.mask).astype(jnp.float32),
+        response_tokens=unshard(take(out.tokens, rows)),
+        response_mask=(steps[None, :] < length[:, None]).astype(jnp.float32),
+        logprobs=unshard(take(out.logprobs, rows)),
+        logprobs_untruncated=unshard(take(out.logprobs_untruncated, rows)),
+        lengths=length,
+        truncated=~unshard(take(out.eos_seen, rows)),
+    )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=("spec",))
 def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
-                       pad_id, row_budget, *, config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int,
-                       use_top_p: bool, greedy: bool, backend: DecodeBackend, use_kernels: bool = False,
-                       num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
-                       pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
-                       prefill_prompts: int | None = None, attention: str = "xla") -> ProgramOutput:
-    """`decode_loop.sample_program` (same arguments and output, rows for rows) on `slots` slots.
+                       pad_id, row_budget, *, spec: EngineSpec) -> ProgramOutput:
+    """`decode_loop.sample_program` (same arguments and output, rows for rows) on `spec.slots` slots.
 
     Args (beyond sample_program's):
       row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
         unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
-      num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
-      slots: S, rows decoded at once over all shards (a multiple of D).
-      page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
-      burst: decode steps between two refills.
-      prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
-        A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
-        that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
-      attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
-        paged attention kernel (`paged_cache.kernel_paged_attention`), on GPU the Pallas/Triton paged
-        attention kernel (`gpu_paged_attention`), on CPU the C++ kernel (`kernels.paged_attention`,
-        which also writes the new token in place; a CpuBackend with kernels).
+      spec: the engine (`EngineSpec`); its fields beyond sample_program's static arguments:
+        num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
+        slots: S, rows decoded at once over all shards (a multiple of D).
+        page_size: tokens per KV page; pages_per_chunk: pages read per attention chunk.
+        burst: decode steps between two refills.
+        prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
+          A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
+          that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
+        attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
+          paged attention kernel (`paged_cache.kernel_paged_attention`), on GPU the Pallas/Triton paged
+          attention kernel (`gpu_paged_attention`), on CPU the C++ kernel (`kernels.paged_attention`,
+          which also writes the new token in place; a CpuBackend with kernels).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
-    g, r, d = num_samples, max_new_tokens, num_shards
-    num_prompts, t = prompt_tokens.shape
-    eng = _engine(weights, temperature, top_p, eos_ids, pad_id, config=config, num_samples=g, max_new_tokens=r,
-                  top_k=top_k, use_top_p=use_top_p, greedy=greedy, backend=backend, use_kernels=use_kernels,
-                  num_shards=d, slots=slots, num_prompts=num_prompts, prompt_len=t, halves=1, page_size=page_size,
-                  pages_per_chunk=pages_per_chunk, burst=burst, prefill_prompts=prefill_prompts, attention=attention)
-    shard = lambda x: eng.rows_c(x.reshape((d, -1) + x.shape[1:]))
+    samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
+    num_prompts, prompt_len = prompt_tokens.shape
+    engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=1)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id)
+    shard = lambda x: engine.constrain_rows(x.reshape((shards, -1) + x.shape[1:]))
     num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
     queue = Queue(tokens=shard(prompt_tokens), mask=shard(prompt_mask.astype(jnp.int32)),  # [D, Pd, T]
-                  uniforms=jnp.zeros((d, 1, 1), jnp.float32) if greedy else shard(row_uniforms(rng, first_row,
-                                                                                               num_prompts * g, r)),
-                  budget=shard(jnp.minimum(row_budget.astype(jnp.int32), r)))  # [D, Nd]
-    state = eng.empty_state(queue, num_real * g)
-    more = lambda s: jnp.any(s.slots.live) | jnp.any(s.next_row < s.end)
-    state = jax.lax.while_loop(more, eng.burst_loop, state)
-    return _rows_of_half(eng, state, 0, g, r)
+                  uniforms=jnp.zeros((shards, 1, 1), jnp.float32) if spec.greedy else shard(
+                      row_uniforms(rng, first_row, num_prompts * samples, max_new_tokens)),  # [D, Nd, R]
+                  budget=shard(jnp.minimum(row_budget.astype(jnp.int32), max_new_tokens)))  # [D, Nd]
+    state = empty_state(engine, queue, num_real * samples, pad_id)
+    more = lambda state: jnp.any(state.slots.live) | jnp.any(state.next_row < state.end)
+    state = jax.lax.while_loop(more, functools.partial(refill_and_decode, engine, weights, sampling), state)
+    return rows_of_half(engine, state, 0)
 
 
 # ------------------------------------------------------------------ partial rollouts (sampling/partial.py)
-@functools.partial(jax.jit, static_argnames=_STATIC + ("num_prompts", "prompt_len"))
-def partial_init(pad_id, *, num_prompts: int, prompt_len: int, config: ModelConfig, num_samples: int,
-                 max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool, backend: DecodeBackend,
-                 use_kernels: bool = False, num_shards: int = 1, slots: int, page_size: int = PAGE_SIZE,
-                 pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST, prefill_prompts: int | None = None,
-                 attention: str = "xla") -> EngineState:
+@functools.partial(jax.jit, static_argnames=("spec", "num_prompts", "prompt_len"))
+def partial_init(pad_id, *, spec: EngineSpec, num_prompts: int, prompt_len: int) -> EngineState:
     """An empty engine for partial rollouts: two halves of `num_prompts` prompts of width `prompt_len`
     (rollout t in half t % 2), no rows enqueued."""
-    g, r, d = num_samples, max_new_tokens, num_shards
-    eng = _engine(None, None, None, None, pad_id, config=config, num_samples=g, max_new_tokens=r, top_k=top_k,
-                  use_top_p=use_top_p, greedy=greedy, backend=backend, use_kernels=use_kernels, num_shards=d,
-                  slots=slots, num_prompts=num_prompts, prompt_len=prompt_len, halves=2, page_size=page_size,
-                  pages_per_chunk=pages_per_chunk, burst=burst, prefill_prompts=prefill_prompts, attention=attention)
-    zeros = lambda shape, dtype: eng.rows_c(jnp.zeros(shape, dtype))
-    hp, hn = 2 * eng.pd, 2 * eng.nd
-    queue = Queue(zeros((d, hp, prompt_len), jnp.int32), zeros((d, hp, prompt_len), jnp.int32),
-                  jnp.zeros((d, 1, 1), jnp.float32) if greedy else zeros((d, hn, r), jnp.float32),
-                  zeros((d, hn), jnp.int32))
-    return eng.empty_state(queue, jnp.zeros((d,), jnp.int32))
+    samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
+    engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=2)
+    zeros = lambda shape, dtype: engine.constrain_rows(jnp.zeros(shape, dtype))
+    prompts, rows = engine.buffer_prompts, engine.buffer_rows
+    queue = Queue(zeros((shards, prompts, prompt_len), jnp.int32), zeros((shards, prompts, prompt_len), jnp.int32),
+                  jnp.zeros((shards, 1, 1), jnp.float32) if spec.greedy else zeros((shards, rows, max_new_tokens),
+                                                                                   jnp.float32),
+                  zeros((shards, rows), jnp.int32))
+    return empty_state(engine, queue, jnp.zeros((shards,), jnp.int32), pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=("num_samples", "max_new_tokens", "greedy", "backend"),
-                   donate_argnums=(0,))
-def partial_enqueue(state: EngineState, prompt_tokens, prompt_mask, rng, row_budget, pad_id, *, num_samples: int,
-                    max_new_tokens: int, greedy: bool, backend: DecodeBackend) -> EngineState:
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
+def partial_enqueue(state: EngineState, prompt_tokens, prompt_mask, rng, row_budget, pad_id, *,
+                    spec: EngineSpec) -> EngineState:
     """Append a rollout's P prompts [P, T] (all real) to the stream: their rows become admissible
     after the rows already enqueued. Row n draws its uniforms from (rng, n) (`filters.row_uniforms`),
     as `continuous_program` with first_row 0; row_budget [P*G]. The half it takes must have been
     handed out (`partial_segment`): at most two rollouts are in the engine at a time."""
-    g, r = num_samples, max_new_tokens
-    d, hp = state.queue.tokens.shape[:2]
-    pd, nd = hp // 2, hp // 2 * g
-    rows_c = lambda x: backend.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    shard = lambda x: rows_c(x.reshape((d, -1) + x.shape[1:]))
-    half = (state.end[0] // nd) % 2
-    put = lambda buf, x, size: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), half * size, axis=1)
+    samples, max_new_tokens = spec.num_samples, spec.max_new_tokens
+    shards, buffer_prompts = state.queue.tokens.shape[:2]
+    prompts, rows = buffer_prompts // 2, buffer_prompts // 2 * samples  # a shard's prompts and rows per half
+    constrain_rows = lambda x: spec.backend.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    shard = lambda x: constrain_rows(x.reshape((shards, -1) + x.shape[1:]))
+    half = (state.end[0] // rows) % 2
+    put = lambda buffer, x, size: jax.lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), half * size,
+                                                                      axis=1)
     queue = state.queue
-    queue = Queue(put(queue.tokens, shard(prompt_tokens), pd), put(queue.mask, shard(prompt_mask), pd),
-                  queue.uniforms if greedy else put(queue.uniforms, shard(row_uniforms(rng, 0, pd * d * g, r)), nd),
-                  put(queue.budget, shard(jnp.minimum(row_budget.astype(jnp.int32), r)), nd))
+    queue = Queue(put(queue.tokens, shard(prompt_tokens), prompts), put(queue.mask, shard(prompt_mask), prompts),
+                  queue.uniforms if spec.greedy else put(queue.uniforms, shard(row_uniforms(
+                      rng, 0, prompts * shards * samples, max_new_tokens)), rows),
+                  put(queue.budget, shard(jnp.minimum(row_budget.astype(jnp.int32), max_new_tokens)), rows))
     out = state.out
-    fill = lambda x, value: put(x, jnp.full((d, nd) + x.shape[2:], value, x.dtype), nd)
+    fill = lambda x, value: put(x, jnp.full((shards, rows) + x.shape[2:], value, x.dtype), rows)
     out = Outputs(fill(out.tokens, pad_id), fill(out.logprobs, 0), fill(out.logprobs_untruncated, 0),
-                  fill(out.length, 0), fill(out.eos_seen, False), fill(out.segment, -1), fill(out.split, r))
-    return state._replace(queue=queue, out=out, end=state.end + nd)
+                  fill(out.length, 0), fill(out.eos_seen, False), fill(out.segment, -1),
+                  fill(out.split, max_new_tokens))
+    return state._replace(queue=queue, out=out, end=state.end + rows)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
-def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, *, config: ModelConfig,
-                    num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool,
-                    backend: DecodeBackend, use_kernels: bool = False, num_shards: int = 1, slots: int,
-                    page_size: int = PAGE_SIZE, pages_per_chunk: int = PAGES_PER_CHUNK, burst: int = BURST,
-                    prefill_prompts: int | None = None,
-                    attention: str = "xla") -> tuple[EngineState, ProgramOutput, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
+def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, *,
+                    spec: EngineSpec) -> tuple[EngineState, ProgramOutput, jax.Array, jax.Array]:
     """One segment of partial rollouts: decode with `weights` until the oldest rollout in the engine
     is complete, admitting the next rollout's rows (if enqueued) into slots its rows free; hand the
     oldest rollout out. Rows carried in from the previous segment continue under these weights
@@ -551,27 +721,26 @@ def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pa
     spans at most two segments: a segment ends only when its rollout is complete, and the
     next rollout is the only one it admits from).
     """
-    g, r, d = num_samples, max_new_tokens, num_shards
-    hp, t = state.queue.tokens.shape[1:]
-    eng = _engine(weights, temperature, top_p, eos_ids, pad_id, config=config, num_samples=g, max_new_tokens=r,
-                  top_k=top_k, use_top_p=use_top_p, greedy=greedy, backend=backend, use_kernels=use_kernels,
-                  num_shards=d, slots=slots, num_prompts=hp // 2 * d, prompt_len=t, halves=2, page_size=page_size,
-                  pages_per_chunk=pages_per_chunk, burst=burst, prefill_prompts=prefill_prompts, attention=attention)
-    nd, hn = eng.nd, 2 * eng.nd
-    sl, out = state.slots, state.out
+    samples, shards = spec.num_samples, spec.num_shards
+    buffer_prompts, prompt_len = state.queue.tokens.shape[1:]
+    engine = Engine.resolve(spec, num_prompts=buffer_prompts // 2 * shards, prompt_len=prompt_len, halves=2)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id)
+    rows, buffer_rows = engine.rows_per_shard, engine.buffer_rows
+    slots, out = state.slots, state.out
     # tokens from here on are this segment's: of rows live in slots, and of rows whose first token an
     # earlier segment drew at its prompt's prefill, still waiting for a slot
-    live_rows = jnp.where(sl.live, sl.row % hn, -1)
-    split = _put(out.split, live_rows, sl.length)
-    waiting = state.next_row[:, None] + jnp.arange(g, dtype=jnp.int32)  # [D, G]
-    prefilled = (waiting < -(-state.next_row // g)[:, None] * g) & (waiting < state.end[:, None])
-    split = _put(split, jnp.where(prefilled, waiting % hn, -1), jnp.ones_like(waiting))
+    live_rows = jnp.where(slots.live, slots.row % buffer_rows, -1)
+    split = _put(out.split, live_rows, slots.length)
+    waiting = state.next_row[:, None] + jnp.arange(samples, dtype=jnp.int32)  # [D, G]
+    prefilled = (waiting < -(-state.next_row // samples)[:, None] * samples) & (waiting < state.end[:, None])
+    split = _put(split, jnp.where(prefilled, waiting % buffer_rows, -1), jnp.ones_like(waiting))
     state = state._replace(out=out._replace(split=split))
-    end_t = (state.done + 1) * nd  # the oldest rollout's rows are the stream rows before it
-    more = lambda s: jnp.any(s.slots.live & (s.slots.row < end_t)) | jnp.any(s.next_row < end_t)
-    state = jax.lax.while_loop(more, eng.burst_loop, state)
+    end = (state.done + 1) * rows  # the oldest rollout's rows are the stream rows before it
+    more = lambda state: jnp.any(state.slots.live & (state.slots.row < end)) | jnp.any(state.next_row < end)
+    state = jax.lax.while_loop(more, functools.partial(refill_and_decode, engine, weights, sampling), state)
     half = state.done % 2
-    rollout = _rows_of_half(eng, state, half, g, r)
-    per_row = lambda x: eng.rows_c(jax.lax.dynamic_slice_in_dim(x, half * nd, nd, axis=1).reshape(d * nd))
+    rollout = rows_of_half(engine, state, half)
+    per_row = lambda x: engine.constrain_rows(jax.lax.dynamic_slice_in_dim(x, half * rows, rows, axis=1)
+                                              .reshape(shards * rows))
     segment, split = per_row(state.out.segment), per_row(state.out.split)
     return state._replace(segment=state.segment + 1, done=state.done + 1), rollout, segment, split

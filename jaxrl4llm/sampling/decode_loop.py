@@ -77,14 +77,16 @@ def block_size_for(max_new_tokens: int, kv_width: int, *, max_blocks: int = 4, m
     return -(-blk // 8) * 8
 
 
-def _row_constraint(x, mesh: Mesh | None):
+def constrain_rows(x, mesh: Mesh | None):
+    """x with its leading axis (rows) on the decode layout's "batch" rule over `mesh` (the rows
+    split over its data-parallel axes, `models.decode.DECODE_RULES`); x itself without a mesh."""
     if mesh is None:
         return x
     spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), DECODE_RULES, shape=x.shape, mesh=mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _record(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budget=None) -> DecodeState:
+def record_step(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budget=None) -> DecodeState:
     """Write step t's sample into column t (pad / 0 for rows already done) and advance t; a row
     whose length reaches its budget [N] (optional) is done."""
     live = ~state.done
@@ -189,9 +191,9 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels,
                                shards=vocab_shards(mesh, backend.rules))
-    prompt_len = _row_constraint(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
-    padding_row = _row_constraint(jnp.repeat(~row_valid, g), mesh)
-    zeros = lambda dtype: _row_constraint(jnp.zeros((num_rows, r), dtype), mesh)
+    prompt_len = constrain_rows(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
+    padding_row = constrain_rows(jnp.repeat(~row_valid, g), mesh)
+    zeros = lambda dtype: constrain_rows(jnp.zeros((num_rows, r), dtype), mesh)
     state = DecodeState(
         t=jnp.zeros((), jnp.int32),
         token=jnp.zeros((num_rows,), jnp.int32),
@@ -204,14 +206,14 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
     )
     # Every step's row uniforms drawn up front (u[n, t] in (0, 1]): no PRNG work in the loop.
     column = lambda a, t: jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1)  # [N, R, ...] -> step t's [N, 1, ...]
-    uniforms = None if greedy else _row_constraint(row_uniforms(rng, first_row, num_rows, r), mesh)
+    uniforms = None if greedy else constrain_rows(row_uniforms(rng, first_row, num_rows, r), mesh)
     step_uniform = lambda t: None if greedy else column(uniforms, t)
-    first = sample(_row_constraint(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
-    budget = None if row_budget is None else _row_constraint(row_budget.astype(jnp.int32), mesh)
-    state = _record(state, first, eos_ids, pad_id, num_rows, budget)
+    first = sample(constrain_rows(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
+    budget = None if row_budget is None else constrain_rows(row_budget.astype(jnp.int32), mesh)
+    state = record_step(state, first, eos_ids, pad_id, num_rows, budget)
 
     # rotary tables of every step's input position (prompt_len + t - 1) up front: no cos/sin in the loop
-    cos, sin = (_row_constraint(a, mesh) for a in
+    cos, sin = (constrain_rows(a, mesh) for a in
                 rope_tables(config, prompt_len[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :] - 1))
     step_rope = lambda t: (column(cos, t), column(sin, t))
     num_blocks = -(-(r - 1) // block_size)
@@ -228,7 +230,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
             slot = state.t - 1 - j * block_size
             logits, block = decode_step(weights, config, state.token, step_rope(state.t), prompt_kv,
                                         list(done_blocks), block, slot, backend=backend)
-            return _record(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows,
+            return record_step(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows,
                            budget), block
 
         block = empty_block(config, num_rows, block_size, backend=backend)
@@ -238,8 +240,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
 
     steps = jnp.arange(r, dtype=jnp.int32)
     return ProgramOutput(
-        prompt_tokens=_row_constraint(jnp.repeat(prompt_tokens, g, axis=0), mesh),
-        prompt_mask=_row_constraint(jnp.repeat(prompt_mask, g, axis=0).astype(jnp.float32), mesh),
+        prompt_tokens=constrain_rows(jnp.repeat(prompt_tokens, g, axis=0), mesh),
+        prompt_mask=constrain_rows(jnp.repeat(prompt_mask, g, axis=0).astype(jnp.float32), mesh),
         response_tokens=state.tokens,
         response_mask=(steps[None, :] < state.length[:, None]).astype(jnp.float32),
         logprobs=state.logprobs,

@@ -29,15 +29,17 @@ from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
-from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, continuous_program
+from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, is_gpu
 from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
 from jaxrl4llm.sampling.rollout import Rollout
 
 
-def _data_parallel_size(mesh: Mesh | None) -> int:
-    """Number of ways the rows are split on `mesh` (product of the mesh axes of the "batch" rule)."""
+def data_parallel_size(mesh: Mesh | None) -> int:
+    """Number of ways the sampler splits its rows on `mesh` (the product of the mesh axes of the
+    decode layout's "batch" rule, `models.decode.DECODE_RULES`); 1 without a mesh. The prompts of
+    a call are padded to a multiple of it, and the continuous engine runs that many shards."""
     if mesh is None:
         return 1
     axes = dict(DECODE_RULES)["batch"]
@@ -45,8 +47,11 @@ def _data_parallel_size(mesh: Mesh | None) -> int:
     return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))
 
 
-def _use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
-    """Resolve generate()'s `cpu_kernels` option (see there) to a yes/no for this call."""
+def use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
+    """Whether a sampler call runs the C++ CPU kernels (`jaxrl4llm.kernels`), from generate()'s
+    `cpu_kernels` option (also `PartialRollouts`'): None = when the call runs on one CPU device and
+    the kernels build; True = required (ValueError on another platform or a multi-device mesh, and
+    `kernels.native.require_kernels` says what is missing); False = never."""
     if requested is False:
         return False
     devices = list(mesh.devices.flat) if mesh is not None else None
@@ -186,7 +191,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     if config is None and row_max_new_tokens is not None:
         raise ValueError("row_max_new_tokens: per-row budgets need a jaxrl4llm CausalLM (the generic decoder has none)")
     continuous = engine == "continuous" and config is not None
-    dp = _data_parallel_size(mesh)
+    dp = data_parallel_size(mesh)
     chunk = num_prompts if continuous else min(prompts_per_chunk or num_prompts, num_prompts)
     num_rows = bucket(chunk, batch_buckets, multiple_of=dp)
     eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
@@ -197,7 +202,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
             raise ValueError("cpu_kernels=True: the CPU kernels run jaxrl4llm models only; pass cpu_kernels=None")
         run = lambda *args: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling)
     else:
-        use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
+        use_kernels = use_cpu_kernels(cpu_kernels, mesh)
         block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
@@ -206,10 +211,10 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
                                                page_size=int(kv_page_size))
             per_shard = -(-(slots or num_rows * num_samples) // dp)
             per_shard = min(per_shard, num_rows // dp * num_samples)
-            run = lambda *args: continuous_program(weights, *args, config=config, backend=backend,
-                                                   use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
-                                                   page_size=int(kv_page_size), burst=int(decode_burst),
-                                                   attention=attention, **sampling)
+            spec = EngineSpec(config=config, backend=backend, use_kernels=use_kernels, num_shards=dp,
+                              slots=per_shard * dp, page_size=int(kv_page_size), burst=int(decode_burst),
+                              attention=attention, **sampling)
+            run = lambda *args: continuous_program(weights, *args, spec=spec)
         else:
             run = lambda *args: sample_program(weights, *args, config=config, block_size=block_size,
                                                backend=backend, use_kernels=use_kernels, **sampling)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl4llm.models.causal_lm import merge, positions_from_mask
-from jaxrl4llm.sampling.decode_loop import DecodeState, ProgramOutput, _record, _row_constraint
+from jaxrl4llm.sampling.decode_loop import DecodeState, ProgramOutput, constrain_rows, record_step
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 
 
@@ -37,16 +37,16 @@ def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_vali
     num_prompts, t = prompt_tokens.shape
     num_rows = num_prompts * g
     model = merge(graphdef, state)
-    rows = lambda a: _row_constraint(jnp.repeat(a, g, axis=0), mesh)
+    rows = lambda a: constrain_rows(jnp.repeat(a, g, axis=0), mesh)
     tokens = jnp.concatenate([rows(prompt_tokens), jnp.full((num_rows, r), pad_id, jnp.int32)], axis=1)
     mask = jnp.concatenate([rows(prompt_mask.astype(jnp.int32)), jnp.zeros((num_rows, r), jnp.int32)], axis=1)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy)
-    uniforms = None if greedy else _row_constraint(row_uniforms(rng, first_row, num_rows, r), mesh)
-    zeros = lambda dtype: _row_constraint(jnp.zeros((num_rows, r), dtype), mesh)
+    uniforms = None if greedy else constrain_rows(row_uniforms(rng, first_row, num_rows, r), mesh)
+    zeros = lambda dtype: constrain_rows(jnp.zeros((num_rows, r), dtype), mesh)
     state0 = DecodeState(
         t=jnp.zeros((), jnp.int32), token=jnp.zeros((num_rows,), jnp.int32),
-        done=_row_constraint(jnp.repeat(~row_valid, g), mesh), eos_seen=jnp.zeros((num_rows,), bool),
+        done=constrain_rows(jnp.repeat(~row_valid, g), mesh), eos_seen=jnp.zeros((num_rows,), bool),
         length=jnp.zeros((num_rows,), jnp.int32), tokens=zeros(jnp.int32) + pad_id, logprobs=zeros(jnp.float32),
         logprobs_untruncated=zeros(jnp.float32))
 
@@ -60,7 +60,7 @@ def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_vali
         last = jax.lax.dynamic_index_in_dim(logits, t - 1 + s.t, axis=1, keepdims=False).astype(jnp.float32)
         u = None if greedy else jax.lax.dynamic_slice_in_dim(uniforms, s.t, 1, axis=1)
         live = ~s.done
-        s = _record(s, sample(last, None, uniform=u), eos_ids, pad_id, num_rows)
+        s = record_step(s, sample(last, None, uniform=u), eos_ids, pad_id, num_rows)
         column = (jnp.zeros((), jnp.int32), t + s.t - 1)
         tokens = jax.lax.dynamic_update_slice(tokens, s.token[:, None], column)
         mask = jax.lax.dynamic_update_slice(mask, live.astype(jnp.int32)[:, None], column)

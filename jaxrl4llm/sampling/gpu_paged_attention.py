@@ -24,6 +24,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas.ops.gpu.paged_attention import DEFAULT_MASK_VALUE, paged_attention_kernel
 
 from jaxrl4llm.sampling.paged_cache import per_device
 
@@ -70,10 +73,6 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
       interpret: run the kernel in Pallas' interpreter (any backend; for tests on CPU).
     Returns: [S, KVH, H/KVH, Dh] float32.
     """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-    from jax.experimental.pallas.ops.gpu.paged_attention import DEFAULT_MASK_VALUE, paged_attention_kernel
-
     s, kvh, hg, dh = q.shape
     _, page, two_kvh, _ = pool.shape
     width = table.shape[1]

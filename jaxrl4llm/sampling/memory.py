@@ -26,6 +26,10 @@ import math
 import jax.numpy as jnp
 
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+from jaxrl4llm.sampling.continuous import PAGE_SIZE, prefill_batch
+from jaxrl4llm.sampling.decode_loop import block_size_for
+from jaxrl4llm.sampling.paged_cache import pool_pages
 
 # The share of a device's memory limit (`memory_stats()["bytes_limit"]`: what JAX's allocator hands
 # the process) that the sampler's automatic sizing fills (`rollout.slots: auto`,
@@ -50,9 +54,6 @@ def decode_sizing(config: ModelConfig, decode_mesh, *, samples: int, prompt_len:
     (None: one device): samples, the prompt bucket of `prompt_len` (the longest prompt, in
     tokens), max_new_tokens, the KV block size, the mesh's data parallelism (data x fsdp) and
     tensor parallelism, and the embedding's dtype (the state's)."""
-    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
-    from jaxrl4llm.sampling.decode_loop import block_size_for
-
     dp = 1 if decode_mesh is None else decode_mesh.shape["data"] * decode_mesh.shape["fsdp"]
     tp = 1 if decode_mesh is None else decode_mesh.shape["tensor"]
     return dict(samples=samples, prompt_len=bucket(prompt_len, PROMPT_BUCKETS), max_new_tokens=max_new_tokens,
@@ -139,9 +140,6 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     after each layer, and, with fewer slots than rows, from pool copies in the refill's `lax.cond`
     between two prefill loops (now two loops in a row; docs/sampling.md).
     """
-    from jaxrl4llm.sampling.continuous import PAGE_SIZE, prefill_batch
-    from jaxrl4llm.sampling.paged_cache import pool_pages
-
     c = config
     page = page_size or PAGE_SIZE
     per_shard = -(-slots // data_parallel)

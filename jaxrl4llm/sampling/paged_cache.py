@@ -31,6 +31,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ragged_kernel
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm.models.layers.linear import einsum
 
@@ -181,8 +185,6 @@ def per_device(one_device, q, pool, table, kv_len, *, mesh=None, batch_axes=(), 
     called once. Shapes as `kernel_paged_attention`."""
     if mesh is None:
         return one_device(q, pool, table, kv_len)
-    from jax.sharding import PartitionSpec as P
-
     rows = batch_axes or None
     return jax.shard_map(one_device, mesh=mesh,
                          in_specs=(P(rows, None, tensor_axis), P(rows, None, None, tensor_axis), P(rows), P(rows)),
@@ -202,8 +204,6 @@ def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_l
     num_queries_per_block / vmem_limit_bytes (default: its tuned table for the TPU generation).
     Returns [D, S, KVH, H/KVH, Dh] float32.
     """
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-
     def one_device(q, pool, table, kv_len):
         d, s, kvh, hg, dh = q.shape
         if block_sizes is None and mesh is not None and jax.devices()[0].platform != "tpu":
@@ -228,12 +228,10 @@ def target_block_sizes(device_kind: str, q_dtype, kv_dtype, q_heads: int, kv_hea
     """The ragged paged attention kernel's tuned block sizes for a TPU of `device_kind` (e.g.
     "TPU v5"), as the kernel picks them on that chip: its own lookup reads the attached device,
     so compiling for a TPU topology on a CPU host (`jaxrl4llm plan`) passes them explicitly."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes as tuned
-
-    q_per_blk, kv_per_blk = kernel.get_min_heads_per_blk(q_heads, 2 * kv_heads, q_dtype, kv_dtype)
-    key = tuned.simplify_key((q_dtype, kv_dtype, q_per_blk, kv_per_blk // 2, head_dim, page_size, queries,
-                              pages_per_seq))
-    bkv, bq = tuned.TUNED_BLOCK_SIZES.get(" ".join(device_kind.split()[:2]), {}).get(key, (128, 32))
+    q_per_blk, kv_per_blk = ragged_kernel.get_min_heads_per_blk(q_heads, 2 * kv_heads, q_dtype, kv_dtype)
+    key = tuned_block_sizes.simplify_key((q_dtype, kv_dtype, q_per_blk, kv_per_blk // 2, head_dim, page_size,
+                                          queries, pages_per_seq))
+    bkv, bq = tuned_block_sizes.TUNED_BLOCK_SIZES.get(" ".join(device_kind.split()[:2]), {}).get(key, (128, 32))
     if device_kind.split()[:2] == ["TPU", "v4"]:
         bkv, bq = 32, 32  # the kernel's untuned v4 default (fits its VMEM)
     return dict(num_kv_pages_per_block=min(pages_per_seq, bkv), num_queries_per_block=min(queries, bq))

@@ -37,9 +37,10 @@ from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import left_pad_prompts
-from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, partial_enqueue, partial_init, partial_segment
+from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, partial_enqueue, partial_init,
+                                            partial_segment)
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
-from jaxrl4llm.sampling.generate import _data_parallel_size, _use_cpu_kernels, paged_attention_choice
+from jaxrl4llm.sampling.generate import data_parallel_size, paged_attention_choice, use_cpu_kernels
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -78,14 +79,14 @@ class PartialRollouts:
             raise TypeError(f"partial rollouts need a jaxrl4llm CausalLM (the continuous engine); got "
                             f"{type(model).__name__}")
         config = model.config
-        dp = _data_parallel_size(mesh)
+        dp = data_parallel_size(mesh)
         if num_prompts % dp:
             raise ValueError(f"partial rollouts: {num_prompts} prompts a rollout do not split over the sampler's "
                              f"{dp} data-parallel shards; make rollout.prompts_per_step a multiple of {dp}")
         if prompt_len + max_new_tokens > config.max_position_embeddings:
             raise ValueError(f"prompt width {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}")
-        use_kernels = _use_cpu_kernels(cpu_kernels, mesh)
+        use_kernels = use_cpu_kernels(cpu_kernels, mesh)
         self.fetch = fetch or (lambda x: np.asarray(jax.device_get(x)))
         self.config, self.mesh, self.greedy = config, mesh, bool(greedy or temperature <= 0)
         self.backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels,
@@ -98,13 +99,13 @@ class PartialRollouts:
         self.pad_token_id = int(pad_token_id)
         self.temperature = np.float32(temperature if temperature > 0 else 1.0)
         self.top_p = np.float32(top_p)
-        self.static = dict(config=config, num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
-                           use_top_p=bool(top_p < 1.0), greedy=self.greedy, backend=self.backend,
-                           use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp, page_size=int(kv_page_size),
-                           burst=int(decode_burst),
-                           attention=paged_attention_choice(config, mesh, use_kernels, paged_attention,
-                                                            page_size=int(kv_page_size)))
-        state = partial_init(np.int32(pad_token_id), num_prompts=num_prompts, prompt_len=prompt_len, **self.static)
+        self.spec = EngineSpec(config=config, backend=self.backend, num_samples=num_samples,
+                               max_new_tokens=max_new_tokens, top_k=int(top_k), use_top_p=bool(top_p < 1.0),
+                               greedy=self.greedy, use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
+                               page_size=int(kv_page_size), burst=int(decode_burst),
+                               attention=paged_attention_choice(config, mesh, use_kernels, paged_attention,
+                                                                page_size=int(kv_page_size)))
+        state = partial_init(np.int32(pad_token_id), spec=self.spec, num_prompts=num_prompts, prompt_len=prompt_len)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
         self.enqueued = 0  # rollouts enqueued
@@ -136,8 +137,7 @@ class PartialRollouts:
         if budget.shape != (rows,) or budget.min() < 1 or budget.max() > self.max_new_tokens:
             raise ValueError(f"row_max_new_tokens must hold {rows} values in [1, {self.max_new_tokens}]")
         self.state = partial_enqueue(self.state, self._put(padded.tokens), self._put(padded.mask), rng,
-                                     self._put(budget), np.int32(self.pad_token_id), num_samples=self.num_samples,
-                                     max_new_tokens=self.max_new_tokens, greedy=self.greedy, backend=self.backend)
+                                     self._put(budget), np.int32(self.pad_token_id), spec=self.spec)
         self.enqueued += 1
 
     def segment(self, graphdef, state, *, version: int) -> tuple[Rollout, RowVersions]:
@@ -148,7 +148,7 @@ class PartialRollouts:
         weights = weights_program(graphdef, state, config=self.config, backend=self.backend)
         self.versions.append(int(version))
         self.state, out, segment, split = partial_segment(weights, self.state, self.temperature, self.top_p, self.eos,
-                                                          np.int32(self.pad_token_id), **self.static)
+                                                          np.int32(self.pad_token_id), spec=self.spec)
         self.handed_out += 1
         segment, split = self.fetch(segment), self.fetch(split)
         by_segment = np.asarray(self.versions)  # a row's second segment is the one after its first

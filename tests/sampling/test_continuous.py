@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxrl4llm.models import forward
+from jaxrl4llm.models.decode import prefill_kv
 from jaxrl4llm.sampling import generate
+from jaxrl4llm.sampling.buckets import left_pad_prompts
+from jaxrl4llm.sampling.continuous import (Admission, Engine, EngineSpec, Queue, Sampling, admission,
+                                           continuous_program, decode_burst, decode_step, empty_state, insert, prefill,
+                                           refill, retire, rows_of_half)
+from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
                                             push_pages, write_tokens)
@@ -228,3 +235,173 @@ def test_gpu_kernel_takes_power_of_two_16_bit_shapes_and_generate_says_why_not()
     with pytest.raises(ValueError, match=r"'kernel' on TPU .*on GPU \(a power-of-two head_dim.*This call: cpu, "
                                          r"head_dim 32, kv_page_size 16, float32"):
         paged_attention_choice(config, None, False, "kernel")
+
+
+# ------------------------------------------------------------------ the engine's stages, one at a time
+T_STAGES, R_STAGES, G_STAGES, PAGE_STAGES = 16, 8, 3, 4
+_stage = dict(prefill=jax.jit(prefill, static_argnums=(0, 7)), insert=jax.jit(insert, static_argnums=0),
+              refill=jax.jit(refill, static_argnums=0), decode_step=jax.jit(decode_step, static_argnums=0),
+              decode_burst=jax.jit(decode_burst, static_argnums=0), retire=jax.jit(retire, static_argnums=1))
+
+
+def _empty_engine(qwen3, prompts, *, slots, budgets=None, burst=3):
+    """(engine, weights, sampling, state): a greedy engine (one shard, pages of 4 tokens, bursts of
+    `burst` steps) over `prompts` (G = 3 rows each), every slot free."""
+    _, config, graphdef, state = qwen3
+    backend = decode_backend(config, mesh=None, use_kernels=False, block_size=32)
+    spec = EngineSpec(config=config, backend=backend, num_samples=G_STAGES, max_new_tokens=R_STAGES, top_k=0,
+                      use_top_p=False, greedy=True, slots=slots, page_size=PAGE_STAGES, burst=burst)
+    engine = Engine.resolve(spec, num_prompts=len(prompts), prompt_len=T_STAGES, halves=1)
+    padded = left_pad_prompts(prompts, pad_token_id=PAD, length=T_STAGES, num_rows=len(prompts))
+    rows = len(prompts) * G_STAGES
+    budgets = np.full((rows,), R_STAGES, np.int32) if budgets is None else np.asarray(budgets, np.int32)
+    queue = Queue(tokens=jnp.asarray(padded.tokens)[None], mask=jnp.asarray(padded.mask, jnp.int32)[None],
+                  uniforms=jnp.zeros((1, 1, 1), jnp.float32), budget=jnp.asarray(budgets)[None])
+    sampling = Sampling(jnp.float32(1.0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.int32(PAD))
+    weights = weights_program(graphdef, state, config=config, backend=backend)
+    return engine, weights, sampling, empty_state(engine, queue, jnp.asarray([rows], jnp.int32), jnp.int32(PAD))
+
+
+def _next_token_logits(qwen3, tokens):
+    """The model's next-token logits [V] after `tokens` (the training forward: the oracle)."""
+    _, _, graphdef, state = qwen3
+    tokens = jnp.asarray([tokens], jnp.int32)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    logits = forward(graphdef, state, tokens, positions=positions, attention_mask=jnp.ones_like(tokens))
+    return np.asarray(logits)[0, -1]
+
+
+def _log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def test_prefill_writes_the_prompts_kv_into_fresh_pages_and_draws_the_first_token_of_each_row(qwen3):
+    """One round of one prompt (7 tokens, pages of 4): two pages taken from the stack, holding the
+    prompt's keys and values as `prefill_kv` computes them (key of head h at column 2h, its value at
+    2h + 1; to float32 rounding: another program's fusion); an entry with length 7 and G refs; its G
+    rows' first tokens are the greedy next token of the training forward, with its log-probability;
+    the other prompt's rows untouched."""
+    prompts = random_prompts(3, lengths=(7, 3))
+    engine, weights, sampling, state = _empty_engine(qwen3, prompts, slots=3)
+    top = int(state.free.top[0])
+    state = _stage["prefill"](engine, weights, sampling, state, jnp.asarray([0]), jnp.asarray([1]), 0, 1)
+    entries = state.entries
+    assert int(entries.length[0, 0]) == 7 and int(entries.refs[0, 0]) == G_STAGES and int(entries.of_prompt[0, 0]) == 0
+    assert np.all(np.asarray(entries.refs[0, 1:]) == 0)
+    pages = np.asarray(entries.pages[0, 0])
+    assert int(state.free.top[0]) == top - 2 and len(set(pages[:2])) == 2 and 0 not in pages[:2]
+    assert np.all(pages[2:] == 0)
+    _, config, _, _ = qwen3
+    padded = left_pad_prompts(prompts[:1], pad_token_id=PAD, length=T_STAGES, num_rows=1)
+    _, keys, values = prefill_kv(weights, config, jnp.asarray(padded.tokens), jnp.asarray(padded.mask),
+                                 backend=engine.spec.backend)
+    for layer_pool, layer_keys, layer_values in zip(state.pool, keys, values):
+        for i in range(7):  # prompt token i: padded position T - 7 + i, page i // 4, offset i % 4
+            stored = np.asarray(layer_pool[0, pages[i // PAGE_STAGES], i % PAGE_STAGES])
+            np.testing.assert_allclose(stored[0::2], np.asarray(layer_keys[0, T_STAGES - 7 + i]), atol=1e-5)
+            np.testing.assert_allclose(stored[1::2], np.asarray(layer_values[0, T_STAGES - 7 + i]), atol=1e-5)
+    logits = _next_token_logits(qwen3, prompts[0])
+    out = state.out
+    np.testing.assert_array_equal(np.asarray(out.tokens[0, :G_STAGES, 0]), [np.argmax(logits)] * G_STAGES)
+    np.testing.assert_allclose(np.asarray(out.logprobs[0, :G_STAGES, 0]), _log_softmax(logits).max(), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(out.length[0]), [1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(out.segment[0]), [0, 0, 0, -1, -1, -1])
+
+
+def test_insert_gives_the_first_free_slots_the_next_rows_and_each_a_copy_of_the_prompts_partial_page(qwen3):
+    """After the prompt's prefill, an admission of 2 rows into 3 free slots: slots 0 and 1 take rows
+    0 and 1 (length 1, their first token, live), slot 2 stays free; each taken slot's first own page
+    is a fresh copy of the prompt's partial last page (7 tokens: page 1 holds 3), so its tokens
+    continue there and the shared page is never written."""
+    prompts = random_prompts(3, lengths=(7, 3))
+    engine, weights, sampling, state = _empty_engine(qwen3, prompts, slots=3)
+    state = _stage["prefill"](engine, weights, sampling, state, jnp.asarray([0]), jnp.asarray([1]), 0, 1)
+    top = int(state.free.top[0])
+    admitted = admission(state)
+    np.testing.assert_array_equal(np.asarray(admitted.count), [3])  # every free slot, rows waiting
+    state = _stage["insert"](engine, state, Admission(admitted.free_slot, jnp.asarray([2], jnp.int32)))
+    slots = state.slots
+    np.testing.assert_array_equal(np.asarray(slots.row[0]), [0, 1, -1])
+    np.testing.assert_array_equal(np.asarray(slots.length[0]), [1, 1, 0])
+    np.testing.assert_array_equal(np.asarray(slots.live[0]), [True, True, False])
+    np.testing.assert_array_equal(np.asarray(slots.held[0]), [True, True, False])
+    np.testing.assert_array_equal(np.asarray(slots.token[0, :2]), np.asarray(state.out.tokens[0, :2, 0]))
+    assert int(state.next_row[0]) == 2 and int(state.free.top[0]) == top - 2
+    copies = np.asarray(slots.pages[0, :2, 0])
+    shared = int(state.entries.pages[0, 0, 1])
+    assert len({*copies, shared, 0}) == 4
+    for layer_pool in state.pool:
+        for copy in copies:
+            np.testing.assert_array_equal(np.asarray(layer_pool[0, copy]), np.asarray(layer_pool[0, shared]))
+
+
+def test_decode_step_feeds_each_live_slot_its_last_token_and_samples_the_forwards_next_token(qwen3):
+    """Two steps after an admission of the prompt's 3 rows (7 prompt tokens, pages of 4): each step
+    gives the training forward's greedy next token after the prompt and the row's tokens so far,
+    with its log-probability; the first step's fed token fills the copied page (no page taken), the
+    second's starts a new one (one page a slot)."""
+    prompts = random_prompts(3, lengths=(7, 3))
+    engine, weights, sampling, state = _empty_engine(qwen3, prompts, slots=3)
+    state = _stage["prefill"](engine, weights, sampling, state, jnp.asarray([0]), jnp.asarray([1]), 0, 1)
+    state = _stage["insert"](engine, state, admission(state))
+    tokens = list(prompts[0]) + [int(state.out.tokens[0, 0, 0])]
+    for step, pages_taken in ((1, 0), (2, 3)):
+        top = int(state.free.top[0])
+        state = _stage["decode_step"](engine, weights, sampling, state)
+        logits = _next_token_logits(qwen3, tokens)
+        out = state.out
+        np.testing.assert_array_equal(np.asarray(out.tokens[0, :3, step]), [np.argmax(logits)] * 3)
+        np.testing.assert_allclose(np.asarray(out.logprobs[0, :3, step]), _log_softmax(logits).max(), atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(state.slots.length[0]), [step + 1] * 3)
+        assert int(state.free.top[0]) == top - pages_taken
+        tokens.append(int(np.argmax(logits)))
+    own = np.asarray(state.slots.pages[0, :, :2])
+    assert len(set(own.ravel()) | {0}) == 7  # two own pages a slot, all distinct
+
+
+def test_decode_burst_runs_at_most_burst_steps_and_stops_a_row_at_its_budget(qwen3):
+    """Bursts of 3 steps over 3 admitted rows with budgets 2, 8, 8: row 0 stops after 2 tokens (no
+    longer live, still holding its pages until retired), the others advance by the burst."""
+    prompts = random_prompts(3, lengths=(7, 3))
+    engine, weights, sampling, state = _empty_engine(qwen3, prompts, slots=3, budgets=[2, 8, 8, 8, 8, 8])
+    state = _stage["prefill"](engine, weights, sampling, state, jnp.asarray([0]), jnp.asarray([1]), 0, 1)
+    state = _stage["insert"](engine, state, admission(state))
+    state = _stage["decode_burst"](engine, weights, sampling, state)
+    np.testing.assert_array_equal(np.asarray(state.slots.length[0]), [2, 4, 4])
+    np.testing.assert_array_equal(np.asarray(state.slots.live[0]), [False, True, True])
+    np.testing.assert_array_equal(np.asarray(state.slots.held[0]), [True, True, True])
+    np.testing.assert_array_equal(np.asarray(state.out.length[0, :3]), [2, 4, 4])
+
+
+def test_refill_retires_finished_slots_admits_waiting_rows_and_every_page_comes_back(qwen3):
+    """Refills and bursts by hand over 2 prompts x 3 rows on 3 slots (budgets 2, 8, ...): the first
+    refill prefills prompt 0 and admits its rows; after a burst, the next retires row 0's slot and
+    gives it row 3, prefilling prompt 1 (whose later rows wait, their first tokens drawn); run to
+    the end, the rows are `continuous_program`'s, and after a last retire every page is free."""
+    prompts = random_prompts(3, lengths=(7, 3))
+    budgets = [2, 8, 8, 8, 5, 8]
+    engine, weights, sampling, state = _empty_engine(qwen3, prompts, slots=3, budgets=budgets)
+    state = _stage["refill"](engine, weights, sampling, state)
+    np.testing.assert_array_equal(np.asarray(state.slots.row[0]), [0, 1, 2])
+    state = _stage["refill"](engine, weights, sampling, _stage["decode_burst"](engine, weights, sampling, state))
+    np.testing.assert_array_equal(np.asarray(state.slots.row[0]), [3, 1, 2])
+    assert int(state.next_row[0]) == 4
+    np.testing.assert_array_equal(np.asarray(state.out.length[0, 3:]), [1, 1, 1])  # prompt 1 prefilled
+    entry_of = np.asarray(state.entries.of_prompt[0])
+    np.testing.assert_array_equal(np.asarray(state.entries.refs[0])[entry_of], [2, 3])
+    for _ in range(10):
+        if not (np.asarray(state.slots.live).any() or int(state.next_row[0]) < int(state.end[0])):
+            break
+        state = _stage["refill"](engine, weights, sampling, _stage["decode_burst"](engine, weights, sampling, state))
+    state = _stage["retire"](state, PAGE_STAGES)
+    free = state.free
+    assert int(free.top[0]) == engine.pool_pages - 1
+    assert sorted(np.asarray(free.stack[0, :engine.pool_pages - 1]).tolist()) == list(range(1, engine.pool_pages))
+    padded = left_pad_prompts(prompts, pad_token_id=PAD, length=T_STAGES, num_rows=2)
+    want = continuous_program(weights, padded.tokens, padded.mask, padded.row_valid, jax.random.key(0), np.int32(0),
+                              np.float32(1.0), np.float32(1.0), np.asarray([-1], np.int32), np.int32(PAD),
+                              np.asarray(budgets, np.int32), spec=engine.spec)
+    got = rows_of_half(engine, state, 0)
+    for name in ("response_tokens", "lengths", "logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
