@@ -107,14 +107,14 @@ def test_rollout_cpu_kernels_switch_reaches_the_sampler():
     seen = {}
     policy = Policy(config=None, graphdef=None, params=None, tokenizer=None, mesh=None, eos_token_ids=(1,), pad_token_id=0,
                     temperature=1.0, chunk_size=0, cpu_kernels=False)
-    import jaxrl4llm.sampling as sampling
+    import jaxrl4llm.train.policy as policy_module
 
-    original = sampling.generate
-    sampling.generate = lambda *a, **kw: seen.update(kw)
+    original = policy_module.generate
+    policy_module.generate = lambda *a, **kw: seen.update(kw)
     try:
         policy.generate([[1]], num_samples=1, max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=0, rng=None)
     finally:
-        sampling.generate = original
+        policy_module.generate = original
     assert seen["cpu_kernels"] is False
 
 

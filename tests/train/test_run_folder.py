@@ -165,7 +165,7 @@ def test_a_reward_that_raises_leaves_a_folder_a_plain_rerun_starts_over(demo_ass
     assert layout["rows"] == 8 and layout["model"]["hidden_size"] == 32 and layout["update"]["micro_batches"] == 1
     assert [m for m in messages if "removed the earlier run's" in m] == [
         f"no checkpoint to resume (the earlier run stopped before its first one): removed the earlier run's "
-        f"checkpoints, tb, config.json from {run}"]
+        f"checkpoints, tb, config.json, layout.json from {run}"]
     assert json.loads((run / MARKER).read_text())["finished"]
     with pytest.raises(ConfigError, match=r"already holds a run .*\(it finished\)"):
         train(load_config(None, tiny_overrides(demo_assets, run, **tiny)), log=lambda s: None)
