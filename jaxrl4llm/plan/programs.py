@@ -44,8 +44,8 @@ from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, 
 from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
-from jaxrl4llm.train.layout import (RunLayout, mesh_dims, model_config_from_fields, run_layout, sampler_mesh_for,
-                                    split_for_sampler)
+from jaxrl4llm.train.layout import (RunLayout, lora_dropout, lora_settings, mesh_dims, model_config_from_fields,
+                                    run_layout, sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
 
 
@@ -392,7 +392,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     prompt_len = bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS)
     # the run's layout as `train` resolves it (train/layout.py); an evaluation's sampler needs none
     layout = None if sampler_only else plan_layout(cfg, topology)
-    lora = cfg.model.lora.settings() if cfg.model.lora is not None else None
+    lora = lora_settings(cfg)
     response_len = cfg.rollout.max_new_tokens
     seq = prompt_len + response_len - 1
     recipe = cfg.recipe()
@@ -575,9 +575,9 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     price(plan_l, compiled_l)
     programs.append(plan_l)
     b_sh = batch_shardings(mesh) if packing is None else jax.tree.map(lambda x: x.sharding, batch)
-    dropout = lora is not None and lora.dropout > 0
     update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
-                            settings=settings, loss_fn=policy_loss, dropout_seed=cfg.trainer.seed if dropout else None,
+                            settings=settings, loss_fn=policy_loss,
+                            dropout_seed=cfg.trainer.seed if lora_dropout(cfg) else None,
                             loss_seed=cfg.trainer.seed)
     plan_u, compiled_u = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
                                                     out_shardings=(state_sh, None, None),

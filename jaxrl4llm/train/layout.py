@@ -178,11 +178,15 @@ def micro_batches(cfg: RunConfig, rows: int, data_parallel: int = 1) -> int:
     return per_mini // mbs
 
 
+def lora_dropout(cfg: RunConfig) -> bool:
+    """`model.lora` drops adapter inputs out: the update's forward passes take a dropout key."""
+    return cfg.model.lora is not None and cfg.model.lora.dropout > 0
+
+
 def single_optimizer_step(cfg: RunConfig) -> bool:
     """One optimizer step per rollout and no LoRA dropout: pi_old is the policy the update itself
     scores, so old_logp is its own forward pass (detached) and the recompute pass is skipped."""
-    dropout = cfg.model.lora is not None and cfg.model.lora.dropout > 0
-    return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not dropout
+    return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not lora_dropout(cfg)
 
 
 def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, data_parallel: int = 1) -> int | None:
