@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.sampling import generate
-from jaxrl4llm.sampling.decode_loop import sample_program
+from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_program
 from jaxrl4llm.sampling.stops import end_token_ids, first_stop_string, response_text, text_before_stop
 from tests.sampling.conftest import PAD, random_prompts
 
@@ -119,8 +119,6 @@ def test_min_p_one_samples_the_greedy_rows(qwen3, engine):
 def test_off_settings_lower_the_program_without_them(qwen3):
     """min_p=None (off) lowers exactly the program that does not name min_p; a min_p changes it."""
     _, config, graphdef, state = qwen3
-    from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
-
     backend = decode_backend(config, mesh=None, use_kernels=False, block_size=16)
     weights = weights_program(graphdef, state, config=config, backend=backend)
     tokens, mask = np.ones((1, 4), np.int32), np.ones((1, 4), np.int32)
