@@ -20,6 +20,7 @@ from jaxrl4llm.sampling import decode_responses, generate
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.memory import SIZING_SHARE, decode_sizing, prompts_per_chunk, slots_that_fit
 from jaxrl4llm.sampling.rollout import decode_token_lists
+from jaxrl4llm.sampling.stops import apply_stop_strings, response_text
 from jaxrl4llm.storage import local_copy
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -47,6 +48,9 @@ class Policy:
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
     decode_burst: int = 16  # rollout.decode_burst (continuous engine): decode steps between refills
     decode_attention: str = "auto"  # rollout.decode_attention: generate(paged_attention=): auto, kernel or xla
+    min_p: float = 0.0  # rollout.min_p: 0 = off
+    stop_token_ids: tuple[int, ...] = ()  # rollout.stop_token_ids: end a row as an EOS does
+    stop_strings: tuple[str, ...] = ()  # rollout.stop_strings: rows cut at the first one (`sampling.stops`)
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -79,9 +83,9 @@ class Policy:
         """`sampling.generate` with this policy; `prompt_len`: pad the prompts to this length's bucket
         (at least the longest prompt's) whatever this call's longest is, so calls share one program;
         `slots`: the continuous engine's slots when `rollout.slots: auto` finds no memory budget
-        (default: all rows)."""
+        (default: all rows). Rows are cut at their first stop string (`sampling.stops`)."""
         longest = max(max(map(len, prompts)), prompt_len or 0)
-        return generate(
+        rollout = generate(
             self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
@@ -90,7 +94,14 @@ class Policy:
             engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
             decode_burst=self.decode_burst, paged_attention=self.decode_attention,
+            min_p=self.min_p, stop_token_ids=self.stop_token_ids,
         )
+        return self.cut_at_stop_strings(rollout)
+
+    def cut_at_stop_strings(self, rollout):
+        """The rollout with its rows cut at their first stop string (`sampling.stops.apply_stop_strings`,
+        every process decoding every row: the cut rows must agree across processes)."""
+        return apply_stop_strings(rollout, self.tokenizer, self.stop_strings, self.pad_token_id, fetch=hosts.fetch)
 
     @property
     def sampler_mesh(self) -> Mesh | None:
@@ -140,8 +151,14 @@ class Policy:
         return decode_responses(rollout, self.tokenizer)
 
     def decode_rows(self, token_lists) -> list[str]:
-        """Response texts of token-id lists (special tokens skipped, as `decode`)."""
-        return decode_token_lists(token_lists, self.tokenizer)
+        """Response texts of token-id lists (special tokens skipped, as `decode`), as the reward reads
+        them: a last stop token's text left out, the text ended before a stop string
+        (`sampling.stops.response_text`)."""
+        if not (self.stop_strings or self.stop_token_ids):
+            return decode_token_lists(token_lists, self.tokenizer)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        return [response_text(ids, decode, stop_strings=self.stop_strings, stop_token_ids=self.stop_token_ids)
+                for ids in token_lists]
 
     def decode_ids(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -264,5 +281,6 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
         decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
         engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
-        decode_attention=cfg.rollout.decode_attention,
+        decode_attention=cfg.rollout.decode_attention, min_p=cfg.rollout.min_p,
+        stop_token_ids=tuple(cfg.rollout.stop_token_ids), stop_strings=tuple(cfg.rollout.stop_strings),
     )
