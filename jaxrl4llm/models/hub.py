@@ -13,7 +13,7 @@ HF_TOKEN (gated or private repositories) and HF_HUB_OFFLINE=1 (the cache only, n
 Offline with the files absent: a HubFilesMissing error that names the one `hf download` command
 that fetches them. With several processes (jax.process_count() > 1), process 0 downloads while
 the others wait at a barrier, then read the cache (local_files_only), so N processes never write
-the same files into one shared cache at once.
+the same files into one shared cache at once (a host whose own cache lacks them downloads there).
 """
 
 from __future__ import annotations
@@ -94,26 +94,35 @@ def resolve_hub_repo(repo_id: str, *, revision: str | None = None, repo_type: st
                      files: tuple[str, ...] = MODEL_FILES) -> Path:
     """The local snapshot folder of a Hub repository, downloaded (only `files`) when absent.
 
-    Several processes: process 0 resolves (downloads) first, the others wait at a barrier and
-    then read the cache only; a failure on process 0 is raised on every process (the others find
-    the files absent and raise HubFilesMissing too), never left as a hang at the barrier.
+    Several processes: process 0 resolves (downloads) first while the others wait; its outcome is
+    broadcast (`multihost_utils.broadcast_one_to_all`, a barrier), so a failure there is raised on
+    every process, never left as a hang. The others then read the cache (`local_files_only`: a
+    shared HF_HOME now holds the files, nobody writes them twice); a host whose cache lacks them
+    (its own disk) downloads them itself, alone in that cache.
     """
     if jax.process_count() == 1:
         return _snapshot(repo_id, revision, repo_type, files, local_files_only=False)
+    import numpy as np
     from jax.experimental import multihost_utils
 
-    error = None
+    error, path = None, None
     if jax.process_index() == 0:
         try:
             path = _snapshot(repo_id, revision, repo_type, files, local_files_only=False)
-        except Exception as e:  # noqa: BLE001 - raised after the barrier, so no process waits forever
+        except Exception as e:  # noqa: BLE001 - raised after the broadcast, so no process waits forever
             error = e
-    multihost_utils.sync_global_devices(f"jaxrl4llm hub {repo_type} {repo_id}@{revision}")
+    fetched = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
     if error is not None:
         raise error
-    if jax.process_index() == 0:
+    if not fetched:
+        raise HubFilesMissing(f"process 0 could not fetch the {repo_type} {repo_id!r} (its log has the error); fetch "
+                              f"it with: {download_command(repo_id, revision=revision, repo_type=repo_type, files=files)}")
+    if path is not None:
         return path
-    return _snapshot(repo_id, revision, repo_type, files, local_files_only=True)
+    try:
+        return _snapshot(repo_id, revision, repo_type, files, local_files_only=True)
+    except HubFilesMissing:  # this host's own cache: download here
+        return _snapshot(repo_id, revision, repo_type, files, local_files_only=False)
 
 
 def resolve_model(spec: str | os.PathLike, *, files: tuple[str, ...] = MODEL_FILES) -> Path:

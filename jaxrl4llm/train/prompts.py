@@ -107,10 +107,10 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
         others = [c for c in e.columns if c not in (cfg.data.problem_key, cfg.data.answer_key)] or ["FIELD"]
         raise ConfigError(f"{where}: {found}; its fields are {e.columns}. Set {setting} to the field that holds "
                           f"{what}, e.g. {setting}={others[0]} (a dotted key reads a nested field: "
-                          f"reward_model.ground_truth){_NO_GOLD[e.kwarg]} (docs/data.md).") from None
+                          f"reward_model.ground_truth){_NO_GOLD[e.kwarg]} (docs/own_data_and_reward.md).") from None
     except BadRowError as e:
         raise ConfigError(f"{where}: {e}. Fix or remove row {e.row}, or set data.{e.kwarg} to the field that holds "
-                          f"{_FIELD_WHAT[e.kwarg]}{_NO_GOLD[e.kwarg]} (docs/data.md).") from None
+                          f"{_FIELD_WHAT[e.kwarg]}{_NO_GOLD[e.kwarg]} (docs/own_data_and_reward.md).") from None
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{where}: {e}.") from None
     if not problems:

@@ -85,18 +85,25 @@ def test_an_absent_hub_model_names_the_command_that_fetches_it(offline_hub, tmp_
 
 
 def test_several_processes_download_once(monkeypatch, tmp_path):
-    """Process 0 downloads, then every process meets at the barrier; the others read the cache only.
-    A failure on process 0 reaches the barrier first (no process waits forever), then is raised."""
+    """Process 0 downloads, then every process meets at the broadcast of its outcome; the others read
+    the cache only (a host whose own cache lacks the files downloads them there). A failure on
+    process 0 reaches the broadcast first (no process waits forever), then every process raises."""
     from huggingface_hub.errors import LocalEntryNotFoundError
     from jax.experimental import multihost_utils
 
-    calls, barrier = [], []
+    calls, barrier, cached = [], [], {"org/tiny"}
+    outcome = {}
+
+    def broadcast(value):
+        barrier.append(len(calls))
+        return outcome.get("process 0", value)
+
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: barrier.append((len(calls), name)))
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
 
     def snapshot_download(repo_id, local_files_only, **kwargs):
         calls.append((repo_id, local_files_only, kwargs["allow_patterns"]))
-        if repo_id == "org/broken":
+        if repo_id == "org/broken" or (local_files_only and repo_id not in cached):
             raise LocalEntryNotFoundError("offline")
         return str(tmp_path)
 
@@ -106,9 +113,16 @@ def test_several_processes_download_once(monkeypatch, tmp_path):
         monkeypatch.setattr(jax, "process_index", lambda index=index: index)
         assert hub.resolve_hub_repo("org/tiny", files=hub.MODEL_FILES) == tmp_path
         assert calls == [("org/tiny", local_only, list(hub.MODEL_FILES))]
-        assert barrier == [(1 - index, "jaxrl4llm hub model org/tiny@None")]  # process 0: after its download
-    calls.clear(), barrier.clear()
+        assert barrier == [1 - index]  # process 0: after its download; the others: before reading
+    calls.clear()
+    assert hub.resolve_hub_repo("org/unshared") == tmp_path  # process 1, its own cache: it downloads
+    assert [c[:2] for c in calls] == [("org/unshared", True), ("org/unshared", False)]
     monkeypatch.setattr(jax, "process_index", lambda: 0)
+    barrier.clear()
     with pytest.raises(HubFilesMissing, match="hf download org/broken"):
         hub.resolve_hub_repo("org/broken")
     assert len(barrier) == 1
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    outcome["process 0"] = 0
+    with pytest.raises(HubFilesMissing, match="process 0 could not fetch the model 'org/broken'"):
+        hub.resolve_hub_repo("org/broken")
