@@ -1,4 +1,5 @@
-"""jaxrl4llm.data: dataset loaders (local, gs://, Hugging Face Hub), prompt templates, prompt encoding, difficulty bins, demo task."""
+"""jaxrl4llm.data: dataset loaders (local, gs://, Hub), prompt templates, prompt encoding, difficulty bins,
+demo task."""
 
 from jaxrl4llm.data.demo_task import build_char_tokenizer
 from jaxrl4llm.data.demo_task import demo_solution

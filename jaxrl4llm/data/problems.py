@@ -207,8 +207,9 @@ def _pick(columns: list[str], first: Mapping[str, Any] | None, explicit: str | N
 
     if explicit is not None:
         if not present(explicit) and not (first is None and explicit.split(".")[0] in columns):
-            raise MissingFieldError(f"{what} field {explicit!r} not found; available fields: {columns}. Fix {kwarg}=...",
-                                    kwarg=kwarg, explicit=explicit, tried=[explicit], columns=columns)
+            raise MissingFieldError(f"{what} field {explicit!r} not found; available fields: {columns}. "
+                                    f"Fix {kwarg}=...", kwarg=kwarg, explicit=explicit, tried=[explicit],
+                                    columns=columns)
         return explicit
     return next((c for c in candidates if present(c)), None)
 

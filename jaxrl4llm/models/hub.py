@@ -81,8 +81,8 @@ def _snapshot(repo_id: str, revision: str | None, repo_type: str, files: tuple[s
     except LocalEntryNotFoundError as e:  # offline (HF_HUB_OFFLINE=1 or no network) and not in the cache
         raise HubFilesMissing(
             f"the {repo_type} {repo_id!r}{f' at revision {revision!r}' if revision else ''} is not in the Hugging Face "
-            f"cache ({where}) and cannot be downloaded now ({str(e).split('.')[0]}). Fetch it on a machine with network "
-            f"access (HF_HUB_OFFLINE unset; the same HF_HOME) with: {command}") from None
+            f"cache ({where}) and cannot be downloaded now ({str(e).split('.')[0]}). Fetch it on a machine with "
+            f"network access (HF_HUB_OFFLINE unset; the same HF_HOME) with: {command}") from None
     except HfHubHTTPError as e:  # no such repository, gated without HF_TOKEN, bad revision
         raise HubFilesMissing(
             f"the Hugging Face Hub gave no {repo_type} {repo_id!r}{f' at revision {revision!r}' if revision else ''}: "
@@ -115,8 +115,9 @@ def resolve_hub_repo(repo_id: str, *, revision: str | None = None, repo_type: st
     if error is not None:
         raise error
     if not fetched:
-        raise HubFilesMissing(f"process 0 could not fetch the {repo_type} {repo_id!r} (its log has the error); fetch "
-                              f"it with: {download_command(repo_id, revision=revision, repo_type=repo_type, files=files)}")
+        command = download_command(repo_id, revision=revision, repo_type=repo_type, files=files)
+        raise HubFilesMissing(f"process 0 could not fetch the {repo_type} {repo_id!r} (its log has the error); "
+                              f"fetch it with: {command}")
     if path is not None:
         return path
     try:

@@ -1,5 +1,6 @@
-"""Prompt sets of a run: problems from data files (local or gs://) or Hub datasets (hf://), formatted with the
-configured template (or a row's chat messages rendered with the chat template) and tokenized once, with the prompt-length budget enforced (error or drop, as configured).
+"""Prompt sets of a run: problems from data files (local or gs://) or Hub datasets (hf://), formatted
+with the configured template (or a row's chat messages rendered with the chat template) and
+tokenized once, with the prompt-length budget enforced (error or drop, as configured).
 
 They load before the model (`run_tokenizer` reads the tokenizer alone, not the weights): a bad
 path, an empty file or a missing field fails in seconds, with an error that names the config key

@@ -325,7 +325,8 @@ def test_hub_datasets_load_offline_from_the_cache(offline_hub):
     assert [p.answer for p in verl] == ["1", "2", "3"] and verl[0].id == "verl_math-train-0" and verl[0].messages
     trl = load_problems("hf://org/trl_math:main@test")
     assert [(p.answer, p.messages) for p in trl] == [("0", tuple(CHAT)), ("1", tuple(CHAT))]
-    with pytest.raises(ValueError, match=r"has the splits \['test', 'train'\]: name one, e.g. hf://org/trl_math:main@test"):
+    with pytest.raises(ValueError, match=r"has the splits \['test', 'train'\]: name one, e.g. "
+                                         r"hf://org/trl_math:main@test"):
         load_problems("hf://org/trl_math:main")
     with pytest.raises(ValueError, match=r"no split 'dev'; its splits are \['test', 'train'\]"):
         load_problems("hf://org/trl_math:main@dev")

@@ -164,7 +164,8 @@ def test_a_rows_own_system_message_is_kept(char_tokenizer):
 
 
 def test_chat_messages_need_a_chat_template():
-    with pytest.raises(ValueError, match=r"a prompt of chat messages \(template 'base'\) needs a tokenizer with a chat"):
+    with pytest.raises(ValueError, match=r"a prompt of chat messages \(template 'base'\) needs a tokenizer with a "
+                                         r"chat template"):
         format_prompt(CHAT_PROBLEM, "base")
 
 

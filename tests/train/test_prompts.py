@@ -50,7 +50,8 @@ def test_rows_without_a_gold_answer(demo_assets, tmp_path):
     open_rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "Say 1."}]}) + "\n")
     base = tiny_overrides(demo_assets, tmp_path / "run", **{"data.train_files": f"[{open_rows}]",
                                                             "data.eval_files": "[]"})
-    train_set, _ = load_prompt_sets(load_config(None, base + ["reward.fn=tests.train.custom_parts:needs_no_gold_reward"]))
+    no_gold = "reward.fn=tests.train.custom_parts:needs_no_gold_reward"
+    train_set, _ = load_prompt_sets(load_config(None, base + [no_gold]))
     assert train_set.answers == [""] and train_set.texts == ["user: Say 1.\nassistant:"]
     with pytest.raises(ConfigError, match=r"data.answer_key is unset and none of the usual names .* Set "
                                           r"data.answer_key to the field that holds the gold answer.*; or, with a "
