@@ -27,6 +27,7 @@ import dataclasses
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -34,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
@@ -135,10 +138,18 @@ def plan_model_config(cfg: RunConfig):
     size fields of the `model` section (the shipped model configs carry them, so a plan needs
     no checkpoint)."""
     m = cfg.model
-    if m.path and (Path(m.path) / "config.json").is_file():
-        return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+    folder, missing = None, None
+    if m.path:
+        try:
+            folder = resolve_model(m.path, files=("config.json",))  # a Hub id: its config.json alone
+        except HubFilesMissing as e:  # offline: the size fields below, when the config has them
+            missing = e
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        return ModelConfig.from_pretrained_dir(folder, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                                                 remat_policy=m.remat_policy, attention_impl=m.attention_impl)
     if m.vocab_size is None:
+        if missing is not None:
+            raise ConfigError(f"model.path={m.path!r}: {missing}")
         raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
                           "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
     return model_config_from_fields(cfg, vocab_size=m.vocab_size)

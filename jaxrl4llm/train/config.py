@@ -86,7 +86,9 @@ class ModelConfigSection:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Prompt data: JSONL/JSON/parquet files (local or gs://) with problem and answer fields."""
+    """Prompt data: JSONL/JSON/parquet files (local or gs://) or Hub datasets (hf://org/name[:config][@split])
+    with problem and answer fields (docs/data.md); `problem_key` / `answer_key` may be dotted
+    (`reward_model.ground_truth`, verl's layout)."""
 
     train_files: list[str] = dataclasses.field(default_factory=list)
     eval_files: list[str] = dataclasses.field(default_factory=list)
@@ -96,6 +98,10 @@ class DataConfig:
     # the sentence after the problem in the base/chat templates (null: the study's "Please reason
     # step by step, and put your final answer within \boxed{}.")
     instruction: str | None = None
+    # a system message before every prompt (null: none): first in a row's chat messages (a row's own
+    # system message is kept instead), or before the user message of the chat templates; a
+    # plain-text template (base, demo, a format string) has none, so it is an error there
+    system_prompt: str | None = None
     max_prompt_tokens: int = 512
     # the prompts' padded width: dataset = the bucket of the training set's longest prompt, fixed
     # for the run (no step compiles a new program); step = each step's longest (less padding, a
