@@ -344,7 +344,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
         eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
     )
-    layout = run_layout(cfg, mesh, policy.config, prompt_width=train_set.longest, sampler_mesh=sampler_mesh, log=log)
+    layout = run_layout(cfg, mesh, policy.config, prompt_width=train_set.longest, prompt_tokens=train_set.mean_length,
+                        sampler_mesh=sampler_mesh, log=log)
     settings, micro = layout.update, layout.update.micro_batches
     # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
     # the update keeps every leaf where it is.
