@@ -6,6 +6,7 @@ warns once and the run goes on."""
 from __future__ import annotations
 
 import glob
+import shutil
 import importlib.util
 import json
 import struct
@@ -25,6 +26,8 @@ def offline_loggers(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
+    for setting in ("WANDB_X_SAVE_REQUIREMENTS", "WANDB_X_DISABLE_STATS", "WANDB_X_DISABLE_META"):  # seconds a run
+        monkeypatch.setenv(setting, "false" if "SAVE" in setting else "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     return tmp_path
@@ -174,3 +177,30 @@ def test_a_logger_failing_mid_run_warns_once_and_the_metrics_go_on(tmp_path):
         "trainer.loggers: broken failed (ConnectionError: service unreachable); training goes on, metrics.jsonl has "
         "every step (this warning is shown once)."]
     assert broken.calls == 3 and [r["reward"] for r in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
+
+
+def test_a_resumed_training_run_logs_to_the_same_wandb_and_mlflow_runs(finished_run, offline_loggers):
+    """The loop's wiring: `train --resume` reads loggers.json (here the runs a 2-step run would
+    have started) and logs step 3 and its samples to those runs, as metrics.jsonl holds them."""
+    from mlflow.tracking import MlflowClient
+
+    from jaxrl4llm.cli import main as cli_main
+
+    out = offline_loggers / "run"
+    shutil.copytree(finished_run["out"], out)
+    overrides = [f"trainer.out_dir={out}" if o.startswith("trainer.out_dir=") else o for o in finished_run["overrides"]]
+    overrides += ["trainer.loggers=[tensorboard, wandb, mlflow]", "trainer.project_name=tests"]
+    for logger in open_loggers(load_config(None, overrides), out, resume=False):
+        logger.close()
+    ids = json.loads((out / LOGGERS_FILE).read_text())
+    assert cli_main(["train", *overrides, "trainer.steps=3", "--resume"]) == 0
+    assert json.loads((out / LOGGERS_FILE).read_text()) == ids
+    step3 = [logged_scalars(r) for r in read_metrics(out) if r["step"] == 3]  # the step, then the evaluation after it
+    expected = {k: v for scalars in step3 for k, v in scalars.items()}
+    assert "reward" in expected and "eval/accuracy" in expected
+    client, run_id = MlflowClient(), ids["mlflow"]["run_id"]
+    assert {k: client.get_metric_history(run_id, mlflow_key(k))[-1].value for k in expected} == expected
+    assert [a.path for a in client.list_artifacts(run_id, "samples")] == ["samples/step_000003.jsonl"]
+    history, files = wandb_history(offline_loggers, ids["wandb"]["run_id"])
+    assert files == 2 and {k: v for k, v in history[3].items() if k in expected} == expected
+    assert history[3]["samples/nrows"] == 4  # trainer.log_samples' default
