@@ -208,6 +208,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
 
+# trainer.loggers' choices (train/metrics.py: LOGGER_PACKAGES says what each imports)
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """Loop, update and bookkeeping knobs."""
@@ -247,7 +251,7 @@ class TrainerConfig:
     # docs/training.md "Metrics"): tensorboard (OUT/tb), wandb (pip install 'jaxrl4llm[wandb]'),
     # mlflow (pip install 'jaxrl4llm[mlflow]'; MLFLOW_TRACKING_URI). On process 0 only; a --resume
     # continues the W&B / MLflow run whose id OUT/loggers.json holds.
-    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    loggers: list[Literal[LOGGERS]] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     # The W&B project and the MLflow experiment (verl's trainer.project_name).
     project_name: str = "jaxrl4llm"
     # The W&B / MLflow run name (verl's trainer.experiment_name, TRL's run_name); null = the

@@ -67,7 +67,7 @@ def most_clipped_tokens(tokens: np.ndarray, clipped: np.ndarray, decode, k: int 
 
 LOGGERS_FILE = "loggers.json"  # the W&B / MLflow run ids of the run folder: a --resume continues those runs
 SAMPLES_FILE = "samples.jsonl"  # trainer.log_samples rollouts a step (train/samples.py)
-# trainer.loggers: name -> (the module it imports, how to install it)
+# config.LOGGERS (trainer.loggers' choices): name -> (the module it imports, how to install it)
 LOGGER_PACKAGES = {
     "tensorboard": ("tensorboardX", "pip install tensorboardX (a dependency of jaxrl4llm: reinstall it)"),
     "wandb": ("wandb", "pip install 'jaxrl4llm[wandb]'"),

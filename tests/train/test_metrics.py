@@ -14,8 +14,8 @@ import warnings
 
 import pytest
 
-from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.train.metrics import (LOGGERS_FILE, SAMPLES_FILE, MetricsWriter, check_loggers, logged_scalars,
+from jaxrl4llm.train.config import LOGGERS, ConfigError, load_config
+from jaxrl4llm.train.metrics import (LOGGER_PACKAGES, LOGGERS_FILE, SAMPLES_FILE, MetricsWriter, check_loggers, logged_scalars,
                                      mlflow_key, open_loggers, read_metrics)
 
 
@@ -133,6 +133,7 @@ def test_a_missing_logger_package_is_an_error_that_names_its_extra(monkeypatch):
 
 
 def test_loggers_config_keys_default_to_tensorboard_and_four_samples_and_refuse_unknown_names(tmp_path):
+    assert tuple(LOGGER_PACKAGES) == LOGGERS  # every choice of the config has its package and install line
     cfg = load_config(None, [])
     assert cfg.trainer.loggers == ["tensorboard"] and cfg.trainer.log_samples == 4
     assert cfg.trainer.project_name == "jaxrl4llm" and cfg.trainer.experiment_name is None
