@@ -30,7 +30,11 @@ def offline_loggers(tmp_path, monkeypatch):
         monkeypatch.setenv(setting, "false" if "SAVE" in setting else "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    return tmp_path
+    import wandb
+
+    wandb.teardown()  # wandb reads its environment once a process: this test's WANDB_DIR, not an earlier test's
+    yield tmp_path
+    wandb.teardown()
 
 
 def wandb_history(wandb_dir, run_id: str) -> dict[int, dict]:
@@ -40,7 +44,8 @@ def wandb_history(wandb_dir, run_id: str) -> dict[int, dict]:
     from wandb.proto import wandb_internal_pb2
 
     history: dict[int, dict] = {}
-    files = sorted(glob.glob(f"{wandb_dir}/wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    # offline-run-<time>-<id>, and <...>-1 for a run resumed within the same second
+    files = sorted(glob.glob(f"{wandb_dir}/wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"))
     for path in files:
         data = open(path, "rb").read()
         assert data[:4] == b":W&B"
