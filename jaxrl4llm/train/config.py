@@ -224,6 +224,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
 
+# trainer.loggers' choices (train/metrics.py: LOGGER_PACKAGES says what each imports)
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """Loop, update and bookkeeping knobs."""
@@ -261,6 +265,20 @@ class TrainerConfig:
     clipped_tokens_every: int = 10
     export_hf: bool = True
     progress_bar: bool = True
+    # Where the metrics go besides the console and OUT/metrics.jsonl (always on; train/metrics.py,
+    # docs/training.md "Metrics"): tensorboard (OUT/tb), wandb (pip install 'jaxrl4llm[wandb]'),
+    # mlflow (pip install 'jaxrl4llm[mlflow]'; MLFLOW_TRACKING_URI). On process 0 only; a --resume
+    # continues the W&B / MLflow run whose id OUT/loggers.json holds.
+    loggers: list[Literal[LOGGERS]] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    # The W&B project and the MLflow experiment (verl's trainer.project_name).
+    project_name: str = "jaxrl4llm"
+    # The W&B / MLflow run name (verl's trainer.experiment_name, TRL's run_name); null = the
+    # name of trainer.out_dir's folder.
+    experiment_name: str | None = None
+    # Rollouts logged a step (train/samples.py): the first N rows of the step's batch (the first
+    # prompts' groups, in order) with prompt, response, rewards, advantage, extracted answer,
+    # truncation and policy version, to OUT/samples.jsonl and each logger as a table. 0 = off.
+    log_samples: int = 4
     # A fresh run (no --resume) into an out_dir that already holds a run is an error unless
     # this is true; then that run's checkpoints, metrics, TensorBoard events and export go.
     overwrite: bool = False
@@ -496,6 +514,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.eval_samples": _POSITIVE, "trainer.eval_temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "trainer.checkpoint_every": (lambda v: v >= 0, ">= 0 (0 = off)"), "trainer.keep_checkpoints": _POSITIVE,
     "trainer.clipped_tokens_every": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "trainer.log_samples": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "trainer.max_staleness": (lambda v: v >= 0, ">= 0 (0 = synchronous)"),
     "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),

@@ -31,7 +31,8 @@ from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
-from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
+from jaxrl4llm.train.metrics import (MetricsWriter, check_loggers, most_clipped_tokens, open_loggers,
+                                     truncated_repeat_ratio, write_lengths)
 from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, run_layout, sampler_mesh_for,
                                     split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
@@ -44,6 +45,7 @@ from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, che
                                               staleness_metrics)
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
+from jaxrl4llm.train.samples import sample_rows
 from jaxrl4llm.train.scoring import score_rows
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
 from jaxrl4llm.train.step import (
@@ -496,6 +498,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
         return done
     check_partial(cfg.rollout.partial, cfg.trainer.max_staleness, cfg.rollout.engine, cfg.recipe().dynamic_sampling)
+    check_loggers(cfg.trainer.loggers)  # a missing package: an error before anything is written or loaded
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
     resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
@@ -507,6 +510,10 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
     # every process reads the run's config.json: a refused change stops them all, before the model loads
     changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
         if resume else {}
+    # W&B / MLflow start (or continue the run of loggers.json) before the model loads: one that cannot fails fast
+    loggers = open_loggers(cfg, files.dir, resume=bool(resume)) if hosts.is_main() else []
+    # a failure before the metrics writer exists closes them; the callback reads `loggers` when it runs: [] by then
+    closing.callback(lambda: [logger.close() for logger in loggers])
     out = as_path(cfg.trainer.out_dir)
     mesh, sampler_mesh = run_meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
@@ -535,7 +542,8 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
     writer = MetricsWriter(files.dir, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
-                           start_step=start_step, enabled=hosts.is_main())
+                           start_step=start_step, enabled=hosts.is_main(), loggers=loggers)
+    loggers = []  # the writer closes them
     closing.callback(writer.close)
     writer.truncate_after(start_step)
     evaluate_at = lambda step, st: evaluate(sampler_policy(run, st), run.eval_sets, cfg, run.reward_fn,
@@ -572,7 +580,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             t_update = time.perf_counter()
             batch, adv = build_batch(run, state, rollout, rewards)
             state, metrics, clipped = run.update(state, batch)
-            staleness = {}
+            staleness, versions = {}, step
         else:  # asynchronous (train/rollout_pipeline.py): train on a rollout sampled k versions ago, sample the next
             while len(pending) < ahead and step + len(pending) < cfg.trainer.steps:  # a run's first rollouts
                 pending.append(draw(step + len(pending), sampler_policy(run, state)))
@@ -585,6 +593,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             lengths = hosts.fetch(rollout.lengths)  # [N]: the host needs no [N, R] mask
             staleness = staleness_metrics(*(current.versions.token_versions(lengths) if current.versions is not None
                                             else (np.full(rollout.num_rows, current.version), lengths)), step, k)
+            versions = current.version if current.versions is None else current.versions.first
         record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
         t_end = time.perf_counter()
         record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,
@@ -592,6 +601,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
                       / (t_end - t_step))
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
             record.update({f"eval/{k}": v for k, v in evaluate_at(step + 1, state).items()})
+        writer.write_samples(step + 1, sample_rows(run.policy, rollout, rewards, adv, versions, cfg.trainer.log_samples))
         writer.write(step + 1, record)
         lengths = [hosts.fetch(x) for x in (rollout.lengths, _prompt_lengths(rollout.prompt_mask))]  # all processes
         if hosts.is_main():

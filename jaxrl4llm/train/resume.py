@@ -34,7 +34,8 @@ FIXED_ON_RESUME = (
     "reward.fn",  # what is rewarded
 )
 # keys that say where or how a run is shown, never what it computes: not compared
-IGNORED = ("trainer.out_dir", "trainer.overwrite", "trainer.progress_bar", "trainer.compile_cache")
+IGNORED = ("trainer.out_dir", "trainer.overwrite", "trainer.progress_bar", "trainer.compile_cache", "trainer.loggers",
+           "trainer.project_name", "trainer.experiment_name", "trainer.log_samples")
 CHANGES_FILE = "config_changes.jsonl"
 
 
