@@ -26,7 +26,7 @@ except ImportError as e:  # an optional extra: say which
 def math_verify_reward(response: str, gold: str) -> float:
     """1.0 when Math-Verify judges the response's final answer equal to `gold`, else 0.0."""
     # Math-Verify's own time limits use signals, which work in a main thread only (the reward
-    # workers call from theirs); elsewhere the caller's limit (reward.timeout) has to do.
+    # workers call from theirs; 5 s, its default); elsewhere the caller's limit (reward.timeout) has to do.
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     gold = str(gold)
     boxed_gold = gold if "\\boxed" in gold else "\\boxed{" + gold + "}"

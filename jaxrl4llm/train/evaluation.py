@@ -46,8 +46,9 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
     "<set>/pass@k" and "<set>/maj@k" for k = 1, 2, 4, ..., n (eval_metrics.pass_ks; maj@k votes
     over `vote_key` of the verifier's extracted answers), "<set>/response_length"; the unweighted
     means over sets under the bare names ("accuracy", "pass@4", ...); "reward_errors". With a
-    `records` list, appends one dict per (problem, sample): set, problem, sample, prompt, response, extracted (the math verifier's
-    final answer, None when there is none), gold and reward (`jaxrl4llm eval --output`).
+    `records` list, appends one dict per (problem, sample): set, problem, sample, prompt, response,
+    extracted (the math verifier's final answer, None when there is none), gold and reward
+    (`jaxrl4llm eval --output`).
     """
     sampling = cfg.eval_sampling()
     k = sampling.samples

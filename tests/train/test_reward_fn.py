@@ -169,6 +169,12 @@ def test_a_weighted_list_sums_its_entries_and_returns_each_one(monkeypatch):
                                                                      "boxed_format_reward": [0.0, 0.0, 1.0]}
     assert scores.errors == [None, "exact: KeyError: 'b'", None]
     assert _reward(per_sample, sandbox=False)(["a"], ["a"]).components == {}  # a single reward.fn: none
+    # two per-sample entries in worker processes: one pool that preloads both
+    sandboxed = make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.user_rewards:raises_on_b}, "
+                                                  "{fn: tests.train.user_rewards:sleeps, weight: 0.5}]"]))
+    assert all(r.sandboxed and r.pool_paths == ("tests.train.user_rewards:raises_on_b", "tests.train.user_rewards:sleeps")
+               for _, _, r in sandboxed.terms)
+    assert sandboxed(["a", "b"], ["a", "a"]).rewards.tolist() == [1.5, 0.5]
 
 
 def test_a_weighted_lists_bad_entry_is_refused_before_the_model(monkeypatch):
@@ -178,7 +184,8 @@ def test_a_weighted_lists_bad_entry_is_refused_before_the_model(monkeypatch):
     from jaxrl4llm.train.reward_fn import make_reward_fn
 
     with pytest.raises(ConfigError, match=r"reward.fns\[1\].fn='no_such_module:fn': cannot import module"):
-        make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.user_rewards:raises_on_b}, {fn: no_such_module:fn}]"]))
+        make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.user_rewards:raises_on_b}, "
+                                          "{fn: no_such_module:fn}]"]))
     with pytest.raises(ConfigError, match=r"reward.fns\[0\].batched=auto cannot tell whether unknown"):
         make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.test_reward_fn:unknown}]"]))
     monkeypatch.setitem(sys.modules, "math_verify", None)  # the math-verify extra not installed
