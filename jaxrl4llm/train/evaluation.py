@@ -8,11 +8,14 @@ response length, at evaluation's own sampling settings (`eval.*`, RunConfig.eval
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import jax
 import numpy as np
 
 from jaxrl4llm.rewards import extract_answer
 from jaxrl4llm.rewards.normalization import compact, normalize_answer
+from jaxrl4llm.rewards.numbers import parse_number
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import RunConfig
 from jaxrl4llm.train.eval_metrics import sample_metrics
@@ -23,15 +26,19 @@ from jaxrl4llm.train.scoring import score_rows
 _OTHER_METRICS = ("accuracy", "response_length")
 
 
-def vote_key(extracted: str | None) -> str | None:
+def vote_key(extracted: str | None) -> Hashable | None:
     """What a sample votes for in maj@k: the math verifier's extracted answer in its normalised
-    spelling (`normalize_answer`, whitespace compacted: "1/2" and "\\frac{1}{2}" are one vote, as
-    the verifier's string rule reads them), None (an abstention) when there is no answer. The
-    verifier's sympy comparison is not used to group (a worker process per pair)."""
+    spelling (`normalize_answer`), as an exact rational number when it is one (`parse_number`:
+    "\\frac{1}{2}", "1/2" and "0.5" are one vote), else as the string with whitespace compacted;
+    None (an abstention) when there is no answer. Equal keys are an equivalence, unlike the
+    verifier's tolerances and sympy comparison, which are not used to group."""
     if extracted is None:
         return None
-    key = compact(normalize_answer(extracted))
-    return key or None
+    normalized = normalize_answer(extracted)
+    number = parse_number(normalized)
+    if number is not None:
+        return number
+    return compact(normalized) or None
 
 
 def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | None = None) -> dict:
@@ -110,7 +117,7 @@ def format_table(result: dict) -> str:
     """An `evaluate` result as a text table: one row per set and one for the mean over sets
     ("mean"), one column per metric (`metric_names`); a set that lacks a metric shows "-"."""
     metrics = metric_names(result)
-    sets = sorted({key.rsplit("/", 1)[0] for key in result if "/" in key})
+    sets = list(dict.fromkeys(key.rsplit("/", 1)[0] for key in result if "/" in key))  # data.eval_files' order
     rows = [[s] + [_cell(result.get(f"{s}/{m}"), m) for m in metrics] for s in sets]
     if len(sets) > 1:
         rows.append(["mean"] + [_cell(result.get(m), m) for m in metrics])

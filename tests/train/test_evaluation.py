@@ -47,3 +47,25 @@ def test_eval_of_a_runs_export_writes_the_aggregate_into_the_run_folder(finished
     assert set(result) >= {"test/accuracy", "test/pass@1", "test/response_length", "accuracy", "reward_errors"}
     assert len(out.read_text().splitlines()) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "run"]  # nothing else written
+
+
+def test_the_table_has_a_row_per_set_in_file_order_and_the_mean():
+    from jaxrl4llm.train.evaluation import format_table
+
+    result = {"math/accuracy": 0.5, "math/mean@2": 0.5, "math/pass@1": 0.5, "math/pass@2": 0.75, "math/maj@2": 0.5,
+              "math/maj@1": 0.25, "math/response_length": 10.0, "aime/accuracy": 0.0, "aime/mean@2": 0.0,
+              "aime/pass@1": 0.0, "aime/pass@2": 0.0, "aime/maj@1": 0.0, "aime/maj@2": 0.0,
+              "aime/response_length": 20.0, "accuracy": 0.25, "pass@2": 0.375, "reward_errors": 0}
+    lines = format_table(result).splitlines()
+    assert lines[0].split() == ["benchmark", "accuracy", "mean@2", "pass@1", "pass@2", "maj@1", "maj@2", "response_length"]
+    assert [line.split()[0] for line in lines[2:]] == ["math", "aime", "mean"]
+    assert lines[2].split()[1:] == ["0.5000", "0.5000", "0.5000", "0.7500", "0.2500", "0.5000", "10.0"]
+    assert lines[4].split()[1:5] == ["0.2500", "-", "-", "0.3750"]  # a mean not in the result shows "-"
+
+
+def test_a_vote_is_the_verifiers_normalised_answer():
+    from jaxrl4llm.train.evaluation import vote_key
+
+    assert vote_key(r"\frac{1}{2}") == vote_key("1/2") == vote_key(" 1 / 2 ") == vote_key("0.5")  # one number
+    assert vote_key("x + 1") == vote_key("x+1") != vote_key("x+2")  # a string, whitespace compacted
+    assert vote_key("3") != vote_key("4") and vote_key(None) is None
