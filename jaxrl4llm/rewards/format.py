@@ -1,6 +1,6 @@
 r"""Format reward: does the response end with exactly one boxed answer?
 
-    boxed_format_reward(responses, golds) -> [N] floats: 1.0 where `ends_with_one_box`, else 0.0
+    boxed_format_reward(responses, golds=None) -> [N] floats: 1.0 where `ends_with_one_box`, else 0.0
 
 `ends_with_one_box(response)` is True when, and only when:
   1. `\boxed` occurs exactly once in the whole response (thinking included),
@@ -53,7 +53,8 @@ def ends_with_one_box(response: str) -> bool:
     return close is not None and _TAIL.fullmatch(response, close + 1) is not None
 
 
-def boxed_format_reward(responses: Sequence[str], golds: Sequence) -> list[float]:
+def boxed_format_reward(responses: Sequence[str], golds: Sequence | None = None) -> list[float]:
     """1.0 for each response that `ends_with_one_box`, else 0.0 (batched: `reward.fns` calls it
-    in the trainer's process; the golds are not read)."""
+    in the trainer's process). The golds are not read: their default says that rows without a gold
+    answer may be kept (train/reward_fn.reward_needs_gold)."""
     return [1.0 if ends_with_one_box(r) else 0.0 for r in responses]

@@ -177,6 +177,15 @@ def test_a_weighted_list_sums_its_entries_and_returns_each_one(monkeypatch):
     assert sandboxed(["a", "b"], ["a", "a"]).rewards.tolist() == [1.5, 0.5]
 
 
+def test_a_weighted_list_needs_gold_answers_when_any_entry_does():
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.reward_fn import reward_needs_gold
+
+    fmt = "{fn: jaxrl4llm.rewards:boxed_format_reward}"
+    assert not reward_needs_gold(load_config(None, [f"reward.fns=[{fmt}]"]))  # the format reward reads no gold
+    assert reward_needs_gold(load_config(None, [f"reward.fns=[{fmt}, {{fn: jaxrl4llm.rewards:batch_math_reward}}]"]))
+
+
 def test_a_weighted_lists_bad_entry_is_refused_before_the_model(monkeypatch):
     import sys
 
