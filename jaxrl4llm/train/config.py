@@ -10,6 +10,7 @@ list the valid keys, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -182,6 +183,17 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass
+class RewardTerm:
+    """One entry of `reward.fns`: a reward function (as `reward.fn`), its weight in the sum and the
+    name of its metric `reward/<name>` (default: the function's name)."""
+
+    fn: str = ""
+    weight: float = 1.0
+    name: str | None = None
+    batched: Literal["auto"] | bool = "auto"
+
+
+@dataclasses.dataclass
 class RewardConfig:
     """Reward function by import path ('package.module:function'; docs/own_data_and_reward.md).
     A per-sample fn(response, gold) -> float or a batched fn(responses, golds) -> list of floats;
@@ -207,6 +219,71 @@ class RewardConfig:
     # setting (Tricks or Traps, Sec. 4.1). Accuracy, pass rates and evaluation read fn's own value.
     scale: float = 1.0
     offset: float = 0.0
+    # A weighted sum of rewards instead of `fn` (train/reward_fn.py, docs/rewards.md): a list of
+    # {fn: module:function, weight: 1.0, name: ..., batched: auto}, each logged as `reward/<name>`;
+    # null = `fn` alone (its batched/timeout/on_error/sandbox settings apply to every entry).
+    fns: list[RewardTerm] | None = None
+
+    def terms(self) -> list[RewardTerm]:
+        """The rewards summed, each with its weight and metric name: `fns` (checked: an fn each,
+        finite weights, unique names) or `fn` alone as one term of weight 1. A ConfigError names
+        the entry and the fix."""
+        if self.fns is None:
+            return [RewardTerm(fn=self.fn, weight=1.0, name=_function_name(self.fn), batched=self.batched)]
+        if self.fn != RewardConfig.fn:
+            raise ConfigError(f"reward.fn={self.fn!r} and reward.fns are both set: list the function in reward.fns "
+                              f"(- {{fn: {self.fn}, weight: 1.0}}) and leave reward.fn unset.")
+        if not self.fns:
+            raise ConfigError("reward.fns is empty: list at least one {fn: module:function, weight: 1.0}, or drop "
+                              "reward.fns to use reward.fn.")
+        terms, seen = [], set()
+        for i, term in enumerate(self.fns):
+            if not term.fn:
+                raise ConfigError(f"reward.fns[{i}] has no fn: give it fn: package.module:function.")
+            if not math.isfinite(term.weight):
+                raise ConfigError(f"reward.fns[{i}].weight={term.weight} is not a finite number.")
+            name = term.name if term.name is not None else _function_name(term.fn)
+            if not name or "/" in name:
+                raise ConfigError(f"reward.fns[{i}].name={name!r}: a name is a non-empty word without '/' "
+                                  f"(the metric is reward/<name>).")
+            if name in seen:
+                raise ConfigError(f"reward.fns: two entries are named {name!r} (the metric reward/{name} would mix "
+                                  f"them): give one of them its own `name:`.")
+            seen.add(name)
+            terms.append(dataclasses.replace(term, name=name))
+        return terms
+
+
+def _function_name(path: str) -> str:
+    """'package.module:function' (or 'package.module.function') -> 'function'."""
+    return path.partition(":")[2] if ":" in path else path.rpartition(".")[2]
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation's sampling, apart from the rollout's (docs/training.md "Evaluation"). Each key left
+    null takes its older source: samples = trainer.eval_samples, temperature =
+    trainer.eval_temperature (aliases kept working), top_p = rollout.top_p, top_k = rollout.top_k.
+    `RunConfig.eval_sampling()` resolves them; temperature 0 = greedy, one sample."""
+
+    samples: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSampling:
+    """Evaluation's resolved sampling: n samples per problem at (temperature, top_p, top_k)."""
+
+    samples: int
+    temperature: float
+    top_p: float
+    top_k: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
 
 
 @dataclasses.dataclass
@@ -258,6 +335,8 @@ class TrainerConfig:
     seed: int = 0
     out_dir: str = "runs/default"
     eval_every: int = 0
+    # evaluation's samples per problem and temperature: the older names of eval.samples and
+    # eval.temperature (EvalConfig), which win where set
     eval_samples: int = 1
     eval_temperature: float = 0.0
     checkpoint_every: int = 0
@@ -318,7 +397,20 @@ class RunConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def eval_sampling(self) -> EvalSampling:
+        """Evaluation's sampling (EvalConfig): `eval.*` where set, else trainer.eval_samples /
+        trainer.eval_temperature and rollout.top_p / top_k; greedy (temperature 0) means one
+        sample at top_p 1, top_k 0, whatever `samples` says."""
+        ev = self.eval
+        temperature = ev.temperature if ev.temperature is not None else self.trainer.eval_temperature
+        if temperature <= 0:
+            return EvalSampling(samples=1, temperature=temperature, top_p=1.0, top_k=0)
+        return EvalSampling(samples=max(ev.samples if ev.samples is not None else self.trainer.eval_samples, 1),
+                            temperature=temperature, top_p=ev.top_p if ev.top_p is not None else self.rollout.top_p,
+                            top_k=ev.top_k if ev.top_k is not None else self.rollout.top_k)
 
     def recipe(self) -> Recipe:
         """The core Recipe: the preset with `algorithm.overrides` applied (validated)."""
@@ -516,6 +608,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.clipped_tokens_every": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "trainer.log_samples": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "trainer.max_staleness": (lambda v: v >= 0, ">= 0 (0 = synchronous)"),
+    "eval.samples": _POSITIVE, "eval.temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "eval.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "eval.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
@@ -541,6 +635,7 @@ def config_from_dict(raw: dict) -> RunConfig:
     cfg = _build(RunConfig, raw, "")
     check_ranges(cfg)
     cfg.recipe()  # validates preset and overrides early
+    cfg.reward.terms()  # reward.fns: an fn each, finite weights, unique names
     return cfg
 
 

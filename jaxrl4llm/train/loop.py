@@ -46,7 +46,7 @@ from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, che
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.samples import sample_rows
-from jaxrl4llm.train.scoring import score_rows
+from jaxrl4llm.train.scoring import score_rows_with_components
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
 from jaxrl4llm.train.step import (
     TrainBatch,
@@ -140,7 +140,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     spare: list[tuple] = []
     draws = retired = drawn = mixed = 0
     t_sample = t_reward = 0.0
-    all_rewards = []
+    all_rewards, all_components = [], []
     max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
     # data.prompt_bucket=dataset: every step pads to the training set's longest prompt (one program)
     prompt_len = prompts.longest if cfg.data.prompt_bucket == "dataset" else None
@@ -156,12 +156,14 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         if on_params_read is not None and draws == max_draws:
             on_params_read()  # no further draw reads the parameters: the update may run while rewards score
         rows = [i for i in ids for _ in range(G)]
-        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
-                             [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
+        rewards, components = score_rows_with_components(
+            policy, rollout, [prompts.answers[i] for i in rows], reward_fn, [prompts.problems[i] for i in rows],
+            [prompts.metadata[i] for i in rows])
         t2 = time.perf_counter()
         t_sample += t1 - t0
         t_reward += t2 - t1
         all_rewards.append(rewards)
+        all_components.append(components)
         retired += stream.retire(ids, (rewards.reshape(-1, G) > CORRECT_REWARD_THRESHOLD).mean(axis=1),
                                  cfg.rollout.retire_pass_rate)
         for g, pid in enumerate(ids):
@@ -186,8 +188,16 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "sampling_prompts_drawn": drawn,
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
+        **component_means(all_components),
     }
     return merged, np.concatenate([e[2] for e in kept]), with_scoring_stats(stats, reward_fn, stream, cfg, retired)
+
+
+def component_means(components: list[dict]) -> dict[str, float]:
+    """`reward/<name>`: each `reward.fns` entry's own reward, averaged over every response scored
+    (all draws, as reward_all_draws); {} for a single reward.fn. components: one {name: [N]} per draw."""
+    names = components[0] if components else {}
+    return {f"reward/{name}": float(np.mean(np.concatenate([c[name] for c in components]))) for name in names}
 
 
 def with_scoring_stats(stats: dict, reward_fn, stream: PromptStream, cfg: RunConfig, retired: int) -> dict:
@@ -243,12 +253,14 @@ def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, s
         on_params_read()
     ids = partial.prompt_ids.pop(step)
     rows = [i for i in ids for _ in range(G)]
-    rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
-                         [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
+    rewards, components = score_rows_with_components(
+        policy, rollout, [prompts.answers[i] for i in rows], reward_fn, [prompts.problems[i] for i in rows],
+        [prompts.metadata[i] for i in rows])
     retired = stream.retire(ids, (rewards.reshape(-1, G) > CORRECT_REWARD_THRESHOLD).mean(axis=1), cfg.rollout.retire_pass_rate)
     stats = {"time_sampling": t1 - t0, "time_reward": time.perf_counter() - t1, "sampling_draws": 1,
              "sampling_prompts_drawn": P, "groups_filled_constant": 0, "reward_all_draws": float(np.mean(rewards)),
-             "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens))}
+             "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens)),
+             **component_means([components])}
     return rollout, rewards, with_scoring_stats(stats, reward_fn, stream, cfg, retired), versions
 
 
