@@ -39,6 +39,25 @@ def write_hub_repo(hf_home: Path, repo_id: str, files: dict[str, bytes], *, repo
     return snapshot
 
 
+def write_tiny_model(folder: Path) -> dict[str, bytes]:
+    """{path: bytes} of a tiny Qwen3 checkpoint written to `folder`, with the char tokenizer (it
+    has a chat template): random numpy weights, so no compile."""
+    import jax
+    import numpy as np
+
+    from jaxrl4llm.data import build_char_tokenizer
+    from jaxrl4llm.models import ModelConfig, abstract_model, save_pretrained
+
+    config = ModelConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8, dtype="float32", param_dtype="float32")
+    graphdef, shapes = abstract_model(config)
+    rng = np.random.default_rng(0)
+    save_pretrained((graphdef, jax.tree.map(lambda x: (0.02 * rng.standard_normal(x.shape)).astype(x.dtype), shapes)),
+                    folder)
+    build_char_tokenizer(folder)
+    return folder_files(folder)
+
+
 def folder_files(folder: Path) -> dict[str, bytes]:
     """{relative path: bytes} of every file under `folder`."""
     folder = Path(folder)

@@ -76,6 +76,11 @@ def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSe
         )
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
+    if dropped and not kept:
+        raise ConfigError(f"{name}: all {dropped} prompts are longer than data.max_prompt_tokens="
+                          f"{cfg.data.max_prompt_tokens} tokens (with the template and any system prompt), and "
+                          f"data.on_overlong_prompt=drop dropped every one: raise data.max_prompt_tokens "
+                          f"(`jaxrl4llm plan` prices the longer prompts) or shorten data.system_prompt.")
     texts = [format_prompt(problems[i], cfg.data.template, tokenizer=tokenizer, instruction=cfg.data.instruction,
                            system_prompt=cfg.data.system_prompt) for i in kept]
     return PromptSet(name=name, token_ids=[list(x) for x in ids], answers=[str(problems[i].answer) for i in kept],

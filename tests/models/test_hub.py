@@ -3,14 +3,11 @@
 the `hf download` command, and several processes download once."""
 
 import jax
-import numpy as np
 import pytest
 
-from jaxrl4llm.data import build_char_tokenizer
-from jaxrl4llm.models import ModelConfig, abstract_model, save_pretrained
 from jaxrl4llm.models import hub
 from jaxrl4llm.models.hub import HubFilesMissing, download_command, parse_hub_id, resolve_model
-from tests.hub_cache import COMMIT, folder_files, offline_hub, write_hub_repo  # noqa: F401 (a fixture)
+from tests.hub_cache import COMMIT, offline_hub, write_hub_repo, write_tiny_model  # noqa: F401 (offline_hub: a fixture)
 
 
 @pytest.mark.parametrize("spec, parsed", [
@@ -34,15 +31,7 @@ def test_download_command_is_the_hf_cli():
 @pytest.fixture(scope="module")
 def tiny_model_files(tmp_path_factory):
     """{path: bytes} of a tiny Qwen3 checkpoint folder with the char tokenizer (chat template)."""
-    folder = tmp_path_factory.mktemp("tiny_hub_model")
-    config = ModelConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                         num_kv_heads=1, head_dim=8, dtype="float32", param_dtype="float32")
-    graphdef, shapes = abstract_model(config)  # random numpy weights: no compile (init_model's takes seconds)
-    rng = np.random.default_rng(0)
-    save_pretrained((graphdef, jax.tree.map(lambda x: (0.02 * rng.standard_normal(x.shape)).astype(x.dtype), shapes)),
-                    folder)
-    build_char_tokenizer(folder)
-    return folder_files(folder)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_hub_model"))
 
 
 def test_a_hub_id_resolves_offline_from_the_cache(offline_hub, tiny_model_files, tmp_path, monkeypatch):

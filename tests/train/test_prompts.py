@@ -57,3 +57,13 @@ def test_rows_without_a_gold_answer(demo_assets, tmp_path):
                                           r"data.answer_key to the field that holds the gold answer.*; or, with a "
                                           r"reward.fn that needs no gold answer, give its second parameter a default"):
         load_prompt_sets(load_config(None, base + ["reward.fn=jaxrl4llm.rewards:batch_math_reward"]))
+
+
+def test_a_set_whose_every_prompt_is_dropped_is_a_clear_error(demo_assets, tmp_path):
+    """data.on_overlong_prompt=drop emptying a set: an error naming the budget and the fix (it
+    reached evaluation's range() as a zero step before)."""
+    overrides = tiny_overrides(demo_assets, tmp_path / "run", **{"data.max_prompt_tokens": 4,
+                                                                  "data.on_overlong_prompt": "drop"})
+    with pytest.raises(ConfigError, match=r"all \d+ prompts are longer than data.max_prompt_tokens=4 tokens .* raise "
+                                          r"data.max_prompt_tokens"):
+        load_prompt_sets(load_config(None, overrides))
