@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
@@ -40,7 +41,7 @@ from jaxrl4llm.sampling.buckets import left_pad_prompts
 from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, partial_enqueue, partial_init,
                                             partial_segment)
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
-from jaxrl4llm.sampling.generate import data_parallel_size, paged_attention_choice, use_cpu_kernels
+from jaxrl4llm.sampling.generate import data_parallel_size, use_cpu_kernels
 from jaxrl4llm.sampling.rollout import Rollout
 
 
@@ -73,7 +74,7 @@ class PartialRollouts:
                  eos_token_ids: Sequence[int], pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, mesh: Mesh | None = None, slots: int | None = None,
                  cpu_kernels: bool | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
-                 paged_attention: str | None = None, fetch=None):
+                 paged_attention: str | DecodeAttention | None = None, fetch=None):
         model = merge(graphdef, state)
         if not isinstance(model, CausalLM):
             raise TypeError(f"partial rollouts need a jaxrl4llm CausalLM (the continuous engine); got "
@@ -103,8 +104,9 @@ class PartialRollouts:
                                max_new_tokens=max_new_tokens, top_k=int(top_k), use_top_p=bool(top_p < 1.0),
                                greedy=self.greedy, use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
                                page_size=int(kv_page_size), burst=int(decode_burst),
-                               attention=paged_attention_choice(config, mesh, use_kernels, paged_attention,
-                                                                page_size=int(kv_page_size)))
+                               attention=decode_attention_choice(
+                                   config, mesh_devices(mesh), cpu_kernels=use_kernels, requested=paged_attention,
+                                   page_size=int(kv_page_size)).kernel)
         state = partial_init(np.int32(pad_token_id), spec=self.spec, num_prompts=num_prompts, prompt_len=prompt_len)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)

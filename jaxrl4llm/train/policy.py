@@ -46,7 +46,9 @@ class Policy:
     engine: str = "continuous"  # rollout.engine: "continuous" or "static"
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
     decode_burst: int = 16  # rollout.decode_burst (continuous engine): decode steps between refills
-    decode_attention: str = "auto"  # rollout.decode_attention: generate(paged_attention=): auto, kernel or xla
+    # generate(paged_attention=): rollout.decode_attention (auto, kernel or xla), in a run the layout's resolved
+    # kernels.choice.DecodeAttention (loop.setup_run)
+    decode_attention: str = "auto"
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
