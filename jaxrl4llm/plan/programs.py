@@ -50,7 +50,8 @@ from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
-from jaxrl4llm.sampling.continuous import PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program, prefill_batch
+from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program, engine_slots,
+                                           prefill_batch)
 from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
 from jaxrl4llm.sampling.gpu_paged_attention import BLOCK_H
 from jaxrl4llm.sampling.memory import (SIZING_SHARE, continuous_memory, decode_memory, decode_sizing, prompts_per_chunk,
@@ -472,7 +473,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
             fitting_slots = slots_that_fit(config, chip.sizing_bytes - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
-            slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
+            slots = engine_slots(slots, num_prompts=num_prompts, samples=g_samples, shards=ddp)  # as `generate` does
             attention = decode_attention.kernel  # the layout's: what the run's sampler runs
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)

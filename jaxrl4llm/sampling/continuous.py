@@ -96,6 +96,42 @@ class EngineSpec:
     attention: DecodeAttention = DecodeAttention.XLA
 
 
+def engine_slots(slots: int | None, *, num_prompts: int, samples: int, shards: int) -> int:
+    """S, the engine's slots over all shards for `slots` asked (None: every row) and `num_prompts`
+    prompts (a multiple of the D shards) of G `samples` rows each, as `generate`, the partial-rollout
+    engine and `plan` size them: rounded up to a multiple of D, every row at most:
+        S = D min(ceil(slots / D), P / D * G)"""
+    return min(-(-(slots or num_prompts * samples) // shards), num_prompts // shards * samples) * shards
+
+
+class ShardSizes(NamedTuple):
+    """A shard's page counts and prefill batch (`shard_sizes`; `Engine`'s fields of the same names)."""
+
+    prompt_pages: int  # Tp, pages of a whole prompt
+    response_pages: int  # Rp, a slot's own pages: a partial prompt page + R - 1 tokens
+    table_pages: int  # W, a slot's logical pages (Tp + Rp in whole chunks)
+    entries: int  # Q, prompt entries: every prompt with a row in a slot, and one whose rows wait
+    pool_pages: int  # pages of a shard's pool (`paged_cache.pool_pages`)
+    prefill_prompts: int  # A (`prefill_batch`)
+    choose_prefill: bool  # a refill picks rounds of A or of one prompt (`prefill_batch`)
+
+
+def shard_sizes(*, prompts_per_shard: int, slots_per_shard: int, samples: int, prompt_len: int, max_new_tokens: int,
+                page_size: int = PAGE_SIZE, pages_per_chunk: int = PAGES_PER_CHUNK,
+                prefill_prompts: int | None = None) -> ShardSizes:
+    """A shard's pages and prefill batch for P_d prompts of width T, S_d slots, G samples, R new tokens:
+        Tp = ceil(T / page), Rp = ceil((page - 1 + max(R - 1, 1)) / page), W = Tp + Rp up to a whole
+        chunk, Q = S_d + 1, the pool `pool_pages(S_d, Q, Tp, Rp)`, A = `prefill_batch(P_d, S_d, G)`.
+    `Engine.resolve` sizes the engine with it and `sampling.memory.continuous_memory` counts its bytes."""
+    prompt_pages = -(-prompt_len // page_size)
+    response_pages = -(-(page_size - 1 + max(max_new_tokens - 1, 1)) // page_size)
+    table_pages = -(-(prompt_pages + response_pages) // pages_per_chunk) * pages_per_chunk
+    entries = slots_per_shard + 1
+    at_once, choose = prefill_batch(prompts_per_shard, slots_per_shard, samples, prefill_prompts)
+    return ShardSizes(prompt_pages, response_pages, table_pages, entries,
+                      pool_pages(slots_per_shard, entries, prompt_pages, response_pages), at_once, choose)
+
+
 @dataclasses.dataclass(frozen=True)
 class Engine:
     """An `EngineSpec` resolved for one program's prompts (`resolve`, at trace time): the sizes of
@@ -130,18 +166,13 @@ class Engine:
                              f"{shards} shards")
         prompts_per_shard, slots_per_shard = num_prompts // shards, spec.slots // shards
         rows_per_shard = prompts_per_shard * spec.num_samples
-        prompt_pages = -(-prompt_len // page_size)
-        response_pages = -(-(page_size - 1 + max(spec.max_new_tokens - 1, 1)) // page_size)
-        table_pages = -(-(prompt_pages + response_pages) // spec.pages_per_chunk) * spec.pages_per_chunk
-        entries = slots_per_shard + 1
-        prefill_prompts, choose_prefill = prefill_batch(prompts_per_shard, slots_per_shard, spec.num_samples,
-                                                        spec.prefill_prompts)
+        sizes = shard_sizes(prompts_per_shard=prompts_per_shard, slots_per_shard=slots_per_shard,
+                            samples=spec.num_samples, prompt_len=prompt_len, max_new_tokens=spec.max_new_tokens,
+                            page_size=page_size, pages_per_chunk=spec.pages_per_chunk,
+                            prefill_prompts=spec.prefill_prompts)
         return Engine(spec=spec, prompt_len=prompt_len, prompts_per_shard=prompts_per_shard,
                       rows_per_shard=rows_per_shard, buffer_prompts=halves * prompts_per_shard,
-                      buffer_rows=halves * rows_per_shard, slots_per_shard=slots_per_shard,
-                      prompt_pages=prompt_pages, response_pages=response_pages, table_pages=table_pages,
-                      entries=entries, pool_pages=pool_pages(slots_per_shard, entries, prompt_pages, response_pages),
-                      prefill_prompts=prefill_prompts, choose_prefill=choose_prefill)
+                      buffer_rows=halves * rows_per_shard, slots_per_shard=slots_per_shard, **sizes._asdict())
 
     def constrain_rows(self, x: jax.Array) -> jax.Array:
         """x with its leading axis on the "batch" rule (the shards, or rows over the shards)."""

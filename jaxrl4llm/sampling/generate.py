@@ -29,7 +29,7 @@ from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
-from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program
+from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program, engine_slots
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
 
@@ -188,10 +188,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         if continuous:
             attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
                                                 requested=paged_attention, page_size=int(kv_page_size)).kernel
-            per_shard = -(-(slots or num_rows * num_samples) // dp)
-            per_shard = min(per_shard, num_rows // dp * num_samples)
             spec = EngineSpec(config=config, backend=backend, use_kernels=use_kernels, num_shards=dp,
-                              slots=per_shard * dp, page_size=int(kv_page_size), burst=int(decode_burst),
+                              slots=engine_slots(slots, num_prompts=num_rows, samples=num_samples, shards=dp), page_size=int(kv_page_size), burst=int(decode_burst),
                               attention=attention, **sampling)
             run = lambda *args: continuous_program(weights, *args, spec=spec)
         else:

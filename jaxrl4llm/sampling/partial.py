@@ -38,7 +38,7 @@ from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import left_pad_prompts
-from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, partial_enqueue, partial_init,
+from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, engine_slots, partial_enqueue, partial_init,
                                             partial_segment)
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
 from jaxrl4llm.sampling.generate import data_parallel_size, use_cpu_kernels
@@ -92,8 +92,6 @@ class PartialRollouts:
         self.config, self.mesh, self.greedy = config, mesh, bool(greedy or temperature <= 0)
         self.backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels,
                                       block_size=block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
-        rows = num_prompts * num_samples
-        per_shard = min(-(-(slots or rows) // dp), rows // dp)
         self.num_prompts, self.num_samples, self.max_new_tokens, self.prompt_len = (num_prompts, num_samples,
                                                                                     max_new_tokens, prompt_len)
         self.eos = np.asarray(list(eos_token_ids) or [-1], np.int32)
@@ -102,7 +100,8 @@ class PartialRollouts:
         self.top_p = np.float32(top_p)
         self.spec = EngineSpec(config=config, backend=self.backend, num_samples=num_samples,
                                max_new_tokens=max_new_tokens, top_k=int(top_k), use_top_p=bool(top_p < 1.0),
-                               greedy=self.greedy, use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
+                               greedy=self.greedy, use_kernels=use_kernels, num_shards=dp,
+                               slots=engine_slots(slots, num_prompts=num_prompts, samples=num_samples, shards=dp),
                                page_size=int(kv_page_size), burst=int(decode_burst),
                                attention=decode_attention_choice(
                                    config, mesh_devices(mesh), cpu_kernels=use_kernels, requested=paged_attention,

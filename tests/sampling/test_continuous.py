@@ -12,8 +12,8 @@ from jaxrl4llm.models.decode import prefill_kv
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.sampling.buckets import left_pad_prompts
 from jaxrl4llm.sampling.continuous import (Admission, Engine, EngineSpec, Queue, Sampling, admission,
-                                           continuous_program, decode_burst, decode_step, empty_state, insert, prefill,
-                                           refill, retire, rows_of_half)
+                                           continuous_program, decode_burst, decode_step, empty_state, engine_slots,
+                                           insert, prefill, refill, retire, rows_of_half)
 from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
@@ -215,6 +215,16 @@ def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkey
     for name in ("response_tokens", "response_mask", "lengths"):
         np.testing.assert_array_equal(np.asarray(getattr(on_gpu_kernel, name)), np.asarray(getattr(static, name)))
     np.testing.assert_allclose(np.asarray(on_gpu_kernel.logprobs), np.asarray(static.logprobs), atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 8), st.integers(1, 8), st.integers(1, 4))
+def test_engine_slots_are_whole_shards_and_never_more_than_the_rows(slots, prompts_per_shard, samples, shards):
+    """S = D min(ceil(slots / D), P / D * G): what generate, partial rollouts and plan decode with."""
+    prompts, rows = prompts_per_shard * shards, prompts_per_shard * shards * samples
+    got = engine_slots(slots, num_prompts=prompts, samples=samples, shards=shards)
+    assert got % shards == 0 and min(slots, rows) <= got <= rows and got - min(slots, rows) < shards
+    assert engine_slots(None, num_prompts=prompts, samples=samples, shards=shards) == rows
 
 
 def test_generate_says_why_the_kernel_cannot_run():

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrl4llm.kernels.choice import ATTENTION_IMPLS, train_attention_choice
+from jaxrl4llm.kernels.choice import train_attention_choice
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
 DEFAULT_BLOCKS = {"xla": 128, "splash": 512, "pallas_gpu": 128}
