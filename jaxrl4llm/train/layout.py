@@ -301,7 +301,7 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
     if own_model:
         decode, train = attention_kernels(cfg, model_config, mesh_devices(mesh), mesh_devices(dmesh), cpu_kernels)
         if decode.fallback:
-            log(f"rollout.decode_attention={r.decode_attention}: {decode.reason}")
+            log(f"decode attention (rollout.decode_attention): {decode.reason}")
     return RunLayout(model=shape, lora=lora_settings(cfg) if own_model else None,
                      mesh=(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]), rows=rows,
                      update=update, sampler=sampler, decode_attention=decode, train_attention=train)

@@ -149,3 +149,16 @@ def test_the_layout_json_shows_both_choices_with_their_reasons():
     shown = json.loads(json.dumps(plan_layout(cfg, "v5p:2x2x2").to_dict()))
     assert shown["decode_attention"]["kernel"] == "tpu_ragged" and "128" in shown["decode_attention"]["reason"]
     assert shown["train_attention"] == {"kernel": "splash", "reason": "auto: the tpu default", "fallback": False}
+
+
+def test_the_run_logs_why_auto_falls_back_to_xla():
+    """The example's model (head_dim 32) on TPU: the ragged kernel cannot take it, the layout's log line says so."""
+    cfg = load_config(ROOT / "configs/examples/smollm2_arithmetic.yaml", EIGHT_CHIPS)
+    config = plan_model_config(cfg) if cfg.model.vocab_size else model_config_from_fields(cfg, vocab_size=512)
+    mesh, own_sampler = topology_meshes("v5p:2x2x2", cfg)
+    lines = []
+    layout = run_layout(cfg, mesh, config, prompt_width=128, sampler_mesh=own_sampler, log=lines.append)
+    assert layout.decode_attention.kernel == "xla" and layout.decode_attention.fallback
+    assert [line for line in lines if "decode_attention" in line] == [
+        "decode attention (rollout.decode_attention): auto: the TPU ragged paged attention kernel needs head_dim a "
+        "multiple of 128 (this model: 32); XLA's chunks of live pages instead"]
