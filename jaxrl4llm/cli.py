@@ -111,7 +111,8 @@ def cmd_eval(args) -> int:
         with open(args.output, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         print(f"generations: {args.output} ({len(records)} lines)", file=sys.stderr)
-    run = Path(cfg.model.path).parent if cfg.model.path else None  # model.path=RUN/hf_export: a run's model
+    # model.path=RUN/hf_export: a run's model (a local folder, not a Hub id)
+    run = Path(cfg.model.path).parent if cfg.model.path and Path(cfg.model.path).is_dir() else None
     if run is not None and is_run_folder(run):
         (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"aggregate: {run / 'eval.json'}", file=sys.stderr)

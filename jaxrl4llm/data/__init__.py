@@ -1,4 +1,5 @@
-"""jaxrl4llm.data: local dataset loaders, prompt templates, prompt encoding, difficulty bins, demo task."""
+"""jaxrl4llm.data: dataset loaders (local, gs://, Hub), prompt templates, prompt encoding, difficulty bins,
+demo task."""
 
 from jaxrl4llm.data.demo_task import build_char_tokenizer
 from jaxrl4llm.data.demo_task import demo_solution
@@ -13,10 +14,12 @@ from jaxrl4llm.data.encoding import encode_prompt_text
 from jaxrl4llm.data.encoding import encode_prompts
 from jaxrl4llm.data.problems import Problem
 from jaxrl4llm.data.problems import format_gold
+from jaxrl4llm.data.problems import is_hub_dataset
 from jaxrl4llm.data.problems import load_problems
 from jaxrl4llm.data.templates import CHAT_TEMPLATES
 from jaxrl4llm.data.templates import PROMPT_TEMPLATES
 from jaxrl4llm.data.templates import format_prompt
+from jaxrl4llm.data.templates import is_chat_prompt
 from jaxrl4llm.data.templates import is_chat_template
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "encode_prompts",
     "format_gold",
     "format_prompt",
+    "is_hub_dataset",
+    "is_chat_prompt",
     "is_chat_template",
     "load_problems",
     "make_demo_problems",

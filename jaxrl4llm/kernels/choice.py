@@ -100,7 +100,8 @@ def platform_decode_kernel(config, devices, *, cpu_kernels: bool, page_size: int
         if gpu_kernel_supports(head_dim, dtype, page_size):
             return DecodeAttention.GPU_TRITON, f"GPU, head_dim {head_dim}, kv_page_size {page_size}, {dtype.name}"
         return None, (f"the Triton paged attention kernel needs a power-of-two head_dim >= 16 and kv_page_size and a "
-                      f"bfloat16 or float16 model (this one: head_dim {head_dim}, kv_page_size {page_size}, {dtype.name})")
+                      f"bfloat16 or float16 model (this one: head_dim {head_dim}, kv_page_size {page_size}, "
+                      f"{dtype.name})")
     if platform == "cpu":
         if not cpu_kernels:
             return None, ("the C++ CPU kernels are off (they run on one CPU device when they build; "

@@ -28,6 +28,7 @@ import math
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,7 +40,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxrl4llm.core import policy_loss
 from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend
+from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
 from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_attention_flops
 from jaxrl4llm.models.lora import plain_graphdef
 from jaxrl4llm.models.remat import saved_floats_per_token
@@ -150,10 +153,18 @@ def plan_model_config(cfg: RunConfig):
     size fields of the `model` section (the shipped model configs carry them, so a plan needs
     no checkpoint)."""
     m = cfg.model
-    if m.path and (Path(m.path) / "config.json").is_file():
-        return ModelConfig.from_pretrained_dir(m.path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+    folder, missing = None, None
+    if m.path:
+        try:
+            folder = resolve_model(m.path, files=("config.json",))  # a Hub id: its config.json alone
+        except HubFilesMissing as e:  # offline: the size fields below, when the config has them
+            missing = e
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        return ModelConfig.from_pretrained_dir(folder, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                                                 remat_policy=m.remat_policy, attention_impl=m.attention_impl)
     if m.vocab_size is None:
+        if missing is not None:
+            raise ConfigError(f"model.path={m.path!r}: {missing}")
         raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
                           "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
     return model_config_from_fields(cfg, vocab_size=m.vocab_size)

@@ -185,12 +185,14 @@ class Engine:
 
 class Sampling(NamedTuple):
     """The traced sampling settings of a program: temperature, top_p [] float32; eos_ids [E] int32
-    (tokens that end a row); pad_id [] int32 (fills the tokens after a row's end)."""
+    (tokens that end a row: EOS and stop token ids); pad_id [] int32 (fills the tokens after a row's
+    end); min_p [] float32 or None (off: the program without min-p, `filters.min_p_keep`)."""
 
     temperature: jax.Array
     top_p: jax.Array
     eos_ids: jax.Array
     pad_id: jax.Array
+    min_p: jax.Array | None = None
 
 
 class Slots(NamedTuple):
@@ -328,7 +330,7 @@ def draw(engine: Engine, sampling: Sampling, queue: Queue, logits, rows, column)
                          uniform=None if spec.greedy else uniforms.reshape(shards * count, 1),
                          temperature=sampling.temperature,
                          top_k=spec.top_k, top_p=sampling.top_p, use_top_p=spec.use_top_p, greedy=spec.greedy,
-                         use_kernels=spec.use_kernels,
+                         use_kernels=spec.use_kernels, min_p=sampling.min_p,
                          shards=vocab_shards(spec.backend.mesh, spec.backend.rules))  # top-k per vocab shard + a gather
     return jax.tree.map(lambda x: x.reshape(shards, count), flat)
 
@@ -641,12 +643,13 @@ def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
-                       pad_id, row_budget, *, spec: EngineSpec) -> ProgramOutput:
+                       pad_id, row_budget, min_p=None, *, spec: EngineSpec) -> ProgramOutput:
     """`decode_loop.sample_program` (same arguments and output, rows for rows) on `spec.slots` slots.
 
     Args (beyond sample_program's):
       row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
         unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
+      min_p: optional float32 scalar, min-p sampling (`filters.min_p_keep`); None = off.
       spec: the engine (`EngineSpec`); its fields beyond sample_program's static arguments:
         num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
         slots: S, rows decoded at once over all shards (a multiple of D).
@@ -665,7 +668,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
     num_prompts, prompt_len = prompt_tokens.shape
     engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=1)
-    sampling = Sampling(temperature, top_p, eos_ids, pad_id)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p)
     shard = lambda x: engine.constrain_rows(x.reshape((shards, -1) + x.shape[1:]))
     num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
     queue = Queue(tokens=shard(prompt_tokens), mask=shard(prompt_mask.astype(jnp.int32)),  # [D, Pd, T]
@@ -723,7 +726,7 @@ def partial_enqueue(state: EngineState, prompt_tokens, prompt_mask, rng, row_bud
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
-def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, *,
+def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, min_p=None, *,
                     spec: EngineSpec) -> tuple[EngineState, ProgramOutput, jax.Array, jax.Array]:
     """One segment of partial rollouts: decode with `weights` until the oldest rollout in the engine
     is complete, admitting the next rollout's rows (if enqueued) into slots its rows free; hand the
@@ -738,7 +741,7 @@ def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pa
     samples, shards = spec.num_samples, spec.num_shards
     buffer_prompts, prompt_len = state.queue.tokens.shape[1:]
     engine = Engine.resolve(spec, num_prompts=buffer_prompts // 2 * shards, prompt_len=prompt_len, halves=2)
-    sampling = Sampling(temperature, top_p, eos_ids, pad_id)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p)
     rows, buffer_rows = engine.rows_per_shard, engine.buffer_rows
     slots, out = state.slots, state.out
     # tokens from here on are this segment's: of rows live in slots, and of rows whose first token an

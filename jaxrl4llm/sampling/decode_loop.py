@@ -163,7 +163,7 @@ def _build_weights_jit(graphdef: nnx.GraphDef, state, config: ModelConfig, backe
                      "use_kernels"),
 )
 def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids, pad_id,
-                   row_budget=None, *,
+                   row_budget=None, min_p=None, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
                    greedy: bool, block_size: int, backend: DecodeBackend,
                    use_kernels: bool = False) -> ProgramOutput:
@@ -179,6 +179,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
       eos_ids [E] int32; pad_id int32 scalar.
       row_budget: optional [N] int32, row n stops after row_budget[n] tokens (truncated unless its
         last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
+      min_p: optional float32 scalar, min-p sampling (`filters.min_p_keep`); None = off (the
+        program without it).
       backend: the decode backend (`decode_backend`; the same one `weights_program` used).
       use_kernels: top-k with the CPU kernel (`jaxrl4llm.kernels`; the caller checks that the
         program runs on CPU and that they are loaded).
@@ -190,7 +192,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
     first_logits, prompt_kv = prefill(weights, config, prompt_tokens, prompt_mask, backend=backend)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                use_top_p=use_top_p, greedy=greedy, use_kernels=use_kernels,
-                               shards=vocab_shards(mesh, backend.rules))
+                               shards=vocab_shards(mesh, backend.rules), min_p=min_p)
     prompt_len = constrain_rows(jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), g), mesh)
     padding_row = constrain_rows(jnp.repeat(~row_valid, g), mesh)
     zeros = lambda dtype: constrain_rows(jnp.zeros((num_rows, r), dtype), mesh)

@@ -1,8 +1,11 @@
-"""Next-token sampling: temperature, top-k, top-p (nucleus), greedy, and the log-probs of the choice.
+"""Next-token sampling: temperature, min-p, top-k, top-p (nucleus), greedy, and the log-probs of the choice.
 
-    z = logits / T;  keep = top-k(z) ∩ nucleus_p(softmax(z | top-k));  y ~ softmax(z | keep)
+    z = logits / T;  keep = min-p(z) ∩ top-k(z) ∩ nucleus_p(softmax(z | min-p ∩ top-k));  y ~ softmax(z | keep)
+    min-p(z) = {v : p_v >= min_p * max_u p_u} = {v : z_v >= max z + log min_p}   (Nguyen et al. 2024)
 
-Order as in transformers and vLLM: temperature, then top-k, then top-p on what top-k kept.
+Order as in vLLM's v1 sampler (vllm/v1/sample/sampler.py: temperature, then the argmax-invariant
+min-p, then top-k and top-p): top-p sees the distribution that min-p and top-k kept. Min-p and
+top-k commute (both keep the largest logits), so min-p is applied to top-k's candidates.
 Two log-probs come back for every chosen token y:
 
     logprob             = log softmax(z | keep)[y]   (the distribution y was drawn from)
@@ -135,6 +138,20 @@ def nucleus_keep(logits: jax.Array, top_p) -> jax.Array:
     return ((mass_before < top_p) | (top_p >= 1.0)) & (logits > -jnp.inf)
 
 
+# ---------------------------------------------------------------------------- min-p
+def min_p_keep(logits: jax.Array, min_p) -> jax.Array:
+    """keep[v] = p_v >= min_p * max_u p_u, p = softmax(logits): min-p sampling's set.
+
+        p_v >= min_p * p_max  <=>  z_v >= max z + log(min_p)   (Nguyen et al. 2024, "Turning Up the Heat")
+
+    Compared on logits (no softmax); the argmax is always kept, min_p = 0 keeps every finite entry.
+    Args: logits [..., K] (temperature applied; entries may be -inf); min_p scalar in [0, 1].
+    Returns: [..., K] bool.
+    """
+    z_max = jnp.max(logits, axis=-1, keepdims=True)
+    return (logits >= z_max + jnp.log(jnp.asarray(min_p, jnp.float32))) & (logits > -jnp.inf)
+
+
 # ---------------------------------------------------------------------------- top-k
 def top_k_logits(z: jax.Array, k: int, *, use_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
     """The k largest entries of each row, descending, and their indices: ([N, k], [N, k] int32).
@@ -231,8 +248,8 @@ def split_vocab_top_k(z: jax.Array, k: int, shards: VocabShards) -> tuple[jax.Ar
 # ---------------------------------------------------------------------------- the sampler
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, top_k: int = 0, top_p=1.0,
                   use_top_p: bool = False, greedy: bool = False, uniform: jax.Array | None = None,
-                  use_kernels: bool = False, shards: VocabShards | None = None) -> TokenSample:
-    """y ~ softmax(z | top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
+                  use_kernels: bool = False, shards: VocabShards | None = None, min_p=None) -> TokenSample:
+    """y ~ softmax(z | min-p ∩ top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
 
     Args:
       logits: [N, V] float32.
@@ -247,6 +264,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
       shards: static; where the logits live on a mesh. With a vocabulary split n > 1 ways, greedy
         (top-1) or 0 < top_k < V, top-k and the log-normaliser run per shard plus one all-gather
         (`split_vocab_top_k`); otherwise (plain temperature sampling, top-p alone) ignored.
+      min_p: None = off (the program is the one without min-p); else a scalar in [0, 1] (may be
+        traced): keep p >= min_p * p_max (`min_p_keep`) before top-k and top-p. Greedy ignores it.
     Returns: TokenSample of [N] arrays.
     """
     n, vocab = logits.shape
@@ -258,7 +277,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
     if shards is not None and shards.splits(vocab) and 0 < top_k < vocab:
         u = open_uniform(key, (n, 1)) if uniform is None else uniform
         candidates, candidate_ids, log_norm = split_vocab_top_k(z, top_k, shards)
-        tokens, lp, chosen = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=True)
+        tokens, lp, chosen = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=True,
+                                                min_p=min_p)
         return TokenSample(tokens, lp, chosen - log_norm)
     block = block_size_for_vocab(vocab)
     zb = _blocks(z, block, -jnp.inf)  # [N, B, c]
@@ -280,11 +300,19 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
     u = open_uniform(key, (n, 1)) if uniform is None else uniform
     k = min(top_k, vocab) if top_k > 0 else vocab
     if k == vocab and not use_top_p:  # plain temperature sampling: inverse CDF over blocks, then inside one
+        if min_p is not None:  # the entries below max z + log min_p leave the blocks (`min_p_keep`)
+            zb = jnp.where(min_p_keep(zb.reshape(n, -1), min_p).reshape(zb.shape), zb, -jnp.inf)
+            block_sums = jnp.sum(jnp.exp(zb - row_max[:, :, None]), axis=-1)
         b = _pick(block_sums, u)
         inside = jnp.exp(_gather_blocks(zb, b[:, None])[:, 0] - row_max)
         before = jnp.take_along_axis(_inclusive_cumsum(block_sums) - block_sums, b[:, None], axis=1)
         v = (u * jnp.sum(block_sums, axis=-1, keepdims=True) - before) / jnp.sum(inside, axis=-1, keepdims=True)
-        return finish((b * block + _pick(inside, jnp.clip(v, 1e-30, 1.0))).astype(jnp.int32))
+        tokens = (b * block + _pick(inside, jnp.clip(v, 1e-30, 1.0))).astype(jnp.int32)
+        if min_p is None:
+            return finish(tokens)
+        kept_norm = row_max[:, 0] + jnp.log(jnp.sum(block_sums, axis=-1))  # log sum_{v kept} exp z_v
+        chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
+        return TokenSample(tokens, chosen - kept_norm, untruncated(tokens))
 
     sorted_desc = True  # TopK output: top-p is a cumsum; the raw small vocabulary needs the pairwise mask
     if k < vocab:
@@ -293,15 +321,19 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
         candidates, candidate_ids, sorted_desc = z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1), False
     else:  # top-p over a large vocabulary without top-k: full sort (slow path)
         candidates, candidate_ids = jax.lax.top_k(z, vocab)
-    tokens, lp, _ = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=sorted_desc)
+    tokens, lp, _ = _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p, sorted_desc=sorted_desc,
+                                       min_p=min_p)
     return TokenSample(tokens, lp, untruncated(tokens))
 
 
-def _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p: bool, *, sorted_desc: bool):
-    """y ~ softmax(candidates | nucleus) by inverse CDF: (tokens [N] int32, log p(y | kept) [N], z_y [N]).
+def _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p: bool, *, sorted_desc: bool, min_p=None):
+    """y ~ softmax(candidates | min-p ∩ nucleus) by inverse CDF: (tokens [N] int32, log p(y | kept) [N], z_y [N]).
 
-    candidates [N, K] float32 (descending if `sorted_desc`), candidate_ids [N, K]; u [N, 1] in (0, 1].
+    candidates [N, K] float32 (descending if `sorted_desc`; they hold the row's largest logit, so
+    min-p on them is min-p on the row), candidate_ids [N, K]; u [N, 1] in (0, 1]; min_p: None = off.
     """
+    if min_p is not None:  # min-p (-inf entries keep their order at the end of a descending row)
+        candidates = jnp.where(min_p_keep(candidates, min_p), candidates, -jnp.inf)
     if use_top_p:
         keep = top_p_keep(candidates, top_p) if sorted_desc else nucleus_keep(candidates, top_p)
         candidates = jnp.where(keep, candidates, -jnp.inf)
@@ -312,18 +344,19 @@ def _sample_candidates(candidates, candidate_ids, u, top_p, use_top_p: bool, *, 
     return tokens, chosen - jax.nn.logsumexp(candidates, axis=-1), chosen
 
 
-def allowed_tokens(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0) -> jax.Array:
+def allowed_tokens(logits: jax.Array, *, temperature=1.0, top_k: int = 0, top_p=1.0, min_p=0.0) -> jax.Array:
     """The support of the sampling distribution: mask[n, v] = 1 if v may be drawn. [N, V] bool.
 
     A reference (full sort) for tests and debugging, not used by the sampler.
     """
     z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    z = jnp.where(min_p_keep(z, min_p), z, -jnp.inf)
     order = jnp.argsort(-z, axis=-1)
     sorted_z = jnp.take_along_axis(z, order, axis=-1)
-    keep_sorted = jnp.ones_like(sorted_z, dtype=bool)
+    keep_sorted = sorted_z > -jnp.inf
     if top_k > 0:
         kth = sorted_z[:, min(top_k, z.shape[-1]) - 1:min(top_k, z.shape[-1])]
-        keep_sorted = sorted_z >= kth
+        keep_sorted = keep_sorted & (sorted_z >= kth)
         sorted_z = jnp.where(keep_sorted, sorted_z, -jnp.inf)
     probs = jax.nn.softmax(sorted_z, axis=-1)
     keep_sorted = keep_sorted & ((jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1.0))

@@ -32,6 +32,7 @@ from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sampl
 from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program, engine_slots
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
+from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids
 
 
 def data_parallel_size(mesh: Mesh | None) -> int:
@@ -76,8 +77,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "continuous",
              slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
              row_max_new_tokens: Sequence[int] | None = None,
-             paged_attention: str | DecodeAttention | None = None) -> Rollout:
-    """Sample `num_samples` responses per prompt: y_t ~ softmax(top-k/top-p(logits / temperature)).
+             paged_attention: str | DecodeAttention | None = None, min_p: float = 0.0,
+             stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None) -> Rollout:
+    """Sample `num_samples` responses per prompt: y_t ~ softmax(min-p/top-k/top-p(logits / temperature)).
 
     Args:
       graphdef, state: the NNX model, `nnx.split(model)` (state: one nnx.State or a tuple of
@@ -85,9 +87,14 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       prompts: P token-id lists (unpadded, any lengths >= 1).
       num_samples: G responses per prompt (rows p*G .. p*G+G-1 answer prompt p).
       max_new_tokens: R, the response budget (Rollout arrays are [N, R]).
-      temperature (> 0), top_p (in (0, 1]), top_k (0 = off): the sampling distribution.
+      temperature (> 0), top_p (in (0, 1]), top_k (0 = off), min_p (in [0, 1], 0 = off; keep
+        p >= min_p * p_max, `filters.min_p_keep`): the sampling distribution.
       greedy: argmax decoding (ignores temperature/top-k/top-p for the choice).
       eos_token_ids: tokens that end a response (kept in the response, masked after).
+      stop_token_ids: more tokens that end a response, exactly as an EOS (`stops`; vLLM's stop_token_ids).
+      stop_strings: a response ends with the token that completes the first of these strings in
+        its text (`stops.apply_stop_strings`, on the host after decoding; needs `tokenizer`).
+      tokenizer: what decodes the responses for `stop_strings` (`decode(ids, skip_special_tokens=True)`).
       pad_token_id: fills the left of prompts and the right of finished responses.
       rng: PRNG key; same key + same inputs -> same rollout.
       mesh: optional ("data", "fsdp", "tensor") mesh: rows split over data x fsdp, weights and
@@ -138,7 +145,14 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_ids", t) for t in eos_token_ids]:
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings are matched on decoded text: pass tokenizer=")
+    if any(not isinstance(s, str) or not s for s in stop_strings):
+        raise ValueError(f"stop_strings must be non-empty strings, got {list(stop_strings)!r}")
+    for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_ids", t) for t in eos_token_ids] + \
+            [("stop_token_ids", t) for t in stop_token_ids]:
         if not 0 <= int(token) < vocab_size:
             raise ValueError(f"{name} contains {token}, outside the vocabulary [0, {vocab_size})")
 
@@ -173,13 +187,15 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     dp = data_parallel_size(mesh)
     chunk = num_prompts if continuous else min(prompts_per_chunk or num_prompts, num_prompts)
     num_rows = bucket(chunk, batch_buckets, multiple_of=dp)
-    eos = np.asarray(list(eos_token_ids) or [-1], dtype=np.int32)
+    eos = end_token_ids(eos_token_ids, stop_token_ids)
+    # min-p off (0, or greedy): no min_p argument, the program without it
+    traced = {} if min_p <= 0 or greedy else {"min_p": np.float32(min_p)}
     sampling = dict(num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
                     use_top_p=bool(top_p < 1.0), greedy=bool(greedy))
     if config is None:
         if cpu_kernels:
             raise ValueError("cpu_kernels=True: the CPU kernels run jaxrl4llm models only; pass cpu_kernels=None")
-        run = lambda *args: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling)
+        run = lambda *args, **kw: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling, **kw)
     else:
         use_kernels = use_cpu_kernels(cpu_kernels, mesh)
         block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
@@ -189,12 +205,13 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
             attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
                                                 requested=paged_attention, page_size=int(kv_page_size)).kernel
             spec = EngineSpec(config=config, backend=backend, use_kernels=use_kernels, num_shards=dp,
-                              slots=engine_slots(slots, num_prompts=num_rows, samples=num_samples, shards=dp), page_size=int(kv_page_size), burst=int(decode_burst),
+                              slots=engine_slots(slots, num_prompts=num_rows, samples=num_samples, shards=dp),
+                              page_size=int(kv_page_size), burst=int(decode_burst),
                               attention=attention, **sampling)
-            run = lambda *args: continuous_program(weights, *args, spec=spec)
+            run = lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
         else:
-            run = lambda *args: sample_program(weights, *args, config=config, block_size=block_size,
-                                               backend=backend, use_kernels=use_kernels, **sampling)
+            run = lambda *args, **kw: sample_program(weights, *args, config=config, block_size=block_size,
+                                                     backend=backend, use_kernels=use_kernels, **sampling, **kw)
     outs = []
     for start in range(0, num_prompts, chunk):
         part = prompts[start:start + chunk]
@@ -210,8 +227,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
             rows = put(rows)
         extra = (rows,) if continuous or row_max_new_tokens is not None else ()
         out = run(*arrays, rng, np.int32(start * num_samples), np.float32(temperature), np.float32(top_p), eos,
-                  np.int32(pad_token_id), *extra)
+                  np.int32(pad_token_id), *extra, **traced)
         n = len(part) * num_samples
         outs.append(out if num_rows == len(part) else jax.tree.map(lambda a: a[:n], out))
     out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)
-    return Rollout(*out)
+    return apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)

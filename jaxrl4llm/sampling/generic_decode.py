@@ -26,7 +26,7 @@ from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens", "top_k", "use_top_p",
                                              "greedy", "mesh"))
 def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
-                           pad_id, *, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool,
+                           pad_id, min_p=None, *, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool, greedy: bool,
                            mesh: Mesh | None) -> ProgramOutput:
     """`decode_loop.sample_program` for a model known only by its `__call__` (shapes there).
 
@@ -41,7 +41,7 @@ def generic_sample_program(graphdef, state, prompt_tokens, prompt_mask, row_vali
     tokens = jnp.concatenate([rows(prompt_tokens), jnp.full((num_rows, r), pad_id, jnp.int32)], axis=1)
     mask = jnp.concatenate([rows(prompt_mask.astype(jnp.int32)), jnp.zeros((num_rows, r), jnp.int32)], axis=1)
     sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               use_top_p=use_top_p, greedy=greedy)
+                               use_top_p=use_top_p, greedy=greedy, min_p=min_p)
     uniforms = None if greedy else constrain_rows(row_uniforms(rng, first_row, num_rows, r), mesh)
     zeros = lambda dtype: constrain_rows(jnp.zeros((num_rows, r), dtype), mesh)
     state0 = DecodeState(

@@ -43,6 +43,7 @@ from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, engine_
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
 from jaxrl4llm.sampling.generate import data_parallel_size, use_cpu_kernels
 from jaxrl4llm.sampling.rollout import Rollout
+from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids
 
 
 class RowVersions(NamedTuple):
@@ -66,7 +67,8 @@ class PartialRollouts:
     Args: graphdef, state: the model (`generate`'s); mesh: the sampler's mesh (rows over its batch
     axes, P a multiple of their size); num_prompts: P per rollout; prompt_len: T, every prompt's
     padded width (fixed for the stream); slots: S (None: all rows of one rollout); the sampling
-    settings as `generate` takes them; fetch: a global array's whole value on this host (default
+    settings as `generate` takes them (min_p, stop_token_ids, stop_strings and tokenizer too: a
+    rollout's rows are cut at their stop strings when a segment hands it out); fetch: a global array's whole value on this host (default
     `jax.device_get`; a multi-host run passes `train.hosts.fetch`).
     """
 
@@ -74,7 +76,8 @@ class PartialRollouts:
                  eos_token_ids: Sequence[int], pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, mesh: Mesh | None = None, slots: int | None = None,
                  cpu_kernels: bool | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
-                 paged_attention: str | DecodeAttention | None = None, fetch=None):
+                 paged_attention: str | DecodeAttention | None = None, fetch=None, min_p: float = 0.0,
+                 stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None):
         model = merge(graphdef, state)
         if not isinstance(model, CausalLM):
             raise TypeError(f"partial rollouts need a jaxrl4llm CausalLM (the continuous engine); got "
@@ -94,7 +97,11 @@ class PartialRollouts:
                                       block_size=block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
         self.num_prompts, self.num_samples, self.max_new_tokens, self.prompt_len = (num_prompts, num_samples,
                                                                                     max_new_tokens, prompt_len)
-        self.eos = np.asarray(list(eos_token_ids) or [-1], np.int32)
+        self.eos = end_token_ids(eos_token_ids, stop_token_ids)
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings are matched on decoded text: pass tokenizer=")
+        self.stop_strings, self.tokenizer = tuple(stop_strings), tokenizer
+        self.traced = {} if min_p <= 0 or self.greedy else {"min_p": np.float32(min_p)}  # off: no min_p argument
         self.pad_token_id = int(pad_token_id)
         self.temperature = np.float32(temperature if temperature > 0 else 1.0)
         self.top_p = np.float32(top_p)
@@ -149,13 +156,15 @@ class PartialRollouts:
         weights = weights_program(graphdef, state, config=self.config, backend=self.backend)
         self.versions.append(int(version))
         self.state, out, segment, split = partial_segment(weights, self.state, self.temperature, self.top_p, self.eos,
-                                                          np.int32(self.pad_token_id), spec=self.spec)
+                                                          np.int32(self.pad_token_id), spec=self.spec, **self.traced)
         self.handed_out += 1
         segment, split = self.fetch(segment), self.fetch(split)
         by_segment = np.asarray(self.versions)  # a row's second segment is the one after its first
         first = by_segment[segment]
         second = by_segment[np.minimum(segment + 1, len(self.versions) - 1)]
-        return Rollout(*out), RowVersions(first, split, second)
+        rollout = apply_stop_strings(Rollout(*out), self.tokenizer, self.stop_strings, self.pad_token_id,
+                                     fetch=self.fetch)
+        return rollout, RowVersions(first, split, second)
 
     # ------------------------------------------------------------------ checkpoints
     def host_state(self, fetch) -> tuple[dict, dict]:

@@ -86,7 +86,9 @@ class ModelConfigSection:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Prompt data: JSONL/JSON/parquet files (local or gs://) with problem and answer fields."""
+    """Prompt data: JSONL/JSON/parquet files (local or gs://) or Hub datasets (hf://org/name[:config][@split])
+    with problem and answer fields (docs/data.md); `problem_key` / `answer_key` may be dotted
+    (`reward_model.ground_truth`, verl's layout)."""
 
     train_files: list[str] = dataclasses.field(default_factory=list)
     eval_files: list[str] = dataclasses.field(default_factory=list)
@@ -96,6 +98,10 @@ class DataConfig:
     # the sentence after the problem in the base/chat templates (null: the study's "Please reason
     # step by step, and put your final answer within \boxed{}.")
     instruction: str | None = None
+    # a system message before every prompt (null: none): first in a row's chat messages (a row's own
+    # system message is kept instead), or before the user message of the chat templates; a
+    # plain-text template (base, demo, a format string) has none, so it is an error there
+    system_prompt: str | None = None
     max_prompt_tokens: int = 512
     # the prompts' padded width: dataset = the bucket of the training set's longest prompt, fixed
     # for the run (no step compiles a new program); step = each step's longest (less padding, a
@@ -116,6 +122,16 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # min-p sampling (Nguyen et al. 2024; docs/sampling.md): keep the tokens with p >= min_p * max p,
+    # after temperature and before top-k / top-p (vLLM's order); 0 = off
+    min_p: float = 0.0
+    # tokens that end a response besides EOS, exactly as EOS does: kept in the response and its loss
+    # mask, the row not truncated (vLLM's stop_token_ids); its text is left out of the scored text
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # a response ends with the token that completes the first of these strings in its decoded text:
+    # later tokens leave the loss mask and the length, the row is not truncated, and the scored text
+    # ends before the string (vLLM's `stop`). Matched on the host after sampling (docs/sampling.md)
+    stop_strings: list[str] = dataclasses.field(default_factory=list)
     dynamic_sampling_max_draws: int = 4
     # the sampler's C++ CPU kernels (docs/sampling.md): auto = on one CPU device when they build;
     # true = required (an error says why they are unavailable); false = XLA ops only
@@ -461,6 +477,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "rollout.prompts_per_step": _POSITIVE, "rollout.samples_per_prompt": _POSITIVE,
     "rollout.max_new_tokens": _POSITIVE, "rollout.temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "rollout.min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "rollout.stop_token_ids": (lambda v: all(t >= 0 for t in v), "a list of token ids >= 0"),
+    "rollout.stop_strings": (lambda v: all(v), "a list of non-empty strings"),
     "rollout.dynamic_sampling_max_draws": _POSITIVE, "rollout.tensor_parallel": (lambda v: v >= 0, ">= 0 (0 = the training mesh)"),
     "rollout.prompts_per_chunk": (lambda v: v == "auto" or v >= 0, ">= 0 (0 = all at once) or 'auto'"),
     "rollout.slots": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"), "rollout.decode_burst": _POSITIVE,

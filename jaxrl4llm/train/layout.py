@@ -46,7 +46,8 @@ from jaxrl4llm.train.step import UpdateSettings
 class SamplerLayout:
     """How the sampler runs: `engine` (continuous | static), `slots` (as configured: auto or a count;
     auto is sized on the device at run time, by `plan` on the chip), `decode_burst`,
-    `prompts_per_chunk` (static), `partial` rollouts, and its decode mesh: `data_parallel` x `tensor_parallel` devices, `own_devices`
+    `prompts_per_chunk` (static), `partial` rollouts, and its decode mesh: `data_parallel` x
+    `tensor_parallel` devices, `own_devices`
     of its own (asynchronous RL; 0: the trainer's)."""
 
     engine: str

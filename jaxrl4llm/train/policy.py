@@ -16,11 +16,12 @@ from jax.sharding import Mesh
 
 from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, merge,
                               param_shardings, save_pretrained, score_tokens)
+from jaxrl4llm.models.hub import TOKENIZER_FILES, HubFilesMissing, resolve_model
 from jaxrl4llm.sampling import decode_responses, generate
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.memory import SIZING_SHARE, decode_sizing, prompts_per_chunk, slots_that_fit
 from jaxrl4llm.sampling.rollout import decode_token_lists
-from jaxrl4llm.storage import local_copy
+from jaxrl4llm.sampling.stops import apply_stop_strings, response_text
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.layout import model_config_from_fields, sampler_mesh_for
@@ -49,6 +50,9 @@ class Policy:
     # generate(paged_attention=): rollout.decode_attention (auto, kernel or xla), in a run the layout's resolved
     # kernels.choice.DecodeAttention (loop.setup_run)
     decode_attention: str = "auto"
+    min_p: float = 0.0  # rollout.min_p: 0 = off
+    stop_token_ids: tuple[int, ...] = ()  # rollout.stop_token_ids: end a row as an EOS does
+    stop_strings: tuple[str, ...] = ()  # rollout.stop_strings: rows cut at the first one (`sampling.stops`)
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -81,9 +85,9 @@ class Policy:
         """`sampling.generate` with this policy; `prompt_len`: pad the prompts to this length's bucket
         (at least the longest prompt's) whatever this call's longest is, so calls share one program;
         `slots`: the continuous engine's slots when `rollout.slots: auto` finds no memory budget
-        (default: all rows)."""
+        (default: all rows). Rows are cut at their first stop string (`sampling.stops`)."""
         longest = max(max(map(len, prompts)), prompt_len or 0)
-        return generate(
+        rollout = generate(
             self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
@@ -92,7 +96,14 @@ class Policy:
             engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
             decode_burst=self.decode_burst, paged_attention=self.decode_attention,
+            min_p=self.min_p, stop_token_ids=self.stop_token_ids,
         )
+        return self.cut_at_stop_strings(rollout)
+
+    def cut_at_stop_strings(self, rollout):
+        """The rollout with its rows cut at their first stop string (`sampling.stops.apply_stop_strings`,
+        every process decoding every row: the cut rows must agree across processes)."""
+        return apply_stop_strings(rollout, self.tokenizer, self.stop_strings, self.pad_token_id, fetch=hosts.fetch)
 
     @property
     def sampler_mesh(self) -> Mesh | None:
@@ -142,8 +153,14 @@ class Policy:
         return decode_responses(rollout, self.tokenizer)
 
     def decode_rows(self, token_lists) -> list[str]:
-        """Response texts of token-id lists (special tokens skipped, as `decode`)."""
-        return decode_token_lists(token_lists, self.tokenizer)
+        """Response texts of token-id lists (special tokens skipped, as `decode`), as the reward reads
+        them: a last stop token's text left out, the text ended before a stop string
+        (`sampling.stops.response_text`)."""
+        if not (self.stop_strings or self.stop_token_ids):
+            return decode_token_lists(token_lists, self.tokenizer)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        return [response_text(ids, decode, stop_strings=self.stop_strings, stop_token_ids=self.stop_token_ids)
+                for ids in token_lists]
 
     def decode_ids(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -226,25 +243,37 @@ def random_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
+def _resolve(key: str, spec: str, files=None) -> Path:
+    """`spec` (a folder, local or gs://, or a Hub id org/name[@revision]) as a local folder
+    (`models.hub.resolve_model`); a ConfigError naming `key` when a Hub id cannot be resolved."""
+    try:
+        return resolve_model(spec, **({"files": files} if files else {}))
+    except HubFilesMissing as e:
+        raise ConfigError(f"{key}={spec!r}: {e}") from None
+
+
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
-    """From `model.path` (an HF folder), `model.module` (your NNX model) or a random model of the
-    configured size + `model.tokenizer`; with `model.lora`, adapters on a frozen base."""
+    """From `model.path` (an HF folder, local or gs://, or a Hub id), `model.module` (your NNX model)
+    or a random model of the configured size + `model.tokenizer`; with `model.lora`, adapters on a
+    frozen base."""
     m = cfg.model
     rng = jax.random.PRNGKey(cfg.trainer.seed)
     model_config = None
     if m.path:
-        path = local_copy(m.path)  # gs://: copied once into a local cache (jaxrl4llm.storage)
+        path = _resolve("model.path", m.path)  # gs://: a local copy; a Hub id: huggingface_hub's cache
         if not path.is_dir():
-            raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a Hugging Face checkpoint folder (config.json + *.safetensors), local or gs://.")
+            raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a Hugging Face checkpoint folder "
+                              f"(config.json + *.safetensors), local or gs://, or a Hub id (org/name[@revision]).")
         model = load_pretrained(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat,
                                 remat_policy=m.remat_policy, attention_impl=m.attention_impl)
         model_config = model.config
         graphdef, state = nnx.split(model)
-        tokenizer = load_tokenizer(local_copy(m.tokenizer) if m.tokenizer else path)
+        tokenizer = load_tokenizer(_resolve("model.tokenizer", m.tokenizer, TOKENIZER_FILES) if m.tokenizer else path)
     else:
         if not m.tokenizer:
-            raise ConfigError("Set model.path (an HF checkpoint folder) or, for a random model, model.tokenizer (a tokenizer folder).")
-        tokenizer = load_tokenizer(local_copy(m.tokenizer))
+            raise ConfigError("Set model.path (an HF checkpoint folder or Hub id) or, for a random model, "
+                              "model.tokenizer (a tokenizer folder or Hub id).")
+        tokenizer = load_tokenizer(_resolve("model.tokenizer", m.tokenizer, TOKENIZER_FILES))
         if m.module:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:
@@ -266,5 +295,6 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         cpu_kernels=None if cfg.rollout.cpu_kernels == "auto" else bool(cfg.rollout.cpu_kernels),
         decode_mesh=sampler_mesh_for(cfg, mesh, model_config), prompts_per_chunk=cfg.rollout.prompts_per_chunk,
         engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
-        decode_attention=cfg.rollout.decode_attention,
+        decode_attention=cfg.rollout.decode_attention, min_p=cfg.rollout.min_p,
+        stop_token_ids=tuple(cfg.rollout.stop_token_ids), stop_strings=tuple(cfg.rollout.stop_strings),
     )

@@ -1,4 +1,5 @@
-"""Prompt sets of a run: problems from data files (local or gs://), formatted with the configured template and
+"""Prompt sets of a run: problems from data files (local or gs://) or Hub datasets (hf://), formatted
+with the configured template (or a row's chat messages rendered with the chat template) and
 tokenized once, with the prompt-length budget enforced (error or drop, as configured).
 
 They load before the model (`run_tokenizer` reads the tokenizer alone, not the weights): a bad
@@ -39,18 +40,24 @@ class PromptSet:
 
 
 def run_tokenizer(cfg: RunConfig):
-    """The tokenizer of `model.tokenizer` (or `model.path`), without the model's weights; a
-    ConfigError that names the key when the folder is missing or holds no tokenizer."""
+    """The tokenizer of `model.tokenizer` (or `model.path`): a folder, local or gs://, or a Hub id
+    (`org/name[@revision]`, its tokenizer files only: `models.hub.TOKENIZER_FILES`), without the
+    model's weights; a ConfigError that names the key when it is missing or holds no tokenizer."""
     from jaxrl4llm.models import load_tokenizer
+    from jaxrl4llm.models.hub import TOKENIZER_FILES, HubFilesMissing, resolve_model
 
     key, path = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
     if not path:
-        raise ConfigError("Set model.path (an HF checkpoint folder) or, for a random model, model.tokenizer (a tokenizer folder).")
+        raise ConfigError("Set model.path (an HF checkpoint folder or Hub id) or, for a random model, model.tokenizer "
+                          "(a tokenizer folder or Hub id).")
     try:
-        return load_tokenizer(path)
+        return load_tokenizer(resolve_model(path, files=TOKENIZER_FILES))
+    except HubFilesMissing as e:
+        raise ConfigError(f"{key}={path!r}: {e}") from None
     except FileNotFoundError as e:
         raise ConfigError(f"{key}={path!r}: {e}; point {key} at a local folder with tokenizer.json or "
-                          f"tokenizer_config.json (nothing is downloaded).") from None
+                          f"tokenizer_config.json (or a gs:// one), or a Hugging Face Hub id (org/name[@revision]).") \
+            from None
 
 
 def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSet:
@@ -60,29 +67,37 @@ def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSe
         ids, kept, dropped = encode_prompts(
             problems, tokenizer, cfg.data.template, max_prompt_tokens=cfg.data.max_prompt_tokens,
             on_overlong=cfg.data.on_overlong_prompt, instruction=cfg.data.instruction,
+            system_prompt=cfg.data.system_prompt,
         )
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
-    texts = [format_prompt(problems[i], cfg.data.template, tokenizer=tokenizer, instruction=cfg.data.instruction)
-             for i in kept]
+    texts = [format_prompt(problems[i], cfg.data.template, tokenizer=tokenizer, instruction=cfg.data.instruction,
+                           system_prompt=cfg.data.system_prompt) for i in kept]
     return PromptSet(name=name, token_ids=[list(x) for x in ids], answers=[str(problems[i].answer) for i in kept],
                      texts=texts, dropped=dropped, problems=[problems[i].problem for i in kept],
                      metadata=[dict(problems[i].metadata) for i in kept])
 
 
 _FIELD_WHAT = {"problem_key": "the problem text", "answer_key": "the gold answer"}
+_NO_GOLD = {"problem_key": "", "answer_key": "; or, with a reward.fn that needs no gold answer, give its second "
+                                              "parameter a default (fn(response, gold=\"\"))"}
 
 
-def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.eval_files"):
-    """The problems of one data file; `key` (e.g. "data.train_files[0]") names the setting in errors."""
-    from jaxrl4llm.data.problems import BadRowError, MissingFieldError, load_problems
+def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.eval_files",
+               require_answer: bool = True):
+    """The problems of one data file (or Hub dataset); `key` (e.g. "data.train_files[0]") names the
+    setting in errors; `require_answer=False` (a reward that needs no gold) keeps rows without one."""
+    from jaxrl4llm.data.problems import BadRowError, MissingFieldError, is_hub_dataset, load_problems
 
     where = f"{key}={path!r}"
-    if not is_remote(path) and not Path(path).is_file():  # gs://: load_problems names a missing object
+    # gs:// and hf://: load_problems names a missing object or repository
+    if not is_remote(path) and not is_hub_dataset(path) and not Path(path).is_file():
         raise ConfigError(f"Data file {path!r} does not exist ({key}; paths are relative to {Path.cwd()}): point it "
-                          f"at a local .jsonl, .json or .parquet file of problems (nothing is downloaded).")
+                          f"at a local .jsonl, .json or .parquet file of problems, or name a Hugging Face Hub dataset "
+                          f"as hf://org/name[:config][@split].")
     try:
-        problems = load_problems(path, problem_key=cfg.data.problem_key, answer_key=cfg.data.answer_key)
+        problems = load_problems(path, problem_key=cfg.data.problem_key, answer_key=cfg.data.answer_key,
+                                 require_answer=require_answer)
     except MissingFieldError as e:
         setting = f"data.{e.kwarg}"
         what = _FIELD_WHAT[e.kwarg]
@@ -92,10 +107,11 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
             found = f"{setting} is unset and none of the usual names ({', '.join(e.tried)}) is a field of the file"
         others = [c for c in e.columns if c not in (cfg.data.problem_key, cfg.data.answer_key)] or ["FIELD"]
         raise ConfigError(f"{where}: {found}; its fields are {e.columns}. Set {setting} to the field that holds "
-                          f"{what}, e.g. {setting}={others[0]} (docs/own_data_and_reward.md).") from None
+                          f"{what}, e.g. {setting}={others[0]} (a dotted key reads a nested field: "
+                          f"reward_model.ground_truth){_NO_GOLD[e.kwarg]} (docs/own_data_and_reward.md).") from None
     except BadRowError as e:
         raise ConfigError(f"{where}: {e}. Fix or remove row {e.row}, or set data.{e.kwarg} to the field that holds "
-                          f"{_FIELD_WHAT[e.kwarg]} (docs/own_data_and_reward.md).") from None
+                          f"{_FIELD_WHAT[e.kwarg]}{_NO_GOLD[e.kwarg]} (docs/own_data_and_reward.md).") from None
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{where}: {e}.") from None
     if not problems:
@@ -104,11 +120,21 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
     return problems
 
 
-def _read_eval_files(cfg: RunConfig) -> list[tuple[str, list]]:
+def _require_answer(cfg: RunConfig) -> bool:
+    """Whether every row needs a gold answer: unless `reward.fn` declares it needs none (train/reward_fn.py)."""
+    from jaxrl4llm.train.reward_fn import reward_needs_gold
+
+    return reward_needs_gold(cfg)
+
+
+def _read_eval_files(cfg: RunConfig, require_answer: bool | None = None) -> list[tuple[str, list]]:
+    from jaxrl4llm.data.problems import source_name
+
+    require = _require_answer(cfg) if require_answer is None else require_answer
     out = []
     for i, f in enumerate(cfg.data.eval_files):
-        problems = _load_file(f, cfg, f"data.eval_files[{i}]")
-        out.append((Path(f).stem, problems[: cfg.data.eval_limit] if cfg.data.eval_limit else problems))
+        problems = _load_file(f, cfg, f"data.eval_files[{i}]", require)
+        out.append((source_name(f), problems[: cfg.data.eval_limit] if cfg.data.eval_limit else problems))
     return out
 
 
@@ -124,11 +150,13 @@ def load_prompt_sets(cfg: RunConfig, tokenizer=None) -> tuple[PromptSet, list[Pr
     """(train set, [eval sets]) from data.train_files / data.eval_files; every file is read and
     checked before the tokenizer (default: `run_tokenizer(cfg)`) loads."""
     if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: list at least one JSONL/JSON/parquet file of problems.")
+        raise ConfigError("data.train_files is empty: list at least one JSONL/JSON/parquet file of problems or a Hub "
+                          "dataset (hf://org/name[:config][@split]).")
+    require = _require_answer(cfg)
     train_problems = []
     for i, f in enumerate(cfg.data.train_files):
-        train_problems.extend(_load_file(f, cfg, f"data.train_files[{i}]"))
-    evals = _read_eval_files(cfg)
+        train_problems.extend(_load_file(f, cfg, f"data.train_files[{i}]", require))
+    evals = _read_eval_files(cfg, require)
     tokenizer = tokenizer if tokenizer is not None else run_tokenizer(cfg)
     train = build_prompt_set("train", train_problems, tokenizer, cfg)
     return train, [build_prompt_set(name, problems, tokenizer, cfg) for name, problems in evals]

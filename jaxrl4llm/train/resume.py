@@ -27,7 +27,7 @@ from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 FIXED_ON_RESUME = (
     "model.",  # the parameters' shapes (and what they are)
     "data.train_files", "data.problem_key", "data.answer_key", "data.template", "data.instruction",
-    "data.max_prompt_tokens", "data.on_overlong_prompt", "data.shuffle",  # the prompts and their order
+    "data.system_prompt", "data.max_prompt_tokens", "data.on_overlong_prompt", "data.shuffle",  # the prompts and their order
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",  # the batch's shape
     "trainer.seed", "trainer.ppo_epochs", "trainer.mini_batches",  # the randomness, the update's structure
     "algorithm.",  # the objective

@@ -10,6 +10,11 @@ Which calls it makes (docs/own_data_and_reward.md):
     per sample   fn(response, gold[, problem=str][, metadata=dict][, timeout=float]) -> float
     batched      fn(responses, golds[, problems=list][, metadata=list of dict][, timeout=float]) -> floats
 
+A reward that needs no gold answer says so by giving its second parameter a default
+(`fn(response, gold="")`, `fn(responses, golds=None)`): data rows without one are then kept, with
+gold "" (`reward_needs_gold`, read by train/prompts.py); the built-in verifier needs one, so such
+a row is an error that names `data.answer_key`.
+
 `reward.batched: auto` reads the signature: the first two parameters' annotations (`str` against
 `list[str]` / `Sequence[str]`), else their names (`response, gold` against `responses, golds`,
 also completion(s), text(s), answer(s), label(s), ...), else a `problem` / `problems` keyword.
@@ -72,6 +77,7 @@ class RewardSignature:
     problem: str | None = None  # "problem" / "problems" when the function takes it
     metadata: bool = False
     timeout: bool = False
+    gold: bool = True  # needs a gold answer: its second parameter has no default
 
 
 def _kind_of_annotation(annotation: Any) -> bool | None:
@@ -141,8 +147,9 @@ def reward_signature(fn: Callable, batched: bool | str = "auto", key: str = "rew
                 f"Name or annotate its first two parameters (response: str, gold: str) for one response, "
                 f"(responses: list[str], golds: list[str]) for a batch, or set reward.batched=false / true.")
         batched = votes.pop()
+    needs_gold = len(positional) < 2 or positional[1].default is P.empty
     return RewardSignature(batched=bool(batched), problem=problem, metadata="metadata" in keywords,
-                           timeout="timeout" in keywords)
+                           timeout="timeout" in keywords, gold=needs_gold)
 
 
 def _number(value: Any) -> float:
@@ -268,6 +275,13 @@ class RewardFn:
             self.log(f"warning: {where}: reward.fn={self.path!r} failed on {errors} of {scored} responses, scored 0 "
                      f"(reward.on_error=zero); first: {first or 'on another process'}")
         return errors
+
+
+def reward_needs_gold(cfg: RunConfig) -> bool:
+    """Whether `reward.fn` needs a gold answer for every row: False when its second parameter has a
+    default (module docstring); True for the built-in verifier and a signature that cannot be read."""
+    fn = import_object(cfg.reward.fn, "reward.fn")
+    return not callable(fn) or reward_signature(fn, cfg.reward.batched).gold
 
 
 def make_reward_fn(cfg: RunConfig, log: Callable[[str], None] = print) -> RewardFn:

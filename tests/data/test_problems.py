@@ -1,10 +1,12 @@
-"""load_problems on the community layouts (MATH-500, GSM8K, AMC, AIME) and on bad input."""
+"""load_problems on the community layouts (MATH-500, GSM8K, AMC, AIME; TRL's and verl's chat
+prompts; Hub datasets) and on bad input."""
 
 import json
 
 import pytest
 
 from jaxrl4llm.data import Problem, format_gold, load_problems
+from tests.hub_cache import offline_hub  # noqa: F401 (a fixture)
 
 
 def test_math500(shared_data):
@@ -213,3 +215,121 @@ def test_empty_final_answer_list_names_the_row(tmp_path):
                     + json.dumps({"question": "b", "final_answer": []}))
     with pytest.raises(ValueError, match="row 1"):
         load_problems(path)
+
+
+# --- The peers' layouts (TRL, verl), dotted keys, rows without a gold answer, Hub datasets ---
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _verl_rows():
+    """verl's parquet layout (examples/data_preprocess/gsm8k.py)."""
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i}+1?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"split": "train", "index": i}} for i in range(3)]
+
+
+def test_a_prompt_of_chat_messages_is_kept_as_messages(tmp_path):
+    """TRL's layout: `prompt` holds chat messages (it was 'an empty field' before), `solution` the answer."""
+    path = _jsonl(tmp_path / "trl.jsonl", [{"prompt": CHAT, "solution": "5"},
+                                           {"prompt": [{"role": "user", "content": "x?"}], "solution": "\\frac{1}{2}"}])
+    first, second = load_problems(path)
+    assert first.messages == tuple(CHAT) and first.problem == "What is 2+3?" and first.answer == "5"
+    assert second.answer == "\\frac{1}{2}"  # a one-line solution without \boxed is the answer itself
+    assert "prompt" not in first.metadata
+
+
+def test_verl_layout_reads_the_nested_ground_truth(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), path)
+    for answer_key in (None, "reward_model.ground_truth"):  # found automatically, or named
+        problems = load_problems(path, answer_key=answer_key)
+        assert [p.answer for p in problems] == ["1", "2", "3"]
+        assert problems[2].messages == ({"role": "user", "content": "What is 2+1?"},)
+        assert problems[0].metadata["extra_info"] == {"split": "train", "index": 0}
+    with pytest.raises(KeyError, match=r"'reward_model.truth' not found"):
+        load_problems(path, answer_key="reward_model.truth")
+
+
+def test_a_list_that_is_no_chat_names_the_row_the_key_and_the_fix(tmp_path):
+    path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": CHAT, "answer": "5"}, {"prompt": ["2+3?"], "answer": "5"},
+                                           {"prompt": 7, "answer": "1"}])
+    with pytest.raises(ValueError, match=r"row 1's 'prompt' field is a list whose item 0 \('2\+3\?'\) is not a chat "
+                                         r"message .* a prompt is a string or a list of chat messages"):
+        load_problems(path)
+    path = _jsonl(tmp_path / "bad2.jsonl", [{"prompt": 7, "answer": "1"}])
+    with pytest.raises(ValueError, match=r"row 0's 'prompt' field is '7' \(int\), not a string or a list of chat"):
+        load_problems(path)
+
+
+def test_rows_without_a_gold_answer_when_none_is_required(tmp_path):
+    path = _jsonl(tmp_path / "open.jsonl", [{"prompt": CHAT}, {"prompt": "Write a haiku."}])
+    with pytest.raises(KeyError, match="no answer field"):
+        load_problems(path)
+    assert [(p.problem, p.answer) for p in load_problems(path, require_answer=False)] == \
+        [("What is 2+3?", ""), ("Write a haiku.", "")]
+
+
+def test_jsonl_is_read_without_datasets(tmp_path, monkeypatch):
+    """datasets (and pyarrow) load only for parquet files and Hub datasets."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails
+    path = _jsonl(tmp_path / "a.jsonl", [{"problem": "a", "answer": 5}, {"problem": "b", "answer": "x", "id": "q"}])
+    problems = load_problems(path)
+    assert [(p.answer, p.id) for p in problems] == [("5", "a-0"), ("x", "q")]
+    assert problems[0].metadata == {"id": None}  # a field another row has is None here, as datasets reads it
+    (tmp_path / "b.json").write_text(json.dumps([{"question": "c", "answer": 1.0}]))
+    assert load_problems(tmp_path / "b.json")[0].answer == "1"
+
+
+def test_hub_dataset_names():
+    from jaxrl4llm.data.problems import parse_hub_dataset, source_name
+
+    assert parse_hub_dataset("hf://openai/gsm8k:main@train") == ("openai/gsm8k", "main", "train")
+    assert parse_hub_dataset("hf://trl-lib/DeepMath-103K") == ("trl-lib/DeepMath-103K", None, None)
+    assert source_name("hf://openai/gsm8k:main@test") == "gsm8k-test" and source_name("d/x.jsonl") == "x"
+    for bad in ("hf://gsm8k", "hf://a/b/c", "hf://a/b@", "hf://a/b:@x"):
+        with pytest.raises(ValueError, match="not a Hub dataset name; write hf://org/name"):
+            parse_hub_dataset(bad)
+
+
+def test_hub_datasets_load_offline_from_the_cache(offline_hub):
+    """A verl parquet and a TRL jsonl dataset in huggingface_hub's cache, named hf://..., read with
+    HF_HUB_OFFLINE=1; an absent one names the command that fetches it."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.hub_cache import write_hub_repo
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), buffer)
+    write_hub_repo(offline_hub, "org/verl_math", {"data/train-00000-of-00001.parquet": buffer.getvalue()},
+                   repo_type="dataset")
+    rows = "".join(json.dumps({"prompt": CHAT, "solution": str(i)}) + "\n" for i in range(2))
+    card = "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n" \
+           "  - split: test\n    path: main/test.jsonl\n---\n"
+    write_hub_repo(offline_hub, "org/trl_math", {"README.md": card.encode(), "main/train.jsonl": rows.encode(),
+                                                 "main/test.jsonl": rows.encode()}, repo_type="dataset")
+    verl = load_problems("hf://org/verl_math")  # its only split
+    assert [p.answer for p in verl] == ["1", "2", "3"] and verl[0].id == "verl_math-train-0" and verl[0].messages
+    trl = load_problems("hf://org/trl_math:main@test")
+    assert [(p.answer, p.messages) for p in trl] == [("0", tuple(CHAT)), ("1", tuple(CHAT))]
+    with pytest.raises(ValueError, match=r"has the splits \['test', 'train'\]: name one, e.g. "
+                                         r"hf://org/trl_math:main@test"):
+        load_problems("hf://org/trl_math:main")
+    with pytest.raises(ValueError, match=r"no split 'dev'; its splits are \['test', 'train'\]"):
+        load_problems("hf://org/trl_math:main@dev")
+    with pytest.raises(FileNotFoundError, match=r"not in the Hugging Face cache .* hf download org/absent --repo-type "
+                                                r"dataset --include README.md"):
+        load_problems("hf://org/absent@train")

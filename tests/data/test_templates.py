@@ -144,3 +144,38 @@ class _WordTokenizer:
 
     def __call__(self, text, add_special_tokens=True):
         return {"input_ids": list(range(len(text.split())))}
+
+
+CHAT_PROBLEM = Problem(problem="What is 2+3?", answer="5", id="c0",
+                       messages=({"role": "user", "content": "What is 2+3?"},))
+
+
+@pytest.mark.parametrize("template", ["base", "demo", "chat", "Solve {problem}"])
+def test_chat_messages_render_as_they_are_whatever_the_template(char_tokenizer, template):
+    """TRL and verl: the row's messages through the chat template, with the assistant's turn opened."""
+    assert format_prompt(CHAT_PROBLEM, template, char_tokenizer) == "user: What is 2+3?\nassistant:"
+    assert format_prompt(CHAT_PROBLEM, template, char_tokenizer, system_prompt="Be brief.") == \
+        "system: Be brief.\nuser: What is 2+3?\nassistant:"
+
+
+def test_a_rows_own_system_message_is_kept(char_tokenizer):
+    own = Problem("q", "1", "i", messages=({"role": "system", "content": "Mine."}, {"role": "user", "content": "q"}))
+    assert format_prompt(own, "base", char_tokenizer, system_prompt="Ours.") == "system: Mine.\nuser: q\nassistant:"
+
+
+def test_chat_messages_need_a_chat_template():
+    with pytest.raises(ValueError, match=r"a prompt of chat messages \(template 'base'\) needs a tokenizer with a "
+                                         r"chat template"):
+        format_prompt(CHAT_PROBLEM, "base")
+
+
+def test_system_prompt_on_plain_text(char_tokenizer):
+    assert format_prompt(PROBLEM, "chat", char_tokenizer, system_prompt="Be brief.").startswith(
+        "system: Be brief.\nuser: What is $1+1$?")
+    with pytest.raises(ValueError, match=r"a system prompt is a chat-template message; template 'base' is plain text"):
+        format_prompt(PROBLEM, "base", system_prompt="Be brief.")
+
+
+def test_a_format_error_names_the_problem(char_tokenizer):
+    with pytest.raises(ValueError, match=r"problem 0 \(id p0\): a system prompt is a chat-template message"):
+        encode_prompts([PROBLEM], char_tokenizer, "base", max_prompt_tokens=64, system_prompt="x")

@@ -25,7 +25,7 @@ from jaxrl4llm.train.layout import attention_kernels, model_config_from_fields, 
 ROOT = Path(__file__).resolve().parents[2]
 EIGHT_CHIPS = ["mesh.data=-1", "mesh.fsdp=8", "mesh.tensor=1"]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "rollout.tensor_parallel=0", "mesh.sampler_devices=0"]
-GPUS = [types.SimpleNamespace(platform="gpu")] * 8  # XLA's CUDA compiler is an opt-in extra: devices as the rule reads them
+GPUS = [types.SimpleNamespace(platform="gpu")] * 8  # XLA's CUDA compiler is an opt-in extra: GPUs as the rule reads them
 # (config, where): decode attention for auto, kernel, xla; training attention
 TODAY = {
     ('defaults', 'cpu'): ('xla', 'error', 'xla', 'xla'),
@@ -69,8 +69,9 @@ TODAY = {
 
 def layout_choice(name: str, where: str, requested: str):
     """(decode, training) KernelChoice of the layout that the loop (on this CPU) or `plan` resolves."""
+    mesh_overrides = ONE_DEVICE if where.startswith("cpu") else EIGHT_CHIPS
     cfg = load_config([ROOT / name] if name != "defaults" else None,
-                      (ONE_DEVICE if where.startswith("cpu") else EIGHT_CHIPS) + [f"rollout.decode_attention={requested}"])
+                      mesh_overrides + [f"rollout.decode_attention={requested}"])
     config = plan_model_config(cfg) if cfg.model.vocab_size else model_config_from_fields(cfg, vocab_size=512)
     if where == "h100:8" and missing_gpu_packages():  # the rule `run_layout` applies, on GPU devices
         return attention_kernels(cfg, config, GPUS, GPUS, cpu_kernels=False)

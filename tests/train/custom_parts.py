@@ -39,3 +39,9 @@ def checks_problem_and_metadata(response: str, gold: str, problem: str, metadata
         raise ValueError("a '1' in the response")
     return float(problem.endswith("How many?") and metadata["solution"].endswith("\\boxed{%s}" % gold)
                  and metadata["digits"] == 1)
+
+
+def needs_no_gold_reward(response: str, gold: str = "") -> float:
+    """1.0 when the response contains '1'; its gold parameter's default says it needs no gold answer
+    (rows without one are kept, with gold "")."""
+    return float("1" in response)

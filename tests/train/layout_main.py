@@ -66,7 +66,8 @@ def main() -> int:
                     print(f"KERNELS {[f.name for f in files]} {name}: {ours.decode_attention} {ours.train_attention} "
                           f"{plans.train_attention}")
                     return 1
-                ours, plans = (dataclasses.replace(x, decode_attention=None, train_attention=None) for x in (ours, plans))
+                ours, plans = (dataclasses.replace(x, decode_attention=None, train_attention=None)
+                               for x in (ours, plans))
                 if ours != plans:
                     a, b = ours.to_dict(), plans.to_dict()
                     diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}

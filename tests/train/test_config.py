@@ -125,6 +125,7 @@ def test_rollout_cpu_kernels_switch_reaches_the_sampler():
     ("optim.b2=1", "in [0, 1)"), ("trainer.mini_batches=0", ">= 1"), ("trainer.ppo_epochs=0", ">= 1"),
     ("trainer.micro_batch_size=0", ">= 1"), ("trainer.steps=-1", ">= 0"), ("trainer.eval_samples=0", ">= 1"),
     ("data.max_prompt_tokens=0", ">= 1"), ("rollout.retire_pass_rate=0", "in (0, 1]"), ("mesh.data=0", "-1"),
+    ("rollout.min_p=1.5", "in [0, 1]"),
 ])
 def test_out_of_range_value_names_key_value_and_range(override, allowed):
     key, value = override.split("=")
@@ -198,6 +199,52 @@ def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(reques
     layout = run_layout(cfg, jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor")), policy.config, prompt_width=16,
                         cpu_kernels=load_kernels())
     assert layout.decode_attention.kernel == expected and isinstance(layout.decode_attention.kernel, DecodeAttention)
+
+
+def test_rollout_min_p_and_stops_reach_the_sampler_and_the_scored_text(demo_assets, tmp_path, monkeypatch):
+    """rollout.min_p / stop_token_ids / stop_strings: defaults off; they reach `generate` and the
+    partial engine; Policy.generate cuts a row at its stop string, and the scored text
+    (`decode_rows`) ends before the string or leaves a last stop token out."""
+    import jax.numpy as jnp
+
+    from jaxrl4llm.sampling import Rollout, partial
+    from jaxrl4llm.train import loop
+    from jaxrl4llm.train import policy as policy_module
+    from jaxrl4llm.train.prompts import load_prompt_sets
+    from tests.train.conftest import tiny_overrides
+
+    default = load_config(None, []).rollout
+    assert (default.min_p, default.stop_token_ids, default.stop_strings) == (0.0, [], [])
+    with pytest.raises(ConfigError, match="rollout.stop_strings=.* is out of range; it must be a list of non-empty"):
+        load_config(None, ["rollout.stop_strings=['']"])
+    with pytest.raises(ConfigError, match=r"rollout.stop_token_ids=\[-1\] is out of range; it must be a list of token"):
+        load_config(None, ["rollout.stop_token_ids=[-1]"])
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{
+        "rollout.min_p": 0.05, "rollout.stop_token_ids": [7], "rollout.stop_strings": "=>"}))
+    policy = policy_module.load_policy(cfg, None)
+    ids = policy.tokenizer("12=>34", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6
+    seen = {}
+
+    def fake_generate(*args, **kw):
+        seen.update(kw)
+        tokens = jnp.asarray([ids + [0, 0]], jnp.int32)
+        mask = jnp.asarray([[1.0] * 6 + [0.0] * 2])
+        return Rollout(tokens[:, :2], mask[:, :2], tokens, mask, mask * -0.5, mask * -0.7, jnp.asarray([6]),
+                       jnp.asarray([True]))
+
+    monkeypatch.setattr(policy_module, "generate", fake_generate)
+    rollout = policy.generate([[1]], num_samples=1, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, rng=None)
+    assert (seen["min_p"], seen["stop_token_ids"]) == (0.05, (7,))
+    assert int(rollout.lengths[0]) == 4 and not bool(rollout.truncated[0])  # "12=>": the match ends at token 4
+    assert rollout.response_mask[0].tolist() == [1.0] * 4 + [0.0] * 4
+    assert policy.decode_rows([ids[:4], [*ids[:2], 7]]) == ["12", policy.decode_rows([ids[:2]])[0]]
+
+    made = {}
+    monkeypatch.setattr(partial, "PartialRollouts", lambda *a, **kw: made.update(kw))
+    loop.partial_stream(policy, load_prompt_sets(cfg, policy.tokenizer)[0], cfg)
+    assert (made["min_p"], made["stop_token_ids"], made["stop_strings"]) == (0.05, (7,), ("=>",))
+    assert made["tokenizer"] is policy.tokenizer
 
 
 def test_a_random_model_takes_model_vocab_size_at_least_the_tokenizers(demo_assets, tmp_path):

@@ -5,6 +5,9 @@ same warm start that must learn, and does not with the loss sign flipped."""
 import contextlib
 import io
 import json
+import platform
+import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -44,6 +47,42 @@ def test_quick_demo_runs_end_to_end(quick_demo):
     assert json.loads((warm / WARMSTART_RECIPE).read_text())["sft"]["steps"] == 30
     steps = [json.loads(line)["step"] for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 3]  # eval before, three steps, eval after
+
+
+PINNED = Path(__file__).parent / "data" / "quick_demo_metrics.json"
+WALL_CLOCK = re.compile(r"(^|/)(time(_|$)|tokens_per_second)")
+
+
+def pinned_metrics(run_dir) -> list[dict]:
+    """The records of `run_dir`/metrics.jsonl without their wall-clock keys (`time`, `time_*`,
+    `tokens_per_second`): what a change of layout, loggers or defaults must leave bit for bit."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not WALL_CLOCK.search(k)} for line in lines]
+
+
+def test_quick_demo_metrics_are_bit_identical_to_the_pinned_run(quick_demo):
+    """Issues #37 and #38: the default run's metrics do not move when the layout, the loggers or
+    the row-form code change. Exact where the pin was made (same jax and CPU); elsewhere XLA may
+    fuse or vectorise differently, so within 1e-4 relative, and the message says which."""
+    out, _ = quick_demo
+    pin = json.loads(PINNED.read_text())
+    got = pinned_metrics(out / "rl")
+    assert [sorted(r) for r in got] == [sorted(r) for r in pin["rows"]], "the demo logs other metric names"
+    here = (jax.__version__, cpu_name())
+    if here == (pin["jax"], pin["cpu"]):
+        assert got == pin["rows"], f"the quick demo's metrics moved (pinned on jax {pin['jax']}, {pin['cpu']})"
+    else:
+        print(f"NOTICE: pinned on jax {pin['jax']} / {pin['cpu']}, here {here}: compared within 1e-4")
+        for g, p in zip(got, pin["rows"]):
+            for k in p:
+                np.testing.assert_allclose(g[k], p[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def test_warm_start_is_reused_only_for_the_same_recipe(tmp_path):

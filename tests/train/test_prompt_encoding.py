@@ -47,3 +47,14 @@ def test_bin_difficulty_encodes_prompts_as_training_does(bos_tokenizer, template
         assert training == plain
     else:  # a plain prompt gets the tokenizer's BOS, as in training
         assert training == [bos_tokenizer.convert_tokens_to_ids(bos_tokenizer.bos_token)] + plain
+
+
+def test_chat_messages_under_a_plain_template_get_no_extra_bos(bos_tokenizer):
+    """A row of chat messages (TRL, verl) under the default `base` template is rendered by the chat
+    template, so it is encoded without the tokenizer's BOS on top, as a chat template's prompt is."""
+    from jaxrl4llm.data import Problem
+
+    problem = Problem("2+3?", "5", "c0", messages=({"role": "user", "content": "2+3?"},))
+    ids, _, _ = encode_prompts([problem], bos_tokenizer, "base", max_prompt_tokens=64)
+    assert ids[0] == bos_tokenizer("user: 2+3?\nassistant:", add_special_tokens=False)["input_ids"]
+    assert ids[0][0] != bos_tokenizer.bos_token_id

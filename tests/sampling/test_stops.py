@@ -1,0 +1,131 @@
+"""Stop token ids and stop strings (`sampling.stops`), in both engines and for partial rollouts."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm.sampling import generate
+from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_program
+from jaxrl4llm.sampling.stops import end_token_ids, first_stop_string, response_text, text_before_stop
+from tests.sampling.conftest import PAD, random_prompts
+
+
+class AngleTokenizer:
+    """Token i reads "<i>"; `decode` as a transformers tokenizer takes it (PAD, special, skipped)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids if not (skip_special_tokens and i == PAD))
+
+    def batch_decode(self, lists, skip_special_tokens=True):
+        return [self.decode(ids, skip_special_tokens) for ids in lists]
+
+
+TOKENIZER = AngleTokenizer()
+DECODE = TOKENIZER.decode
+
+
+def test_end_token_ids_appends_new_stop_ids_and_keeps_the_eos_array_without_them():
+    np.testing.assert_array_equal(end_token_ids([7, 3]), [7, 3])
+    np.testing.assert_array_equal(end_token_ids([]), [-1])
+    np.testing.assert_array_equal(end_token_ids([7], [9, 7, 9, 2]), [7, 9, 2])
+
+
+def test_first_stop_string_finds_the_token_that_completes_a_match_across_tokens():
+    ids = [11, 22, 33, 44, 55]  # "<11><22><33><44><55>"
+    assert first_stop_string(ids, DECODE, ["3><4"]) == (4, len("<11><22><3"))  # spans tokens 33 and 44
+    assert first_stop_string(ids, DECODE, ["<55>", "2><3"]) == (3, len("<11><2"))  # the first to complete wins
+    assert first_stop_string(ids, DECODE, ["<66>"]) is None
+    assert first_stop_string(ids, DECODE, []) is None
+    assert first_stop_string([], DECODE, ["x"]) is None
+
+
+def test_response_text_drops_a_stop_token_and_the_text_from_a_stop_string():
+    assert response_text([1, 2, 9], DECODE, stop_token_ids=[9]) == "<1><2>"
+    assert response_text([1, 2, 9], DECODE, stop_token_ids=[5]) == "<1><2><9>"
+    assert response_text([1, 2, 3], DECODE, stop_strings=["2><3"]) == "<1><"
+    assert text_before_stop("a STOP b END", ["END", "STOP"]) == "a "
+
+
+def baseline(qwen3, engine, **extra):
+    """Greedy rows without EOS (every row runs R tokens) for 3 prompts x 2 samples."""
+    _, _, graphdef, state = qwen3
+    kwargs = dict(num_samples=2, max_new_tokens=12, pad_token_id=PAD, rng=jax.random.key(1), greedy=True,
+                  eos_token_ids=[], engine=engine, slots=4)
+    return generate(graphdef, state, random_prompts(3, lengths=(5, 3, 7)), **{**kwargs, **extra})
+
+
+def first_new_token(row: np.ndarray, after: int = 2) -> tuple[int, int]:
+    """(index, token): the first token at index >= `after` that does not occur earlier in the row."""
+    for j in range(after, len(row)):
+        if row[j] not in row[:j]:
+            return j, int(row[j])
+    pytest.skip("no token first seen late in the row")
+
+
+def assert_cut(got, full, row: int, length: int):
+    """Row `row` of `got` is row `row` of `full` cut after `length` tokens; the other rows unchanged."""
+    tokens, mask = np.asarray(got.response_tokens), np.asarray(got.response_mask)
+    np.testing.assert_array_equal(tokens[row, :length], np.asarray(full.response_tokens)[row, :length])
+    assert (tokens[row, length:] == PAD).all()
+    np.testing.assert_array_equal(mask[row], np.arange(mask.shape[1]) < length)
+    assert int(got.lengths[row]) == length and not bool(got.truncated[row])
+    assert (np.asarray(got.logprobs)[row, length:] == 0).all()
+    np.testing.assert_allclose(np.asarray(got.logprobs)[row, :length], np.asarray(full.logprobs)[row, :length],
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_a_row_ends_at_its_first_stop_token_id(qwen3, engine):
+    """A stop token id ends the row inside the decode loop as an EOS does: the token kept (mask 1),
+    not truncated; a row without it runs on."""
+    full = baseline(qwen3, engine)
+    j, token = first_new_token(np.asarray(full.response_tokens)[0])
+    stopped = baseline(qwen3, engine, stop_token_ids=[token])
+    assert_cut(stopped, full, 0, j + 1)
+    for n in range(full.num_rows):  # every row ends at its first occurrence of the token, or runs R
+        row = np.asarray(full.response_tokens)[n]
+        hits = np.flatnonzero(row == token)
+        assert int(stopped.lengths[n]) == (hits[0] + 1 if len(hits) else 12)
+        assert bool(stopped.truncated[n]) == (len(hits) == 0)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_a_stop_string_spanning_two_tokens_ends_the_row(qwen3, engine):
+    """"<{a}><{b}" spans tokens a = j-1 and b = j of row 0 ("<a>" and "<b>"): the row ends with token j
+    (mask up to it, pad and log-prob 0 after, not truncated), and its scored text ends where the
+    string starts."""
+    full = baseline(qwen3, engine)
+    row = np.asarray(full.response_tokens)[0]
+    for j in range(3, len(row)):
+        stop = f"<{row[j - 1]}><{row[j]}"
+        if stop not in DECODE(row[:j].tolist()):
+            break
+    stopped = baseline(qwen3, engine, stop_strings=[stop], tokenizer=TOKENIZER)
+    assert_cut(stopped, full, 0, j + 1)
+    text = response_text(np.asarray(stopped.response_tokens)[0, :j + 1].tolist(), DECODE, stop_strings=[stop])
+    assert text == DECODE(row[:j - 1].tolist())
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_min_p_one_samples_the_greedy_rows(qwen3, engine):
+    """min_p reaches the engine's program: with min_p = 1 only the argmax survives, so sampling at
+    temperature 1.5 gives the greedy rows, each token with log-prob 0 under the kept set."""
+    greedy = baseline(qwen3, engine)
+    sampled = baseline(qwen3, engine, greedy=False, temperature=1.5, min_p=1.0)
+    np.testing.assert_array_equal(np.asarray(sampled.response_tokens), np.asarray(greedy.response_tokens))
+    np.testing.assert_allclose(np.asarray(sampled.logprobs), 0.0, atol=1e-6)
+
+
+def test_off_settings_lower_the_program_without_them(qwen3):
+    """min_p=None (off) lowers exactly the program that does not name min_p; a min_p changes it."""
+    _, config, graphdef, state = qwen3
+    backend = decode_backend(config, mesh=None, use_kernels=False, block_size=16)
+    weights = weights_program(graphdef, state, config=config, backend=backend)
+    tokens, mask = np.ones((1, 4), np.int32), np.ones((1, 4), np.int32)
+    args = (weights, tokens, mask, np.ones((1,), bool), jax.random.key(0), np.int32(0), np.float32(1.0),
+            np.float32(1.0), np.asarray([5], np.int32), np.int32(PAD))
+    static = dict(config=config, num_samples=2, max_new_tokens=6, top_k=0, use_top_p=False, greedy=False,
+                  block_size=16, backend=backend)
+    text = lambda **kw: sample_program.lower(*args, **static, **kw).as_text()
+    assert text() == text(min_p=None)
+    assert text() != text(min_p=np.float32(0.1))
