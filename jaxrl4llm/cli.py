@@ -90,7 +90,7 @@ def cmd_eval(args) -> int:
     import jax
 
     from jaxrl4llm.train.config import ConfigError
-    from jaxrl4llm.train.evaluation import evaluate
+    from jaxrl4llm.train.evaluation import evaluate, format_table
     from jaxrl4llm.train.loop import run_meshes
     from jaxrl4llm.train.policy import load_policy
     from jaxrl4llm.train.prompts import load_eval_sets
@@ -116,6 +116,7 @@ def cmd_eval(args) -> int:
     if run is not None and is_run_folder(run):
         (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"aggregate: {run / 'eval.json'}", file=sys.stderr)
+    print(format_table(result), file=sys.stderr)  # benchmark x metric, for reading; stdout stays JSON
     print(json.dumps(result, indent=2))
     return 0
 
@@ -245,10 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "other changes are always accepted, and every change is listed")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("eval", help="evaluate a model on data.eval_files (accuracy, pass@k, length)",
-                       description="Samples trainer.eval_samples responses per problem at trainer.eval_temperature "
-                       "(0 = greedy) and prints accuracy, pass@k and mean response length per file as JSON (also to "
-                       "RUN/eval.json when model.path is a run's RUN/hf_export); --output writes every generation.")
+    p = sub.add_parser("eval", help="evaluate a model on data.eval_files (mean@n, pass@k, maj@k, length)",
+                       description="Samples eval.samples responses per problem at eval.temperature, eval.top_p, "
+                       "eval.top_k (unset: trainer.eval_samples, trainer.eval_temperature, rollout.top_p / top_k; "
+                       "temperature 0 = greedy, one sample), prints a table of mean@n, pass@k and maj@k (k = 1, 2, "
+                       "4, ..., n) and mean response length per file to stderr and the same as JSON to stdout (also "
+                       "to RUN/eval.json when model.path is a run's RUN/hf_export); --output writes every generation.")
     _add_config_args(p)
     p.add_argument("--output", default=None, metavar="FILE.jsonl",
                    help="write every generation: one JSON line per (problem, sample) with the prompt, response, "
@@ -296,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=float, default=None, metavar="N",
                    help="real prompt tokens a row, for padding and useful-token MFU (default: the prompt bucket)")
     p.add_argument("--eval-problems", type=int, default=0, metavar="N",
-                   help="also compile and price an evaluation of N problems x trainer.eval_samples samples (the "
+                   help="also compile and price an evaluation of N problems x eval.samples samples (the "
                         "sampler as `train` evaluates: rollout.engine, rollout.slots / prompts_per_step)")
     p.add_argument("--peak", default="datasheet", choices=("datasheet", "measured"),
                    help="price at the chip's datasheet peak FLOP/s and memory bandwidth (default), or at what this "

@@ -617,16 +617,16 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
 
 def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, lengths=None, prompt_tokens=None,
               log=None, chip: ChipSpec | None = None) -> RunPlan:
-    """The sampler's programs of an evaluation of `problems` problems x `trainer.eval_samples`
-    samples (`train.evaluation.evaluate`), compiled and priced as `plan_run` prices a rollout:
+    """The sampler's programs of an evaluation of `problems` problems x `eval.samples`
+    samples (at eval.top_p / eval.top_k: RunConfig.eval_sampling) (`train.evaluation.evaluate`), compiled and priced as `plan_run` prices a rollout:
     the continuous engine takes every problem in one call on `rollout.slots` slots; the static
     one runs calls of `rollout.prompts_per_step` problems (the decode program's `runs`)."""
-    greedy = cfg.trainer.eval_temperature <= 0
-    k = 1 if greedy else max(cfg.trainer.eval_samples, 1)
+    sampling = cfg.eval_sampling()
+    k = sampling.samples
     continuous = cfg.rollout.engine == "continuous"
     per_call = problems if continuous else min(cfg.rollout.prompts_per_step, problems)
     rollout = dataclasses.replace(cfg.rollout, prompts_per_step=per_call, samples_per_prompt=k,
-                                  top_k=0 if greedy else cfg.rollout.top_k, top_p=1.0 if greedy else cfg.rollout.top_p)
+                                  top_k=sampling.top_k, top_p=sampling.top_p)
     plan = plan_run(dataclasses.replace(cfg, rollout=rollout), topology, lengths=lengths, prompt_tokens=prompt_tokens,
                     log=log, sampler_only=True, chip=chip)
     calls = -(-problems // per_call)

@@ -39,7 +39,8 @@ CURVES = (
 # training metrics averaged over the last 10% of steps in the final-metrics table
 FINAL_METRICS = ("reward", "entropy", "response_length", "clip_frac_high", "clip_frac_low")
 # config keys that do not make two runs different arms
-SEED_LIKE_KEYS = ("trainer.seed", "trainer.out_dir", "trainer.overwrite", "trainer.progress_bar")
+SEED_LIKE_KEYS = ("trainer.seed", "trainer.out_dir", "trainer.overwrite", "trainer.progress_bar", "trainer.loggers",
+                  "trainer.project_name", "trainer.experiment_name", "trainer.log_samples")
 ALPHA = 0.05
 
 

@@ -10,6 +10,7 @@ list the valid keys, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -182,6 +183,17 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass
+class RewardTerm:
+    """One entry of `reward.fns`: a reward function (as `reward.fn`), its weight in the sum and the
+    name of its metric `reward/<name>` (default: the function's name)."""
+
+    fn: str = ""
+    weight: float = 1.0
+    name: str | None = None
+    batched: Literal["auto"] | bool = "auto"
+
+
+@dataclasses.dataclass
 class RewardConfig:
     """Reward function by import path ('package.module:function'; docs/own_data_and_reward.md).
     A per-sample fn(response, gold) -> float or a batched fn(responses, golds) -> list of floats;
@@ -207,6 +219,71 @@ class RewardConfig:
     # setting (Tricks or Traps, Sec. 4.1). Accuracy, pass rates and evaluation read fn's own value.
     scale: float = 1.0
     offset: float = 0.0
+    # A weighted sum of rewards instead of `fn` (train/reward_fn.py, docs/rewards.md): a list of
+    # {fn: module:function, weight: 1.0, name: ..., batched: auto}, each logged as `reward/<name>`;
+    # null = `fn` alone (its batched/timeout/on_error/sandbox settings apply to every entry).
+    fns: list[RewardTerm] | None = None
+
+    def terms(self) -> list[RewardTerm]:
+        """The rewards summed, each with its weight and metric name: `fns` (checked: an fn each,
+        finite weights, unique names) or `fn` alone as one term of weight 1. A ConfigError names
+        the entry and the fix."""
+        if self.fns is None:
+            return [RewardTerm(fn=self.fn, weight=1.0, name=_function_name(self.fn), batched=self.batched)]
+        if self.fn != RewardConfig.fn:
+            raise ConfigError(f"reward.fn={self.fn!r} and reward.fns are both set: list the function in reward.fns "
+                              f"(- {{fn: {self.fn}, weight: 1.0}}) and leave reward.fn unset.")
+        if not self.fns:
+            raise ConfigError("reward.fns is empty: list at least one {fn: module:function, weight: 1.0}, or drop "
+                              "reward.fns to use reward.fn.")
+        terms, seen = [], set()
+        for i, term in enumerate(self.fns):
+            if not term.fn:
+                raise ConfigError(f"reward.fns[{i}] has no fn: give it fn: package.module:function.")
+            if not math.isfinite(term.weight):
+                raise ConfigError(f"reward.fns[{i}].weight={term.weight} is not a finite number.")
+            name = term.name if term.name is not None else _function_name(term.fn)
+            if not name or "/" in name:
+                raise ConfigError(f"reward.fns[{i}].name={name!r}: a name is a non-empty word without '/' "
+                                  f"(the metric is reward/<name>).")
+            if name in seen:
+                raise ConfigError(f"reward.fns: two entries are named {name!r} (the metric reward/{name} would mix "
+                                  f"them): give one of them its own `name:`.")
+            seen.add(name)
+            terms.append(dataclasses.replace(term, name=name))
+        return terms
+
+
+def _function_name(path: str) -> str:
+    """'package.module:function' (or 'package.module.function') -> 'function'."""
+    return path.partition(":")[2] if ":" in path else path.rpartition(".")[2]
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation's sampling, apart from the rollout's (docs/training.md "Evaluation"). Each key left
+    null takes its older source: samples = trainer.eval_samples, temperature =
+    trainer.eval_temperature (aliases kept working), top_p = rollout.top_p, top_k = rollout.top_k.
+    `RunConfig.eval_sampling()` resolves them; temperature 0 = greedy, one sample."""
+
+    samples: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSampling:
+    """Evaluation's resolved sampling: n samples per problem at (temperature, top_p, top_k)."""
+
+    samples: int
+    temperature: float
+    top_p: float
+    top_k: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
 
 
 @dataclasses.dataclass
@@ -222,6 +299,10 @@ class OptimConfig:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+
+
+# trainer.loggers' choices (train/metrics.py: LOGGER_PACKAGES says what each imports)
+LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclasses.dataclass
@@ -242,7 +323,9 @@ class TrainerConfig:
     # passes run on about as many positions as the step's sequences hold, not rows x (prompt +
     # max_new_tokens). Same losses, metrics and gradients as padded rows. jaxrl4llm's models
     # only (a model.module scores padded rows); share_prompt=true keeps padded rows instead.
-    packing: bool = True
+    # auto = packed, padded or shared-prompt rows, whichever the run's shape makes least work
+    # (train/layout.py `choose_row_form`: expected positions x each form's measured cost; logged).
+    packing: Literal["auto"] | bool = True
     # Positions of one packed micro-batch on each data-parallel device (verl's
     # ppo_max_token_len_per_gpu): its memory bound. null = micro_batch_size's padded rows when
     # set, else min(16384, the padded mini-batch's share of a device).
@@ -252,6 +335,8 @@ class TrainerConfig:
     seed: int = 0
     out_dir: str = "runs/default"
     eval_every: int = 0
+    # evaluation's samples per problem and temperature: the older names of eval.samples and
+    # eval.temperature (EvalConfig), which win where set
     eval_samples: int = 1
     eval_temperature: float = 0.0
     checkpoint_every: int = 0
@@ -259,6 +344,20 @@ class TrainerConfig:
     clipped_tokens_every: int = 10
     export_hf: bool = True
     progress_bar: bool = True
+    # Where the metrics go besides the console and OUT/metrics.jsonl (always on; train/metrics.py,
+    # docs/training.md "Metrics"): tensorboard (OUT/tb), wandb (pip install 'jaxrl4llm[wandb]'),
+    # mlflow (pip install 'jaxrl4llm[mlflow]'; MLFLOW_TRACKING_URI). On process 0 only; a --resume
+    # continues the W&B / MLflow run whose id OUT/loggers.json holds.
+    loggers: list[Literal[LOGGERS]] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    # The W&B project and the MLflow experiment (verl's trainer.project_name).
+    project_name: str = "jaxrl4llm"
+    # The W&B / MLflow run name (verl's trainer.experiment_name, TRL's run_name); null = the
+    # name of trainer.out_dir's folder.
+    experiment_name: str | None = None
+    # Rollouts logged a step (train/samples.py): the first N rows of the step's batch (the first
+    # prompts' groups, in order) with prompt, response, rewards, advantage, extracted answer,
+    # truncation and policy version, to OUT/samples.jsonl and each logger as a table. 0 = off.
+    log_samples: int = 4
     # A fresh run (no --resume) into an out_dir that already holds a run is an error unless
     # this is true; then that run's checkpoints, metrics, TensorBoard events and export go.
     overwrite: bool = False
@@ -298,7 +397,20 @@ class RunConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def eval_sampling(self) -> EvalSampling:
+        """Evaluation's sampling (EvalConfig): `eval.*` where set, else trainer.eval_samples /
+        trainer.eval_temperature and rollout.top_p / top_k; greedy (temperature 0) means one
+        sample at top_p 1, top_k 0, whatever `samples` says."""
+        ev = self.eval
+        temperature = ev.temperature if ev.temperature is not None else self.trainer.eval_temperature
+        if temperature <= 0:
+            return EvalSampling(samples=1, temperature=temperature, top_p=1.0, top_k=0)
+        return EvalSampling(samples=max(ev.samples if ev.samples is not None else self.trainer.eval_samples, 1),
+                            temperature=temperature, top_p=ev.top_p if ev.top_p is not None else self.rollout.top_p,
+                            top_k=ev.top_k if ev.top_k is not None else self.rollout.top_k)
 
     def recipe(self) -> Recipe:
         """The core Recipe: the preset with `algorithm.overrides` applied (validated)."""
@@ -494,7 +606,10 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.eval_samples": _POSITIVE, "trainer.eval_temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "trainer.checkpoint_every": (lambda v: v >= 0, ">= 0 (0 = off)"), "trainer.keep_checkpoints": _POSITIVE,
     "trainer.clipped_tokens_every": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "trainer.log_samples": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "trainer.max_staleness": (lambda v: v >= 0, ">= 0 (0 = synchronous)"),
+    "eval.samples": _POSITIVE, "eval.temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "eval.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "eval.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
@@ -520,6 +635,7 @@ def config_from_dict(raw: dict) -> RunConfig:
     cfg = _build(RunConfig, raw, "")
     check_ranges(cfg)
     cfg.recipe()  # validates preset and overrides early
+    cfg.reward.terms()  # reward.fns: an fn each, finite weights, unique names
     return cfg
 
 

@@ -32,12 +32,13 @@ from jax.sharding import Mesh
 
 from jaxrl4llm.kernels.choice import KernelChoice, decode_attention_choice, mesh_devices, train_attention_choice
 from jaxrl4llm.models import LoraSettings, ModelConfig
+from jaxrl4llm.plan.lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import PAGE_SIZE
 from jaxrl4llm.sampling.decode_mesh import decode_mesh
 from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError, RunConfig
-from jaxrl4llm.train.packing import PackLayout, pack_layout
+from jaxrl4llm.train.packing import PackLayout, expected_micro_batches, pack_layout
 from jaxrl4llm.train.rollout_pipeline import split_devices
 from jaxrl4llm.train.step import UpdateSettings
 
@@ -78,6 +79,8 @@ class RunLayout:
     update: UpdateSettings
     sampler: SamplerLayout
     sizing_share: float = SIZING_SHARE
+    row_form: str = ""  # padded | shared_prompt | packed: what the update runs on (`trainer.packing`)
+    row_form_reason: str = ""  # trainer.packing=auto: why (`choose_row_form`)
     decode_attention: KernelChoice | None = None
     train_attention: KernelChoice | None = None
 
@@ -229,13 +232,16 @@ def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, dat
 
 def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_prompt: int, log) -> PackLayout | None:
     """The PackLayout of `trainer.packing` (its micro-batch count and prompt width are per step:
-    see `loop.pack_step`), or None: padded rows (packing off, a model.module, share_prompt=true)."""
+    see `loop.pack_step`), or None: padded rows (packing off, a model.module, share_prompt=true).
+    trainer.packing=auto gives the layout packed rows would take (`run_layout` then weighs it
+    against padded rows in `choose_row_form`)."""
     t = cfg.trainer
     if not t.packing:
         return None
     if not own_model:
-        log("trainer.packing: a model.module model scores padded rows (packed rows need jaxrl4llm's models); "
-            "set trainer.packing=false to silence this.")
+        if t.packing is True:
+            log("trainer.packing: a model.module model scores padded rows (packed rows need jaxrl4llm's models); "
+                "set trainer.packing=false to silence this.")
         return None
     if t.share_prompt is True:
         return None  # the user asked for the shared-prompt forward of padded rows
@@ -255,6 +261,61 @@ def packing_layout_for(cfg: RunConfig, rows: int, data_parallel: int, prompt_wid
                        response_width=cfg.rollout.max_new_tokens, tokens_per_micro_batch=budget)
 
 
+# ---------------------------------------------------------------------------- the row form
+ROW_FORMS = ("padded", "shared_prompt", "packed")
+# Time per position of each row form relative to a padded row's, measured by benchmarks/row_form.py
+# on the CPU's block-causal XLA attention (docs/training.md, "Which row form"): shared-prompt
+# 1.04-1.08, packed 0.96-1.11 (segment ids, the per-sequence loss view, the LM head on every packed
+# position, the pack program). Rounded up, so a form must save positions to win over padded rows.
+# The splash (TPU) and Pallas (GPU) kernels skip masked blocks and are not measured yet: the same.
+ROW_FORM_COST = {"padded": 1.0, "shared_prompt": 1.05, "packed": 1.1}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFormChoice:
+    """`choose_row_form`'s answer: the `form` (one of ROW_FORMS), the `reason` (one line, logged and
+    in layout.json), and each candidate's expected positions per step (`positions`) and weighted
+    cost (`costs`, positions x ROW_FORM_COST)."""
+
+    form: str
+    reason: str
+    positions: dict
+    costs: dict
+
+
+def choose_row_form(*, rows: int, prompt_width: int, prompt_tokens: float, max_new_tokens: int,
+                    prompt_group: int | None, packing: PackLayout | None,
+                    lengths: LengthDistribution | None = None) -> RowFormChoice:
+    """trainer.packing=auto: the row form with the least expected work per step, where work =
+    the positions the form runs x its per-position cost (ROW_FORM_COST). Pure; chosen once per run.
+
+    Positions per step of `rows` sequences, prompts padded to P = `prompt_width` (mean real tokens
+    `prompt_tokens`), R = `max_new_tokens`:
+      padded         rows x (P + R - 1)
+      shared_prompt  rows / G x P + rows x (R - 1)            (G = `prompt_group`; None: not a candidate)
+      packed         E[micro-batches] x mini-batches x RR x S  (`packing`; None: not a candidate)
+    E[micro-batches] is `pack_plan` on response lengths drawn from `lengths` (None: `plan`'s prior,
+    lognormal with mean R / 4: the lengths are not known before the run), so packing wins when the
+    expected padding it removes outweighs its per-position overhead.
+    """
+    L = prompt_width + max_new_tokens - 1
+    positions = {"padded": float(rows * L)}
+    if prompt_group:
+        positions["shared_prompt"] = float(rows // prompt_group * prompt_width + rows * (max_new_tokens - 1))
+    if packing is not None:
+        dist = lengths or parse_lengths(None, max_new_tokens)
+        micro = expected_micro_batches(packing, dist, prompt_tokens, prompt_width)
+        positions["packed"] = micro * packing.mini_batches * packing.positions
+    costs = {form: p * ROW_FORM_COST[form] for form, p in positions.items()}
+    form = min(costs, key=lambda f: (costs[f], ROW_FORMS.index(f)))
+    dist_text = (lengths or parse_lengths(None, max_new_tokens)).describe(max_new_tokens)
+    parts = ", ".join(f"{f.replace('_', '-')} {positions[f]:.0f}" + (f" x {ROW_FORM_COST[f]:g}" if ROW_FORM_COST[f] != 1 else "")
+                      for f in positions)
+    reason = (f"least expected work per step (positions x per-position cost: {parts}; responses "
+              f"{dist_text}, prompts {prompt_tokens:.0f} of {prompt_width})")
+    return RowFormChoice(form=form, reason=reason, positions=positions, costs=costs)
+
+
 # ---------------------------------------------------------------------------- the layout
 def attention_kernels(cfg: RunConfig, model_config: ModelConfig, trainer_devices: list, sampler_devices: list,
                       cpu_kernels: bool) -> tuple[KernelChoice, KernelChoice]:
@@ -272,23 +333,35 @@ def attention_kernels(cfg: RunConfig, model_config: ModelConfig, trainer_devices
 
 
 def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, prompt_width: int,
-               sampler_mesh: Mesh | None = None, cpu_kernels: bool = False, log=lambda line: None) -> RunLayout:
+               prompt_tokens: float | None = None, sampler_mesh: Mesh | None = None, cpu_kernels: bool = False,
+               log=lambda line: None) -> RunLayout:
     """The layout of `cfg` on the trainer's `mesh` (and the sampler's own `sampler_mesh`, if any) for
     the model `model_config` (None: a `model.module` model), prompts padded to `prompt_width`
-    (the run: its data's longest prompt; `plan`: `data.max_prompt_tokens`'s bucket). `cpu_kernels`:
-    the sampler runs the C++ CPU kernels (the run: `generate.use_cpu_kernels`; `plan` prices XLA's
-    programs: False). `log` gets a line when the decode attention falls back from a kernel, saying why."""
+    (the run: its data's longest prompt; `plan`: `data.max_prompt_tokens`'s bucket) holding
+    `prompt_tokens` real tokens on average (None: the whole width; trainer.packing=auto weighs it).
+    `cpu_kernels`: the sampler runs the C++ CPU kernels (the run: `generate.use_cpu_kernels`; `plan`
+    prices XLA's programs: False). `log` gets a line when the decode attention falls back from a
+    kernel, saying why."""
     own_model = model_config is not None
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = micro_batches(cfg, rows, dp)
     packing = packing_layout(cfg, own_model, dp, prompt_width, log)
+    group = None if packing and cfg.trainer.packing is True else shared_prompt_group(cfg, own_model, micro, dp)
+    form = "packed" if packing else "shared_prompt" if group else "padded"
+    reason = ""
+    if cfg.trainer.packing == "auto" and own_model:
+        width = bucket(prompt_width, PROMPT_BUCKETS)
+        choice = choose_row_form(rows=rows, prompt_width=width, prompt_tokens=prompt_tokens or width,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, prompt_group=group, packing=packing)
+        form, reason = choice.form, choice.reason
+        packing, group = (packing if form == "packed" else None), (group if form == "shared_prompt" else None)
+        log(f"row form: {form.replace('_', '-')} (trainer.packing=auto: {reason})")
     update = UpdateSettings(
         ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
         old_logp_from_update=single_optimizer_step(cfg) and cfg.trainer.old_logp_source == "recompute",
         scored_tokens=cfg.rollout.max_new_tokens if own_model else None,
-        prompt_group=None if packing else shared_prompt_group(cfg, own_model, micro, dp),
-        packing=packing)
+        prompt_group=group, packing=packing)
     dmesh = sampler_mesh_for(cfg, sampler_mesh or mesh, model_config) or sampler_mesh or mesh
     r = cfg.rollout
     sampler = SamplerLayout(
@@ -305,4 +378,5 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
             log(f"decode attention (rollout.decode_attention): {decode.reason}")
     return RunLayout(model=shape, lora=lora_settings(cfg) if own_model else None,
                      mesh=(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]), rows=rows,
-                     update=update, sampler=sampler, decode_attention=decode, train_attention=train)
+                     update=update, sampler=sampler, row_form=form, row_form_reason=reason,
+                     decode_attention=decode, train_attention=train)

@@ -32,7 +32,8 @@ from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
-from jaxrl4llm.train.metrics import MetricsWriter, most_clipped_tokens, truncated_repeat_ratio, write_lengths
+from jaxrl4llm.train.metrics import (MetricsWriter, check_loggers, most_clipped_tokens, open_loggers,
+                                     truncated_repeat_ratio, write_lengths)
 from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, run_layout, sampler_mesh_for,
                                     split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
@@ -45,7 +46,8 @@ from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, che
                                               staleness_metrics)
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
-from jaxrl4llm.train.scoring import score_rows
+from jaxrl4llm.train.samples import sample_rows
+from jaxrl4llm.train.scoring import score_rows_with_components
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
 from jaxrl4llm.train.step import (
     TrainBatch,
@@ -139,7 +141,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     spare: list[tuple] = []
     draws = retired = drawn = mixed = 0
     t_sample = t_reward = 0.0
-    all_rewards = []
+    all_rewards, all_components = [], []
     max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
     # data.prompt_bucket=dataset: every step pads to the training set's longest prompt (one program)
     prompt_len = prompts.longest if cfg.data.prompt_bucket == "dataset" else None
@@ -155,12 +157,14 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         if on_params_read is not None and draws == max_draws:
             on_params_read()  # no further draw reads the parameters: the update may run while rewards score
         rows = [i for i in ids for _ in range(G)]
-        rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
-                             [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
+        rewards, components = score_rows_with_components(
+            policy, rollout, [prompts.answers[i] for i in rows], reward_fn, [prompts.problems[i] for i in rows],
+            [prompts.metadata[i] for i in rows])
         t2 = time.perf_counter()
         t_sample += t1 - t0
         t_reward += t2 - t1
         all_rewards.append(rewards)
+        all_components.append(components)
         retired += stream.retire(ids, (rewards.reshape(-1, G) > CORRECT_REWARD_THRESHOLD).mean(axis=1),
                                  cfg.rollout.retire_pass_rate)
         for g, pid in enumerate(ids):
@@ -185,8 +189,16 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "sampling_prompts_drawn": drawn,
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
+        **component_means(all_components),
     }
     return merged, np.concatenate([e[2] for e in kept]), with_scoring_stats(stats, reward_fn, stream, cfg, retired)
+
+
+def component_means(components: list[dict]) -> dict[str, float]:
+    """`reward/<name>`: each `reward.fns` entry's own reward, averaged over every response scored
+    (all draws, as reward_all_draws); {} for a single reward.fn. components: one {name: [N]} per draw."""
+    names = components[0] if components else {}
+    return {f"reward/{name}": float(np.mean(np.concatenate([c[name] for c in components]))) for name in names}
 
 
 def with_scoring_stats(stats: dict, reward_fn, stream: PromptStream, cfg: RunConfig, retired: int) -> dict:
@@ -242,12 +254,14 @@ def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, s
         on_params_read()
     ids = partial.prompt_ids.pop(step)
     rows = [i for i in ids for _ in range(G)]
-    rewards = score_rows(policy, rollout, [prompts.answers[i] for i in rows], reward_fn,
-                         [prompts.problems[i] for i in rows], [prompts.metadata[i] for i in rows])
+    rewards, components = score_rows_with_components(
+        policy, rollout, [prompts.answers[i] for i in rows], reward_fn, [prompts.problems[i] for i in rows],
+        [prompts.metadata[i] for i in rows])
     retired = stream.retire(ids, (rewards.reshape(-1, G) > CORRECT_REWARD_THRESHOLD).mean(axis=1), cfg.rollout.retire_pass_rate)
     stats = {"time_sampling": t1 - t0, "time_reward": time.perf_counter() - t1, "sampling_draws": 1,
              "sampling_prompts_drawn": P, "groups_filled_constant": 0, "reward_all_draws": float(np.mean(rewards)),
-             "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens))}
+             "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens)),
+             **component_means([components])}
     return rollout, rewards, with_scoring_stats(stats, reward_fn, stream, cfg, retired), versions
 
 
@@ -349,8 +363,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         cpu_kernels = policy.config is not None and use_cpu_kernels(policy.cpu_kernels, policy.sampler_mesh)
     except ValueError as e:
         raise ConfigError(f"rollout.cpu_kernels: {e}") from None
-    layout = run_layout(cfg, mesh, policy.config, prompt_width=train_set.longest, sampler_mesh=sampler_mesh,
-                        cpu_kernels=cpu_kernels, log=log)
+    layout = run_layout(cfg, mesh, policy.config, prompt_width=train_set.longest, prompt_tokens=train_set.mean_length,
+                        sampler_mesh=sampler_mesh, cpu_kernels=cpu_kernels, log=log)
     if layout.decode_attention is not None:  # the sampler runs the layout's kernel (kernels.choice: decided once)
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings, micro = layout.update, layout.update.micro_batches
@@ -503,6 +517,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
         return done
     check_partial(cfg.rollout.partial, cfg.trainer.max_staleness, cfg.rollout.engine, cfg.recipe().dynamic_sampling)
+    check_loggers(cfg.trainer.loggers)  # a missing package: an error before anything is written or loaded
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before
     resume = resume_from_checkpoint(resume, cfg.trainer.out_dir, log if hosts.is_main() else lambda s: None)
@@ -514,6 +529,10 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
     # every process reads the run's config.json: a refused change stops them all, before the model loads
     changes = check_config_changes(cfg, allow=allow_config_change, log=log if hosts.is_main() else lambda line: None) \
         if resume else {}
+    # W&B / MLflow start (or continue the run of loggers.json) before the model loads: one that cannot fails fast
+    loggers = open_loggers(cfg, files.dir, resume=bool(resume)) if hosts.is_main() else []
+    # a failure before the metrics writer exists closes them; the callback reads `loggers` when it runs: [] by then
+    closing.callback(lambda: [logger.close() for logger in loggers])
     out = as_path(cfg.trainer.out_dir)
     mesh, sampler_mesh = run_meshes(cfg)
     run, state = setup_run(cfg, mesh, log, sampler_mesh=sampler_mesh)
@@ -542,7 +561,8 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
     stream = PromptStream(len(run.train_set), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, cursor=cursor,
                           retired=retired)
     writer = MetricsWriter(files.dir, total_steps=cfg.trainer.steps, progress_bar=cfg.trainer.progress_bar and hosts.is_main(),
-                           start_step=start_step, enabled=hosts.is_main())
+                           start_step=start_step, enabled=hosts.is_main(), loggers=loggers)
+    loggers = []  # the writer closes them
     closing.callback(writer.close)
     writer.truncate_after(start_step)
     evaluate_at = lambda step, st: evaluate(sampler_policy(run, st), run.eval_sets, cfg, run.reward_fn,
@@ -579,7 +599,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             t_update = time.perf_counter()
             batch, adv = build_batch(run, state, rollout, rewards)
             state, metrics, clipped = run.update(state, batch)
-            staleness = {}
+            staleness, versions = {}, step
         else:  # asynchronous (train/rollout_pipeline.py): train on a rollout sampled k versions ago, sample the next
             while len(pending) < ahead and step + len(pending) < cfg.trainer.steps:  # a run's first rollouts
                 pending.append(draw(step + len(pending), sampler_policy(run, state)))
@@ -592,6 +612,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             lengths = hosts.fetch(rollout.lengths)  # [N]: the host needs no [N, R] mask
             staleness = staleness_metrics(*(current.versions.token_versions(lengths) if current.versions is not None
                                             else (np.full(rollout.num_rows, current.version), lengths)), step, k)
+            versions = current.version if current.versions is None else current.versions.first
         record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
         t_end = time.perf_counter()
         record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,
@@ -599,6 +620,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
                       / (t_end - t_step))
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
             record.update({f"eval/{k}": v for k, v in evaluate_at(step + 1, state).items()})
+        writer.write_samples(step + 1, sample_rows(run.policy, rollout, rewards, adv, versions, cfg.trainer.log_samples))
         writer.write(step + 1, record)
         lengths = [hosts.fetch(x) for x in (rollout.lengths, _prompt_lengths(rollout.prompt_mask))]  # all processes
         if hosts.is_main():

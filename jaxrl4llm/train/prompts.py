@@ -38,6 +38,11 @@ class PromptSet:
         """Tokens of the set's longest prompt (0 when empty)."""
         return max(map(len, self.token_ids), default=0)
 
+    @functools.cached_property
+    def mean_length(self) -> float:
+        """Mean tokens of the set's prompts (0 when empty)."""
+        return sum(map(len, self.token_ids)) / len(self.token_ids) if self.token_ids else 0.0
+
 
 def run_tokenizer(cfg: RunConfig):
     """The tokenizer of `model.tokenizer` (or `model.path`): a folder, local or gs://, or a Hub id

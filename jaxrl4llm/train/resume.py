@@ -31,10 +31,11 @@ FIXED_ON_RESUME = (
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",  # the batch's shape
     "trainer.seed", "trainer.ppo_epochs", "trainer.mini_batches",  # the randomness, the update's structure
     "algorithm.",  # the objective
-    "reward.fn",  # what is rewarded
+    "reward.fn",  # what is rewarded (a prefix: reward.fns too)
 )
 # keys that say where or how a run is shown, never what it computes: not compared
-IGNORED = ("trainer.out_dir", "trainer.overwrite", "trainer.progress_bar", "trainer.compile_cache")
+IGNORED = ("trainer.out_dir", "trainer.overwrite", "trainer.progress_bar", "trainer.compile_cache", "trainer.loggers",
+           "trainer.project_name", "trainer.experiment_name", "trainer.log_samples")
 CHANGES_FILE = "config_changes.jsonl"
 
 

@@ -28,6 +28,13 @@ and a call still running after `reward.timeout` seconds is stopped; a function w
 parameter gets `reward.timeout` and keeps it itself (the built-in verifier does); a batched
 function runs in the trainer's process (it may hold a model or a client), like
 `reward.sandbox=false`.
+
+A weighted list (`reward.fns: [{fn, weight, name, batched}]`, docs/rewards.md) gives a
+WeightedRewardFn: each entry is a RewardFn as above (the same timeout / on_error / sandbox), and
+
+    reward [N] = sum_i weight_i * reward_i [N]       Scores.components = {name_i: reward_i [N]}
+
+a failed entry scores 0 in its own term only (the row's error names the entry).
 """
 
 from __future__ import annotations
@@ -63,10 +70,12 @@ class RewardError(RuntimeError):
 
 
 class Scores(NamedTuple):
-    """A batch's rewards [N] (0.0 where the reward failed) and why each failed (None: it did not)."""
+    """A batch's rewards [N] (0.0 where the reward failed), why each failed (None: it did not) and,
+    from a WeightedRewardFn, each entry's own (unweighted) rewards {name: [N]} (empty otherwise)."""
 
     rewards: np.ndarray
     errors: list
+    components: dict = {}
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ def reward_signature(fn: Callable, batched: bool | str = "auto", key: str = "rew
     """How `fn` is called (module docstring); a ConfigError naming `key` (and `reward.batched`)
     when it cannot take a response and a gold answer, needs an argument we do not pass, or
     `batched=auto` cannot tell per-sample from batched."""
+    batched_key = key.rsplit(".", 1)[0] + ".batched" if key.startswith("reward.fns[") else "reward.batched"
     try:
         try:
             params = list(inspect.signature(fn, eval_str=True).parameters.values())
@@ -109,8 +119,8 @@ def reward_signature(fn: Callable, batched: bool | str = "auto", key: str = "rew
             params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         if batched == "auto":
-            raise ConfigError(f"{key}: its signature cannot be read (a builtin?), so reward.batched=auto cannot tell "
-                              f"how to call it: set reward.batched=false (fn(response, gold) -> float) or true "
+            raise ConfigError(f"{key}: its signature cannot be read (a builtin?), so {batched_key}=auto cannot tell "
+                              f"how to call it: set {batched_key}=false (fn(response, gold) -> float) or true "
                               f"(fn(responses, golds) -> list of floats).") from None
         return RewardSignature(batched=bool(batched))
     P = inspect.Parameter
@@ -143,9 +153,9 @@ def reward_signature(fn: Callable, batched: bool | str = "auto", key: str = "rew
         if len(votes) != 1:
             why = "its parameters say both" if votes else "neither its parameters' names nor their types say which"
             raise ConfigError(
-                f"{key}: reward.batched=auto cannot tell whether {shown} scores one response or a list ({why}). "
+                f"{key}: {batched_key}=auto cannot tell whether {shown} scores one response or a list ({why}). "
                 f"Name or annotate its first two parameters (response: str, gold: str) for one response, "
-                f"(responses: list[str], golds: list[str]) for a batch, or set reward.batched=false / true.")
+                f"(responses: list[str], golds: list[str]) for a batch, or set {batched_key}=false / true.")
         batched = votes.pop()
     needs_gold = len(positional) < 2 or positional[1].default is P.empty
     return RewardSignature(batched=bool(batched), problem=problem, metadata="metadata" in keywords,
@@ -163,43 +173,78 @@ def _number(value: Any) -> float:
     return out
 
 
-_USER_POOL: dict[str, Any] = {}  # {path: pool}: one at a time (a run has one reward.fn)
+_USER_POOL: dict[tuple, Any] = {}  # {paths: pool}: one at a time (a run's functions share one)
 
 
-def _user_pool(path: str):
-    """Worker processes for the user's function at `path` (one per core, no memory cap, the
-    caller's sys.path, the function imported at start, before any call's time limit), started on
-    first use and kept for the process (closed at exit, or when another function needs them)."""
+def _user_pool(paths: tuple[str, ...]):
+    """Worker processes for the user's functions at `paths` (one per core, no memory cap, the
+    caller's sys.path, the functions imported at start, before any call's time limit), started on
+    first use and kept for the process (closed at exit, or when other functions need them). The
+    entries of `reward.fns` that run sandboxed share one pool (each call names its function)."""
     from jaxrl4llm.rewards.sandbox import SandboxPool
 
-    pool = _USER_POOL.get(path)
+    pool = _USER_POOL.get(paths)
     if pool is None or pool._closed:
         for other in _USER_POOL.values():
             other.close()
         _USER_POOL.clear()
-        pool = _USER_POOL[path] = SandboxPool(memory_bytes=None, pythonpath=[p for p in sys.path if p],
-                                              preload=[path])
+        pool = _USER_POOL[paths] = SandboxPool(memory_bytes=None, pythonpath=[p for p in sys.path if p],
+                                               preload=list(paths))
         import atexit
 
         atexit.register(pool.close)
     return pool
 
 
-class RewardFn:
-    """reward(responses, golds, problems=None, metadata=None) -> Scores, as `reward.*` says
-    (module docstring). Failures are counted (`count`, `drain`) for the step's metrics."""
+def runs_sandboxed(path: str, signature: RewardSignature, sandbox: bool) -> bool:
+    """Whether the function runs in worker processes (module docstring): per sample, no `timeout`
+    parameter, reward.sandbox, and importable by its path (not one defined in __main__, a script)."""
+    return sandbox and not signature.batched and not signature.timeout and not path.startswith("__main__")
 
-    def __init__(self, fn: Callable, path: str, signature: RewardSignature, *, timeout: float, on_error: str = "zero",
-                 sandbox: bool = True, log: Callable[[str], None] = print):
-        self.fn, self.path, self.signature = fn, path, signature
-        self.timeout, self.on_error, self.log = timeout, on_error, log
-        # the worker processes import the function by its path: not one defined in __main__ (a script)
-        self.sandboxed = (sandbox and not signature.batched and not signature.timeout
-                          and not path.startswith("__main__"))
+
+class CountedReward:
+    """Counts a reward's failures over the batches scored (`count`, gathered over processes by
+    train/scoring.py) until `drain` reports them for the step's metrics; `label` names it in the
+    warning."""
+
+    def __init__(self, label: str, log: Callable[[str], None] = print):
+        self.label, self.log = label, log
         self._errors = self._scored = 0
         self._first: str | None = None
+
+    def count(self, errors: int, scored: int, first: str | None) -> None:
+        """Adds a batch's failures (gathered over processes) to the counts `drain` reports."""
+        self._errors += errors
+        self._scored += scored
+        if self._first is None:
+            self._first = first
+
+    def drain(self, where: str) -> int:
+        """The failures counted since the last drain; one warning line when there were any."""
+        errors, scored, first = self._errors, self._scored, self._first
+        self._errors = self._scored = 0
+        self._first = None
+        if errors:
+            self.log(f"warning: {where}: {self.label} failed on {errors} of {scored} responses, scored 0 "
+                     f"(reward.on_error=zero); first: {first or 'on another process'}")
+        return errors
+
+
+class RewardFn(CountedReward):
+    """reward(responses, golds, problems=None, metadata=None) -> Scores, as `reward.*` says
+    (module docstring). Failures are counted (`count`, `drain`) for the step's metrics.
+    pool_paths: the functions the worker pool preloads (a weighted list's sandboxed entries
+    share one pool); default this function's path."""
+
+    def __init__(self, fn: Callable, path: str, signature: RewardSignature, *, timeout: float, on_error: str = "zero",
+                 sandbox: bool = True, log: Callable[[str], None] = print, pool_paths: tuple[str, ...] | None = None):
+        super().__init__(f"reward.fn={path!r}", log)
+        self.fn, self.path, self.signature = fn, path, signature
+        self.timeout, self.on_error = timeout, on_error
+        self.sandboxed = runs_sandboxed(path, signature, sandbox)
+        self.pool_paths = pool_paths or (path,)
         if self.sandboxed:
-            _user_pool(path)  # the workers start (and import the function) while the model loads
+            _user_pool(self.pool_paths)  # the workers start (and import the function) while the model loads
 
     def _kwargs(self, problems, metadata, i: int | None) -> dict:
         """The keywords the function names; i = the row (per sample) or None (batched)."""
@@ -230,7 +275,7 @@ class RewardFn:
 
             why: list = []
             calls = [(self.path, (r, g), self._kwargs(problems, metadata, i)) for i, (r, g) in enumerate(zip(responses, golds))]
-            out = _user_pool(self.path).run(call_by_path, calls, timeout=self.timeout, default=None, errors=why)
+            out = _user_pool(self.pool_paths).run(call_by_path, calls, timeout=self.timeout, default=None, errors=why)
             values = list(zip(why, out))
         else:
             values = []
@@ -259,36 +304,59 @@ class RewardFn:
                               f"reward.on_error=zero scores such a response 0 and goes on.)") from (
                 None if isinstance(error, str) else error)
 
-    def count(self, errors: int, scored: int, first: str | None) -> None:
-        """Adds a batch's failures (gathered over processes) to the counts `drain` reports."""
-        self._errors += errors
-        self._scored += scored
-        if self._first is None:
-            self._first = first
 
-    def drain(self, where: str) -> int:
-        """The failures counted since the last drain; one warning line when there were any."""
-        errors, scored, first = self._errors, self._scored, self._first
-        self._errors = self._scored = 0
-        self._first = None
-        if errors:
-            self.log(f"warning: {where}: reward.fn={self.path!r} failed on {errors} of {scored} responses, scored 0 "
-                     f"(reward.on_error=zero); first: {first or 'on another process'}")
-        return errors
+class WeightedRewardFn(CountedReward):
+    """`reward.fns`: reward [N] = sum_i weight_i * reward_i [N] over its entries (RewardFns), with
+    each entry's own rewards in Scores.components under its name; a row's error names the entry
+    that failed (the others keep their values). Failures are counted as one reward's."""
+
+    def __init__(self, terms: list[tuple[str, float, RewardFn]], log: Callable[[str], None] = print):
+        super().__init__("reward.fns (" + ", ".join(name for name, _, _ in terms) + ")", log)
+        self.terms = terms
+
+    def __call__(self, responses: list[str], golds: list[str], problems: list[str] | None = None,
+                 metadata: list[dict] | None = None) -> Scores:
+        total = np.zeros(len(responses), np.float64)
+        errors: list = [None] * len(responses)
+        components = {}
+        for name, weight, reward in self.terms:
+            scores = reward(responses, golds, problems, metadata)
+            components[name] = scores.rewards
+            total += weight * scores.rewards.astype(np.float64)
+            errors = [e if e is not None or s is None else f"{name}: {s}" for e, s in zip(errors, scores.errors)]
+        return Scores(total.astype(np.float32), errors, components)
 
 
 def reward_needs_gold(cfg: RunConfig) -> bool:
-    """Whether `reward.fn` needs a gold answer for every row: False when its second parameter has a
-    default (module docstring); True for the built-in verifier and a signature that cannot be read."""
-    fn = import_object(cfg.reward.fn, "reward.fn")
-    return not callable(fn) or reward_signature(fn, cfg.reward.batched).gold
+    """Whether the run's reward needs a gold answer for every row: False when the second parameter of
+    `reward.fn` (or of every `reward.fns` entry) has a default (module docstring); True for the
+    built-in verifier and a signature that cannot be read."""
+    for i, term in enumerate(cfg.reward.terms()):
+        key = "reward.fn" if cfg.reward.fns is None else f"reward.fns[{i}].fn"
+        fn = import_object(term.fn, key)
+        if not callable(fn) or reward_signature(fn, term.batched, key=key).gold:
+            return True
+    return False
 
 
-def make_reward_fn(cfg: RunConfig, log: Callable[[str], None] = print) -> RewardFn:
-    """`reward.fn` imported and its signature checked (a ConfigError naming the key), ready to
-    score; runs before the model loads."""
-    fn = import_object(cfg.reward.fn, "reward.fn")
-    if not callable(fn):
-        raise ConfigError(f"reward.fn={cfg.reward.fn!r} is a {type(fn).__name__}, not a function.")
-    return RewardFn(fn, cfg.reward.fn, reward_signature(fn, cfg.reward.batched), timeout=cfg.reward.timeout,
-                    on_error=cfg.reward.on_error, sandbox=cfg.reward.sandbox, log=log)
+def make_reward_fn(cfg: RunConfig, log: Callable[[str], None] = print) -> RewardFn | WeightedRewardFn:
+    """`reward.fn` (a RewardFn) or `reward.fns` (a WeightedRewardFn) imported and each signature
+    checked (a ConfigError naming the key), ready to score; runs before the model loads."""
+    r = cfg.reward
+    if r.fns is None:
+        fn = import_object(r.fn, "reward.fn")
+        if not callable(fn):
+            raise ConfigError(f"reward.fn={r.fn!r} is a {type(fn).__name__}, not a function.")
+        return RewardFn(fn, r.fn, reward_signature(fn, r.batched), timeout=r.timeout,
+                        on_error=r.on_error, sandbox=r.sandbox, log=log)
+    found = []
+    for i, term in enumerate(r.terms()):
+        key = f"reward.fns[{i}].fn"
+        fn = import_object(term.fn, key)
+        if not callable(fn):
+            raise ConfigError(f"{key}={term.fn!r} is a {type(fn).__name__}, not a function.")
+        found.append((term, fn, reward_signature(fn, term.batched, key=key)))
+    pool = tuple(t.fn for t, _, sig in found if runs_sandboxed(t.fn, sig, r.sandbox))
+    return WeightedRewardFn([(t.name, t.weight, RewardFn(fn, t.fn, sig, timeout=r.timeout, on_error=r.on_error,
+                                                         sandbox=r.sandbox, log=log, pool_paths=pool))
+                             for t, fn, sig in found], log=log)

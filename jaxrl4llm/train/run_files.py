@@ -2,8 +2,9 @@
 folder copied to OUT at each checkpoint, at the end and on a preemption.
 
 GCS objects are written whole (no append), but a run appends to its metrics (metrics.jsonl),
-its TensorBoard events (tb/), its per-step lengths (response_lengths.jsonl) and its accepted
-config changes (config_changes.jsonl): STAGED. With `trainer.out_dir: gs://bucket/run` these
+its TensorBoard events (tb/), its per-step lengths (response_lengths.jsonl), its accepted
+config changes (config_changes.jsonl), its logged rollouts (samples.jsonl) and its W&B / MLflow
+run ids (loggers.json): STAGED. With `trainer.out_dir: gs://bucket/run` these
 live in `$XDG_CACHE_HOME/jaxrl4llm/runs/bucket/run` (~/.cache/...) on process 0, and `sync`
 rewrites every staged file changed since the last sync as a whole object of OUT. The
 checkpoints go straight to gs:// (orbax, tensorstore's GCS driver), the marker and config.json
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from jaxrl4llm.storage import is_remote, run_path
 
-STAGED = ("metrics.jsonl", "response_lengths.jsonl", "config_changes.jsonl", "tb")
+STAGED = ("metrics.jsonl", "response_lengths.jsonl", "config_changes.jsonl", "tb", "samples.jsonl", "loggers.json")
 
 
 def staging_folder(out_dir: str) -> Path:

@@ -30,7 +30,7 @@ from jaxrl4llm.train.config import ConfigError, RunConfig
 MARKER = ".jaxrl4llm-run"
 # what a run writes into trainer.out_dir, and all a fresh start or trainer.overwrite ever removes
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "response_lengths.jsonl", "tb", "hf_export", "config.json", "layout.json",
-               "config_changes.jsonl")
+               "config_changes.jsonl", "samples.jsonl", "loggers.json")
 
 
 def _now() -> str:

@@ -4,33 +4,54 @@
 
 The verifier (sympy, `jaxrl4llm.rewards`) is the loop's host-side cost: on a pod each host
 scores its share of the rows instead of every host scoring all of them, and the gathered
-vector is the same on every process (`hosts.gather_rows`). A `train.reward_fn.RewardFn` also
-gets each row's problem text and metadata, and its failures are gathered and counted.
+vector is the same on every process (`hosts.gather_rows`). A `train.reward_fn.RewardFn` (or a
+WeightedRewardFn, `reward.fns`) also gets each row's problem text and metadata, and its failures
+are gathered and counted; `score_rows_with_components` also returns a weighted list's entries'
+own rewards, gathered the same way:
+
+    scored = score_rows_with_components(policy, rollout, golds, reward_fn, problems, metadata)
+    scored.rewards [N], scored.components {name: [N]}   ({} for a single reward.fn)
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from jaxrl4llm.train import hosts
-from jaxrl4llm.train.reward_fn import RewardFn
+from jaxrl4llm.train.reward_fn import CountedReward
+
+
+class RowScores(NamedTuple):
+    """A rollout's rewards [N] and each `reward.fns` entry's own (unweighted) rewards {name: [N]}."""
+
+    rewards: np.ndarray
+    components: dict
 
 
 def score_rows(policy, rollout, golds: list[str], reward_fn, problems: list[str] | None = None,
                metadata: list[dict] | None = None, counted: int | None = None) -> np.ndarray:
-    """Rewards [N] of a rollout's rows, the same vector on every process: each process decodes
+    """Rewards [N] of a rollout's rows (`score_rows_with_components` without the components)."""
+    return score_rows_with_components(policy, rollout, golds, reward_fn, problems, metadata, counted).rewards
+
+
+def score_rows_with_components(policy, rollout, golds: list[str], reward_fn, problems: list[str] | None = None,
+               metadata: list[dict] | None = None, counted: int | None = None) -> RowScores:
+    """Rewards [N] of a rollout's rows (and a weighted list's components {name: [N]}, else {}), the
+    same on every process: each process decodes
     and scores only the rows its chips hold (`hosts.local_rows`), then they are gathered.
 
     golds, problems, metadata: one per row [N]. A plain reward_fn(responses, golds) -> floats
-    gets the golds only; a RewardFn gets all three and counts its failures over all processes,
+    gets the golds only; a RewardFn (or WeightedRewardFn) gets all three and counts its failures over all processes,
     in the first `counted` rows (default all; evaluation's padding repeats are not counted)."""
     rows, tokens = hosts.local_rows(rollout.response_tokens)
     _, lengths = hosts.local_rows(rollout.lengths)
     texts = policy.decode_rows([t[:n].tolist() for t, n in zip(tokens, lengths)])
     local_golds = [golds[i] for i in rows]
-    if not isinstance(reward_fn, RewardFn):
+    if not isinstance(reward_fn, CountedReward):
         local = np.asarray(reward_fn(texts, local_golds), np.float32)
-        return hosts.gather_rows(rows, local, rollout.num_rows)
+        return RowScores(hosts.gather_rows(rows, local, rollout.num_rows), {})
     pick = lambda values: None if values is None else [values[i] for i in rows]
     scores = reward_fn(texts, local_golds, pick(problems), pick(metadata))
     failed = np.asarray([e is not None for e in scores.errors], np.float32)
@@ -38,4 +59,6 @@ def score_rows(policy, rollout, golds: list[str], reward_fn, problems: list[str]
     failed_rows = hosts.gather_rows(rows, failed, rollout.num_rows)[:counted]
     first = next((e for i, e in zip(rows, scores.errors) if e and i < counted), None)
     reward_fn.count(int(failed_rows.sum()), counted, first)
-    return hosts.gather_rows(rows, np.asarray(scores.rewards, np.float32), rollout.num_rows)
+    components = {name: hosts.gather_rows(rows, np.asarray(values, np.float32), rollout.num_rows)
+                  for name, values in scores.components.items()}
+    return RowScores(hosts.gather_rows(rows, np.asarray(scores.rewards, np.float32), rollout.num_rows), components)

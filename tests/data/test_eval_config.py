@@ -26,7 +26,8 @@ def test_config_lists_the_study_benchmarks():
     cfg = load_config(CONFIG)
     assert [Path(f).name for f in cfg.data.eval_files] == list(EXPECTED)
     assert all(f.startswith("../shared/data/") for f in cfg.data.eval_files)  # outside the repository
-    assert cfg.trainer.eval_samples > 1 and cfg.trainer.eval_temperature > 0  # avg@k and pass@k with k > 1
+    sampling = cfg.eval_sampling()
+    assert sampling.samples > 1 and sampling.temperature > 0  # mean@n, pass@k and maj@k with n > 1
     assert cfg.data.on_overlong_prompt == "error" and cfg.data.eval_limit is None
     text = CONFIG.read_text()
     assert "AIME 2025" in text and "not available offline" in text.lower()
@@ -36,7 +37,7 @@ def test_config_lists_the_study_benchmarks():
 def test_config_merges_after_every_model_preset(preset):
     cfg = load_config([preset, CONFIG])
     assert len(cfg.data.eval_files) == 6 and cfg.data.on_overlong_prompt == "error"
-    assert cfg.trainer.eval_samples == load_config(CONFIG).trainer.eval_samples
+    assert cfg.eval_sampling().samples == load_config(CONFIG).eval_sampling().samples == 16  # over the preset's
 
 
 def test_every_eval_file_exists_and_loads():

@@ -35,6 +35,7 @@ VARIANTS = {
     "own sampler": ["mesh.sampler_devices=0.5", "trainer.max_staleness=1", "mesh.data=1", "mesh.fsdp=-1"],
     "tensor-parallel sampler": ["rollout.tensor_parallel=2"],
     "padded rows": ["trainer.packing=false", "trainer.share_prompt=auto"],
+    "row form chosen": ["trainer.packing=auto"],
     "single step": ["trainer.mini_batches=1", "trainer.micro_batch_size=128"],
 }
 

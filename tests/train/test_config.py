@@ -126,6 +126,7 @@ def test_rollout_cpu_kernels_switch_reaches_the_sampler():
     ("trainer.micro_batch_size=0", ">= 1"), ("trainer.steps=-1", ">= 0"), ("trainer.eval_samples=0", ">= 1"),
     ("data.max_prompt_tokens=0", ">= 1"), ("rollout.retire_pass_rate=0", "in (0, 1]"), ("mesh.data=0", "-1"),
     ("rollout.min_p=1.5", "in [0, 1]"),
+    ("eval.samples=0", ">= 1"), ("eval.temperature=-1", ">= 0"), ("eval.top_p=0", "in (0, 1]"), ("eval.top_k=-1", ">= 0"),
 ])
 def test_out_of_range_value_names_key_value_and_range(override, allowed):
     key, value = override.split("=")
@@ -277,3 +278,36 @@ def test_shipped_model_configs_have_the_model_cards_parameter_counts(name, total
     assert round(config.num_params / 1e9, 1) == total
     assert round((config.num_params - embedding) / 1e9, len(str(non_embedding)) - 2) == non_embedding
     assert (config.rope_theta, config.rms_norm_eps, config.head_dim, config.num_kv_heads) == (1e6, 1e-6, 128, 8)
+
+
+def test_eval_sampling_takes_eval_keys_else_the_older_trainer_and_rollout_keys():
+    base = ["rollout.top_p=0.9", "rollout.top_k=20", "trainer.eval_samples=4", "trainer.eval_temperature=0.6"]
+    old = load_config(None, base).eval_sampling()
+    assert (old.samples, old.temperature, old.top_p, old.top_k, old.greedy) == (4, 0.6, 0.9, 20, False)
+    new = load_config(None, base + ["eval.samples=16", "eval.temperature=1.0", "eval.top_p=1.0", "eval.top_k=0"])
+    assert new.eval_sampling() == type(old)(samples=16, temperature=1.0, top_p=1.0, top_k=0)
+    greedy = load_config(None, base + ["eval.samples=16", "eval.temperature=0"]).eval_sampling()
+    assert (greedy.samples, greedy.top_p, greedy.top_k, greedy.greedy) == (1, 1.0, 0, True)  # greedy: one sample
+    assert load_config(None, []).eval_sampling().greedy  # the defaults: greedy, as before
+
+
+@pytest.mark.parametrize("fns, message", [
+    ("[{fn: a:r}, {fn: b:r}]", r"two entries are named 'r'.*its own `name:`"),
+    ("[{fn: a:r, weight: .inf}]", r"reward.fns\[0\].weight=inf is not a finite number"),
+    ("[{weight: 1.0}]", r"reward.fns\[0\] has no fn"),
+    ("[{fn: a:r, wieght: 1}]", r"Unknown config key\(s\) 'reward.fns\[0\].wieght'.*valid keys: fn, weight, name, batched"),
+    ("[]", r"reward.fns is empty"),
+])
+def test_reward_fns_are_checked_when_the_config_loads(fns, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"reward.fns={fns}"])
+
+
+def test_reward_terms_default_to_reward_fn_and_name_entries_by_function():
+    assert [(t.fn, t.weight, t.name) for t in load_config(None, []).reward.terms()] == [
+        ("jaxrl4llm.rewards:batch_math_reward", 1.0, "batch_math_reward")]
+    terms = load_config(None, ["reward.fns=[{fn: jaxrl4llm.rewards:batch_math_reward, name: correct}, "
+                               "{fn: jaxrl4llm.rewards:boxed_format_reward, weight: 0.1}]"]).reward.terms()
+    assert [(t.name, t.weight) for t in terms] == [("correct", 1.0), ("boxed_format_reward", 0.1)]
+    with pytest.raises(ConfigError, match=r"reward.fn='x:y' and reward.fns are both set"):
+        load_config(None, ["reward.fn=x:y", "reward.fns=[{fn: a:b}]"])

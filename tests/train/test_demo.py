@@ -67,7 +67,10 @@ def test_quick_demo_metrics_are_bit_identical_to_the_pinned_run(quick_demo):
     out, _ = quick_demo
     pin = json.loads(PINNED.read_text())
     got = pinned_metrics(out / "rl")
-    assert [sorted(r) for r in got] == [sorted(r) for r in pin["rows"]], "the demo logs other metric names"
+    assert len(got) == len(pin["rows"]), "the demo logs another number of records"
+    for g, p in zip(got, pin["rows"]):  # new metrics may join; the pinned ones stay
+        assert set(p) <= set(g), f"step {p['step']}: metrics no longer logged: {sorted(set(p) - set(g))}"
+    got = [{k: g[k] for k in p} for g, p in zip(got, pin["rows"])]
     here = (jax.__version__, cpu_name())
     if here == (pin["jax"], pin["cpu"]):
         assert got == pin["rows"], f"the quick demo's metrics moved (pinned on jax {pin['jax']}, {pin['cpu']})"

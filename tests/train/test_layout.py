@@ -61,3 +61,67 @@ def test_a_layout_that_cannot_be_built_is_a_config_error_from_plan_too(bad):
 
     with pytest.raises(ConfigError):
         plan_layout(load_config(ROOT / "configs/models/qwen3_0.6b_base.yaml", ["mesh.data=-1"] + bad), "cpu")
+
+
+# the two workloads of benchmarks/row_form.py, at the shapes it times (docs/training.md, "Which row form")
+DEMO_SHAPE = dict(rows=128, mini_batches=2, prompt_width=64, prompt_tokens=53.0, max_new_tokens=32, budget=None)
+RAGGED_SHAPE = dict(rows=64, mini_batches=1, prompt_width=64, prompt_tokens=35.0, max_new_tokens=256, budget=4096)
+
+
+def _choice(shape, group=8):
+    from jaxrl4llm.train.layout import choose_row_form
+    from jaxrl4llm.train.packing import pack_layout
+
+    s = dict(shape)
+    n, budget = s.pop("mini_batches"), s.pop("budget")
+    lay = pack_layout(rows=s["rows"], mini_batches=n, shards=1, prompt_width=s["prompt_width"],
+                      response_width=s["max_new_tokens"], tokens_per_micro_batch=budget)
+    return choose_row_form(**s, prompt_group=group, packing=lay)
+
+
+def test_the_row_form_rule_picks_what_the_benchmark_found_fastest():
+    """benchmarks/row_form.py: shared-prompt rows on the demo's short, equal responses (packing
+    saves no micro-batch there), packed rows on lognormal responses of a quarter of the budget."""
+    demo, ragged = _choice(DEMO_SHAPE), _choice(RAGGED_SHAPE)
+    assert demo.form == "shared_prompt", demo.reason
+    assert ragged.form == "packed", ragged.reason
+    assert demo.positions["packed"] == demo.positions["padded"]  # one sequence per packed row: no position saved
+    assert ragged.positions["packed"] < ragged.positions["shared_prompt"] / 2
+
+
+def test_without_a_shared_prompt_the_rule_weighs_packed_against_padded_rows():
+    assert _choice(DEMO_SHAPE, group=None).form == "padded"
+    assert _choice(RAGGED_SHAPE, group=None).form == "packed"
+    assert "shared_prompt" not in _choice(DEMO_SHAPE, group=None).positions
+
+
+def test_packing_auto_resolves_in_the_layout_plan_shows(capsys):
+    from jaxrl4llm.cli import main
+
+    def show(*overrides):
+        code = main(["plan", "-c", str(ROOT / "configs/models/qwen3_0.6b_base.yaml"), "--topology", "cpu",
+                     "--show-layout", "mesh.fsdp=1", "mesh.data=-1", *overrides])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    long = show("trainer.packing=auto")  # 8k-token budget, lognormal mean 2k expected: packed
+    assert long["row_form"] == "packed" and long["update"]["packing"] is not None
+    assert "least expected work" in long["row_form_reason"]
+    short = show("trainer.packing=auto", "rollout.max_new_tokens=32")  # the prompt dominates: share it
+    assert short["row_form"] == "shared_prompt" and short["update"]["packing"] is None
+    assert short["update"]["prompt_group"] == 8
+    fixed = show("trainer.packing=true", "rollout.max_new_tokens=32")  # today's form, no reason
+    assert fixed["row_form"] == "packed" and fixed["row_form_reason"] == ""
+
+
+def test_a_run_with_packing_auto_logs_its_row_form_and_writes_it_to_layout_json(demo_assets, tmp_path):
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.loop import train
+    from tests.train.conftest import tiny_overrides
+
+    lines = []
+    train(load_config(None, tiny_overrides(demo_assets, tmp_path / "run", **{
+        "trainer.packing": "auto", "trainer.steps": 1})), log=lines.append)
+    layout = json.loads((tmp_path / "run" / "layout.json").read_text())
+    assert layout["row_form"] in ("padded", "shared_prompt", "packed") and layout["row_form_reason"]
+    assert any(line.startswith(f"row form: {layout['row_form'].replace('_', '-')} (trainer.packing=auto") for line in lines)

@@ -121,6 +121,9 @@ def test_only_process_zero_writes_and_the_export_is_complete(runs):
     out = runs / "two"
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1, 2, 3]  # once each
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]  # gathered, once
+    assert [(r["step"], r["row"]) for r in samples] == [(s, i) for s in (1, 2, 3) for i in range(4)]
+    assert all(r["step"] - 1 - 2 <= r["policy_version"] <= r["step"] - 1 for r in samples)  # max_staleness=2
     assert (out / "config.json").is_file() and (out / "hf_export" / "config.json").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]  # every 2 steps
 

@@ -151,3 +151,53 @@ def test_a_run_gives_the_reward_problem_and_metadata_and_counts_its_failures(fin
     assert len(warnings) == sum(e > 0 for e in errors)
     assert all("ValueError: a '1' in the response" in w for w in warnings)
     assert all("eval/reward_errors" in r for r in records if r["step"] in (0, 2) and "eval/accuracy" in r)
+
+
+def test_a_weighted_list_sums_its_entries_and_returns_each_one(monkeypatch):
+    """reward.fns: reward = sum_i weight_i * reward_i, each entry's own rewards as components; a
+    failed entry scores 0 in its term only and the row's error names it."""
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.reward_fn import WeightedRewardFn, make_reward_fn
+
+    cfg = load_config(None, ["reward.sandbox=false", "reward.fns=[{fn: tests.train.user_rewards:raises_on_b, "
+                             "weight: 2.0, name: exact}, {fn: jaxrl4llm.rewards:boxed_format_reward, weight: 0.5}]"])
+    reward = make_reward_fn(cfg, log=lambda line: None)
+    assert isinstance(reward, WeightedRewardFn)
+    scores = reward(["a", "b", r"\boxed{a}"], ["a", "a", "a"])
+    assert scores.rewards.tolist() == [2.0, 0.0, 0.5]
+    assert {k: v.tolist() for k, v in scores.components.items()} == {"exact": [1.0, 0.0, 0.0],
+                                                                     "boxed_format_reward": [0.0, 0.0, 1.0]}
+    assert scores.errors == [None, "exact: KeyError: 'b'", None]
+    assert _reward(per_sample, sandbox=False)(["a"], ["a"]).components == {}  # a single reward.fn: none
+    # two per-sample entries in worker processes: one pool that preloads both
+    sandboxed = make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.user_rewards:raises_on_b}, "
+                                                  "{fn: tests.train.user_rewards:sleeps, weight: 0.5}]"]))
+    assert all(r.sandboxed and r.pool_paths == ("tests.train.user_rewards:raises_on_b", "tests.train.user_rewards:sleeps")
+               for _, _, r in sandboxed.terms)
+    assert sandboxed(["a", "b"], ["a", "a"]).rewards.tolist() == [1.5, 0.5]
+
+
+def test_a_weighted_list_needs_gold_answers_when_any_entry_does():
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.reward_fn import reward_needs_gold
+
+    fmt = "{fn: jaxrl4llm.rewards:boxed_format_reward}"
+    assert not reward_needs_gold(load_config(None, [f"reward.fns=[{fmt}]"]))  # the format reward reads no gold
+    assert reward_needs_gold(load_config(None, [f"reward.fns=[{fmt}, {{fn: jaxrl4llm.rewards:batch_math_reward}}]"]))
+
+
+def test_a_weighted_lists_bad_entry_is_refused_before_the_model(monkeypatch):
+    import sys
+
+    from jaxrl4llm.train.config import load_config
+    from jaxrl4llm.train.reward_fn import make_reward_fn
+
+    with pytest.raises(ConfigError, match=r"reward.fns\[1\].fn='no_such_module:fn': cannot import module"):
+        make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.user_rewards:raises_on_b}, "
+                                          "{fn: no_such_module:fn}]"]))
+    with pytest.raises(ConfigError, match=r"reward.fns\[0\].batched=auto cannot tell whether unknown"):
+        make_reward_fn(load_config(None, ["reward.fns=[{fn: tests.train.test_reward_fn:unknown}]"]))
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # the math-verify extra not installed
+    monkeypatch.delitem(sys.modules, "jaxrl4llm.rewards.hf_math_verify", raising=False)
+    with pytest.raises(ConfigError, match=r"pip install 'jaxrl4llm\[math-verify\]'"):
+        make_reward_fn(load_config(None, ["reward.fns=[{fn: jaxrl4llm.rewards.hf_math_verify:math_verify_reward}]"]))

@@ -1,0 +1,52 @@
+"""Logged rollouts: a few rows of each step's batch as text, for reading what the policy writes
+while it trains (`trainer.log_samples`; the peers' completions table: TRL's log_completions,
+verl's val generations, tunix's sample logging).
+
+    rows = sample_rows(policy, rollout, rewards, adv, versions, n=4)   # -> MetricsWriter.write_samples
+
+Which rows: the first n of the step's batch, in order (rows are the prompts' groups of G
+samples, adjacent: n <= G shows n samples of the step's first prompt). A pure side output: it
+reads the step's arrays and changes nothing the run computes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrl4llm.rewards import extract_answer
+from jaxrl4llm.train import hosts
+
+
+def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int) -> list[dict]:
+    """One dict per logged row, for the first min(n, N) rows of a step's rollout (every process
+    calls it alike: global arrays are gathered).
+
+    Args:
+      policy: the run's Policy (its tokenizer decodes the rows).
+      rollout: the step's Rollout (N rows: prompt_tokens [N, T] with prompt_mask, response_tokens
+        [N, R], lengths [N], truncated [N]).
+      rewards: [N] the reward function's scores (reward.fn).
+      adv: the step's AdvantageBatch (advantages [N], shaped_rewards [N]).
+      versions: the policy version (updates done) that sampled each row: an int or [N] ints
+        (rollout.partial: the version that began the row).
+      n: trainer.log_samples (0: no rows).
+
+    Returns [{"row", "prompt" (as the model saw it, special tokens kept), "response", "reward",
+    "shaped_reward" (after reward.scale / offset and the overlong penalty: what the advantage
+    is computed from), "advantage", "extracted" (the math verifier's final answer, None when it
+    finds none), "truncated", "response_length", "policy_version"}].
+    """
+    n = min(n, rollout.num_rows)
+    if n <= 0:
+        return []
+    first = lambda x: hosts.fetch(x[:n])
+    prompts, prompt_mask, tokens = first(rollout.prompt_tokens), first(rollout.prompt_mask), first(rollout.response_tokens)
+    lengths, truncated = first(rollout.lengths), first(rollout.truncated)
+    advantages, shaped = first(adv.advantages), first(adv.shaped_rewards)
+    responses = policy.decode_rows([t[:length].tolist() for t, length in zip(tokens, lengths)])
+    versions = np.broadcast_to(np.asarray(versions), (rollout.num_rows,))
+    return [{"row": i, "prompt": policy.decode_ids(prompts[i][np.asarray(prompt_mask[i], bool)].tolist()),
+             "response": responses[i], "reward": float(rewards[i]), "shaped_reward": float(shaped[i]),
+             "advantage": float(advantages[i]), "extracted": extract_answer(responses[i]),
+             "truncated": bool(truncated[i]), "response_length": int(lengths[i]), "policy_version": int(versions[i])}
+            for i in range(n)]
