@@ -1,4 +1,4 @@
-"""The jaxrl4llm modules import each other without a cycle.
+"""The jaxrl4llm modules import each other without a cycle, and none uses another's private (`_x`) names.
 
 The graph is read from the source (ast, nothing imported): an edge A -> B for every
 `import B` / `from B import x` in A, at module level or inside a function, B a jaxrl4llm
@@ -95,3 +95,50 @@ def test_cycles_are_found():
 def test_jaxrl4llm_modules_import_without_a_cycle():
     cycles = find_cycles(import_graph())
     assert cycles == [], "import cycles among jaxrl4llm modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def private_uses(path: Path, modules, package: Path = PACKAGE) -> list[str]:
+    """`from M import _x` and `M._x` (M imported as a module) in the file at `path` (under `package`),
+    M another jaxrl4llm module: "line: M._x" for each. A file's own names and dunders are not private uses."""
+    own = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+    own = own.removesuffix(".__init__")
+    tree = ast.parse(path.read_text(), str(path))
+    private = lambda name: name.startswith("_") and not name.startswith("__")
+    uses, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("jaxrl4llm"):
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:  # `from P import m`: m a module
+                    aliases[a.asname or a.name] = full
+                elif private(a.name) and node.module != own:
+                    uses.append(f"{node.lineno}: {node.module}.{a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("jaxrl4llm") and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and private(node.attr):
+            module = aliases.get(node.value.id)
+            if module is not None and module != own:
+                uses.append(f"{node.lineno}: {module}.{node.attr}")
+    return uses
+
+
+def test_private_uses_are_found(tmp_path):
+    source = tmp_path / "jaxrl4llm" / "train" / "x.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("from jaxrl4llm.train.loop import _in_mesh, run_meshes\nfrom jaxrl4llm.train import hosts\n"
+                      "from jaxrl4llm.train.x import _own\nhosts._local()\nhosts.fetch\n")
+    modules = {"jaxrl4llm.train.hosts", "jaxrl4llm.train.loop"}
+    assert private_uses(source, modules, tmp_path / "jaxrl4llm") == [
+        "1: jaxrl4llm.train.loop._in_mesh", "4: jaxrl4llm.train.hosts._local"]
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A `_name` is its module's own: another module that needs it gets it public in its owner (or moved)."""
+    modules = _module_names()
+    uses = {name: private_uses(path, modules) for name, path in modules.items()}
+    uses = {name: found for name, found in uses.items() if found}
+    assert uses == {}, "private names used across modules:\n" + "\n".join(
+        f"{name}: {', '.join(found)}" for name, found in sorted(uses.items()))

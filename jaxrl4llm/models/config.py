@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
-from jaxrl4llm.models.layers.segment_attention import ATTENTION_IMPLS
+from jaxrl4llm.kernels.choice import ATTENTION_IMPLS
 from jaxrl4llm.models.remat import REMAT_POLICIES
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")

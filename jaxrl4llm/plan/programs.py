@@ -27,16 +27,24 @@ import dataclasses
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxrl4llm.core import policy_loss
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.decode import DecodeBackend
 from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
+from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_attention_flops
+from jaxrl4llm.models.lora import plain_graphdef
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
@@ -44,12 +52,21 @@ from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled
                                      find_loops, meter_notice, parse_module, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
                                     static_decode_work)
-from jaxrl4llm.sampling.memory import SIZING_SHARE
+from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
+from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program, engine_slots,
+                                           prefill_batch)
+from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
+from jaxrl4llm.sampling.gpu_paged_attention import BLOCK_H
+from jaxrl4llm.sampling.memory import (SIZING_SHARE, continuous_memory, decode_memory, decode_sizing, prompts_per_chunk,
+                                       slots_that_fit, weights_program_memory)
 from jaxrl4llm.train.config import ConfigError, RunConfig
-from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.train.layout import (RunLayout, lora_dropout, lora_settings, mesh_dims, model_config_from_fields,
                                     run_layout, sampler_mesh_for, split_for_sampler)
+from jaxrl4llm.train.packing import expected_micro_batches, packed_abstract
+from jaxrl4llm.train.policy import make_logprob_fn
 from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
+from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, make_logprob_pass,
+                                  make_optimizer, make_update_fn, train_state_shardings)
 
 
 PEAKS = ("datasheet", "measured")
@@ -102,8 +119,6 @@ def topology_devices(topology: str) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     try:
-        from jax.experimental import topologies
-
         return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown topology name
         raise ConfigError(f"cannot build TPU topology {topology!r} ({type(e).__name__}: {str(e).splitlines()[0]}). "
@@ -265,8 +280,6 @@ def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Me
              log=None) -> tuple[ProgramPlan, Any]:
     """Lower and compile under the mesh context (as the loop runs them: the model's activation
     constraints read it); a RESOURCE_EXHAUSTED becomes a plan that does not fit."""
-    import time
-
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
@@ -361,7 +374,8 @@ class RunPlan:
 def plan_layout(cfg: RunConfig, topology: str) -> RunLayout:
     """The layout (`train.layout.run_layout`) of `cfg` on `topology`'s chips, as `plan_run` compiles it:
     the model from `plan_model_config`, prompts padded to `data.max_prompt_tokens`' bucket (the
-    longest a run can meet). `jaxrl4llm plan --show-layout` prints it without compiling."""
+    longest a run can meet), the sampler's XLA programs (no C++ CPU kernels: custom calls XLA cannot
+    cost). `jaxrl4llm plan --show-layout` prints it without compiling."""
     mesh, own_sampler = topology_meshes(topology, cfg)
     return run_layout(cfg, mesh, plan_model_config(cfg), prompt_width=bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS),
                       sampler_mesh=own_sampler)
@@ -376,16 +390,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
     `log` gets a line per compiled program as it goes. `sampler_only`: the sampler's programs alone
     (`plan_eval`). `chip`: the chip to price and fit on (default `chip_spec(topology)`: its datasheet)."""
-    from jaxrl4llm.core import policy_loss
-    from jaxrl4llm.models import abstract_model, param_shardings
-    from jaxrl4llm.models.decode import DecodeBackend
-    from jaxrl4llm.sampling.buckets import BATCH_BUCKETS
-    from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
-    from jaxrl4llm.models import split_trainable
-    from jaxrl4llm.models.lora import plain_graphdef
-    from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, make_logprob_pass,
-                                      make_optimizer, make_update_fn, train_state_shardings)
-
     topology = topology or cfg.mesh.topology
     if not topology:
         raise ConfigError("plan needs a topology: pass --topology (e.g. v5p:4x4x4, h100:8, or cpu for this machine) "
@@ -436,9 +440,12 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     sampler_resident = state_bytes if own_sampler is None else per_chip_bytes(sampler_params)
 
     # -- sampler: on its own mesh (rollout.tensor_parallel), one chunk of prompts at a time
-    from jaxrl4llm.sampling.memory import decode_memory, decode_sizing, prompts_per_chunk, weights_program_memory
-
     dmesh = sampler_mesh_for(cfg, smesh, config) or smesh
+    # the decode attention the run's sampler runs (`kernels.choice`; the layout's, or for an evaluation's
+    # sampler alone the same rule): the C++ CPU kernels are custom calls XLA cannot cost, so plan prices XLA's path
+    decode_attention = layout.decode_attention if layout is not None else decode_attention_choice(
+        config, mesh_devices(dmesh), cpu_kernels=False, requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
+        engine=cfg.rollout.engine)
     sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
     ddp, dtp, block, embed_dtype = (sizing[k] for k in ("data_parallel", "tensor_parallel", "block_size", "embed_dtype"))
     # the backend the run would pick (on CPU: the XLA path; the C++ kernels are custom calls XLA cannot cost)
@@ -474,17 +481,11 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
         chunks = -(-prompts // chunk)
         if cfg.rollout.engine == "continuous":  # every prompt in one call, `slots` rows at a time
-            from jaxrl4llm.sampling.continuous import PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program
-            from jaxrl4llm.sampling.memory import continuous_memory, slots_that_fit
-
             num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
             fitting_slots = slots_that_fit(config, chip.sizing_bytes - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
-            slots = min(-(-slots // ddp), num_prompts // ddp * g_samples) * ddp  # as `generate` rounds them
-            from jaxrl4llm.sampling.generate import paged_attention_choice
-
-            attention = paged_attention_choice(config, dmesh, False, cfg.rollout.decode_attention,
-                                               page_size=PAGE_SIZE)  # as `generate` picks
+            slots = engine_slots(slots, num_prompts=num_prompts, samples=g_samples, shards=ddp)  # as `generate` does
+            attention = decode_attention.kernel  # the layout's: what the run's sampler runs
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -503,7 +504,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
                           partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE,
                           pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
-                          q_heads=kernel_query_rows(config, dtp, is_gpu_topology(topology) and attention == "kernel"),
+                          q_heads=kernel_query_rows(config, dtp, attention == DecodeAttention.GPU_TRITON),
                           kv_heads=config.num_kv_heads // dtp,
                           cache_bytes=jnp.dtype(config.dtype).itemsize)
         else:
@@ -540,8 +541,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                   advantages=((rows,), jnp.float32), row_weights=((rows,), jnp.float32),
                   denominator_weights=((rows,), jnp.float32))
     batch = TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()})
-    from jaxrl4llm.train.policy import make_logprob_fn
-
     logprob_fn = make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
     settings = layout.update
     micro = settings.micro_batches
@@ -550,8 +549,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     group = settings.prompt_group  # each prompt's forward once per group
     packing = settings.packing
     if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
-        from jaxrl4llm.train.packing import packed_abstract
-
         batch = packed_abstract(packing, mesh)
         micro, micro_rows = packing.micro_batches, packing.rows
         per_chip_rows = packing.rows_per_shard
@@ -573,7 +570,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
     batch_bytes = per_chip_bytes(batch)
     tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass (at most)
-    kernel = attention_kernel_flops(config, mesh, per_chip_rows, seq, remat=config.remat,
+    kernel = attention_kernel_flops(config, mesh, layout.train_attention.kernel, per_chip_rows, seq, remat=config.remat,
                                     epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
     plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(
                              logprob_fn, micro, settings.scored_tokens, group)).lower(params, batch),
@@ -645,21 +642,15 @@ def kernel_query_rows(config, tensor_parallel: int, gpu_kernel: bool) -> int:
     kv_heads, group = config.num_kv_heads // tensor_parallel, config.num_heads // config.num_kv_heads
     if not gpu_kernel:
         return kv_heads * group
-    from jaxrl4llm.sampling.gpu_paged_attention import BLOCK_H
-
     return kv_heads * -(-group // BLOCK_H) * BLOCK_H
 
 
-def attention_kernel_flops(config, mesh: Mesh, rows_per_chip: float, seq: int, *, remat: bool, epochs: int,
-                           minis: int) -> dict | None:
-    """The FLOPs per chip and micro-batch of the training attention when the model's
-    `attention_impl` resolves to a Pallas kernel on `mesh` (splash on TPU, Triton flash on GPU):
-    XLA's cost analysis counts a custom call as no FLOPs, so the meter adds them
-    (`segment_attention.kernel_attention_flops`, every layer). None on the XLA path."""
-    from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_attention_flops, resolve_impl
-
-    with jax.set_mesh(mesh):
-        impl = resolve_impl(config.attention_impl)
+def attention_kernel_flops(config, mesh: Mesh, impl: str, rows_per_chip: float, seq: int, *, remat: bool,
+                           epochs: int, minis: int) -> dict | None:
+    """The FLOPs per chip and micro-batch of the training attention when it runs a Pallas kernel
+    (`impl`, the layout's `train_attention`: splash on TPU, Triton flash on GPU): XLA's cost analysis
+    counts a custom call as no FLOPs, so the meter adds them (`segment_attention.kernel_attention_flops`,
+    every layer). None on the XLA path."""
     if impl not in ("splash", "pallas_gpu"):
         return None
     tp = mesh.shape["tensor"]
@@ -708,8 +699,6 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     real = plan.rows * (prompt_tokens / (plan.prompt_group or 1) + mean_response - 1)
     positions = plan.trainer_positions
     if plan.packing is not None:  # the packed passes run as many micro-batches as the lengths fill
-        from jaxrl4llm.train.packing import expected_micro_batches
-
         micro = expected_micro_batches(plan.packing, lengths, prompt_tokens, plan.prompt_len)
         positions = micro * plan.packing.mini_batches * plan.packing.positions
         for p in programs:
@@ -723,15 +712,13 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
     if d is not None and decode is not None and d.get("engine") == "continuous":
-        from jaxrl4llm.sampling.continuous import prefill_batch
-
         work = continuous_decode_work(lengths, plan.rows, d["slots"], plan.response_len, shards=d["shards"],
                                       samples=d.get("samples", 1), burst=d["burst"], page_size=d["page_size"],
                                       pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens,
                                       partial=bool(d.get("partial")),
                                       prefill=prefill_batch(d["num_prompts"] // d["shards"], d["slots"] // d["shards"],
                                                             d.get("samples", 1)))
-        if d["attention"] == "kernel":  # XLA counts the Pallas call as nothing: its keys and pages, every layer
+        if d["attention"] not in ("xla", "cpu_native"):  # XLA counts the Pallas call as nothing: its keys and pages, every layer
             layers = plan.model.num_layers * work.steps
             decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
             decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
@@ -881,8 +868,8 @@ def format_plan(plan: RunPlan) -> str:
     d = plan.decode or {}
     if sm and sm.get("engine") == "continuous":
         work = d.get("work", {})
-        kernel = "XLA's chunks of live pages" if sm["attention"] != "kernel" else \
-            "the Triton paged attention kernel" if is_gpu_topology(plan.topology) else "the ragged paged attention kernel"
+        kernel = {"tpu_ragged": "the ragged paged attention kernel", "gpu_triton": "the Triton paged attention kernel",
+                  "cpu_native": "the C++ paged attention kernel"}.get(sm["attention"], "XLA's chunks of live pages")
         lines.append(f"sampler: the continuous engine (rollout.engine=continuous): decode mesh data "
                      f"{sm['data_parallel']} x tensor {sm['tensor_parallel']} (rollout.tensor_parallel), "
                      f"{sm['slots']} slots (rollout.slots; the most that fit by our count: {sm['fitting_slots']}), "

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.kernels.backend import CpuBackend
-from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
+from jaxrl4llm.kernels.choice import DecodeAttention
 from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, lm_head, prefill_kv
@@ -42,7 +42,7 @@ from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
-from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention, is_gpu
+from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
@@ -74,7 +74,9 @@ class EngineSpec:
     multiples of D); slots: S, rows decoded at once over all shards; page_size: tokens per KV page;
     pages_per_chunk: pages the XLA attention reads per chunk; burst: decode steps between two
     refills; prefill_prompts: A, prompts of a shard prefilled in one batch (`prefill_batch`; None:
-    the prompts that fill a shard's slots); attention: "xla" or "kernel" (`continuous_program`).
+    the prompts that fill a shard's slots); attention: the decode step's paged attention, a
+    `kernels.choice.DecodeAttention` resolved by `kernels.choice.decode_attention_choice` (the run's
+    layout, or `generate`): xla, tpu_ragged, gpu_triton or cpu_native.
     """
 
     config: ModelConfig
@@ -91,35 +93,49 @@ class EngineSpec:
     pages_per_chunk: int = PAGES_PER_CHUNK
     burst: int = BURST
     prefill_prompts: int | None = None
-    attention: str = "xla"
+    attention: DecodeAttention = DecodeAttention.XLA
 
 
-def decode_attention_path(spec: EngineSpec) -> str:
-    """Which paged attention a decode step runs for `spec`: "xla" (`paged_cache.paged_attention`),
-    "tpu_ragged" (`paged_cache.kernel_paged_attention`), "gpu_triton" (`gpu_paged_attention`) or
-    "cpu_native" (`kernels.paged_attention`). ValueError when attention="kernel" cannot take the
-    model's shapes on this platform."""
-    backend, config = spec.backend, spec.config
-    if spec.attention != "kernel":
-        return "xla"
-    if is_gpu(list(backend.mesh.devices.flat) if backend.mesh is not None else jax.devices()):
-        if not gpu_kernel_supports(config.head_dim, jnp.dtype(config.dtype), spec.page_size):
-            raise ValueError(f"continuous sampler: attention='kernel' on GPU needs a power-of-two head_dim >= 16 (this "
-                             f"model's: {config.head_dim}), a power-of-two page size (kv_page_size: {spec.page_size}) "
-                             f"and a bfloat16 or float16 model ({jnp.dtype(config.dtype)}); use paged_attention='xla'")
-        return "gpu_triton"
-    if isinstance(backend, CpuBackend):
-        if not (backend.kernels and kernel_supports(config.dtype, config.dtype)):
-            raise ValueError("continuous sampler: attention='kernel' on CPU needs the CPU kernels (one device, a "
-                             "bfloat16 or float32 model)")
-        return "cpu_native"
-    return "tpu_ragged"
+def engine_slots(slots: int | None, *, num_prompts: int, samples: int, shards: int) -> int:
+    """S, the engine's slots over all shards for `slots` asked (None: every row) and `num_prompts`
+    prompts (a multiple of the D shards) of G `samples` rows each, as `generate`, the partial-rollout
+    engine and `plan` size them: rounded up to a multiple of D, every row at most:
+        S = D min(ceil(slots / D), P / D * G)"""
+    return min(-(-(slots or num_prompts * samples) // shards), num_prompts // shards * samples) * shards
+
+
+class ShardSizes(NamedTuple):
+    """A shard's page counts and prefill batch (`shard_sizes`; `Engine`'s fields of the same names)."""
+
+    prompt_pages: int  # Tp, pages of a whole prompt
+    response_pages: int  # Rp, a slot's own pages: a partial prompt page + R - 1 tokens
+    table_pages: int  # W, a slot's logical pages (Tp + Rp in whole chunks)
+    entries: int  # Q, prompt entries: every prompt with a row in a slot, and one whose rows wait
+    pool_pages: int  # pages of a shard's pool (`paged_cache.pool_pages`)
+    prefill_prompts: int  # A (`prefill_batch`)
+    choose_prefill: bool  # a refill picks rounds of A or of one prompt (`prefill_batch`)
+
+
+def shard_sizes(*, prompts_per_shard: int, slots_per_shard: int, samples: int, prompt_len: int, max_new_tokens: int,
+                page_size: int = PAGE_SIZE, pages_per_chunk: int = PAGES_PER_CHUNK,
+                prefill_prompts: int | None = None) -> ShardSizes:
+    """A shard's pages and prefill batch for P_d prompts of width T, S_d slots, G samples, R new tokens:
+        Tp = ceil(T / page), Rp = ceil((page - 1 + max(R - 1, 1)) / page), W = Tp + Rp up to a whole
+        chunk, Q = S_d + 1, the pool `pool_pages(S_d, Q, Tp, Rp)`, A = `prefill_batch(P_d, S_d, G)`.
+    `Engine.resolve` sizes the engine with it and `sampling.memory.continuous_memory` counts its bytes."""
+    prompt_pages = -(-prompt_len // page_size)
+    response_pages = -(-(page_size - 1 + max(max_new_tokens - 1, 1)) // page_size)
+    table_pages = -(-(prompt_pages + response_pages) // pages_per_chunk) * pages_per_chunk
+    entries = slots_per_shard + 1
+    at_once, choose = prefill_batch(prompts_per_shard, slots_per_shard, samples, prefill_prompts)
+    return ShardSizes(prompt_pages, response_pages, table_pages, entries,
+                      pool_pages(slots_per_shard, entries, prompt_pages, response_pages), at_once, choose)
 
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
     """An `EngineSpec` resolved for one program's prompts (`resolve`, at trace time): the sizes of
-    a shard's buffers, slots and page pool, and the decode attention path. The engine buffers
+    a shard's buffers, slots and page pool. The engine buffers
     `halves` x `prompts_per_shard` prompts a shard (1 half for one call, 2 for partial rollouts)."""
 
     spec: EngineSpec
@@ -136,30 +152,27 @@ class Engine:
     pool_pages: int  # pages of a shard's pool
     prefill_prompts: int  # A (`prefill_batch`)
     choose_prefill: bool  # a refill picks rounds of A or of one prompt (`prefill_batch`)
-    attention_path: str  # `decode_attention_path`
 
     @staticmethod
     def resolve(spec: EngineSpec, *, num_prompts: int, prompt_len: int, halves: int) -> Engine:
         """The engine of `spec` over `halves` x `num_prompts` prompts (all shards) of width `prompt_len`."""
         shards, page_size = spec.num_shards, spec.page_size
+        if spec.attention not in tuple(DecodeAttention):
+            raise ValueError(f"continuous sampler: attention={spec.attention!r}; one of "
+                             f"{', '.join(k.value for k in DecodeAttention)} (kernels.choice.decode_attention_choice "
+                             f"resolves a request such as 'auto' or 'kernel')")
         if num_prompts % shards or spec.slots % shards:
             raise ValueError(f"continuous sampler: {num_prompts} prompts and {spec.slots} slots must split over "
                              f"{shards} shards")
         prompts_per_shard, slots_per_shard = num_prompts // shards, spec.slots // shards
         rows_per_shard = prompts_per_shard * spec.num_samples
-        prompt_pages = -(-prompt_len // page_size)
-        response_pages = -(-(page_size - 1 + max(spec.max_new_tokens - 1, 1)) // page_size)
-        table_pages = -(-(prompt_pages + response_pages) // spec.pages_per_chunk) * spec.pages_per_chunk
-        entries = slots_per_shard + 1
-        prefill_prompts, choose_prefill = prefill_batch(prompts_per_shard, slots_per_shard, spec.num_samples,
-                                                        spec.prefill_prompts)
+        sizes = shard_sizes(prompts_per_shard=prompts_per_shard, slots_per_shard=slots_per_shard,
+                            samples=spec.num_samples, prompt_len=prompt_len, max_new_tokens=spec.max_new_tokens,
+                            page_size=page_size, pages_per_chunk=spec.pages_per_chunk,
+                            prefill_prompts=spec.prefill_prompts)
         return Engine(spec=spec, prompt_len=prompt_len, prompts_per_shard=prompts_per_shard,
                       rows_per_shard=rows_per_shard, buffer_prompts=halves * prompts_per_shard,
-                      buffer_rows=halves * rows_per_shard, slots_per_shard=slots_per_shard,
-                      prompt_pages=prompt_pages, response_pages=response_pages, table_pages=table_pages,
-                      entries=entries, pool_pages=pool_pages(slots_per_shard, entries, prompt_pages, response_pages),
-                      prefill_prompts=prefill_prompts, choose_prefill=choose_prefill,
-                      attention_path=decode_attention_path(spec))
+                      buffer_rows=halves * rows_per_shard, slots_per_shard=slots_per_shard, **sizes._asdict())
 
     def constrain_rows(self, x: jax.Array) -> jax.Array:
         """x with its leading axis on the "batch" rule (the shards, or rows over the shards)."""
@@ -490,17 +503,17 @@ def _attend(engine: Engine, layer_pool, pages: StepPages, queries, keys, values)
     group = config.num_heads // kv_heads
     queries = queries.reshape(shards, slots, kv_heads, group, head_dim)
     keys, values = keys.reshape(shards, slots, kv_heads, head_dim), values.reshape(shards, slots, kv_heads, head_dim)
-    if engine.attention_path == "cpu_native":  # the new token written and the live pages read in place, in C++
+    if spec.attention == DecodeAttention.CPU_NATIVE:  # the new token written and the live pages read in place, in C++
         out, pool = cpu_paged_attention(queries, layer_pool, keys, values, pages.write_page, pages.write_offset,
                                         pages.table, pages.kv_len)
         return out.reshape(shards * slots, 1, kv_heads * group, head_dim), pool
     pool = write_tokens(layer_pool, pages.write_page, pages.write_offset, keys, values, cache_dtype)
     pool = backend.constrain(pool, POOL_AXES)
     batch_axes, tensor_axis = _kernel_mesh_axes(backend)
-    if engine.attention_path == "gpu_triton":
+    if spec.attention == DecodeAttention.GPU_TRITON:
         out = gpu_paged_attention(queries, pool, pages.table, pages.kv_len, mesh=backend.mesh, batch_axes=batch_axes,
                                   tensor_axis=tensor_axis)
-    elif engine.attention_path == "tpu_ragged":
+    elif spec.attention == DecodeAttention.TPU_RAGGED:
         out = kernel_paged_attention(queries, pool, pages.table, pages.kv_len, mesh=backend.mesh,
                                      batch_axes=batch_axes, tensor_axis=tensor_axis)
     else:
@@ -645,9 +658,10 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
         prefill_prompts: A, prompts per shard prefilled in one batch when a refill admits more than
           A / 2 prompts (the first admission, which fills every slot), else one at a time (a refill
           that needs one prompt does not pay for A); None: S/D // G, the prompts that fill the slots.
-        attention: "xla" (`paged_cache.paged_attention`, any platform) or "kernel": on TPU the ragged
-          paged attention kernel (`paged_cache.kernel_paged_attention`), on GPU the Pallas/Triton paged
-          attention kernel (`gpu_paged_attention`), on CPU the C++ kernel (`kernels.paged_attention`,
+        attention: a `kernels.choice.DecodeAttention`, resolved by `kernels.choice.decode_attention_choice`:
+          xla (`paged_cache.paged_attention`, any platform), tpu_ragged (the ragged paged attention
+          kernel, `paged_cache.kernel_paged_attention`), gpu_triton (the Pallas/Triton paged attention
+          kernel, `gpu_paged_attention`) or cpu_native (the C++ kernel, `kernels.paged_attention`,
           which also writes the new token in place; a CpuBackend with kernels).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """

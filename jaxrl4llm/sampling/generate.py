@@ -22,17 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.kernels.native import load_kernels, require_kernels
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
-from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program
+from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program, engine_slots
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
-from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, is_gpu
-from jaxrl4llm.sampling.paged_cache import tpu_kernel_supports
 from jaxrl4llm.sampling.rollout import Rollout
 from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids
 
@@ -71,28 +69,6 @@ def use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
     return True
 
 
-def paged_attention_choice(config, mesh: Mesh | None, use_kernels: bool, requested: str | None, *,
-                           page_size: int = PAGE_SIZE) -> str:
-    """The continuous engine's attention ("xla" or "kernel") for generate()'s `paged_attention` option
-    (`rollout.decode_attention`): None or "auto" = the platform's kernel where it takes the model's
-    shapes, else XLA's chunks of live pages; "kernel" = required (ValueError saying why it cannot run);
-    "xla" = XLA's path."""
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    platform = devices[0].platform
-    cpu_kernel = platform == "cpu" and use_kernels and kernel_supports(config.dtype, config.dtype)
-    tpu_kernel = platform == "tpu" and tpu_kernel_supports(config.head_dim)
-    gpu_kernel = is_gpu(devices) and gpu_kernel_supports(config.head_dim, config.dtype, page_size)
-    kernel = tpu_kernel or gpu_kernel or cpu_kernel
-    attention = ("kernel" if kernel else "xla") if requested in (None, "auto") else requested
-    if attention not in ("xla", "kernel") or (attention == "kernel" and not kernel):
-        raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): 'auto', 'xla' anywhere, "
-                         f"'kernel' on TPU (head_dim a multiple of 128), on GPU (a power-of-two head_dim >= 16 "
-                         f"and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
-                         f"device, a bfloat16 or float32 model). This call: {platform}, head_dim {config.head_dim}, kv_page_size {page_size}, "
-                         f"{jnp.dtype(config.dtype).name}, CPU kernels {'on' if use_kernels else 'off'}")
-    return attention
-
-
 def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_ids: Sequence[int],
              pad_token_id: int, rng: jax.Array, mesh: Mesh | None = None, greedy: bool = False,
@@ -100,9 +76,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              batch_buckets: Sequence[int] = BATCH_BUCKETS, kv_block_size: int | None = None,
              cpu_kernels: bool | None = None, prompts_per_chunk: int | None = None, engine: str = "continuous",
              slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
-             row_max_new_tokens: Sequence[int] | None = None, paged_attention: str | None = None,
-             min_p: float = 0.0, stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-             tokenizer=None) -> Rollout:
+             row_max_new_tokens: Sequence[int] | None = None,
+             paged_attention: str | DecodeAttention | None = None, min_p: float = 0.0,
+             stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(min-p/top-k/top-p(logits / temperature)).
 
     Args:
@@ -143,7 +119,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         the ragged paged attention kernel; GPU: the Pallas/Triton paged attention kernel,
         `gpu_paged_attention`; CPU: the C++ paged attention kernel, `kernels.paged_attention`);
         None or "auto": the kernel where it takes the model's shapes (on CPU when the CPU kernels are in
-        use), else XLA (`paged_attention_choice`; the trainer's `rollout.decode_attention`).
+        use), else XLA; or a resolved `kernels.choice.DecodeAttention` (the trainer passes its run
+        layout's, `RunLayout.decode_attention`), checked to run here. The rule:
+        `kernels.choice.decode_attention_choice` (the trainer's `rollout.decode_attention`).
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
@@ -224,12 +202,11 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
-            attention = paged_attention_choice(config, mesh, use_kernels, paged_attention,
-                                               page_size=int(kv_page_size))
-            per_shard = -(-(slots or num_rows * num_samples) // dp)
-            per_shard = min(per_shard, num_rows // dp * num_samples)
+            attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
+                                                requested=paged_attention, page_size=int(kv_page_size)).kernel
             spec = EngineSpec(config=config, backend=backend, use_kernels=use_kernels, num_shards=dp,
-                              slots=per_shard * dp, page_size=int(kv_page_size), burst=int(decode_burst),
+                              slots=engine_slots(slots, num_prompts=num_rows, samples=num_samples, shards=dp),
+                              page_size=int(kv_page_size), burst=int(decode_burst),
                               attention=attention, **sampling)
             run = lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
         else:

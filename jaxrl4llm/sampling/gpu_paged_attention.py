@@ -35,20 +35,6 @@ PAGES_PER_BLOCK = 4  # pages one loop step of a program reads (64 tokens at 16-t
 _GRID_TARGET = 1024  # programs worth launching: the k-split parallelises long slots when slots are few
 
 
-def gpu_kernel_supports(head_dim: int, dtype, page_size: int) -> bool:
-    """Whether the Triton paged attention kernel takes these shapes: Triton blocks are powers of two
-    (head_dim >= 16, page_size), and a 16-bit pool (a float32 dot would run in TF32 on the tensor
-    cores, rounding differently from the XLA path; float32 models use `paged_cache.paged_attention`)."""
-    pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    return pow2(head_dim) and head_dim >= 16 and pow2(page_size) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-
-
-def is_gpu(devices) -> bool:
-    """Whether `devices` (a mesh's, or `jax.devices()`) are NVIDIA GPUs, attached or of a compile-only
-    topology (`plan.gpu.gpu_topology_devices`)."""
-    return {d.platform for d in devices} <= {"gpu", "cuda"} and len(devices) > 0
-
-
 def _splits(pages: int, slots: int, kv_heads: int, pages_per_block: int) -> tuple[int, int]:
     """(pages_per_block, k_splits) for a slot of `pages` logical pages: partitions of whole blocks,
     as many as bring the grid near `_GRID_TARGET` programs."""

@@ -27,9 +27,8 @@ import jax.numpy as jnp
 
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
-from jaxrl4llm.sampling.continuous import PAGE_SIZE, prefill_batch
+from jaxrl4llm.sampling.continuous import PAGE_SIZE, shard_sizes
 from jaxrl4llm.sampling.decode_loop import block_size_for
-from jaxrl4llm.sampling.paged_cache import pool_pages
 
 # The share of a device's memory limit (`memory_stats()["bytes_limit"]`: what JAX's allocator hands
 # the process) that the sampler's automatic sizing fills (`rollout.slots: auto`,
@@ -127,7 +126,8 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     """Per-chip bytes of the continuous sampler (`sampling.continuous`) by category.
 
     page pool      2 L (1 + S_d ceil((page-1 + R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
-                   (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp)
+                   (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp; the
+                   engine's own sizes, `continuous.shard_sizes`, as `Engine.resolve` reads them)
     prefill        A T (2 (H/tp) T + 3 F/tp + 4 D) 4    (one layer's prefill of A = min(P_d, S_d / G)
                    prompts at once, float32: scores and probabilities, gate, up and their product, the
                    residual, its norm and the two outputs; while the pool is held)
@@ -143,11 +143,12 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     c = config
     page = page_size or PAGE_SIZE
     per_shard = -(-slots // data_parallel)
-    tp_pages, rp_pages = -(-prompt_len // page), -(-(page - 1 + max(max_new_tokens - 1, 1)) // page)
+    sizes = shard_sizes(prompts_per_shard=math.ceil(prompts / data_parallel), slots_per_shard=per_shard,
+                        samples=samples, prompt_len=prompt_len, max_new_tokens=max_new_tokens, page_size=page)
+    tp_pages, rp_pages, at_once = sizes.prompt_pages, sizes.response_pages, sizes.prefill_prompts  # the engine's
     width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
     rows = math.ceil(prompts / data_parallel) * samples
-    pool = width * pool_pages(per_shard, per_shard + 1, tp_pages, rp_pages) * page // tensor_parallel
-    at_once, _ = prefill_batch(math.ceil(prompts / data_parallel), per_shard, samples)  # the engine's A
+    pool = width * sizes.pool_pages * page // tensor_parallel
     per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * c.intermediate_size // tensor_parallel \
         + 4 * c.hidden_size
     return {

@@ -171,13 +171,6 @@ def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax
     return jax.lax.fori_loop(0, num_chunks, values, jnp.zeros((d, s, kvh, hg, dh), jnp.float32))
 
 
-def tpu_kernel_supports(head_dim: int) -> bool:
-    """Whether the TPU ragged paged attention kernel takes this head size: it lays a head across
-    the 128 lanes of a vector register (smaller heads fail an assertion inside the kernel), so
-    other sizes use `paged_attention` (XLA) on TPU too."""
-    return head_dim % 128 == 0
-
-
 def per_device(one_device, q, pool, table, kv_len, *, mesh=None, batch_axes=(), tensor_axis=None) -> jax.Array:
     """`one_device(q, pool, table, kv_len)` (a kernel's call on its device's share) on every device:
     under `shard_map` the shards D over `batch_axes` and the kv heads over `tensor_axis` (a device

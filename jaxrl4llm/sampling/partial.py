@@ -33,14 +33,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import left_pad_prompts
-from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, partial_enqueue, partial_init,
+from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, engine_slots, partial_enqueue, partial_init,
                                             partial_segment)
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
-from jaxrl4llm.sampling.generate import data_parallel_size, paged_attention_choice, use_cpu_kernels
+from jaxrl4llm.sampling.generate import data_parallel_size, use_cpu_kernels
 from jaxrl4llm.sampling.rollout import Rollout
 from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids
 
@@ -75,7 +76,7 @@ class PartialRollouts:
                  eos_token_ids: Sequence[int], pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, mesh: Mesh | None = None, slots: int | None = None,
                  cpu_kernels: bool | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
-                 paged_attention: str | None = None, fetch=None, min_p: float = 0.0,
+                 paged_attention: str | DecodeAttention | None = None, fetch=None, min_p: float = 0.0,
                  stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None):
         model = merge(graphdef, state)
         if not isinstance(model, CausalLM):
@@ -94,8 +95,6 @@ class PartialRollouts:
         self.config, self.mesh, self.greedy = config, mesh, bool(greedy or temperature <= 0)
         self.backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels,
                                       block_size=block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
-        rows = num_prompts * num_samples
-        per_shard = min(-(-(slots or rows) // dp), rows // dp)
         self.num_prompts, self.num_samples, self.max_new_tokens, self.prompt_len = (num_prompts, num_samples,
                                                                                     max_new_tokens, prompt_len)
         self.eos = end_token_ids(eos_token_ids, stop_token_ids)
@@ -108,10 +107,12 @@ class PartialRollouts:
         self.top_p = np.float32(top_p)
         self.spec = EngineSpec(config=config, backend=self.backend, num_samples=num_samples,
                                max_new_tokens=max_new_tokens, top_k=int(top_k), use_top_p=bool(top_p < 1.0),
-                               greedy=self.greedy, use_kernels=use_kernels, num_shards=dp, slots=per_shard * dp,
+                               greedy=self.greedy, use_kernels=use_kernels, num_shards=dp,
+                               slots=engine_slots(slots, num_prompts=num_prompts, samples=num_samples, shards=dp),
                                page_size=int(kv_page_size), burst=int(decode_burst),
-                               attention=paged_attention_choice(config, mesh, use_kernels, paged_attention,
-                                                                page_size=int(kv_page_size)))
+                               attention=decode_attention_choice(
+                                   config, mesh_devices(mesh), cpu_kernels=use_kernels, requested=paged_attention,
+                                   page_size=int(kv_page_size)).kernel)
         state = partial_init(np.int32(pad_token_id), spec=self.spec, num_prompts=num_prompts, prompt_len=prompt_len)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)

@@ -13,7 +13,11 @@ here once and cannot drift between the two:
   rule (`single_optimizer_step`), the packing layout (`packing_layout`), the shared-prompt group
   (`shared_prompt_group`): together the update's `UpdateSettings`;
 - the sampler's decode mesh for `rollout.tensor_parallel` (`sampler_mesh_for`) and its settings
-  (`SamplerLayout`).
+  (`SamplerLayout`);
+- which attention kernel runs (`kernels.choice`, the one rule): the sampler's decode attention
+  (`rollout.decode_attention` on the sampler's devices: `RunLayout.decode_attention`) and the training
+  forward's (`model.attention_impl` on the trainer's: `RunLayout.train_attention`), each with its reason;
+  the loop hands the decode choice to the sampler, `plan` compiles and prices both as resolved here.
 `jaxrl4llm plan --show-layout` prints it; every run writes it beside its config.json (`layout.json`).
 """
 
@@ -26,9 +30,11 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl4llm.kernels.choice import KernelChoice, decode_attention_choice, mesh_devices, train_attention_choice
 from jaxrl4llm.models import LoraSettings, ModelConfig
 from jaxrl4llm.plan.lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+from jaxrl4llm.sampling.continuous import PAGE_SIZE
 from jaxrl4llm.sampling.decode_mesh import decode_mesh
 from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -41,8 +47,8 @@ from jaxrl4llm.train.step import UpdateSettings
 class SamplerLayout:
     """How the sampler runs: `engine` (continuous | static), `slots` (as configured: auto or a count;
     auto is sized on the device at run time, by `plan` on the chip), `decode_burst`,
-    `prompts_per_chunk` (static), `partial` rollouts, the requested `decode_attention` (auto |
-    kernel | xla), and its decode mesh: `data_parallel` x `tensor_parallel` devices, `own_devices`
+    `prompts_per_chunk` (static), `partial` rollouts, and its decode mesh: `data_parallel` x
+    `tensor_parallel` devices, `own_devices`
     of its own (asynchronous RL; 0: the trainer's)."""
 
     engine: str
@@ -50,7 +56,6 @@ class SamplerLayout:
     decode_burst: int
     prompts_per_chunk: Any
     partial: bool
-    decode_attention: str
     data_parallel: int
     tensor_parallel: int
     own_devices: int
@@ -62,7 +67,10 @@ class RunLayout:
     for a `model.module` model) and
     its `lora` adapters, the trainer's `mesh` (data, fsdp, tensor), the step's `rows` (prompts x
     samples), the update's `UpdateSettings` (micro-batches, packing, shared prompts, single step),
-    the `sampler`'s layout, and the share of a device's memory the sampler's automatic sizing fills."""
+    the `sampler`'s layout, the share of a device's memory the sampler's automatic sizing fills, and
+    the attention kernels (`kernels.choice.KernelChoice`: kernel and reason; None for a model.module
+    model, which decodes with the generic decoder and attends its own way): `decode_attention` on
+    the sampler's devices, `train_attention` on the trainer's."""
 
     model: ModelConfig | None
     lora: LoraSettings | None
@@ -73,6 +81,8 @@ class RunLayout:
     sizing_share: float = SIZING_SHARE
     row_form: str = ""  # padded | shared_prompt | packed: what the update runs on (`trainer.packing`)
     row_form_reason: str = ""  # trainer.packing=auto: why (`choose_row_form`)
+    decode_attention: KernelChoice | None = None
+    train_attention: KernelChoice | None = None
 
     @property
     def data_parallel(self) -> int:
@@ -307,12 +317,31 @@ def choose_row_form(*, rows: int, prompt_width: int, prompt_tokens: float, max_n
 
 
 # ---------------------------------------------------------------------------- the layout
+def attention_kernels(cfg: RunConfig, model_config: ModelConfig, trainer_devices: list, sampler_devices: list,
+                      cpu_kernels: bool) -> tuple[KernelChoice, KernelChoice]:
+    """(decode attention, training attention) of `cfg` (`rollout.decode_attention`, `model.attention_impl`)
+    for the model on the sampler's and the trainer's devices (`kernels.choice`); a request that cannot
+    run there is a ConfigError that says why."""
+    try:
+        decode = decode_attention_choice(model_config, sampler_devices, cpu_kernels=cpu_kernels,
+                                         requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
+                                         engine=cfg.rollout.engine)
+        train = train_attention_choice(model_config.attention_impl, trainer_devices[0].platform)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return decode, train
+
+
 def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, prompt_width: int,
-               prompt_tokens: float | None = None, sampler_mesh: Mesh | None = None, log=lambda line: None) -> RunLayout:
+               prompt_tokens: float | None = None, sampler_mesh: Mesh | None = None, cpu_kernels: bool = False,
+               log=lambda line: None) -> RunLayout:
     """The layout of `cfg` on the trainer's `mesh` (and the sampler's own `sampler_mesh`, if any) for
     the model `model_config` (None: a `model.module` model), prompts padded to `prompt_width`
     (the run: its data's longest prompt; `plan`: `data.max_prompt_tokens`'s bucket) holding
-    `prompt_tokens` real tokens on average (None: the whole width; trainer.packing=auto weighs it)."""
+    `prompt_tokens` real tokens on average (None: the whole width; trainer.packing=auto weighs it).
+    `cpu_kernels`: the sampler runs the C++ CPU kernels (the run: `generate.use_cpu_kernels`; `plan`
+    prices XLA's programs: False). `log` gets a line when the decode attention falls back from a
+    kernel, saying why."""
     own_model = model_config is not None
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -337,11 +366,17 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
     r = cfg.rollout
     sampler = SamplerLayout(
         engine=r.engine, slots=r.slots, decode_burst=r.decode_burst, prompts_per_chunk=r.prompts_per_chunk,
-        partial=bool(r.partial), decode_attention=r.decode_attention,
+        partial=bool(r.partial),
         data_parallel=dmesh.shape["data"] * dmesh.shape["fsdp"], tensor_parallel=dmesh.shape["tensor"],
         own_devices=0 if sampler_mesh is None else math.prod(sampler_mesh.shape.values()))
     shape = None if model_config is None else dataclasses.replace(  # the model's shape: no tokenizer's ids
         model_config, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    decode = train = None
+    if own_model:
+        decode, train = attention_kernels(cfg, model_config, mesh_devices(mesh), mesh_devices(dmesh), cpu_kernels)
+        if decode.fallback:
+            log(f"decode attention (rollout.decode_attention): {decode.reason}")
     return RunLayout(model=shape, lora=lora_settings(cfg) if own_model else None,
                      mesh=(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]), rows=rows,
-                     update=update, sampler=sampler, row_form=form, row_form_reason=reason)
+                     update=update, sampler=sampler, row_form=form, row_form_reason=reason,
+                     decode_attention=decode, train_attention=train)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
 from jaxrl4llm.models import make_mesh, param_shardings
+from jaxrl4llm.sampling.generate import use_cpu_kernels
 from jaxrl4llm.storage import as_path
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.batching import batch_program, merge_groups
@@ -358,8 +359,14 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
         eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
     )
+    try:  # the sampler's C++ CPU kernels, as `generate` decides them for its calls
+        cpu_kernels = policy.config is not None and use_cpu_kernels(policy.cpu_kernels, policy.sampler_mesh)
+    except ValueError as e:
+        raise ConfigError(f"rollout.cpu_kernels: {e}") from None
     layout = run_layout(cfg, mesh, policy.config, prompt_width=train_set.longest, prompt_tokens=train_set.mean_length,
-                        sampler_mesh=sampler_mesh, log=log)
+                        sampler_mesh=sampler_mesh, cpu_kernels=cpu_kernels, log=log)
+    if layout.decode_attention is not None:  # the sampler runs the layout's kernel (kernels.choice: decided once)
+        policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings, micro = layout.update, layout.update.micro_batches
     # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
     # the update keeps every leaf where it is.

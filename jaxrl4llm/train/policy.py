@@ -47,7 +47,9 @@ class Policy:
     engine: str = "continuous"  # rollout.engine: "continuous" or "static"
     slots: int | str = "auto"  # rollout.slots (continuous engine): rows at once, or "auto"
     decode_burst: int = 16  # rollout.decode_burst (continuous engine): decode steps between refills
-    decode_attention: str = "auto"  # rollout.decode_attention: generate(paged_attention=): auto, kernel or xla
+    # generate(paged_attention=): rollout.decode_attention (auto, kernel or xla), in a run the layout's resolved
+    # kernels.choice.DecodeAttention (loop.setup_run)
+    decode_attention: str = "auto"
     min_p: float = 0.0  # rollout.min_p: 0 = off
     stop_token_ids: tuple[int, ...] = ()  # rollout.stop_token_ids: end a row as an EOS does
     stop_strings: tuple[str, ...] = ()  # rollout.stop_strings: rows cut at the first one (`sampling.stops`)

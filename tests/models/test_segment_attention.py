@@ -16,8 +16,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from jaxrl4llm.kernels.choice import ATTENTION_IMPLS
 from jaxrl4llm.models.config import ConfigError, ModelConfig
-from jaxrl4llm.models.layers.segment_attention import (ATTENTION_IMPLS, GPU_SHARED_MEMORY, block_causal_attention,
+from jaxrl4llm.models.layers.segment_attention import (GPU_SHARED_MEMORY, block_causal_attention,
                                                        first_key_blocks, kernel_attention_flops, pallas_gpu_blocks,
                                                        pallas_gpu_shared_memory, resolve_impl,
                                                        segment_causal_attention)

@@ -30,7 +30,7 @@ def test_continuous_sampler_runs_the_paged_kernel_and_is_priced_by_its_schedule(
     decode = next(p for p in eval_plan.programs if p.name == "sampler/decode")
     assert [p.name for p in eval_plan.programs] == ["sampler/weights", "sampler/decode"] and decode.fits
     sm = eval_plan.sampler
-    assert sm["engine"] == "continuous" and sm["attention"] == "kernel" and sm["slots"] == 16 <= sm["fitting_slots"]
+    assert sm["engine"] == "continuous" and sm["attention"] == "tpu_ragged" and sm["slots"] == 16 <= sm["fitting_slots"]
     assert "ragged_paged_attention" in decode.hlo and decode.runs == 1
     # XLA counts the Pallas call as nothing: the meter adds its attention FLOPs and the pages it reads
     assert 0 < decode.kernel_flops < decode.flops and 0 < decode.kernel_bytes < decode.hbm_bytes

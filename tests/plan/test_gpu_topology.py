@@ -227,7 +227,7 @@ def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_readi
                                     "rollout.max_new_tokens=16", "data.max_prompt_tokens=16"])
     plan = plan_eval(cfg, "h100:2", problems=8)
     decode = next(p for p in plan.programs if p.name == "sampler/decode")
-    assert plan.sampler["attention"] == "kernel" and decode.fits
+    assert plan.sampler["attention"] == "gpu_triton" and decode.fits
     hlo = decode.hlo
     calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"__gpu\$xla\.gpu\.triton\"[^\n]*"
                        r"jaxrl4llm_paged_attention", hlo)

@@ -12,10 +12,10 @@ from jaxrl4llm.models.decode import prefill_kv
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.sampling.buckets import left_pad_prompts
 from jaxrl4llm.sampling.continuous import (Admission, Engine, EngineSpec, Queue, Sampling, admission,
-                                           continuous_program, decode_burst, decode_step, empty_state, insert, prefill,
-                                           refill, retire, rows_of_half)
+                                           continuous_program, decode_burst, decode_step, empty_state, engine_slots,
+                                           insert, prefill, refill, retire, rows_of_half)
 from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
-from jaxrl4llm.sampling.gpu_paged_attention import gpu_kernel_supports, gpu_paged_attention
+from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 from jaxrl4llm.sampling.paged_cache import (empty_free_pages, kernel_paged_attention, paged_attention, pop_pages,
                                             push_pages, write_tokens)
 from tests.gpu_kernels import assert_close_bf16, bf16_normal, paged_attention_reference, pallas_interpret
@@ -191,15 +191,11 @@ def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkey
     the static engine's tokens, log-probs to float32 rounding."""
     import functools
 
-    import importlib
-
+    from jaxrl4llm.kernels import choice
     from jaxrl4llm.sampling import continuous, gpu_paged_attention as gpa
 
-    generate_module = importlib.import_module("jaxrl4llm.sampling.generate")  # the package exports the function
-
-    for module in (continuous, generate_module):
-        monkeypatch.setattr(module, "is_gpu", lambda devices: True)
-        monkeypatch.setattr(module, "gpu_kernel_supports", lambda *shape: True)
+    monkeypatch.setattr(choice, "is_gpu", lambda devices: True)  # the one rule: kernels.choice
+    monkeypatch.setattr(choice, "gpu_kernel_supports", lambda *shape: True)
     calls = []
     monkeypatch.setattr(continuous, "gpu_paged_attention", lambda *a, **k: calls.append(a[0].shape) or
                         functools.partial(gpa.gpu_paged_attention, interpret=True)(*a, **k))
@@ -221,20 +217,27 @@ def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkey
     np.testing.assert_allclose(np.asarray(on_gpu_kernel.logprobs), np.asarray(static.logprobs), atol=1e-4)
 
 
-def test_gpu_kernel_takes_power_of_two_16_bit_shapes_and_generate_says_why_not():
-    from jaxrl4llm.models import ModelConfig
-    from jaxrl4llm.sampling.generate import paged_attention_choice
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 8), st.integers(1, 8), st.integers(1, 4))
+def test_engine_slots_are_whole_shards_and_never_more_than_the_rows(slots, prompts_per_shard, samples, shards):
+    """S = D min(ceil(slots / D), P / D * G): what generate, partial rollouts and plan decode with."""
+    prompts, rows = prompts_per_shard * shards, prompts_per_shard * shards * samples
+    got = engine_slots(slots, num_prompts=prompts, samples=samples, shards=shards)
+    assert got % shards == 0 and min(slots, rows) <= got <= rows and got - min(slots, rows) < shards
+    assert engine_slots(None, num_prompts=prompts, samples=samples, shards=shards) == rows
 
-    assert gpu_kernel_supports(128, jnp.bfloat16, 16) and gpu_kernel_supports(64, jnp.float16, 32)
-    assert not gpu_kernel_supports(96, jnp.bfloat16, 16)  # Triton blocks are powers of two
-    assert not gpu_kernel_supports(128, jnp.bfloat16, 12) and not gpu_kernel_supports(8, jnp.bfloat16, 16)
-    assert not gpu_kernel_supports(128, jnp.float32, 16)  # a float32 dot would run in TF32
+
+def test_generate_says_why_the_kernel_cannot_run():
+    from jaxrl4llm.kernels.choice import decode_attention_choice
+    from jaxrl4llm.models import ModelConfig
+
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
                          num_kv_heads=1, head_dim=32, dtype="float32")
-    assert paged_attention_choice(config, None, False, None) == "xla"  # on CPU without its kernels
+    devices = jax.devices()[:1]
+    assert decode_attention_choice(config, devices, cpu_kernels=False, page_size=16).kernel == "xla"  # CPU, no kernels
     with pytest.raises(ValueError, match=r"'kernel' on TPU .*on GPU \(a power-of-two head_dim.*This call: cpu, "
                                          r"head_dim 32, kv_page_size 16, float32"):
-        paged_attention_choice(config, None, False, "kernel")
+        decode_attention_choice(config, devices, cpu_kernels=False, requested="kernel", page_size=16)
 
 
 # ------------------------------------------------------------------ the engine's stages, one at a time

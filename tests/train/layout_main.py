@@ -2,7 +2,8 @@
 each shipped recipe and ablation, with LoRA and with a sampler on devices of its own, the layout the
 loop resolves on the 8 devices (`loop.run_meshes`, `policy.random_model_config`, `layout.run_layout`)
 equals the one `plan` resolves for an 8-chip TPU topology (`plan.programs.plan_layout`), compared
-as one object. Prints "OK <n> layouts" or the first mismatch's fields."""
+as one object but for the attention kernels, which follow the platform (`kernels.choice`: XLA's on
+the CPU devices, splash for training on the TPU chips). Prints "OK <n> layouts" or the first mismatch's fields."""
 
 import os
 import sys
@@ -60,6 +61,14 @@ def main() -> int:
                 cfg = load_config(files, EIGHT_CHIPS + overrides)
                 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="unused"))
                 ours, plans = loop_layout(cfg, tokenizer), plan_layout(cfg, TOPOLOGY)
+                # the kernels follow the platform (kernels.choice): CPU devices here, TPU chips in plan
+                if (ours.decode_attention.kernel, ours.train_attention.kernel) != ("xla", "xla") or \
+                        plans.train_attention.kernel != "splash":
+                    print(f"KERNELS {[f.name for f in files]} {name}: {ours.decode_attention} {ours.train_attention} "
+                          f"{plans.train_attention}")
+                    return 1
+                ours, plans = (dataclasses.replace(x, decode_attention=None, train_attention=None)
+                               for x in (ours, plans))
                 if ours != plans:
                     a, b = ours.to_dict(), plans.to_dict()
                     diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}

@@ -156,15 +156,18 @@ class _Stop(Exception):
 def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(requested, demo_assets, tmp_path,
                                                                           monkeypatch):
     """A tiny run's `rollout.decode_attention` is the `paged_attention` that `generate` resolves
-    (`paged_attention_choice`; "kernel" on CPU is the CPU kernel, "auto" today's choice), for the
-    rollout and eval (both `Policy.generate`) and for the partial-rollout engine."""
+    (`kernels.choice.decode_attention_choice`; "kernel" on CPU is the CPU kernel, "auto" today's choice),
+    for the rollout and eval (both `Policy.generate`) and for the partial-rollout engine; the run's
+    layout resolves the same kernel, which the loop hands to the sampler."""
     import importlib
 
     import jax
 
     from jaxrl4llm.kernels import load_kernels
+    from jaxrl4llm.kernels.choice import DecodeAttention
     from jaxrl4llm.sampling import partial
     from jaxrl4llm.train import loop
+    from jaxrl4llm.train.layout import run_layout
     from jaxrl4llm.train.policy import load_policy
     from jaxrl4llm.train.prompts import load_prompt_sets
     from tests.train.conftest import tiny_overrides
@@ -172,26 +175,31 @@ def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(reques
     if requested == "kernel" and not load_kernels():
         pytest.skip("the CPU kernels do not build here: 'kernel' has no CPU kernel to run")
     generate_module = importlib.import_module("jaxrl4llm.sampling.generate")
-    choice, seen = generate_module.paged_attention_choice, []
+    choice, seen = generate_module.decode_attention_choice, []
 
-    def recording_choice(config, mesh, use_kernels, asked, **kw):
-        seen.append((asked, choice(config, mesh, use_kernels, asked, **kw)))
+    def recording_choice(*args, requested, **kw):
+        seen.append((requested, choice(*args, requested=requested, **kw).kernel))
         raise _Stop
 
-    monkeypatch.setattr(generate_module, "paged_attention_choice", recording_choice)
+    monkeypatch.setattr(generate_module, "decode_attention_choice", recording_choice)
     cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"rollout.decode_attention": requested}))
     policy = load_policy(cfg, None)
     assert policy.decode_attention == requested
     with pytest.raises(_Stop):
         policy.generate([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
                         rng=jax.random.key(0))
-    expected = {"xla": "xla", "kernel": "kernel", "auto": choice(policy.config, None, load_kernels(), None)}[requested]
+    on_cpu = "cpu_native" if load_kernels() else "xla"
+    expected = {"xla": "xla", "kernel": "cpu_native", "auto": on_cpu}[requested]
     assert seen == [(requested, expected)]
 
-    monkeypatch.setattr(partial, "paged_attention_choice", recording_choice)
+    monkeypatch.setattr(partial, "decode_attention_choice", recording_choice)
     with pytest.raises(_Stop):
         loop.partial_stream(policy, load_prompt_sets(cfg, policy.tokenizer)[0], cfg)
     assert seen[1] == (requested, expected)
+
+    layout = run_layout(cfg, jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor")), policy.config, prompt_width=16,
+                        cpu_kernels=load_kernels())
+    assert layout.decode_attention.kernel == expected and isinstance(layout.decode_attention.kernel, DecodeAttention)
 
 
 def test_rollout_min_p_and_stops_reach_the_sampler_and_the_scored_text(demo_assets, tmp_path, monkeypatch):

@@ -163,6 +163,9 @@ def test_a_reward_that_raises_leaves_a_folder_a_plain_rerun_starts_over(demo_ass
     assert summary["history"] == [] and (run / "config.json").is_file()
     layout = json.loads((run / "layout.json").read_text())  # what the config resolved to (train/layout.py)
     assert layout["rows"] == 8 and layout["model"]["hidden_size"] == 32 and layout["update"]["micro_batches"] == 1
+    # the attention kernels the run resolved once (kernels/choice.py), each with why
+    assert layout["train_attention"]["kernel"] == "xla" and layout["decode_attention"]["kernel"] in ("xla", "cpu_native")
+    assert layout["decode_attention"]["reason"].startswith("auto: ") and layout["train_attention"]["reason"]
     assert [m for m in messages if "removed the earlier run's" in m] == [
         f"no checkpoint to resume (the earlier run stopped before its first one): removed the earlier run's "
         f"checkpoints, tb, config.json, layout.json from {run}"]

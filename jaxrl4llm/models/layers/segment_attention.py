@@ -19,7 +19,8 @@ Backends (`impl`):
   causal + segment ids). The GPU default.
 - "cudnn": cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) does
   not take segment ids, only per-row lengths of right-padded rows: refused with an error.
-- "auto": by the platform of the mesh being compiled for (`jax.set_mesh`), else the default backend.
+- "auto": by the platform of the mesh being compiled for (`jax.set_mesh`), else the default backend
+  (the rule: `kernels.choice.train_attention_choice`, which `train.layout` resolves for a run).
 A Pallas backend forced on a platform that cannot run it natively (splash on CPU) runs the
 kernel in Pallas interpret mode: the kernel's own semantics, slowly (tests).
 """
@@ -33,10 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxrl4llm.kernels.choice import train_attention_choice
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
-ATTENTION_IMPLS = ("auto", "xla", "splash", "pallas_gpu", "cudnn")
-_AUTO = {"tpu": "splash", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
 DEFAULT_BLOCKS = {"xla": 128, "splash": 512, "pallas_gpu": 128}
 _MASKED = -1e30  # the score of a masked pair (finite: no inf - inf in the online softmax)
 _PAD_SEGMENT = -1  # the segment of the positions a backend pads T with (after every real token)
@@ -59,11 +59,9 @@ def compile_platform() -> str:
 
 def resolve_impl(impl: str) -> str:
     """"auto" -> the backend of `compile_platform()` (TPU splash, GPU pallas_gpu, else xla);
-    a forced name is returned as is. Unknown names raise ValueError listing the valid ones."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl {impl!r} is unknown; valid: {', '.join(ATTENTION_IMPLS)} "
-                         f"(model.attention_impl)")
-    return _AUTO.get(compile_platform(), "xla") if impl == "auto" else impl
+    a forced name is returned as is (`kernels.choice.train_attention_choice`: unknown names and
+    "cudnn" raise ValueError saying why)."""
+    return train_attention_choice(impl, compile_platform()).kernel
 
 
 def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
@@ -100,9 +98,7 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
         return _on_mesh(functools.partial(_pallas_gpu_attention, dtype=dtype, block=block,
                                           interpret=compile_platform() not in ("gpu", "cuda", "rocm")),
                         q, k, v, segment_ids)
-    raise ValueError("attention impl 'cudnn' is not available: cuDNN flash attention takes per-row lengths of "
-                     "right-padded rows, not segment ids (packed or left-padded rows); set "
-                     "model.attention_impl=pallas_gpu (or auto) on GPU")
+    raise AssertionError(impl)  # resolve_impl names one of the three
 
 
 def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,

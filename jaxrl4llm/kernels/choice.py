@@ -1,0 +1,172 @@
+"""Which attention kernel runs: the one place that decides it, for decoding and for training.
+
+    decode attention (the continuous engine's paged attention; `rollout.decode_attention`):
+        xla         `paged_cache.paged_attention`: XLA's chunks of live pages, on every platform
+        tpu_ragged  `paged_cache.kernel_paged_attention`: JAX's ragged paged attention kernel (TPU)
+        gpu_triton  `gpu_paged_attention`: JAX's Pallas/Triton paged attention kernel (NVIDIA GPU)
+        cpu_native  `kernels.paged_attention`: the C++ kernel (one CPU device, the CPU kernels on)
+    training attention (`segment_attention.segment_causal_attention`; `model.attention_impl`):
+        xla | splash (TPU) | pallas_gpu (GPU)
+
+`train.layout.run_layout` resolves both once for a run's devices (`RunLayout.decode_attention`,
+`RunLayout.train_attention`: a `KernelChoice`, the kernel and why; layout.json, `plan --show-layout`);
+the loop hands the decode choice to `generate` and the partial-rollout engine, `plan` compiles and
+prices what the layout says. `generate` called on its own (a request: auto | kernel | xla) resolves
+with `decode_attention_choice` too; the continuous engine runs the `DecodeAttention` it is given.
+What each kernel takes is written here (`tpu_kernel_supports`, `gpu_kernel_supports`,
+`cpu_kernel_supports`), next to the rule that reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm.kernels.decode_attention import supports as cpu_kernel_supports
+
+
+class DecodeAttention(enum.StrEnum):
+    """The continuous engine's paged decode attention (module docstring)."""
+
+    XLA = "xla"
+    TPU_RAGGED = "tpu_ragged"
+    GPU_TRITON = "gpu_triton"
+    CPU_NATIVE = "cpu_native"
+
+
+class TrainAttention(enum.StrEnum):
+    """The training forward's segment-id attention (`models/layers/segment_attention.py`)."""
+
+    XLA = "xla"
+    SPLASH = "splash"
+    PALLAS_GPU = "pallas_gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """A resolved kernel and the reason it runs; `fallback`: "auto" found no kernel that takes the
+    model here and runs XLA's path (the reason says what the kernel could not take)."""
+
+    kernel: DecodeAttention | TrainAttention
+    reason: str
+    fallback: bool = False
+
+
+DECODE_REQUESTS = ("auto", "kernel", "xla")  # rollout.decode_attention (generate's `paged_attention`)
+ATTENTION_IMPLS = ("auto", "xla", "splash", "pallas_gpu", "cudnn")  # model.attention_impl
+TRAIN_ATTENTION_BY_PLATFORM = {"tpu": TrainAttention.SPLASH, "gpu": TrainAttention.PALLAS_GPU,
+                               "cuda": TrainAttention.PALLAS_GPU, "rocm": TrainAttention.PALLAS_GPU}
+
+
+# ---------------------------------------------------------------------------- what each kernel takes
+def tpu_kernel_supports(head_dim: int) -> bool:
+    """Whether the TPU ragged paged attention kernel takes this head size: it lays a head across
+    the 128 lanes of a vector register (smaller heads fail an assertion inside the kernel), so
+    other sizes use `paged_cache.paged_attention` (XLA) on TPU too."""
+    return head_dim % 128 == 0
+
+
+def gpu_kernel_supports(head_dim: int, dtype, page_size: int) -> bool:
+    """Whether the Triton paged attention kernel takes these shapes: Triton blocks are powers of two
+    (head_dim >= 16, page_size), and a 16-bit pool (a float32 dot would run in TF32 on the tensor
+    cores, rounding differently from the XLA path; float32 models use `paged_cache.paged_attention`)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    return pow2(head_dim) and head_dim >= 16 and pow2(page_size) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def is_gpu(devices) -> bool:
+    """Whether `devices` (a mesh's, or `jax.devices()`) are NVIDIA GPUs, attached or of a compile-only
+    topology (`plan.gpu.gpu_topology_devices`)."""
+    return {d.platform for d in devices} <= {"gpu", "cuda"} and len(devices) > 0
+
+
+def mesh_devices(mesh) -> list:
+    """The devices a program on `mesh` runs on (None: this process's first device)."""
+    return list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+
+
+# ---------------------------------------------------------------------------- decode attention
+def platform_decode_kernel(config, devices, *, cpu_kernels: bool, page_size: int) -> tuple[DecodeAttention | None, str]:
+    """(the platform's paged attention kernel, why) when it takes the model's shapes, else (None, why not)."""
+    platform, head_dim, dtype = devices[0].platform, config.head_dim, jnp.dtype(config.dtype)
+    if platform == "tpu":
+        if tpu_kernel_supports(head_dim):
+            return DecodeAttention.TPU_RAGGED, f"TPU, head_dim {head_dim} a multiple of 128"
+        return None, f"the TPU ragged paged attention kernel needs head_dim a multiple of 128 (this model: {head_dim})"
+    if is_gpu(devices):
+        if gpu_kernel_supports(head_dim, dtype, page_size):
+            return DecodeAttention.GPU_TRITON, f"GPU, head_dim {head_dim}, kv_page_size {page_size}, {dtype.name}"
+        return None, (f"the Triton paged attention kernel needs a power-of-two head_dim >= 16 and kv_page_size and a "
+                      f"bfloat16 or float16 model (this one: head_dim {head_dim}, kv_page_size {page_size}, "
+                      f"{dtype.name})")
+    if platform == "cpu":
+        if not cpu_kernels:
+            return None, ("the C++ CPU kernels are off (they run on one CPU device when they build; "
+                          "rollout.cpu_kernels)")
+        if cpu_kernel_supports(dtype, dtype):
+            return DecodeAttention.CPU_NATIVE, f"CPU with the C++ kernels, a {dtype.name} model"
+        return None, f"the C++ paged attention kernel takes a bfloat16 or float32 model (this one: {dtype.name})"
+    return None, f"no paged attention kernel on {platform}"
+
+
+def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: str | None = "auto",
+                            page_size: int, engine: str = "continuous") -> KernelChoice:
+    """The decode attention of a sampler on `devices` (`mesh_devices`) for the model `config`:
+
+      requested None or "auto": the platform's kernel where it takes the model's shapes, else xla
+        (the reason says what the kernel could not take); "xla": xla anywhere; "kernel" or a
+        `DecodeAttention` kernel name: that kernel, a ValueError saying why when it cannot run.
+      cpu_kernels: the sampler runs the C++ CPU kernels (`generate.use_cpu_kernels`).
+      engine: "static" decodes without a paged cache: its attention is the C++ decode attention
+        kernel (`kernels.decode_attention`) when the CPU kernels run and take the model, else XLA's
+        (`models.decode.xla_decode_attention`); the request is the continuous engine's.
+    """
+    dtype = jnp.dtype(config.dtype)
+    if engine == "static":
+        if cpu_kernels and cpu_kernel_supports(dtype, dtype):
+            return KernelChoice(DecodeAttention.CPU_NATIVE, "rollout.engine=static: the C++ decode attention kernel "
+                                "(no paged cache; rollout.decode_attention is the continuous engine's)")
+        return KernelChoice(DecodeAttention.XLA, "rollout.engine=static: XLA's decode attention (no paged cache; "
+                            "rollout.decode_attention is the continuous engine's)")
+    requested = "auto" if requested is None else str(requested)
+    names = DECODE_REQUESTS + tuple(k.value for k in DecodeAttention)
+    if requested not in names:
+        raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): choose one of "
+                         f"{', '.join(repr(n) for n in names)}")
+    if requested == "xla":
+        return KernelChoice(DecodeAttention.XLA, "rollout.decode_attention=xla")
+    kernel, why = platform_decode_kernel(config, devices, cpu_kernels=cpu_kernels, page_size=page_size)
+    if requested == "auto":
+        if kernel is None:
+            return KernelChoice(DecodeAttention.XLA, f"auto: {why}; XLA's chunks of live pages instead", fallback=True)
+        return KernelChoice(kernel, f"auto: {why}")
+    if kernel is not None and requested in ("kernel", kernel.value):
+        return KernelChoice(kernel, f"rollout.decode_attention={requested}: {why}")
+    raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): 'auto', 'xla' anywhere, "
+                     f"'kernel' on TPU (head_dim a multiple of 128), on GPU (a power-of-two head_dim >= 16 "
+                     f"and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
+                     f"device, a bfloat16 or float32 model). This call: {devices[0].platform}, head_dim "
+                     f"{config.head_dim}, kv_page_size {page_size}, {dtype.name}, CPU kernels "
+                     f"{'on' if cpu_kernels else 'off'}" + ("" if kernel is None else f"; its kernel: {kernel.value}"))
+
+
+# ---------------------------------------------------------------------------- training attention
+def train_attention_choice(impl: str, platform: str) -> KernelChoice:
+    """The training attention of `model.attention_impl` = `impl` on `platform` ("cpu", "tpu", "gpu"):
+    "auto" -> splash on TPU, pallas_gpu on GPU, else xla; a named kernel runs as named (a Pallas
+    kernel off its platform runs in Pallas' interpreter: tests). "cudnn" (cuDNN flash attention takes
+    per-row lengths, not segment ids) and unknown names are a ValueError."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl {impl!r} is unknown; valid: {', '.join(ATTENTION_IMPLS)} "
+                         f"(model.attention_impl)")
+    if impl == "cudnn":
+        raise ValueError("attention impl 'cudnn' is not available: cuDNN flash attention takes per-row lengths of "
+                         "right-padded rows, not segment ids (packed or left-padded rows); set "
+                         "model.attention_impl=pallas_gpu (or auto) on GPU")
+    if impl != "auto":
+        return KernelChoice(TrainAttention(impl), f"model.attention_impl={impl}")
+    kernel = TRAIN_ATTENTION_BY_PLATFORM.get(platform, TrainAttention.XLA)
+    return KernelChoice(kernel, f"auto: the {platform} default")
