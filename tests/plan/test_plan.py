@@ -108,16 +108,17 @@ def test_per_chip_bytes_counts_the_largest_shard():
 
 def test_decode_tensor_parallel_splits_the_decode_weights():
     """rollout.tensor_parallel=2: the sampler's mesh is (2, 1, 2); each chip holds half the decode
-    weights (XLA's argument bytes of the decode program), our count says the same."""
+    weights (XLA's argument bytes of the decode program), our count says the same. The sampler's
+    programs alone (sampler_only: the trainer's do not change with rollout.tensor_parallel)."""
     plans = {tp: plan_run(load_config(None, TINY + [f"rollout.tensor_parallel={tp}", "model.vocab_size=32768",
                                                     "model.hidden_size=512", "model.intermediate_size=1024"]),
-                          "v5e:2x2") for tp in (0, 2)}
+                          "v5e:2x2", sampler_only=True) for tp in (0, 2)}
     decode = {tp: next(p for p in plan.programs if p.name == "sampler/decode") for tp, plan in plans.items()}
     assert plans[2].sampler["tensor_parallel"] == 2 and plans[2].sampler["data_parallel"] == 2
     assert decode[2].argument_bytes == pytest.approx(decode[0].argument_bytes / 2, rel=0.1)
     assert decode[2].analytic["decode weights"] == pytest.approx(decode[2].argument_bytes, rel=0.1)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel=3"):
-        plan_run(load_config(None, TINY + ["rollout.tensor_parallel=3"]), "v5e:2x2")
+        plan_run(load_config(None, TINY + ["rollout.tensor_parallel=3"]), "v5e:2x2", sampler_only=True)
 
 
 def test_auto_chunk_fits_a_rollout_that_does_not_fit_at_once():
