@@ -179,3 +179,25 @@ def test_a_stop_string_the_tokenizer_spells_ends_the_row_inside_the_decode_loop(
     engine_only = baseline(qwen3, engine, stop_strings=[stop], tokenizer=EncodingAngleTokenizer())
     assert int(engine_only.lengths[0]) == j + 1 and not bool(engine_only.truncated[0])
     assert int(full.lengths[0]) == 12  # without the in-loop stop the row decodes its whole budget
+
+
+def test_partial_rollouts_end_a_row_at_a_spelled_stop_string_inside_the_engine(qwen3, monkeypatch):
+    """The partial-rollout engine gets the spellings too: with the host cut switched off, its row 0
+    ends at the token completing "<a><b>", the static engine's row cut there."""
+    from jaxrl4llm.sampling.partial import PartialRollouts
+
+    _, _, graphdef, state = qwen3
+    prompts = random_prompts(3, lengths=(5, 3, 7))
+    full = generate(graphdef, state, prompts, num_samples=2, max_new_tokens=12, pad_token_id=PAD, greedy=True,
+                    eos_token_ids=[], engine="static", rng=jax.random.key(1), prompt_buckets=(8,))
+    row = np.asarray(full.response_tokens)[0]
+    j = next((j for j in range(2, len(row)) if f"<{row[j - 1]}><{row[j]}>" not in DECODE(row[:j].tolist())), None)
+    if j is None:
+        pytest.skip("row 0 repeats its pairs")
+    monkeypatch.setattr(sys.modules["jaxrl4llm.sampling.partial"], "apply_stop_strings", lambda rollout, *a, **k: rollout)
+    stream = PartialRollouts(graphdef, state, num_prompts=3, num_samples=2, max_new_tokens=12, prompt_len=8,
+                             eos_token_ids=[], pad_token_id=PAD, greedy=True, slots=4,
+                             stop_strings=[f"<{row[j - 1]}><{row[j]}>"], tokenizer=EncodingAngleTokenizer())
+    stream.enqueue(prompts, jax.random.key(1))
+    rollout, _ = stream.segment(graphdef, state, version=0)
+    assert_cut(rollout, full, 0, j + 1)
