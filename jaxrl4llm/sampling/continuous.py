@@ -43,6 +43,7 @@ from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
+from jaxrl4llm.sampling.stops import ends_with_stop_sequence
 from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
@@ -186,13 +187,15 @@ class Engine:
 class Sampling(NamedTuple):
     """The traced sampling settings of a program: temperature, top_p [] float32; eos_ids [E] int32
     (tokens that end a row: EOS and stop token ids); pad_id [] int32 (fills the tokens after a row's
-    end); min_p [] float32 or None (off: the program without min-p, `filters.min_p_keep`)."""
+    end); min_p [] float32 or None (off: the program without min-p, `filters.min_p_keep`); stop_seqs
+    [S, L] int32 or None: stop strings' token spellings (`stops.stop_token_sequences`; off: None)."""
 
     temperature: jax.Array
     top_p: jax.Array
     eos_ids: jax.Array
     pad_id: jax.Array
     min_p: jax.Array | None = None
+    stop_seqs: jax.Array | None = None
 
 
 class Slots(NamedTuple):
@@ -278,13 +281,23 @@ def _put2(a, i, j, value):
     return jax.vmap(lambda x, r, c, v: x.at[r, c].set(v.astype(x.dtype), mode="drop"))(a, i, j, value)
 
 
-def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id) -> tuple[Outputs, jax.Array]:
-    """Write the sample of each live slot at (row, column): rows, column, live [D, S]. Returns (out, is_eos)."""
+def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id, stop_seqs=None) -> tuple[Outputs, jax.Array]:
+    """Write the sample of each live slot at (row, column): rows, column, live [D, S]. Returns (out,
+    is_eos): the token ends the row (an EOS or stop id, or with stop_seqs [S, L] the row's last
+    tokens spelling a stop string, `stops.ends_with_stop_sequence`)."""
     token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
     is_eos = jnp.any(token[..., None] == eos_ids, axis=-1) & live
     rows = jnp.where(live, rows, -1)
+    tokens = _put2(out.tokens, rows, column, token)
+    if stop_seqs is not None:  # the row's last L tokens, read from its buffer row
+        width, max_new_tokens = stop_seqs.shape[1], tokens.shape[-1]
+        cols = column[..., None] - width + 1 + jnp.arange(width, dtype=jnp.int32)  # [D, S, L]
+        window = jax.vmap(lambda x, r, c: x[r[:, None], c])(tokens, jnp.clip(rows, 0, tokens.shape[1] - 1),
+                                                            jnp.clip(cols, 0, max_new_tokens - 1))
+        window = jnp.where(cols >= 0, window, -2)
+        is_eos = is_eos | (ends_with_stop_sequence(window, stop_seqs) & live)
     out = out._replace(
-        tokens=_put2(out.tokens, rows, column, token),
+        tokens=tokens,
         logprobs=_put2(out.logprobs, rows, column, sample.logprob),
         logprobs_untruncated=_put2(out.logprobs_untruncated, rows, column, sample.logprob_untruncated),
         length=_put(out.length, rows, column + 1),
@@ -389,7 +402,8 @@ def prefill(engine: Engine, weights, sampling: Sampling, state: EngineState, fir
     rows = rows.reshape(shards, prompts_per_round * samples)
     first = draw(engine, sampling, state.queue, jnp.repeat(logits.reshape(shards, prompts_per_round, -1), samples,
                                                            axis=1), jnp.maximum(rows, 0), jnp.zeros((), jnp.int32))
-    out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, sampling.eos_ids, sampling.pad_id)
+    out, _ = _record(out, rows, jnp.zeros_like(rows), first, rows >= 0, sampling.eos_ids, sampling.pad_id,
+                     sampling.stop_seqs)
     out = out._replace(segment=_put(out.segment, rows, jnp.broadcast_to(state.segment, rows.shape)))
     return state._replace(entries=entries, free=free, pool=pool, out=out)
 
@@ -565,7 +579,8 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
     logits = lm_head(weights, config, backend, x[:, 0]).reshape(shards, slots_per_shard, -1)
     rows = engine.buffer_row(slots.row)
     drawn = draw(engine, sampling, state.queue, logits, jnp.maximum(rows, 0), slots.length)
-    out, is_eos = _record(state.out, rows, slots.length, drawn, slots.live, sampling.eos_ids, sampling.pad_id)
+    out, is_eos = _record(state.out, rows, slots.length, drawn, slots.live, sampling.eos_ids, sampling.pad_id,
+                          sampling.stop_seqs)
     length = slots.length + slots.live.astype(jnp.int32)
     done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
     slots = slots._replace(length=length, token=jnp.where(slots.live, drawn.tokens, slots.token),
@@ -643,13 +658,15 @@ def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
-                       pad_id, row_budget, min_p=None, *, spec: EngineSpec) -> ProgramOutput:
+                       pad_id, row_budget, min_p=None, stop_seqs=None, *, spec: EngineSpec) -> ProgramOutput:
     """`decode_loop.sample_program` (same arguments and output, rows for rows) on `spec.slots` slots.
 
     Args (beyond sample_program's):
       row_budget [N] int32: row n stops after row_budget[n] tokens (<= max_new_tokens; truncated
         unless its last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
       min_p: optional float32 scalar, min-p sampling (`filters.min_p_keep`); None = off.
+      stop_seqs: optional [S, L] int32 (`stops.stop_token_sequences`): a row whose last tokens spell
+        a stop string ends there as at an EOS, its slot freed; None = off.
       spec: the engine (`EngineSpec`); its fields beyond sample_program's static arguments:
         num_shards: D, data-parallel shards (the mesh's "batch" size; P and `slots` multiples of D).
         slots: S, rows decoded at once over all shards (a multiple of D).
@@ -668,7 +685,7 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
     samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
     num_prompts, prompt_len = prompt_tokens.shape
     engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=1)
-    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p, stop_seqs)
     shard = lambda x: engine.constrain_rows(x.reshape((shards, -1) + x.shape[1:]))
     num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
     queue = Queue(tokens=shard(prompt_tokens), mask=shard(prompt_mask.astype(jnp.int32)),  # [D, Pd, T]
@@ -726,7 +743,7 @@ def partial_enqueue(state: EngineState, prompt_tokens, prompt_mask, rng, row_bud
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
-def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, min_p=None, *,
+def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, min_p=None, stop_seqs=None, *,
                     spec: EngineSpec) -> tuple[EngineState, ProgramOutput, jax.Array, jax.Array]:
     """One segment of partial rollouts: decode with `weights` until the oldest rollout in the engine
     is complete, admitting the next rollout's rows (if enqueued) into slots its rows free; hand the
@@ -741,7 +758,7 @@ def partial_segment(weights, state: EngineState, temperature, top_p, eos_ids, pa
     samples, shards = spec.num_samples, spec.num_shards
     buffer_prompts, prompt_len = state.queue.tokens.shape[1:]
     engine = Engine.resolve(spec, num_prompts=buffer_prompts // 2 * shards, prompt_len=prompt_len, halves=2)
-    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p, stop_seqs)
     rows, buffer_rows = engine.rows_per_shard, engine.buffer_rows
     slots, out = state.slots, state.out
     # tokens from here on are this segment's: of rows live in slots, and of rows whose first token an

@@ -30,6 +30,7 @@ from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
+from jaxrl4llm.sampling.stops import ends_with_stop_sequence, last_tokens
 
 
 class DecodeState(NamedTuple):
@@ -86,14 +87,20 @@ def constrain_rows(x, mesh: Mesh | None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def record_step(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budget=None) -> DecodeState:
+def record_step(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budget=None,
+                stop_seqs=None) -> DecodeState:
     """Write step t's sample into column t (pad / 0 for rows already done) and advance t; a row
-    whose length reaches its budget [N] (optional) is done."""
+    whose length reaches its budget [N] (optional) is done, and one whose last tokens spell a stop
+    string (stop_seqs [S, L], optional: `stops.stop_token_sequences`) ends as at an EOS."""
     live = ~state.done
     token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1) & live
     column = lambda buf, col: jax.lax.dynamic_update_slice(buf, col[:, None].astype(buf.dtype),
                                                            (jnp.zeros((), jnp.int32), state.t))
+    tokens = column(state.tokens, token)
+    if stop_seqs is not None:
+        window = last_tokens(tokens, jnp.broadcast_to(state.t, (num_rows,)), stop_seqs.shape[1])
+        is_eos = is_eos | (ends_with_stop_sequence(window, stop_seqs) & live)
     zero = jnp.zeros((num_rows,), jnp.float32)
     length = state.length + live.astype(jnp.int32)
     done = state.done | is_eos
@@ -103,7 +110,7 @@ def record_step(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budg
         done=done if budget is None else done | (length >= budget),
         eos_seen=state.eos_seen | is_eos,
         length=length,
-        tokens=column(state.tokens, token),
+        tokens=tokens,
         logprobs=column(state.logprobs, jnp.where(live, sample.logprob, zero)),
         logprobs_untruncated=column(state.logprobs_untruncated, jnp.where(live, sample.logprob_untruncated, zero)),
     )
@@ -163,7 +170,7 @@ def _build_weights_jit(graphdef: nnx.GraphDef, state, config: ModelConfig, backe
                      "use_kernels"),
 )
 def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids, pad_id,
-                   row_budget=None, min_p=None, *,
+                   row_budget=None, min_p=None, stop_seqs=None, *,
                    config: ModelConfig, num_samples: int, max_new_tokens: int, top_k: int, use_top_p: bool,
                    greedy: bool, block_size: int, backend: DecodeBackend,
                    use_kernels: bool = False) -> ProgramOutput:
@@ -181,6 +188,8 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
         last token is an EOS): per-row response budgets, e.g. a benchmark's forced lengths.
       min_p: optional float32 scalar, min-p sampling (`filters.min_p_keep`); None = off (the
         program without it).
+      stop_seqs: optional [S, L] int32, stop strings' token spellings (`stops.stop_token_sequences`):
+        a row whose last tokens spell one ends there, as at an EOS; None = off (the program without it).
       backend: the decode backend (`decode_backend`; the same one `weights_program` used).
       use_kernels: top-k with the CPU kernel (`jaxrl4llm.kernels`; the caller checks that the
         program runs on CPU and that they are loaded).
@@ -212,7 +221,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
     step_uniform = lambda t: None if greedy else column(uniforms, t)
     first = sample(constrain_rows(jnp.repeat(first_logits, g, axis=0), mesh), None, uniform=step_uniform(0))
     budget = None if row_budget is None else constrain_rows(row_budget.astype(jnp.int32), mesh)
-    state = record_step(state, first, eos_ids, pad_id, num_rows, budget)
+    state = record_step(state, first, eos_ids, pad_id, num_rows, budget, stop_seqs)
 
     # rotary tables of every step's input position (prompt_len + t - 1) up front: no cos/sin in the loop
     cos, sin = (constrain_rows(a, mesh) for a in
@@ -233,7 +242,7 @@ def sample_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_ro
             logits, block = decode_step(weights, config, state.token, step_rope(state.t), prompt_kv,
                                         list(done_blocks), block, slot, backend=backend)
             return record_step(state, sample(logits, None, uniform=step_uniform(state.t)), eos_ids, pad_id, num_rows,
-                           budget), block
+                               budget, stop_seqs), block
 
         block = empty_block(config, num_rows, block_size, backend=backend)
         state, block = jax.lax.while_loop(cond, body, (state, block))

@@ -32,7 +32,7 @@ from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sampl
 from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program, engine_slots
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
-from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids
+from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids, stop_token_sequences
 
 
 def data_parallel_size(mesh: Mesh | None) -> int:
@@ -93,8 +93,11 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
       eos_token_ids: tokens that end a response (kept in the response, masked after).
       stop_token_ids: more tokens that end a response, exactly as an EOS (`stops`; vLLM's stop_token_ids).
       stop_strings: a response ends with the token that completes the first of these strings in
-        its text (`stops.apply_stop_strings`, on the host after decoding; needs `tokenizer`).
-      tokenizer: what decodes the responses for `stop_strings` (`decode(ids, skip_special_tokens=True)`).
+        its text (`stops.apply_stop_strings`, on the host after decoding; needs `tokenizer`); a row
+        whose last tokens spell one (`stops.stop_token_sequences`) also ends there inside the decode
+        loop (the continuous engine frees its slot).
+      tokenizer: what decodes the responses for `stop_strings` (`decode(ids, skip_special_tokens=True)`;
+        with an `encode(text, add_special_tokens=False)` too, the in-loop stop).
       pad_token_id: fills the left of prompts and the right of finished responses.
       rng: PRNG key; same key + same inputs -> same rollout.
       mesh: optional ("data", "fsdp", "tensor") mesh: rows split over data x fsdp, weights and
@@ -190,6 +193,10 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     eos = end_token_ids(eos_token_ids, stop_token_ids)
     # min-p off (0, or greedy): no min_p argument, the program without it
     traced = {} if min_p <= 0 or greedy else {"min_p": np.float32(min_p)}
+    # stop strings' token spellings, matched in the decode loop (an early stop; the host cut below decides)
+    stop_seqs = stop_token_sequences(tokenizer, stop_strings) if config is not None else None
+    if stop_seqs is not None:
+        traced["stop_seqs"] = stop_seqs
     sampling = dict(num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
                     use_top_p=bool(top_p < 1.0), greedy=bool(greedy))
     if config is None:

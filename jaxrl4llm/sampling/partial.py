@@ -43,7 +43,7 @@ from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, engine_
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
 from jaxrl4llm.sampling.generate import data_parallel_size, use_cpu_kernels
 from jaxrl4llm.sampling.rollout import Rollout
-from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids
+from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids, stop_token_sequences
 
 
 class RowVersions(NamedTuple):
@@ -102,6 +102,9 @@ class PartialRollouts:
             raise ValueError("stop_strings are matched on decoded text: pass tokenizer=")
         self.stop_strings, self.tokenizer = tuple(stop_strings), tokenizer
         self.traced = {} if min_p <= 0 or self.greedy else {"min_p": np.float32(min_p)}  # off: no min_p argument
+        stop_seqs = stop_token_sequences(tokenizer, self.stop_strings)  # in-loop early stop (`stops`)
+        if stop_seqs is not None:
+            self.traced["stop_seqs"] = stop_seqs
         self.pad_token_id = int(pad_token_id)
         self.temperature = np.float32(temperature if temperature > 0 else 1.0)
         self.top_p = np.float32(top_p)

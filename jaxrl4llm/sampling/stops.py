@@ -9,9 +9,17 @@
                      include_stop_str_in_output=False).
 
 Stop strings can span tokens, so they are matched on decoded text, on the host, after the sampler
-returns (both engines run their whole decode loop in one jit: there is no host loop between
-decode bursts to free a slot from). A row stopped by a string therefore still decodes to EOS or
-its budget; only its tokens after the match are dropped, before scoring and training.
+returns: that match is the authority for where a row is cut. Both engines also stop a row early,
+inside their jitted decode loop, when its last tokens spell a stop string (`stop_token_sequences`:
+the tokenizer's own spellings of each string, the string alone and after a few contexts, at most
+MAX_STOP_SEQUENCES of at most MAX_STOP_SEQUENCE_TOKENS tokens): the row ends there as at an EOS
+(the continuous engine frees its slot, the static engine's row is done), and the host cut then
+finds the same token. A spelling outside that set (another tokenisation, a string longer than
+the cap) is caught by the host alone: that row decodes on to EOS or its budget, and its tokens
+after the match are dropped, before scoring and training, as before.
+
+    stop sequences:  stops[s] [L] right-aligned, -1 = any token; row n ends after token t when
+                     for some s, y_{t-L+1..t} == stops[s] wherever stops[s] >= 0   (`ends_with_stop_sequence`)
 """
 
 from __future__ import annotations
@@ -31,6 +39,58 @@ def end_token_ids(eos_token_ids: Sequence[int], stop_token_ids: Sequence[int] = 
     eos = [int(t) for t in eos_token_ids]
     ids = eos + [int(t) for t in dict.fromkeys(stop_token_ids) if int(t) not in eos]
     return np.asarray(ids or [-1], dtype=np.int32)
+
+
+MAX_STOP_SEQUENCES = 32  # token spellings of all stop strings matched in the decode loop
+MAX_STOP_SEQUENCE_TOKENS = 8  # longer spellings are left to the host match
+# contexts a stop string is also encoded after: a BPE tokenizer spells "</answer>" after text
+# (e.g. with a leading space merged in) differently from alone; the spelling is the context's
+# encoding's tail when its head is the context's own encoding
+STOP_CONTEXTS = ("x", " ", "\n", "a ", ".", "1")
+
+
+def stop_token_sequences(tokenizer, stop_strings: Sequence[str], *, max_sequences: int = MAX_STOP_SEQUENCES,
+                         max_tokens: int = MAX_STOP_SEQUENCE_TOKENS) -> np.ndarray | None:
+    """The token spellings of `stop_strings` the decode loop matches, [S, L] int32, each right-aligned
+    (-1 on its left: any token), L = the longest kept. For each string: encode(s), and for each
+    c in STOP_CONTEXTS encode(c + s) minus encode(c)'s tokens (when it starts with them); kept when
+    1 <= its length <= max_tokens and its decoded text holds s (so the host cut confirms the stop),
+    deduplicated in that order, the first max_sequences. None (no in-loop stop: the programs without
+    it) when no spelling is kept, stop_strings is empty or the tokenizer has no `encode`.
+    """
+    if not stop_strings or not hasattr(tokenizer, "encode"):
+        return None
+    encode = lambda text: [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    found: dict[tuple[int, ...], None] = {}
+    for s in stop_strings:
+        spellings = [encode(s)]
+        for context in STOP_CONTEXTS:
+            head, whole = encode(context), encode(context + s)
+            if whole[:len(head)] == head:
+                spellings.append(whole[len(head):])
+        for ids in spellings:
+            if 1 <= len(ids) <= max_tokens and s in tokenizer.decode(ids, skip_special_tokens=True):
+                found.setdefault(tuple(ids))
+    kept = list(found)[:max_sequences]
+    if not kept:
+        return None
+    width = max(len(ids) for ids in kept)
+    return np.asarray([[-1] * (width - len(ids)) + list(ids) for ids in kept], np.int32)
+
+
+def last_tokens(tokens: jax.Array, end: jax.Array, width: int) -> jax.Array:
+    """Each row's `width` tokens ending at column end (included): tokens [..., R], end [...] int32 ->
+    [..., width], -2 (no token) before column 0."""
+    cols = end[..., None] - width + 1 + jnp.arange(width, dtype=jnp.int32)
+    window = jnp.take_along_axis(tokens, jnp.clip(cols, 0, tokens.shape[-1] - 1), axis=-1)
+    return jnp.where(cols >= 0, window, -2)
+
+
+def ends_with_stop_sequence(window: jax.Array, stop_seqs: jax.Array) -> jax.Array:
+    """Whether a row's last tokens window [..., L] end with one of stop_seqs [S, L] (right-aligned,
+    -1 = any token; `stop_token_sequences`) -> [...] bool."""
+    hit = (stop_seqs < 0) | (window[..., None, :] == stop_seqs)  # [..., S, L]
+    return jnp.any(jnp.all(hit, axis=-1), axis=-1)
 
 
 def first_stop_string(token_ids: Sequence[int], decode: Callable[[list[int]], str],

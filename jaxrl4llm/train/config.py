@@ -131,7 +131,8 @@ class RolloutConfig:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     # a response ends with the token that completes the first of these strings in its decoded text:
     # later tokens leave the loss mask and the length, the row is not truncated, and the scored text
-    # ends before the string (vLLM's `stop`). Matched on the host after sampling (docs/sampling.md)
+    # ends before the string (vLLM's `stop`). Matched on the host after sampling; the tokenizer's
+    # spellings of each string also end a row inside the decode loop (its slot freed; docs/sampling.md)
     stop_strings: list[str] = dataclasses.field(default_factory=list)
     dynamic_sampling_max_draws: int = 4
     # the sampler's C++ CPU kernels (docs/sampling.md): auto = on one CPU device when they build;

@@ -47,7 +47,7 @@ from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, che
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.samples import sample_rows
-from jaxrl4llm.train.scoring import score_rows_with_components
+from jaxrl4llm.train.scoring import RowScores, score_rows_with_components
 from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
 from jaxrl4llm.train.step import (
     TrainBatch,
@@ -132,12 +132,13 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                   on_params_read: Callable[[], None] | None = None):
     """Samples until P groups with differing rewards are found (dynamic sampling) or the draw cap
     is reached, each redraw only as many prompts as the missing groups need (`prompts_to_draw`);
-    returns (rollout rows of P groups, rewards [P*G] on the host, stats).
+    returns (rollout rows of P groups, RowScores of those rows on the host: rewards [P*G] and a
+    `reward.fns` list's components {name: [P*G]} ({} for a single reward.fn), stats).
     on_params_read: called once the sampler has read the policy's parameters for the last time
     (after the tokens of the last possible draw), before the rewards are scored: an asynchronous
     loop dispatches the update there, which may donate those parameters."""
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-    kept: list[tuple] = []  # (rollout, index in it, rewards, prompt id)
+    kept: list[tuple] = []  # (rollout, index in it, rewards, prompt id, components)
     spare: list[tuple] = []
     draws = retired = drawn = mixed = 0
     t_sample = t_reward = 0.0
@@ -169,7 +170,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
                                  cfg.rollout.retire_pass_rate)
         for g, pid in enumerate(ids):
             rows = slice(g * G, (g + 1) * G)
-            entry = (rollout, g, rewards[rows], pid)
+            entry = (rollout, g, rewards[rows], pid, {name: values[rows] for name, values in components.items()})
             varied = rewards[rows].max() != rewards[rows].min()
             drawn, mixed = drawn + 1, mixed + int(varied)
             if varied or not recipe.dynamic_sampling:
@@ -191,7 +192,9 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
         **component_means(all_components),
     }
-    return merged, np.concatenate([e[2] for e in kept]), with_scoring_stats(stats, reward_fn, stream, cfg, retired)
+    scores = RowScores(np.concatenate([e[2] for e in kept]),
+                       {name: np.concatenate([e[4][name] for e in kept]) for name in kept[0][4]} if kept else {})
+    return merged, scores, with_scoring_stats(stats, reward_fn, stream, cfg, retired)
 
 
 def component_means(components: list[dict]) -> dict[str, float]:
@@ -239,7 +242,7 @@ def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, s
     `version`) until it is complete, with step + 1's prompts enqueued first (their rows start in the
     slots step's rows free). Prompts and random numbers are the synchronous run's: rollout t takes
     the stream's next P prompts and draws from fold_in(fold_in(base_key, t), 1). Returns
-    (rollout, rewards [P*G] on the host, stats, RowVersions)."""
+    (rollout, RowScores (rewards [P*G] and components, as `sample_groups`) on the host, stats, RowVersions)."""
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     for t in (step, step + 1):
         if t not in partial.prompt_ids and t < cfg.trainer.steps:
@@ -262,7 +265,7 @@ def sample_segment(policy: Policy, partial: PartialStream, prompts: PromptSet, s
              "sampling_prompts_drawn": P, "groups_filled_constant": 0, "reward_all_draws": float(np.mean(rewards)),
              "partial_rows_carried": float(np.mean(versions.split < cfg.rollout.max_new_tokens)),
              **component_means([components])}
-    return rollout, rewards, with_scoring_stats(stats, reward_fn, stream, cfg, retired), versions
+    return rollout, RowScores(rewards, components), with_scoring_stats(stats, reward_fn, stream, cfg, retired), versions
 
 
 @dataclasses.dataclass
@@ -583,19 +586,21 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
 
     def draw(t, policy, on_params_read=None) -> PendingRollout:
         if partial is None:
-            return PendingRollout(t, sampling_version(t, k, start_step), *sample_groups(
-                policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t), run.reward_fn, run.recipe,
-                on_params_read))
+            rollout, scores, stats = sample_groups(policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t),
+                                                   run.reward_fn, run.recipe, on_params_read)
+            return PendingRollout(t, sampling_version(t, k, start_step), rollout, scores.rewards, stats,
+                                  components=scores.components)
         version = partial_version(t, k, start_step)
-        return PendingRollout(t, version, *sample_segment(policy, partial, run.train_set, stream, cfg, t, version,
-                                                          run.base_key, run.reward_fn, on_params_read))
+        rollout, scores, stats, versions = sample_segment(policy, partial, run.train_set, stream, cfg, t, version,
+                                                          run.base_key, run.reward_fn, on_params_read)
+        return PendingRollout(t, version, rollout, scores.rewards, stats, versions, scores.components)
 
     for step in range(start_step, cfg.trainer.steps):
         t_step = time.perf_counter()
         if k == 0:  # synchronous: this step's rollout from the current policy
-            rollout, rewards, sample_stats = sample_groups(run.policy.with_state(state), run.train_set, stream, cfg,
-                                                           jax.random.fold_in(run.base_key, step), run.reward_fn,
-                                                           run.recipe)
+            rollout, (rewards, components), sample_stats = sample_groups(
+                run.policy.with_state(state), run.train_set, stream, cfg, jax.random.fold_in(run.base_key, step),
+                run.reward_fn, run.recipe)
             t_update = time.perf_counter()
             batch, adv = build_batch(run, state, rollout, rewards)
             state, metrics, clipped = run.update(state, batch)
@@ -605,6 +610,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
                 pending.append(draw(step + len(pending), sampler_policy(run, state)))
             current = pending.pop(0) if ahead else draw(step, sampler_policy(run, state))
             rollout, rewards, sample_stats = trainer_rows(run, current.rollout), current.rewards, current.stats
+            components = current.components
             sample_next = (lambda policy, dispatch: pending.append(draw(step + ahead, policy, dispatch))) \
                 if ahead and step + ahead < cfg.trainer.steps else None
             t_update, (batch, adv, state, metrics, clipped) = update_while_sampling(run, state, rollout, rewards,
@@ -620,7 +626,8 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
                       / (t_end - t_step))
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:
             record.update({f"eval/{k}": v for k, v in evaluate_at(step + 1, state).items()})
-        writer.write_samples(step + 1, sample_rows(run.policy, rollout, rewards, adv, versions, cfg.trainer.log_samples))
+        writer.write_samples(step + 1, sample_rows(run.policy, rollout, rewards, adv, versions, cfg.trainer.log_samples,
+                                                   components))
         writer.write(step + 1, record)
         lengths = [hosts.fetch(x) for x in (rollout.lengths, _prompt_lengths(rollout.prompt_mask))]  # all processes
         if hosts.is_main():

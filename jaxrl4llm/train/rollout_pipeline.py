@@ -45,7 +45,8 @@ class PendingRollout:
     """A rollout sampled ahead of its update: for training step `step`, by policy `version`.
 
     rollout: the Rollout (N rows); rewards [N] on the host; stats: the sampling figures of
-    `loop.sample_groups` (times, draws, ...), logged with the step that trains on it.
+    `loop.sample_groups` (times, draws, ...), logged with the step that trains on it;
+    components: a `reward.fns` list's own rewards {name: [N]} ({} for a single reward.fn).
     """
 
     step: int
@@ -54,6 +55,7 @@ class PendingRollout:
     rewards: np.ndarray
     stats: dict
     versions: Any = None  # rollout.partial: sampling.partial.RowVersions (a version per token); None: all `version`
+    components: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -161,16 +163,20 @@ _ROLLOUT_FIELDS = Rollout._fields
 
 def pending_to_host(pending: list[PendingRollout], fetch) -> tuple[dict, list[dict]]:
     """(arrays, metadata) of the rollouts in flight, what a checkpoint keeps of them: arrays
-    {"i/field": np.ndarray} (whole values, fetched to this host), metadata [{step, version, stats}]."""
+    {"i/field": np.ndarray} (whole values, fetched to this host; a reward.fns list's components as
+    "i/component_j", their names in the metadata), metadata [{step, version, stats, components}]."""
     arrays, meta = {}, []
     for i, p in enumerate(pending):
         for name in _ROLLOUT_FIELDS:
             arrays[f"{i}/{name}"] = fetch(getattr(p.rollout, name))
         arrays[f"{i}/rewards"] = np.asarray(p.rewards)
+        for j, values in enumerate(p.components.values()):
+            arrays[f"{i}/component_{j}"] = np.asarray(values)
         if p.versions is not None:
             for name, x in p.versions._asdict().items():
                 arrays[f"{i}/versions_{name}"] = np.asarray(x)
-        meta.append({"step": p.step, "version": p.version, "stats": p.stats, "partial": p.versions is not None})
+        meta.append({"step": p.step, "version": p.version, "stats": p.stats, "partial": p.versions is not None,
+                     "components": list(p.components)})
     return arrays, meta
 
 
@@ -182,6 +188,7 @@ def pending_from_host(arrays: dict, meta: list[dict], place) -> list[PendingRoll
         rollout = Rollout(*(place(np.asarray(arrays[f"{i}/{name}"])) for name in _ROLLOUT_FIELDS))
         versions = RowVersions(*(np.asarray(arrays[f"{i}/versions_{name}"]) for name in RowVersions._fields)) \
             if m.get("partial") else None
+        components = {name: np.asarray(arrays[f"{i}/component_{j}"]) for j, name in enumerate(m.get("components", []))}
         out.append(PendingRollout(int(m["step"]), int(m["version"]), rollout, np.asarray(arrays[f"{i}/rewards"]),
-                                  dict(m["stats"]), versions))
+                                  dict(m["stats"]), versions, components))
     return out

@@ -2,7 +2,7 @@
 while it trains (`trainer.log_samples`; the peers' completions table: TRL's log_completions,
 verl's val generations, tunix's sample logging).
 
-    rows = sample_rows(policy, rollout, rewards, adv, versions, n=4)   # -> MetricsWriter.write_samples
+    rows = sample_rows(policy, rollout, rewards, adv, versions, n=4, components)   # -> MetricsWriter.write_samples
 
 Which rows: the first n of the step's batch, in order (rows are the prompts' groups of G
 samples, adjacent: n <= G shows n samples of the step's first prompt). A pure side output: it
@@ -17,7 +17,8 @@ from jaxrl4llm.rewards import extract_answer
 from jaxrl4llm.train import hosts
 
 
-def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int) -> list[dict]:
+def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int,
+                components: dict | None = None) -> list[dict]:
     """One dict per logged row, for the first min(n, N) rows of a step's rollout (every process
     calls it alike: global arrays are gathered).
 
@@ -30,11 +31,14 @@ def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int) -> 
       versions: the policy version (updates done) that sampled each row: an int or [N] ints
         (rollout.partial: the version that began the row).
       n: trainer.log_samples (0: no rows).
+      components: a `reward.fns` list's own (unweighted) rewards {name: [N]} of the same rows
+        (reward [N] = sum_i weight_i * components[name_i]); None or {}: a single reward.fn.
 
     Returns [{"row", "prompt" (as the model saw it, special tokens kept), "response", "reward",
     "shaped_reward" (after reward.scale / offset and the overlong penalty: what the advantage
     is computed from), "advantage", "extracted" (the math verifier's final answer, None when it
-    finds none), "truncated", "response_length", "policy_version"}].
+    finds none), "truncated", "response_length", "policy_version"}], plus "components" {name: value}
+    with a `reward.fns` list.
     """
     n = min(n, rollout.num_rows)
     if n <= 0:
@@ -45,8 +49,12 @@ def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int) -> 
     advantages, shaped = first(adv.advantages), first(adv.shaped_rewards)
     responses = policy.decode_rows([t[:length].tolist() for t, length in zip(tokens, lengths)])
     versions = np.broadcast_to(np.asarray(versions), (rollout.num_rows,))
-    return [{"row": i, "prompt": policy.decode_ids(prompts[i][np.asarray(prompt_mask[i], bool)].tolist()),
+    rows = [{"row": i, "prompt": policy.decode_ids(prompts[i][np.asarray(prompt_mask[i], bool)].tolist()),
              "response": responses[i], "reward": float(rewards[i]), "shaped_reward": float(shaped[i]),
              "advantage": float(advantages[i]), "extracted": extract_answer(responses[i]),
              "truncated": bool(truncated[i]), "response_length": int(lengths[i]), "policy_version": int(versions[i])}
             for i in range(n)]
+    for i, row in enumerate(rows):
+        if components:
+            row["components"] = {name: float(values[i]) for name, values in components.items()}
+    return rows

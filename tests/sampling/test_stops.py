@@ -1,12 +1,16 @@
 """Stop token ids and stop strings (`sampling.stops`), in both engines and for partial rollouts."""
 
+import re
+import sys
+
 import jax
 import numpy as np
 import pytest
 
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_program
-from jaxrl4llm.sampling.stops import end_token_ids, first_stop_string, response_text, text_before_stop
+from jaxrl4llm.sampling.stops import (MAX_STOP_SEQUENCES, end_token_ids, ends_with_stop_sequence, first_stop_string,
+                                      last_tokens, response_text, stop_token_sequences, text_before_stop)
 from tests.sampling.conftest import PAD, random_prompts
 
 
@@ -127,5 +131,73 @@ def test_off_settings_lower_the_program_without_them(qwen3):
     static = dict(config=config, num_samples=2, max_new_tokens=6, top_k=0, use_top_p=False, greedy=False,
                   block_size=16, backend=backend)
     text = lambda **kw: sample_program.lower(*args, **static, **kw).as_text()
-    assert text() == text(min_p=None)
+    assert text() == text(min_p=None) == text(stop_seqs=None)
+    assert text() != text(stop_seqs=np.asarray([[3, 4]], np.int32))
     assert text() != text(min_p=np.float32(0.1))
+
+
+class EncodingAngleTokenizer(AngleTokenizer):
+    """AngleTokenizer that also encodes: "<i>" -> i (text that is not whole tokens encodes to nothing)."""
+
+    def encode(self, text, add_special_tokens=False):
+        ids = re.findall(r"<(\d+)>", text)
+        return [int(i) for i in ids] if "".join(f"<{i}>" for i in ids) == text else []
+
+
+def test_stop_token_sequences_are_the_strings_spellings_right_aligned_and_deduplicated():
+    tok = EncodingAngleTokenizer()
+    np.testing.assert_array_equal(stop_token_sequences(tok, ["<3><4>", "<5>", "<3><4>"]), [[3, 4], [-1, 5]])
+    assert stop_token_sequences(tok, ["<3"]) is None  # no whole-token spelling: the host match alone
+    assert stop_token_sequences(TOKENIZER, ["<3><4>"]) is None  # no encode
+    assert stop_token_sequences(tok, []) is None
+    assert stop_token_sequences(tok, [f"<{i}>" for i in range(40)]).shape == (MAX_STOP_SEQUENCES, 1)
+    assert stop_token_sequences(tok, ["<1>" * 9]) is None  # longer than MAX_STOP_SEQUENCE_TOKENS
+    window = np.array([[7, 3, 4], [3, 4, 7], [-2, -2, 5]])
+    np.testing.assert_array_equal(ends_with_stop_sequence(window, np.array([[-1, 3, 4], [-1, -1, 5]])),
+                                  [True, False, True])
+    np.testing.assert_array_equal(last_tokens(np.array([[1, 2, 3, 4]] * 2), np.array([1, 3]), 3),
+                                  [[-2, 1, 2], [2, 3, 4]])
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_a_stop_string_the_tokenizer_spells_ends_the_row_inside_the_decode_loop(qwen3, engine, monkeypatch):
+    """"<a><b>" spelled by tokens j-1, j of row 0: with a tokenizer that encodes, the engine itself
+    ends the row at token j (its own lengths, before the host cut, read with the cut switched off:
+    the continuous engine's slot is free from there), and the rollout equals the host-cut one."""
+    full = baseline(qwen3, engine)
+    row = np.asarray(full.response_tokens)[0]
+    j = next((j for j in range(2, len(row)) if f"<{row[j - 1]}><{row[j]}>" not in DECODE(row[:j].tolist())), None)
+    if j is None:
+        pytest.skip("row 0 repeats its pairs")
+    stop = f"<{row[j - 1]}><{row[j]}>"
+    host_cut = baseline(qwen3, engine, stop_strings=[stop], tokenizer=TOKENIZER)
+    in_loop = baseline(qwen3, engine, stop_strings=[stop], tokenizer=EncodingAngleTokenizer())
+    for a, b in zip(in_loop, host_cut):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_cut(in_loop, full, 0, j + 1)
+    monkeypatch.setattr(sys.modules["jaxrl4llm.sampling.generate"], "apply_stop_strings", lambda rollout, *a, **k: rollout)
+    engine_only = baseline(qwen3, engine, stop_strings=[stop], tokenizer=EncodingAngleTokenizer())
+    assert int(engine_only.lengths[0]) == j + 1 and not bool(engine_only.truncated[0])
+    assert int(full.lengths[0]) == 12  # without the in-loop stop the row decodes its whole budget
+
+
+def test_partial_rollouts_end_a_row_at_a_spelled_stop_string_inside_the_engine(qwen3, monkeypatch):
+    """The partial-rollout engine gets the spellings too: with the host cut switched off, its row 0
+    ends at the token completing "<a><b>", the static engine's row cut there."""
+    from jaxrl4llm.sampling.partial import PartialRollouts
+
+    _, _, graphdef, state = qwen3
+    prompts = random_prompts(3, lengths=(5, 3, 7))
+    full = generate(graphdef, state, prompts, num_samples=2, max_new_tokens=12, pad_token_id=PAD, greedy=True,
+                    eos_token_ids=[], engine="static", rng=jax.random.key(1), prompt_buckets=(8,))
+    row = np.asarray(full.response_tokens)[0]
+    j = next((j for j in range(2, len(row)) if f"<{row[j - 1]}><{row[j]}>" not in DECODE(row[:j].tolist())), None)
+    if j is None:
+        pytest.skip("row 0 repeats its pairs")
+    monkeypatch.setattr(sys.modules["jaxrl4llm.sampling.partial"], "apply_stop_strings", lambda rollout, *a, **k: rollout)
+    stream = PartialRollouts(graphdef, state, num_prompts=3, num_samples=2, max_new_tokens=12, prompt_len=8,
+                             eos_token_ids=[], pad_token_id=PAD, greedy=True, slots=4,
+                             stop_strings=[f"<{row[j - 1]}><{row[j]}>"], tokenizer=EncodingAngleTokenizer())
+    stream.enqueue(prompts, jax.random.key(1))
+    rollout, _ = stream.segment(graphdef, state, version=0)
+    assert_cut(rollout, full, 0, j + 1)

@@ -83,7 +83,7 @@ def _by_hand(cfg, k):
                 policy = run.policy.with_params(versions[max(t - k, 0)])  # no LoRA here: no frozen base
                 rollouts[t] = sample_groups(policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t),
                                             run.reward_fn, run.recipe)[:2]
-        rollout, rewards = rollouts.pop(step)
+        rollout, (rewards, _) = rollouts.pop(step)
         batch, _ = build_batch(run, state, rollout, rewards)
         state, _, _ = run.update(state, batch)
         versions.append(jax.tree.map(jnp.copy, state.params))
