@@ -53,11 +53,12 @@ def test_surrogate_table_snippet_runs():
 
 
 def test_coming_from_trl_verl_recipe_trains_from_the_hub_and_logs_to_wandb(offline_hub, tmp_path, monkeypatch):
-    """docs/coming_from_trl_verl.md: its `jaxrl4llm train` line, on its recipe file, against a
+    """docs/coming_from_trl_verl.md: its `jaxrl4llm train` and `eval` lines, on its recipe file, against a
     Hugging Face cache written here (a tiny Qwen3 stored as Qwen/Qwen3-0.6B-Base; TRL's
     DeepMath-103K columns and MATH-500's, as the Hub stores them), offline, with W&B offline and
     the sizes shrunk to the CPU. The run names the model and datasets as the page does, scores
     both reward entries, logs samples and writes an offline W&B run."""
+    import contextlib
     import io
     import json
     import shlex
@@ -82,12 +83,14 @@ def test_coming_from_trl_verl_recipe_trains_from_the_hub_and_logs_to_wandb(offli
     blocks = _blocks("coming_from_trl_verl.md")
     (recipe,) = [text for _, file, text in blocks if file == "qwen3_hub.yaml"]
     (tmp_path / "qwen3_hub.yaml").write_text(recipe)
-    (command,) = [line for _, _, text in blocks for line in text.splitlines() if line.startswith("jaxrl4llm train")]
-    argv = [str(tmp_path / a) if a == "qwen3_hub.yaml" else a for a in shlex.split(command)[1:]]
+    train_line, eval_line = [line for _, _, text in blocks for line in text.splitlines() if line.startswith("jaxrl4llm ")]
+    to_here = {"qwen3_hub.yaml": str(tmp_path / "qwen3_hub.yaml"),
+               "model.path=runs/qwen3_hub/hf_export": f"model.path={tmp_path / 'run' / 'hf_export'}"}
+    argv = [to_here.get(a, a) for a in shlex.split(train_line)[1:]]
     shrink = ["model.dtype=float32", "model.logprob_chunk_size=32", "model.remat=false", "data.max_prompt_tokens=400",
               "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
               "eval.samples=2", "trainer.steps=1", "trainer.mini_batches=1", "trainer.eval_every=0",
-              "trainer.checkpoint_every=0", "trainer.export_hf=false", "trainer.progress_bar=false",
+              "trainer.checkpoint_every=0", "trainer.progress_bar=false",
               "trainer.compile_cache=off", f"trainer.out_dir={tmp_path / 'run'}"]
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -100,3 +103,9 @@ def test_coming_from_trl_verl_recipe_trains_from_the_hub_and_logs_to_wandb(offli
     assert len((tmp_path / "run" / "samples.jsonl").read_text().splitlines()) == 4
     assert "wandb" in json.loads((tmp_path / "run" / "loggers.json").read_text())
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the table goes to stderr, the JSON to stdout
+        assert cli_main([to_here.get(a, a) for a in shlex.split(eval_line)[1:]] + shrink) == 0
+    table = json.loads(printed.getvalue())
+    assert {"MATH-500-test/mean@2", "MATH-500-test/pass@2", "MATH-500-test/maj@2"} <= set(table), sorted(table)
+    assert (tmp_path / "run" / "eval.json").is_file()  # a run's export: its eval.json beside it
