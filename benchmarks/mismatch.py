@@ -41,8 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl4llm.core import LITE_PPO, compute_advantages
-from jaxrl4llm.core.mismatch import agreement_stats
+from jaxrl4llm.core import LITE_PPO, agreement_stats, compute_advantages
 from jaxrl4llm.models import ModelConfig, init_model, load_pretrained
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.train.batching import rollout_to_batch

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl4llm.core import (GRPO, IS_CORRECTIONS, LITE_PPO, PRESETS, SCALERL, LossTerms, Recipe, compute_advantages,
+from jaxrl4llm.core import (GRPO, IS_CORRECTIONS, LITE_PPO, PRESETS, SCALERL, LossTerms, Recipe, agreement_stats,
+                            compute_advantages,
                             mismatch_correction, policy_loss, truncated_is_weights)
-from jaxrl4llm.core.mismatch import agreement_stats
 from tests.core import reference as ref
 from tests.core._helpers import B, FAST, FEW, G, T, assert_finite, logps, mask, rewards, rng, seeds
 

@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl4llm.core import LITE_PPO, compute_advantages
-from jaxrl4llm.core.mismatch import agreement_stats
+from jaxrl4llm.core import LITE_PPO, agreement_stats, compute_advantages
 from jaxrl4llm.models import ModelConfig, init_model
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.train.batching import rollout_to_batch
