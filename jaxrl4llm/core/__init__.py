@@ -16,7 +16,8 @@ Surrogate:    ppo_clip_loss (PPO / Clip-Higher / dual clip / GSPO / GSPO-token),
 Surrogate table: register_surrogate, registered_surrogate, surrogate_names, apply_surrogate,
               RegisteredSurrogate (Recipe.surrogate names a row; core.surrogate_registry)
 Mismatch:     sampler-trainer corrections from old_logp vs sampler_logp: tis_token, tis_sequence,
-              mis_token, mis_sequence, icepop, seq_mask, mismatch_correction, Correction, IS_CORRECTIONS
+              mis_token, mis_sequence, icepop, seq_mask, mismatch_correction, Correction, IS_CORRECTIONS;
+              how far apart they are: agreement_stats
 Entropy:      Clip-Cov / KL-Cov (arXiv 2505.22617): token_covariance, clip_cov_mask, kl_cov_mask,
               kl_cov_penalty, top_k_mask, COV_CONTROLS
 Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES, prompt_weights
@@ -52,6 +53,7 @@ from jaxrl4llm.core.logprobs import token_logprobs_from_head
 from jaxrl4llm.core.logprobs import token_logprobs_from_hidden
 from jaxrl4llm.core.mismatch import IS_CORRECTIONS
 from jaxrl4llm.core.mismatch import Correction
+from jaxrl4llm.core.mismatch import agreement_stats
 from jaxrl4llm.core.mismatch import icepop
 from jaxrl4llm.core.mismatch import mis_sequence
 from jaxrl4llm.core.mismatch import mis_token
@@ -92,7 +94,7 @@ from jaxrl4llm.core.surrogate_registry import surrogate_names
 
 __all__ = [
     "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "COV_CONTROLS", "clip_cov_mask", "kl_cov_mask", "kl_cov_penalty",
-    "token_covariance", "top_k_mask", "Correction", "IS_CORRECTIONS", "icepop", "mis_sequence", "mis_token",
+    "token_covariance", "top_k_mask", "Correction", "IS_CORRECTIONS", "agreement_stats", "icepop", "mis_sequence", "mis_token",
     "mismatch_correction", "seq_mask", "tis_sequence", "tis_token", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
     "PPO_BASELINE", "PRESETS", "Recipe", "RegisteredSurrogate", "SCALERL", "SurrogateOutput", "SurrogateStats",
     "aggregate_loss", "apply_surrogate", "batch_whiten", "broadcast_advantages", "cispo_loss", "cispo_surrogate",

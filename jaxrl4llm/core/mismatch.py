@@ -212,3 +212,44 @@ def mismatch_correction(
             raise ValueError("seq_mask needs advantages and delta.")
         return seq_mask(old_logp, sampler_logp, mask, advantages, delta)
     raise ValueError(f"kind must be one of {', '.join(IS_CORRECTIONS)}, got {kind!r}.")
+
+
+TOKEN_BANDS = {"out_10": (0.9, 1.1), "out_1": (0.99, 1.01)}  # agreement_stats: token-ratio bands, by name
+SEQUENCE_BAND = (0.5, 2.0)  # agreement_stats: rows whose product of token ratios leaves [0.5, 2]
+
+
+def agreement_stats(old_logp: chex.Array, sampler_logp: chex.Array, mask: chex.Array,
+                    sequence_ids: chex.Array | None = None, num_sequences: int | None = None) -> dict[str, chex.Array]:
+    """How far the trainer's log-probs are from the sampler's on the counted tokens (issue #39).
+
+    With d_t = old_logp_t - sampler_logp_t (`mismatch_log_ratio`) and rho_t = exp(d_t):
+      out_10 / out_1: share of counted tokens with rho_t outside [0.9, 1.1] / [0.99, 1.01]
+      max_abs, mean_abs: max_t |d_t|, mean_t |d_t|
+      seq_out: share of sequences with exp(S_i) outside [0.5, 2], S_i = sum_t m_t d_t
+      tokens: the counted tokens.
+    old_logp, sampler_logp, mask [B, T]. sequence_ids [B, T] int in [0, num_sequences) on the
+    counted tokens (packed rows hold several sequences); None: each row is one sequence.
+    Band edges are ratios (0.9 and 1.1, not a symmetric log band), as IcePop's [alpha, beta]
+    (Ring-1T, arXiv 2510.18855). Scalars float32; jit with num_sequences static.
+    """
+    d = mismatch_log_ratio(old_logp, sampler_logp, mask)
+    counted = _counted(mask)
+    n = jnp.maximum(jnp.sum(counted), 1)
+    share = lambda outside: jnp.sum(outside & counted) / n
+    band = lambda lo, hi: share((d < math.log(lo)) | (d > math.log(hi)))
+    if sequence_ids is None:
+        s = jnp.sum(d, axis=1)
+        real = jnp.any(counted, axis=1)
+    else:
+        ids = jnp.where(counted, sequence_ids, num_sequences).reshape(-1)  # padding -> a dropped extra segment
+        s = jax.ops.segment_sum(d.reshape(-1), ids, num_segments=num_sequences + 1)[:num_sequences]
+        real = jax.ops.segment_sum(counted.reshape(-1).astype(jnp.int32), ids, num_segments=num_sequences + 1
+                                   )[:num_sequences] > 0
+    seq_out = (s < math.log(SEQUENCE_BAND[0])) | (s > math.log(SEQUENCE_BAND[1]))
+    return {
+        "tokens": jnp.sum(counted),
+        **{name: band(*edges) for name, edges in TOKEN_BANDS.items()},
+        "max_abs": jnp.max(jnp.where(counted, jnp.abs(d), 0.0)),
+        "mean_abs": jnp.sum(jnp.abs(d)) / n,
+        "seq_out": jnp.sum(seq_out & real) / jnp.maximum(jnp.sum(real), 1),
+    }

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl4llm.core import (GRPO, IS_CORRECTIONS, LITE_PPO, PRESETS, SCALERL, LossTerms, Recipe, compute_advantages,
+from jaxrl4llm.core import (GRPO, IS_CORRECTIONS, LITE_PPO, PRESETS, SCALERL, LossTerms, Recipe, agreement_stats,
+                            compute_advantages,
                             mismatch_correction, policy_loss, truncated_is_weights)
 from tests.core import reference as ref
 from tests.core._helpers import B, FAST, FEW, G, T, assert_finite, logps, mask, rewards, rng, seeds
@@ -391,3 +392,48 @@ def test_degenerate_batches_are_finite(name):
         assert_finite(v, grad, *metrics.values())
         if case == "all_masked":
             assert float(v) == 0.0
+
+
+# ---------------------------------------------------------------- agreement_stats (issue #39)
+
+def _agreement_reference(old, sampler, m, ids=None):
+    """numpy: the figures of agreement_stats, one token and one sequence at a time."""
+    counted = m > 0
+    d = (old - sampler)[counted].astype(np.float64)
+    rho = np.exp(d)
+    seq = {}
+    for (b, t) in zip(*np.nonzero(counted)):
+        key = b if ids is None else ids[b, t]
+        seq[key] = seq.get(key, 0.0) + float(old[b, t]) - float(sampler[b, t])
+    s = np.array(list(seq.values()))
+    return {"tokens": counted.sum(), "out_10": np.mean((rho < 0.9) | (rho > 1.1)) if d.size else 0.0,
+            "out_1": np.mean((rho < 0.99) | (rho > 1.01)) if d.size else 0.0,
+            "max_abs": np.abs(d).max() if d.size else 0.0, "mean_abs": np.abs(d).mean() if d.size else 0.0,
+            "seq_out": np.mean((s < np.log(0.5)) | (s > np.log(2.0))) if s.size else 0.0}
+
+
+@FAST
+@given(seeds, st.sampled_from([0.003, 0.05, 0.3]), st.booleans())
+def test_agreement_stats_match_a_token_by_token_count(seed, gap, packed):
+    """Every figure equals the numpy count, for rows as sequences and for packed sequence ids."""
+    g = rng(seed)
+    old, _ = logps(g)
+    sampler = (old + gap * g.normal(size=(B, T))).astype(np.float32)
+    m = mask(g)
+    ids = None
+    if packed:  # two sequences a row: the first half of the row and the second
+        ids = (np.arange(B)[:, None] * 2 + (np.arange(T)[None, :] >= T // 2)).astype(np.int32)
+    got = jax.jit(agreement_stats, static_argnums=4)(old, sampler, m, None if ids is None else jnp.asarray(ids),
+                                                     None if ids is None else 2 * B)
+    want = _agreement_reference(old, sampler, m, ids)
+    for key, value in want.items():
+        np.testing.assert_allclose(float(got[key]), value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_agreement_stats_band_edges_are_ratios():
+    """A ratio of 1.105 is outside [0.9, 1.1] and 0.905 is inside (not a symmetric log band)."""
+    old = np.log(np.array([[1.105, 0.905, 1.0, 1.0]], np.float32))
+    got = agreement_stats(old, np.zeros_like(old), np.ones_like(old))
+    assert float(got["out_10"]) == pytest.approx(0.25)
+    assert float(got["out_1"]) == pytest.approx(0.5)
+    assert float(got["seq_out"]) == 0.0  # the row's product is 1.0

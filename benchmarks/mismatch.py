@@ -1,0 +1,173 @@
+"""Sampler-trainer log-prob agreement on real and tiny checkpoints (issue #39).
+
+    python benchmarks/mismatch.py [--model DIR] [--tiny 64,128] [--dtypes bfloat16,float32]
+                                  [--samplers continuous/xla,continuous/cpu_native,static] [--packing true,false]
+                                  [--prompts 8] [--samples 4] [--tokens 64] [--out FILE.json]
+
+For every model (a Hugging Face folder, e.g. SmolLM2-135M-Instruct from
+scripts/materialize_smollm2.py, prompted with its chat template; and random-init Qwen3-shaped
+tiny models of hidden size 64, 128, ... built in-process, std 0.1, prompted with random ids),
+every compute dtype, every sampler (engine / decode attention: `rollout.engine` and
+`rollout.decode_attention`; on CPU "xla" runs XLA's ops, "cpu_native" the C++ CPU kernels for the
+matmuls and the paged attention; the static engine has no paged attention) and every trainer
+row form (`trainer.packing` true: packed rows through segment attention; false: padded rows),
+it samples P prompts x G samples x R tokens at temperature 1 (no top-k/top-p, so the sampler's
+untruncated log-prob is the sampled one) and re-scores the same tokens with the trainer's
+log-prob pass (`train.step.make_logprob_pass`, the program the loop's `old_logp` comes from).
+With d_t = logp_trainer - logp_sampler on the response tokens (`core.mismatch_log_ratio`) it
+reports:
+
+    out_10   share of tokens with exp(d_t) outside [0.9, 1.1]
+    out_1    share of tokens with exp(d_t) outside [0.99, 1.01]
+    max|d|, mean|d|
+    seq_out  share of rows whose sequence ratio exp(sum_t d_t) leaves [0.5, 2]
+
+Prints one table; --out writes the rows as JSON. The trainer's attention path is the CPU's
+(`TrainAttention.XLA`, block-causal segment attention) for both row forms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl4llm.core import LITE_PPO, agreement_stats, compute_advantages
+from jaxrl4llm.models import ModelConfig, init_model, load_pretrained
+from jaxrl4llm.sampling import generate
+from jaxrl4llm.train.batching import rollout_to_batch
+from jaxrl4llm.train.packing import pack, pack_layout, pack_plan
+from jaxrl4llm.train.policy import make_logprob_fn
+from jaxrl4llm.train.step import make_logprob_pass
+
+SAMPLERS = ("continuous/xla", "continuous/cpu_native", "static")
+CHAT_QUESTIONS = ("What is 17 times 23?", "Write a haiku about rain.", "Explain photosynthesis in two sentences.",
+                  "Name three prime numbers.", "What is the capital of France?", "Give me one tip for learning Python.",
+                  "Why is the sky blue?", "Count from one to five in words.")
+
+
+def tiny_config(hidden: int, dtype: str) -> ModelConfig:
+    """A Qwen3-shaped random model of hidden size `hidden` (4 layers, 4 heads of hidden/4, 2 kv heads)."""
+    return ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
+                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rope_theta=10000.0,
+                       max_position_embeddings=1024, tie_word_embeddings=True, dtype=dtype, param_dtype="float32")
+
+
+def load_model(name: str, dtype: str, prompts: int):
+    """(graphdef, state, prompt id lists, eos ids) of 'tiny:H' or a checkpoint folder."""
+    if name.startswith("tiny:"):
+        graphdef, state = init_model(tiny_config(int(name[5:]), dtype), jax.random.PRNGKey(0), std=0.1)
+        rng = np.random.default_rng(0)
+        ids = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(3, 40, size=prompts)]
+        return graphdef, state, ids, (1,)
+    import transformers  # the chat template; benchmark-time only
+
+    graphdef, state = nnx.split(load_pretrained(name, dtype=dtype))
+    tok = transformers.AutoTokenizer.from_pretrained(name)
+    ids = []
+    for i in range(prompts):
+        out = tok.apply_chat_template([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}],
+                                      add_generation_prompt=True, tokenize=True)
+        ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+    return graphdef, state, ids, (int(tok.eos_token_id),)
+
+
+def sample(graphdef, state, prompts, eos, sampler: str, args):
+    engine, _, attention = sampler.partition("/")
+    kw = dict(engine=engine, cpu_kernels=attention == "cpu_native")
+    if engine == "continuous":
+        kw["paged_attention"] = attention
+    return generate(graphdef, state, prompts, num_samples=args.samples, max_new_tokens=args.tokens, temperature=1.0,
+                    eos_token_ids=eos, pad_token_id=0, rng=jax.random.PRNGKey(args.seed), **kw)
+
+
+def trainer_agreement(graphdef, state, rollout, packing: bool, chunk_size: int):
+    """`core.mismatch.agreement_stats` of the trainer's log-probs against the sampler's, through the
+    loop's log-prob pass (`make_logprob_pass`) on padded or packed rows."""
+    n, r = rollout.response_tokens.shape
+    adv = compute_advantages(jnp.zeros(n, jnp.float32), 1, LITE_PPO)
+    batch = rollout_to_batch(rollout, adv)
+    logprob_fn = make_logprob_fn(graphdef, 1.0, chunk_size)
+    if not packing:
+        logp, _ = jax.jit(make_logprob_pass(logprob_fn, 1, r))(state, batch)
+        return agreement_stats(logp, batch.sampler_logp, batch.loss_mask)
+    prompt_width = rollout.prompt_tokens.shape[1]
+    layout = pack_layout(rows=n, mini_batches=1, shards=1, prompt_width=prompt_width, response_width=r,
+                         tokens_per_micro_batch=None)
+    plan = pack_plan(np.asarray(rollout.prompt_mask).sum(axis=1), np.asarray(rollout.lengths), layout, prompt_width)
+    packed = jax.jit(pack)(batch, plan)
+    logp, _ = jax.jit(make_logprob_pass(logprob_fn, 1))(state, packed)
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # [n, M, RR, S] -> [n M RR, S]
+    # a sequence is (packed row, segment id): number them 0 .. in row-major order
+    seg = flat(packed.segment_ids)
+    width = int(seg.max()) + 1
+    key = np.asarray(jnp.arange(seg.shape[0])[:, None] * width + seg)
+    _, ids = np.unique(key, return_inverse=True)
+    return agreement_stats(flat(logp), flat(packed.sampler_logp), flat(packed.loss_mask),
+                           jnp.asarray(ids.reshape(seg.shape)), int(ids.max()) + 1)
+
+
+def measure(args) -> list[dict]:
+    results = []
+    models = ([args.model] if args.model else []) + [f"tiny:{h}" for h in args.tiny.split(",") if h]
+    for model in models:
+        for dtype in args.dtypes.split(","):
+            graphdef, state, prompts, eos = load_model(model, dtype, args.prompts)
+            for sampler in args.samplers.split(","):
+                t0 = time.perf_counter()
+                rollout = sample(graphdef, state, prompts, eos, sampler, args)
+                for packing in args.packing.split(","):
+                    stats = trainer_agreement(graphdef, state, rollout, packing == "true", args.chunk_size)
+                    row = dict(model=os.path.basename(model.rstrip("/")), dtype=dtype, sampler=sampler,
+                               packing=packing == "true", **{k: v.item() for k, v in stats.items()},
+                               seconds=round(time.perf_counter() - t0, 1))
+                    results.append(row)
+                    print_row(row)
+    return results
+
+
+HEADER = (f"{'model':>14s} {'dtype':>8s} {'sampler':>21s} {'packing':>7s} {'tokens':>6s} {'out[.9,1.1]':>11s} "
+          f"{'out[.99,1.01]':>13s} {'max|d|':>8s} {'mean|d|':>9s} {'seq out[.5,2]':>13s}")
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['model']:>14s} {r['dtype']:>8s} {r['sampler']:>21s} {str(r['packing']):>7s} {r['tokens']:6d} "
+          f"{100 * r['out_10']:10.2f}% {100 * r['out_1']:12.2f}% {r['max_abs']:8.4f} {r['mean_abs']:9.5f} "
+          f"{100 * r['seq_out']:12.1f}%", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a Hugging Face checkpoint folder (e.g. SmolLM2 materialised)")
+    ap.add_argument("--tiny", default="64,128", help="hidden sizes of random Qwen3-shaped models ('' = none)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--samplers", default=",".join(SAMPLERS), help=f"engine/decode attention, of {SAMPLERS}")
+    ap.add_argument("--packing", default="true,false")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--chunk-size", type=int, default=128, help="the trainer's logprob chunk (model.logprob_chunk_size)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    for s in args.samplers.split(","):
+        if s not in SAMPLERS:
+            sys.exit(f"--samplers: {s!r} is not one of {SAMPLERS}")
+    print(HEADER)
+    results = measure(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
