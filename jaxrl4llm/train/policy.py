@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, merge,
                               param_shardings, save_pretrained, score_tokens)
-from jaxrl4llm.models.hub import TOKENIZER_FILES, HubFilesMissing, resolve_model
+from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
 from jaxrl4llm.sampling import decode_responses, generate
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.memory import SIZING_SHARE, decode_sizing, prompts_per_chunk, slots_that_fit
@@ -25,6 +25,7 @@ from jaxrl4llm.sampling.stops import apply_stop_strings, response_text
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.layout import model_config_from_fields, sampler_mesh_for
+from jaxrl4llm.train.prompts import run_tokenizer
 from jaxrl4llm.train.step import join_params
 from jaxrl4llm.train.user_code import import_object
 
@@ -243,15 +244,6 @@ def random_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
-def _resolve(key: str, spec: str, files=None) -> Path:
-    """`spec` (a folder, local or gs://, or a Hub id org/name[@revision]) as a local folder
-    (`models.hub.resolve_model`); a ConfigError naming `key` when a Hub id cannot be resolved."""
-    try:
-        return resolve_model(spec, **({"files": files} if files else {}))
-    except HubFilesMissing as e:
-        raise ConfigError(f"{key}={spec!r}: {e}") from None
-
-
 def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     """From `model.path` (an HF folder, local or gs://, or a Hub id), `model.module` (your NNX model)
     or a random model of the configured size + `model.tokenizer`; with `model.lora`, adapters on a
@@ -260,7 +252,10 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
     rng = jax.random.PRNGKey(cfg.trainer.seed)
     model_config = None
     if m.path:
-        path = _resolve("model.path", m.path)  # gs://: a local copy; a Hub id: huggingface_hub's cache
+        try:  # gs://: a local copy; a Hub id: huggingface_hub's cache
+            path = resolve_model(m.path)
+        except HubFilesMissing as e:
+            raise ConfigError(f"model.path={m.path!r}: {e}") from None
         if not path.is_dir():
             raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a Hugging Face checkpoint folder "
                               f"(config.json + *.safetensors), local or gs://, or a Hub id (org/name[@revision]).")
@@ -268,12 +263,9 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
                                 remat_policy=m.remat_policy, attention_impl=m.attention_impl)
         model_config = model.config
         graphdef, state = nnx.split(model)
-        tokenizer = load_tokenizer(_resolve("model.tokenizer", m.tokenizer, TOKENIZER_FILES) if m.tokenizer else path)
+        tokenizer = run_tokenizer(cfg) if m.tokenizer else load_tokenizer(path)
     else:
-        if not m.tokenizer:
-            raise ConfigError("Set model.path (an HF checkpoint folder or Hub id) or, for a random model, "
-                              "model.tokenizer (a tokenizer folder or Hub id).")
-        tokenizer = load_tokenizer(_resolve("model.tokenizer", m.tokenizer, TOKENIZER_FILES))
+        tokenizer = run_tokenizer(cfg)  # model.tokenizer: neither key set is its ConfigError
         if m.module:
             graphdef, state = _user_module(m, tokenizer, rng)
         else:
