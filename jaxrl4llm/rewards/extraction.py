@@ -46,7 +46,7 @@ _BOX_JOINER_RE = re.compile(
 )
 
 
-def _matching_brace(text: str, open_index: int) -> int | None:
+def matching_brace(text: str, open_index: int) -> int | None:
     """Index of the ``}`` matching the ``{`` at ``open_index``; None if unbalanced or too deep."""
     depth = 0
     i = open_index
@@ -88,7 +88,7 @@ def _boxes(text: str) -> list[tuple[int, int, str]]:
         while j < len(text) and text[j] == " ":
             j += 1
         if j < len(text) and text[j] == "{":
-            close = _matching_brace(text, j)
+            close = matching_brace(text, j)
             if close is not None:
                 found.append((m.start(), close + 1, text[j + 1 : close]))
                 pos = close + 1

@@ -5,7 +5,8 @@ r"""Format reward: does the response end with exactly one boxed answer?
 `ends_with_one_box(response)` is True when, and only when:
   1. `\boxed` occurs exactly once in the whole response (thinking included),
   2. it is followed (after optional spaces) by `{`, and that brace closes (braces balanced;
-     `\{` and `\}` are escaped characters, not braces), and
+     `\{` and `\}` are escaped characters, not braces: the verifier's own
+     `extraction.matching_brace`), and
   3. after the closing brace come only whitespace, at most one closing math delimiter
      (`$`, `$$`, `\]`, `\)`) and at most one final period: `$\boxed{5}$.` passes, `\boxed{5} so 5` fails.
 The gold answer is not read: the reward scores the shape, not the answer (pair it with the math
@@ -17,27 +18,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from jaxrl4llm.rewards.extraction import matching_brace
+
 BOX = "\\boxed"
 # what may follow the box's closing brace: whitespace, one math closer, one period
 _TAIL = re.compile(r"\s*(?:\$\$|\$|\\\]|\\\))?\s*\.?\s*")
-
-
-def _closing_brace(text: str, open_index: int) -> int | None:
-    """Index of the `}` that closes the `{` at open_index (a backslash escapes the next character)."""
-    depth, i = 0, open_index
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
 
 
 def ends_with_one_box(response: str) -> bool:
@@ -49,7 +34,7 @@ def ends_with_one_box(response: str) -> bool:
     brace = start + len(response[start:]) - len(response[start:].lstrip(" "))
     if brace >= len(response) or response[brace] != "{":
         return False
-    close = _closing_brace(response, brace)
+    close = matching_brace(response, brace)
     return close is not None and _TAIL.fullmatch(response, close + 1) is not None
 
 
