@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -513,6 +514,22 @@ def train(cfg: RunConfig, *, resume: bool | str = False, allow_config_change: bo
         return _train(cfg, resume, allow_config_change, log, closing)
 
 
+def save_checkpoint(ckpt, steps_done: int, state, stream, cfg: RunConfig, pending: list, partial) -> None:
+    """Checkpoints the run after `steps_done` steps (asynchronous: the next step starts at once):
+    the train state (no frozen base), the data cursor and retired prompts, the rollouts sampled
+    for the steps ahead (`pending_to_host`) and, with partial rollouts, the engine's begun rows
+    (KV cache included) and their prompt ids."""
+    arrays, in_flight = pending_to_host(pending, hosts.fetch)
+    meta = {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": steps_done,
+            "retired_prompts": sorted(stream.retired), "pending": in_flight}
+    if partial is not None:
+        engine_arrays, engine_meta = partial.engine.host_state(hosts.fetch)
+        arrays.update({f"engine/{i}": a for i, a in engine_arrays.items()})
+        meta["partial"] = {"engine": engine_meta,
+                           "prompt_ids": {str(t): list(map(int, ids)) for t, ids in partial.prompt_ids.items()}}
+    ckpt.save(steps_done, state.replace(frozen=None), meta, pending=arrays)
+
+
 def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: Callable[[str], None],
            closing: contextlib.ExitStack) -> dict:
     if resume and (done := finished_summary(cfg)) is not None:
@@ -633,16 +650,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
         if hosts.is_main():
             write_lengths(files.dir, step + 1, *lengths)
         history.append(record)
-        def save():  # asynchronous: the next step starts at once
-            arrays, in_flight = pending_to_host(pending, hosts.fetch)  # rollouts sampled for the steps ahead
-            meta = {"data_cursor": stream.cursor, "seed": cfg.trainer.seed, "step": step + 1,
-                    "retired_prompts": sorted(stream.retired), "pending": in_flight}
-            if partial is not None:  # the engine with the next rollout's rows begun (KV cache included)
-                engine_arrays, engine_meta = partial.engine.host_state(hosts.fetch)
-                arrays.update({f"engine/{i}": a for i, a in engine_arrays.items()})
-                meta["partial"] = {"engine": engine_meta,
-                                   "prompt_ids": {str(t): list(map(int, ids)) for t, ids in partial.prompt_ids.items()}}
-            ckpt.save(step + 1, state.replace(frozen=None), meta, pending=arrays)
+        save = functools.partial(save_checkpoint, ckpt, step + 1, state, stream, cfg, pending, partial)
         checkpoint_now = cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0
         if checkpoint_now:
             save()
