@@ -31,7 +31,10 @@ class ChipSpec(NamedTuple):
     `overlap`: compute and memory traffic overlap (TPU, GPU: a program takes the larger of the
     two) or add up (a CPU running XLA's ops one after another); `memory_fraction`: the share of
     `hbm` that JAX's allocator hands a process (`jax_memory_fraction`); `peak_source`: where
-    `peak_flops` and `hbm_bandwidth` come from ("datasheet", "measured on <device>", "given")."""
+    `peak_flops` and `hbm_bandwidth` come from ("datasheet", "measured on <device>", "given");
+    `kernel_seconds`: what each kernel launch adds to a program's time (a GPU's host launches every
+    top-level op of the program as a kernel, `plan.hlo_cost.kernel_launches`; 0 where the program
+    runs on the chip whole, as on a TPU, or where the CPU model's measured peaks already hold it)."""
 
     hbm: float
     peak_flops: float
@@ -40,6 +43,7 @@ class ChipSpec(NamedTuple):
     overlap: bool = True
     memory_fraction: float = 1.0
     peak_source: str = "datasheet"
+    kernel_seconds: float = 0.0
 
     @property
     def usable_bytes(self) -> float:

@@ -53,6 +53,13 @@ bytes then count each loop body once, without the off-HBM and fusion corrections
 `meter_notice()` says so (plan prints it). Collectives are read from the HLO text either way.
 Set JAXRL4LLM_PLAN_METER=public to take the fallback on purpose.
 
+Kernel launches (`kernels`): on a GPU each top-level op of a computation that runs (the entry, a
+loop's body and condition, a conditional's branch) is a kernel the host launches; the fused ops
+inside a fusion are not. They are counted with the same trips and branch weights as the flops, and
+`ChipSpec.kernel_seconds` prices each (`plan.programs.ProgramPlan.launch_seconds`): a decode step of
+a 28-layer model is ~430 kernels, and on an H100 their launches cost more than the step's HBM
+traffic (docs/gpu.md, "Results").
+
 On jax 0.12 the HLO parser accepts the `-done` half of an async op (`slice-done`) fed by a
 parameter instead of its `-start`, and then crashes the process (jax 0.10.2 rejected the text): a
 probe is built only for ops that stand alone (`_can_probe`).
@@ -125,7 +132,8 @@ class ProgramCost:
       traffic to the chip's main memory) less what stays on chip (`off_hbm_bytes`), weighted the same way;
     collective_bytes: bytes a chip sends for collectives (ring model, see the module docstring);
     collectives: how many collective ops run (weighted by trips);
-    loops: every while loop with its trip count (static or given).
+    loops: every while loop with its trip count (static or given);
+    kernels: kernel launches on a GPU (`kernel_launches`), weighted the same way.
     """
 
     flops: float
@@ -134,6 +142,7 @@ class ProgramCost:
     collectives: float
     loops: list[Loop]
     once_counted_flops: float  # what cost_analysis() says (each body once), for comparison
+    kernels: float = 0.0  # kernel launches per run on a GPU (`kernel_launches`), loop bodies and conditions x trips
 
 
 def array_bytes(shape_text: str) -> list[float]:
@@ -518,6 +527,17 @@ _LAID_OUT_ARRAY = re.compile(r"\b(?:" + "|".join(sorted(_DTYPE_BYTES, key=len, r
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _NO_TRAFFIC = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "after-all", "partition-id",
                "replica-id", "call", "conditional")
+# Top-level ops that launch no kernel: bookkeeping, control flow (its computations are counted on
+# their own), and the second half of an async pair (its `-start` is the launch).
+_NO_KERNEL = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+              "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain")
+
+
+def kernel_launches(comp: Computation) -> int:
+    """Kernels one run of `comp` launches on a GPU: its top-level ops less `_NO_KERNEL` and `*-done`
+    (a fusion's inner ops run inside its one kernel)."""
+    return sum(1 for inst in comp.instructions.values()
+               if inst.opcode not in _NO_KERNEL and not inst.opcode.endswith("-done"))
 
 
 def _hbm_flags(shape_text: str) -> list[bool]:
@@ -792,10 +812,10 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
         return once[name]
 
     @functools.cache
-    def full(name: str) -> tuple[float, float, float, float]:
-        """(flops, HBM bytes, collective bytes, collectives) of `name`, its loops x their trips."""
+    def full(name: str) -> tuple[float, float, float, float, float]:
+        """(flops, HBM bytes, collective bytes, collectives, kernels) of `name`, its loops x their trips."""
         c = cost(name)
-        totals = [c["flops"], c["bytes"], *collective_bytes(comps, name, num_devices)]
+        totals = [c["flops"], c["bytes"], *collective_bytes(comps, name, num_devices), kernel_launches(comps[name])]
         for loop in by_body.get(name, []):
             if loop.body not in comps:
                 continue
@@ -805,6 +825,7 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
             totals[1] += trips * inner[1] - once_body["bytes"]
             totals[2] += trips * inner[2]  # collectives are read per computation, not from XLA's once-count
             totals[3] += trips * inner[3]
+            totals[4] += trips * (inner[4] + _condition_kernels(comps, loop))
         for cond in conds.get(name, []):  # XLA counted each figure's max over the branches
             onces = [cost(b) for b in cond.branches]
             weights = (branch_weights or {}).get(cond.name)
@@ -818,14 +839,19 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
             totals[1] -= max(o["raw_bytes"] for o in onces)
             for w, branch in zip(weights, cond.branches):
                 inner = full(branch)
-                for i in range(4):
+                for i in range(5):
                     totals[i] += w * inner[i]
         return tuple(totals)
 
     entry = next(c.name for c in comps.values() if c.is_entry)
-    flops, hbm, coll, count = full(entry)
+    flops, hbm, coll, count, kernels = full(entry)
     return ProgramCost(flops=flops, hbm_bytes=hbm, collective_bytes=coll, collectives=count, loops=loops,
-                       once_counted_flops=cost(entry)["flops"])
+                       once_counted_flops=cost(entry)["flops"], kernels=kernels)
+
+
+def _condition_kernels(comps: dict[str, Computation], loop: Loop) -> int:
+    """Kernels of one evaluation of `loop`'s condition (it runs once per trip, beside the body)."""
+    return kernel_launches(comps[loop.condition]) if loop.condition in comps else 0
 
 
 def _public_program_cost(hlo_text: str, comps: dict[str, Computation], loops: list[Loop],
@@ -837,14 +863,17 @@ def _public_program_cost(hlo_text: str, comps: dict[str, Computation], loops: li
     weight = {next(c.name for c in comps.values() if c.is_entry): 1.0}
     for loop in loops:  # walk order: a parent's weight is known before its loops
         weight[loop.body] = weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips)
-    sent = count = 0.0
+    sent = count = kernels = 0.0
     for body, w in weight.items():
         if body in comps:
             s, c = collective_bytes(comps, body, num_devices)
-            sent, count = sent + w * s, count + w * c
+            sent, count, kernels = sent + w * s, count + w * c, kernels + w * kernel_launches(comps[body])
+    for loop in loops:
+        kernels += weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips) * \
+            _condition_kernels(comps, loop)
     flops = float(public.get("flops", 0.0))
     return ProgramCost(flops=flops, hbm_bytes=float(public.get("bytes accessed", 0.0)), collective_bytes=sent,
-                       collectives=count, loops=loops, once_counted_flops=flops)
+                       collectives=count, loops=loops, once_counted_flops=flops, kernels=kernels)
 
 
 _PUBLIC_COST: dict = {}  # hash of a program's HLO text -> its public cost_analysis() (the fallback's figures)

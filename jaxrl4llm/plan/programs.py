@@ -227,6 +227,8 @@ class ProgramPlan:
     compute_seconds: float = 0.0  # flops / peak
     memory_seconds: float = 0.0  # hbm_bytes / HBM bandwidth
     collective_seconds: float = 0.0  # collective_bytes / interconnect bandwidth
+    kernels: float = 0.0  # kernel launches per run on a GPU (`plan.hlo_cost.kernel_launches`, trips counted)
+    launch_seconds: float = 0.0  # kernels x the chip's kernel_seconds (0 on TPU and CPU)
     padding_fraction: float = 0.0  # positions (trainer) or row-steps (sampler) that carry no real token
     overlap: bool = True  # the chip's: time = max(compute, memory) (TPU, GPU) or their sum (CPU)
     loops: list = dataclasses.field(default_factory=list)  # (loop, trips) of the program
@@ -247,19 +249,20 @@ class ProgramPlan:
     @property
     def seconds(self) -> float:
         """One run: max(flops / peak, HBM bytes / bandwidth) + collective bytes / link bandwidth
-        (compute and memory traffic overlap on TPU and GPU; collectives are counted as exposed);
-        on a CPU (`ChipSpec.overlap` false) compute + memory: XLA:CPU runs one op at a time."""
+        + kernels x kernel_seconds (compute and memory traffic overlap on TPU and GPU; collectives
+        and a GPU's kernel launches are counted as exposed); on a CPU (`ChipSpec.overlap` false)
+        compute + memory: XLA:CPU runs one op at a time."""
         work = max(self.compute_seconds, self.memory_seconds) if self.overlap else \
             self.compute_seconds + self.memory_seconds
-        return work + self.collective_seconds
+        return work + self.collective_seconds + self.launch_seconds
 
     @property
     def binding(self) -> str:
         if not self.fits:
             return "-"
-        parts = {"compute": self.compute_seconds, "HBM": self.memory_seconds}
-        bound = max(parts, key=parts.get)
-        return "collectives" if self.collective_seconds > parts[bound] else bound
+        parts = {"compute": self.compute_seconds, "HBM": self.memory_seconds,
+                 "collectives": self.collective_seconds, "launches": self.launch_seconds}
+        return max(parts, key=parts.get)
 
     def price(self, cost: ProgramCost, chip: ChipSpec) -> None:
         """Sets the per-run figures from `cost` on `chip`."""
@@ -269,6 +272,7 @@ class ProgramPlan:
         self.compute_seconds = self.flops / chip.peak_flops
         self.memory_seconds = self.hbm_bytes / chip.hbm_bandwidth
         self.collective_seconds = cost.collective_bytes / chip.ici_bandwidth if cost.collective_bytes else 0.0
+        self.kernels, self.launch_seconds = cost.kernels, cost.kernels * chip.kernel_seconds
         self.overlap = chip.overlap
         self.loops = [(loop.name, loop.trips) for loop in cost.loops]
 
@@ -925,13 +929,14 @@ def format_plan(plan: RunPlan) -> str:
                      f"{_gib(p.argument_bytes):>7} {_gib(p.temp_bytes):>7} {_gib(p.analytic_total):>8} {ratio:>8.2f}")
     lines.append("")
     header = f"{'program':<16} {'runs':>5} {'TFLOP':>9} {'/ours':>6} {'HBM GB':>8} {'coll GB':>8} {'compute':>10} " \
-             f"{'memory':>10} {'collect.':>10} {'binding':>11} {'time':>10} {'share':>6} {'padding':>7}"
+             f"{'memory':>10} {'collect.':>10} {'launches':>10} {'binding':>11} {'time':>10} {'share':>6} {'padding':>7}"
     lines += ["time per chip (one run of each program; time x runs = its share of the step)", header, "-" * len(header)]
     for p in plan.programs:
         lines.append(f"{p.name:<16} {p.runs:>5.0f} {p.flops / 1e12:>9.3f} "
                      f"{p.flops / p.model_flops if p.model_flops else float('nan'):>6.2f} {p.hbm_bytes / 1e9:>8.2f} "
                      f"{p.collective_bytes / 1e9:>8.2f} {_seconds(p.compute_seconds):>10} "
-                     f"{_seconds(p.memory_seconds):>10} {_seconds(p.collective_seconds):>10} {p.binding:>11} "
+                     f"{_seconds(p.memory_seconds):>10} {_seconds(p.collective_seconds):>10} "
+                     f"{_seconds(p.launch_seconds):>10} {p.binding:>11} "
                      f"{_seconds(p.seconds):>10} {100 * plan.share(p):>5.1f}% {100 * p.padding_fraction:>6.1f}%")
     lines.append("")
     lines.append(f"step: {_seconds(plan.step_seconds)}, {plan.generated_tokens_per_second_per_chip:,.0f} generated "
@@ -948,7 +953,8 @@ def format_plan(plan: RunPlan) -> str:
                  "and are not among its arguments; HBM % counts them.")
     lines.append("TFLOP, HBM GB, coll GB: per chip and run, XLA's HLO cost with every loop body times its trips "
                  "(/ours: against our 2N/6N count); time = max(compute, memory) + collectives at the chip's peak "
-                 "FLOP/s, HBM and link bandwidth (docs/scaling.md). padding: positions (trainer) or row-steps "
+                 "FLOP/s, HBM and link bandwidth + launches (a GPU's kernel launches x the chip's kernel_seconds) "
+                 "(docs/scaling.md). padding: positions (trainer) or row-steps "
                  "(sampler) that hold no real token under the length distribution.")
     if notice := meter_notice():  # the public fallback: coarser TFLOP and HBM GB (plan.hlo_cost)
         lines.append(notice)

@@ -10,10 +10,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl4llm.plan import hlo_cost
-from jaxrl4llm.plan.hlo_cost import (_xla_cost, compiled_hlo_text, find_conditionals, meter_notice, op_bytes,
-                                     parse_module, private_meter_problem, program_cost)
+from jaxrl4llm.plan.chips import ChipSpec
+from jaxrl4llm.plan.hlo_cost import (_xla_cost, compiled_hlo_text, find_conditionals, kernel_launches, meter_notice,
+                                     op_bytes, parse_module, private_meter_problem, program_cost)
 from jaxrl4llm.plan.lengths import (LengthDistribution, decode_block_trips, parse_lengths, static_decode_work)
-from jaxrl4llm.plan.programs import plan_run, topology_mesh, with_lengths
+from jaxrl4llm.plan.programs import ProgramPlan, plan_run, topology_mesh, with_lengths
 from jaxrl4llm.train.config import ConfigError, load_config
 from jaxrl4llm.train.metrics import write_lengths
 
@@ -136,6 +137,60 @@ def test_a_conditional_costs_the_branch_it_runs_as_often_as_it_runs():
         program_cost(hlo, num_devices=4, branch_weights={"no-such-conditional": [1.0, 0.0]})
 
 
+_LOOP = """HloModule loop, is_scheduled=true
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[8]{0} exponential(%x)
+  %z = f32[8]{0} tanh(%y)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%j, %z)
+}
+
+%cond (q: (s32[], f32[8])) -> pred[] {
+  %q = (s32[], f32[8]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[8]{0} negate(%a)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %b)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_kernel_launches_count_every_top_level_op_as_often_as_it_runs():
+    """A GPU launches each top-level op of the entry, and of a loop's body and condition on every
+    trip (bookkeeping ops and control flow launch nothing; an async pair launches once): here 1 +
+    5 x (3 + 1), on the private meter and on the public fallback alike."""
+    comps = parse_module(_LOOP)
+    assert [kernel_launches(comps[c]) for c in ("main", "body", "cond")] == [1, 3, 1]
+    assert kernel_launches(parse_module(_ASYNC_HALF)["main"]) == 1  # slice-start launches, slice-done does not
+    assert program_cost(_LOOP, num_devices=1).kernels == 1 + 5 * (3 + 1)
+
+
+def test_kernel_launches_price_a_gpu_program_and_can_bind_it():
+    """`ChipSpec.kernel_seconds` x kernels adds to a program's time (0 on TPU and CPU chips), and a
+    program whose launches outweigh its compute and HBM time is launch-bound (docs/gpu.md, a decode step)."""
+    cost = program_cost(_LOOP, num_devices=1)
+    for kernel_seconds, binding in ((0.0, "HBM"), (1e-3, "launches")):
+        program = ProgramPlan("loop", True)
+        program.price(cost, ChipSpec(1e9, 1e12, 1e9, 1e9, kernel_seconds=kernel_seconds))
+        assert program.launch_seconds == pytest.approx(21 * kernel_seconds)
+        assert program.seconds == pytest.approx(max(program.compute_seconds, program.memory_seconds)
+                                                + program.launch_seconds)
+        assert program.binding == binding
+
+
 @pytest.fixture(scope="module")
 def plans():
     """The tiny run with padded trainer rows (2 layers, 4 prompts) and one with 8 layers and 8
@@ -197,7 +252,8 @@ def test_plan_json_holds_the_meter_figures(capsys, tmp_path):
     assert out["mean_response_tokens"] == pytest.approx(7)
     for p in out["programs"]:
         assert {"flops", "hbm_bytes", "collective_bytes", "seconds", "binding"} <= p.keys()
-        assert p["binding"] in ("compute", "HBM", "collectives") and p["seconds"] > 0
+        assert p["binding"] in ("compute", "HBM", "collectives", "launches") and p["seconds"] > 0
+        assert p["kernels"] > 0 and p["launch_seconds"] == 0  # counted; a TPU chip prices no launches
     assert "xla_mfu" not in json.dumps(out)
     assert out["meter"].startswith("hlo_cost:")  # the private path, not the coarser fallback
 
@@ -239,6 +295,7 @@ def test_without_the_private_entry_points_the_meter_falls_back_to_cost_analysis(
         cost = program_cost(compiled_hlo_text(compiled), num_devices=1)
         assert cost.flops == pytest.approx(compiled.cost_analysis()["flops"]) and cost.flops > 0
         assert sorted(loop.trips for loop in cost.loops) == [4, 4]
+        assert program_cost(_LOOP, num_devices=1).kernels == 1 + 5 * (3 + 1)  # counted from the HLO either way
         assert "once" in meter_notice() and "JAXRL4LLM_PLAN_METER=public" in meter_notice()
         with pytest.raises(hlo_cost.PrivateMeterUnavailable):
             _xla_cost(_PREFETCHED)
