@@ -45,6 +45,7 @@ class Phase:
     dry_seconds: int
     what: str
     collect_after: str | None = None  # a background phase: started at its place, collected after this phase
+    optional: bool = False  # run only when --phases names it
 
 
 # The phases, in order (most valuable first), with their time budgets in seconds.
@@ -64,7 +65,20 @@ PHASES = (
     Phase("tests",    50,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
     Phase("demo",    175, 600, "`jaxrl4llm demo`, 20 RL steps (--quick on the dry run): held-out accuracy before -> "
                                "after"),
+    Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
+                               "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
 )
+# The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
+# its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
+# XLA's command buffers (CUDA graphs) are one launch for a run of kernels, but by default not across a
+# while loop's trips; a longer burst runs more decode steps per trip of the refill loop.
+LAUNCH_VARIANTS = {
+    "default": ("", []),
+    "no_command_buffers": ("--xla_gpu_enable_command_buffer=", []),
+    "command_buffers_in_loops": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                 "WHILE,CONDITIONAL", []),
+    "burst_64": ("", ["rollout.decode_burst=64"]),
+}
 # the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
 TOTAL_SECONDS = {"gpu": 480, "dry": 1500}
 # A phase's environment on top of the driver's. JAX takes 75% of a GPU's memory when it starts: a step
@@ -74,6 +88,7 @@ TOTAL_SECONDS = {"gpu": 480, "dry": 1500}
 STEP_MEMORY = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 PHASE_ENV = {
     "step": STEP_MEMORY,
+    "launches": STEP_MEMORY,
     "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
@@ -375,9 +390,24 @@ def phase_kernels(mode: str, work: Path, log, partial=lambda figures: None) -> d
 
 
 # ---------------------------------------------------------------------------- phase: step
-def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: None) -> dict:
-    """A Lite PPO step of `model` (random weights) as `jaxrl4llm train` sets it up (plan_accuracy's
-    run): the rollout at forced lengths, the log-prob pass and the update, each timed after its compile."""
+@dataclasses.dataclass
+class TimedRollout:
+    """A step phase's run set up as `jaxrl4llm train` sets it up, and its rollout timed after compile."""
+
+    run: object  # train.loop's Run
+    state: object  # the train state
+    policy: object  # run.policy with the state
+    out: object  # the rollout (sampling's output)
+    prompts: list  # [P] prompt token ids
+    lengths: object  # [P * G] forced response lengths
+    setup_s: float
+    first_s: float  # the first rollout, its compile included
+    rollout_s: float  # the median of WORKLOAD's reps after it
+
+
+def timed_rollout(mode: str, work: Path, log, model: str, extra_overrides=()) -> TimedRollout:
+    """Set up `model`'s run (random weights; `extra_overrides` on top of `step_overrides`) and time its
+    rollout of WORKLOAD's prompts x samples at the forced lengths, with no EOS."""
     import jax
     import numpy as np
 
@@ -385,10 +415,10 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
     from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
     from jaxrl4llm.train.config import load_config
     from jaxrl4llm.train.loop import setup_run
-    from plan_accuracy import CONFIG_FILES, PROGRAMS, one_device_mesh, time_update_programs
+    from plan_accuracy import CONFIG_FILES, one_device_mesh
 
     w = WORKLOAD[mode]
-    cfg = load_config(CONFIG_FILES, step_overrides(mode, model, work / "run"))
+    cfg = load_config(CONFIG_FILES, step_overrides(mode, model, work / "run") + list(extra_overrides))
     t0 = time.perf_counter()
     run, state = setup_run(cfg, one_device_mesh(), log)
     setup_s = time.perf_counter() - t0
@@ -412,6 +442,21 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
     np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
     t_rollout = median_seconds(rollout, w["reps"])
     log(f"  rollout {t_rollout:.3f} s ({first:.1f} s with its compile)")
+    return TimedRollout(run, state, policy, out, prompts, lengths, setup_s, first, t_rollout)
+
+
+def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: None) -> dict:
+    """A Lite PPO step of `model` (random weights) as `jaxrl4llm train` sets it up (plan_accuracy's
+    run): the rollout at forced lengths, the log-prob pass and the update, each timed after its compile."""
+    import numpy as np
+
+    from plan_accuracy import PROGRAMS, time_update_programs
+
+    w = WORKLOAD[mode]
+    timed = timed_rollout(mode, work, log, model)
+    run, state, policy, out, prompts, lengths = timed.run, timed.state, timed.policy, timed.out, timed.prompts, \
+        timed.lengths
+    setup_s, first, t_rollout = timed.setup_s, timed.first_s, timed.rollout_s
     partial({"model": model, "rollout_s": t_rollout, "rollout_first_s": first})
     export = ""
     if model == next(iter(MODELS[mode])):  # the decode phase's transformers peer loads these weights
@@ -425,6 +470,18 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
             "rollout_first_s": first,
             "measured": dict(zip(PROGRAMS, (t_rollout, t_logprob, t_update))),
             "step_s": t_rollout + t_logprob + t_update, "rollout_tokens_per_s": float(lengths.sum()) / t_rollout}
+
+
+# ---------------------------------------------------------------------------- phase: launches (optional)
+def phase_launches(mode: str, work: Path, log, variant: str) -> dict:
+    """The first step model's rollout under LAUNCH_VARIANTS[variant] (its XLA_FLAGS are set by the driver,
+    before this process starts JAX): seconds and generated tokens/s."""
+    xla_flags, overrides = LAUNCH_VARIANTS[variant]
+    model = next(iter(MODELS[mode]))
+    timed = timed_rollout(mode, work, log, model, overrides)
+    return {"model": model, "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": overrides,
+            "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
+            "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s}
 
 
 # ---------------------------------------------------------------------------- phase: plan (background)
@@ -601,6 +658,8 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_tests(mode, work, log, out_dir, seconds)
         elif kind == "demo":
             record["figures"] = phase_demo(mode, work, log)
+        elif kind == "launches":
+            record["figures"] = phase_launches(mode, work, log, model)
         elif kind == "plan":
             record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
@@ -704,8 +763,9 @@ def setup(site: Path, env: dict, log) -> dict:
     return figures
 
 
-def run_driver(out_dir: Path, mode: str) -> int:
-    """Every phase in order (PHASES), each a subprocess under its budget; the table and JSON into out_dir."""
+def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> int:
+    """Every phase in order (PHASES; `only`: those named, the setup always), each a subprocess under its
+    budget; the table and JSON into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     total = TOTAL_SECONDS[mode]
@@ -744,11 +804,17 @@ def run_driver(out_dir: Path, mode: str) -> int:
                 str(work_path(work, name)), "--budget", f"{seconds:.0f}", *(["--dry-run"] if mode == "dry" else []),
                 str(out_dir)]
 
+    def phase_env(name: str) -> dict:
+        kind, _, variant = name.partition(":")
+        extra = dict(PHASE_ENV.get(kind, {}))
+        if kind == "launches" and LAUNCH_VARIANTS[variant][0]:
+            extra["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), LAUNCH_VARIANTS[variant][0]]))
+        return dict(env, **extra)
+
     def launch(name: str, seconds: float):
         result = result_path(work, name)
         with open(result.with_suffix(".out"), "w") as output:  # a file, not a pipe: nothing blocks on a full one
-            proc = subprocess.Popen(command(name, result, seconds), cwd=REPO,
-                                    env=dict(env, **PHASE_ENV.get(name.partition(":")[0], {})), stdout=output,
+            proc = subprocess.Popen(command(name, result, seconds), cwd=REPO, env=phase_env(name), stdout=output,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return proc, result, time.monotonic() + seconds, time.monotonic()
 
@@ -778,12 +844,15 @@ def run_driver(out_dir: Path, mode: str) -> int:
     models = list(MODELS[mode])
     background = {}  # name -> (the launched job, the phase after which it is collected)
     for p in PHASES[1:]:
+        if (p.name not in only) if only else p.optional:
+            continue
         if p.collect_after:
             seconds = min(budget[p.name], total - (time.monotonic() - start))
             background[p.name] = (launch(p.name, seconds), p.collect_after)
             log(f"{p.name}: started in the background ({PHASE_ENV.get(p.name)}, up to {seconds:.0f} s)")
             continue
-        for phase in ([f"step:{m}" for m in models] if p.name == "step" else [p.name]):
+        expand = {"step": [f"step:{m}" for m in models], "launches": [f"launches:{v}" for v in LAUNCH_VARIANTS]}
+        for phase in expand.get(p.name, [p.name]):
             left = total - (time.monotonic() - start)
             if left < 10:
                 report["phases"][phase] = {"status": "skipped", "figures": {}, "error": "no time left"}
@@ -799,7 +868,7 @@ def run_driver(out_dir: Path, mode: str) -> int:
                 del background[name]
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
-    for name in ("kernels", *(f"step:{m}" for m in models)):
+    for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS)):
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])
@@ -892,6 +961,15 @@ def markdown(report: dict) -> str:
         lines += [f"| {m} | {f['topology']} | {f['fits']} | {_fmt(f['step_s'])} | {_fmt(f['compile_s'])} | "
                   f"{_fmt(f['chip']['peak_flops'] / 1e12)} | {_fmt(f['chip']['hbm_bandwidth'] / 1e9)} |"
                   for m, f in plans.items()]
+    launches = {n.partition(":")[2]: r["figures"] for n, r in report["phases"].items()
+                if n.startswith("launches:") and r.get("figures")}
+    if launches:
+        base = launches.get("default", {}).get("rollout_s", float("nan"))
+        lines += ["", "## launches (the rollout under XLA flag variants)", "",
+                  "| variant | rollout s | tokens/s | default / variant | XLA_FLAGS | overrides |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {v} | {_fmt(f['rollout_s'])} | {_fmt(f['tokens_per_s'])} | {_fmt(base / f['rollout_s'])} | "
+                  f"{f['xla_flags'] or '-'} | {' '.join(f['overrides']) or '-'} |" for v, f in launches.items()]
     for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
         if f:
@@ -905,6 +983,8 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", nargs="?", help="where gpu_check.md/.json/.log and pytest_gpu.log go")
     ap.add_argument("--dry-run", action="store_true", help="every phase on this CPU at toy sizes")
     ap.add_argument("--fetch-wheels", action="store_true", help="download the wheels the GPU host lacks")
+    ap.add_argument("--phases", help="comma-separated phases to run (default: every phase but the optional "
+                                     f"ones); known: {', '.join(p.name for p in PHASES[1:])}")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -917,7 +997,13 @@ def main(argv=None) -> int:
     mode = "dry" if args.dry_run else "gpu"
     if args.phase:
         return run_phase(args.phase, mode, Path(args.work), Path(args.result), Path(args.out_dir), args.budget)
-    return run_driver(Path(args.out_dir), mode)
+    only = None
+    if args.phases:
+        only = frozenset(n.strip() for n in args.phases.split(",") if n.strip())
+        unknown = sorted(only - {p.name for p in PHASES})
+        if unknown:
+            ap.error(f"unknown phase(s) {', '.join(unknown)}; known: {', '.join(p.name for p in PHASES[1:])}")
+    return run_driver(Path(args.out_dir), mode, only)
 
 
 if __name__ == "__main__":

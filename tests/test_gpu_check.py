@@ -48,7 +48,7 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(gc.OUT_FILES)  # what a GPU session can bring back
     report = json.loads((out / "gpu_check.json").read_text())
-    phases = [q.name for q in gc.PHASES if q.name != "step"] + [f"step:{m}" for m in gc.MODELS["dry"]]
+    phases = [q.name for q in gc.PHASES if q.name != "step" and not q.optional] + [f"step:{m}" for m in gc.MODELS["dry"]]
     assert sorted(report["phases"]) == sorted(phases)
     for name, record in report["phases"].items():
         assert record["status"] == "ok", (name, record.get("error"))
@@ -65,3 +65,16 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
         assert comparison[model]["step (3 programs)"]["measured_over_predicted"] > 0
     table = (out / "gpu_check.md").read_text()
     assert "| kernels | ok |" in table and "measured / predicted" in table
+
+
+def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, capsys):
+    """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
+    error that lists the known ones, before any work."""
+    gc = _gpu_check()
+    assert [p.name for p in gc.PHASES if p.optional] == ["launches"]
+    assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
+    with pytest.raises(SystemExit):
+        gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "unknown phase(s) lanuches" in err and "known: peaks, plan, kernels" in err
+    assert not (tmp_path / "out").exists()
