@@ -324,9 +324,10 @@ class TrainerConfig:
     # passes run on about as many positions as the step's sequences hold, not rows x (prompt +
     # max_new_tokens). Same losses, metrics and gradients as padded rows. jaxrl4llm's models
     # only (a model.module scores padded rows); share_prompt=true keeps padded rows instead.
-    # auto = packed, padded or shared-prompt rows, whichever the run's shape makes least work
-    # (train/layout.py `choose_row_form`: expected positions x each form's measured cost; logged).
-    packing: Literal["auto"] | bool = True
+    # auto (the default) = packed, padded or shared-prompt rows, whichever the run's shape makes
+    # least work (train/layout.py `choose_row_form`: expected positions x each form's measured
+    # cost; logged); true = packed rows always; false = padded rows.
+    packing: Literal["auto"] | bool = "auto"
     # Positions of one packed micro-batch on each data-parallel device (verl's
     # ppo_max_token_len_per_gpu): its memory bound. null = micro_batch_size's padded rows when
     # set, else min(16384, the padded mini-batch's share of a device).

@@ -26,7 +26,7 @@ def test_every_program_compiles_for_the_topology_and_fits(plan):
 
 
 def test_trainer_programs_run_packed_rows_with_the_splash_kernel(plan):
-    """trainer.packing (the default): the update and log-prob pass take packed micro-batches
+    """trainer.packing=true (TINY's): the update and log-prob pass take packed micro-batches
     (their loop priced at the expected count), and on TPU their attention is the splash kernel,
     whose FLOPs the meter adds (XLA counts a custom call as none)."""
     assert plan.packing is not None and plan.attention_kernel["impl"] == "splash"
