@@ -6,7 +6,7 @@ log-probs ~ -3e-6, and no difference could show). What holds, measured on XLA:CP
 - At a fixed program shape, a row's values never depend on the other rows' contents. Exact
   (`assert_array_equal`): trainer padded rows (companions, position in the batch), packed rows
   (companions, when the sequence keeps its columns), the continuous sampler (what the other
-  slots decode, when the row is admitted and into which slot; XLA and C++ paged attention).
+  slots decode, when the row is admitted and into which slot).
 - A different shape moves a row by up to ~3e-6 nats: another batch size or row width in the
   trainer, a packed sequence at other columns of its row, another slot count in the sampler, or
   a prompt prefilled together with another one (the continuous engine prefills the prompts one
@@ -29,7 +29,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.core import LITE_PPO, compute_advantages
-from jaxrl4llm.kernels.native import load_kernels
 from jaxrl4llm.models import ModelConfig, init_model
 from jaxrl4llm.sampling import Rollout, generate
 from jaxrl4llm.train.batching import rollout_to_batch
@@ -54,8 +53,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def pool(model):
-    """K sequences (random prompts of 2..14 tokens, responses of 1..16) as a padded TrainBatch, and
-    the jitted log-prob passes (padded rows: scored_tokens=R as in the loop; packed rows)."""
+    """K sequences (random prompts of 2..14 tokens and two of 100 and 110, responses of 1..16) as a
+    padded TrainBatch [K, L], and the jitted log-prob passes (padded rows: scored_tokens=R as in
+    the loop; packed rows)."""
     graphdef, state = model
     rng = np.random.default_rng(0)
     plen, rlen = rng.integers(2, 15, K), rng.integers(1, R + 1, K)
@@ -97,13 +97,11 @@ def test_padded_row_ignores_its_companions_and_position(pool, target, companions
 
 def test_padded_rows_across_batch_shapes(pool):
     """Another batch size or row width is another program: XLA:CPU sums some reductions and dots
-    in another order (module docstring). Measured max |d| 1.4e-6 nats (16 more columns), 9.5e-7
-    (batch 8); batches of 1 to 3 rows happen to match batch 4 exactly at this width."""
-    reference = padded_rows(pool, list(range(B)))
-    for rows, extra in ((list(range(K)), 0), (list(range(B)), 16)):
-        got = padded_rows(pool, rows, extra)
-        n = min(len(rows), B)
-        np.testing.assert_allclose(got[:n], reference[:n], rtol=0, atol=3e-6, err_msg=f"rows {rows}, +{extra} columns")
+    in another order (module docstring). 8 rows with 16 more columns of left padding, as a
+    companion's longer prompt gives, against 4 rows: measured max |d| 9.5e-7 nats (8 rows alone
+    9.5e-7, 16 more columns alone 1.4e-6; 1 to 3 rows happen to match 4 exactly at this width)."""
+    got = padded_rows(pool, list(range(K)), extra_width=16)[:B]
+    np.testing.assert_allclose(got, padded_rows(pool, list(range(B))), rtol=0, atol=2e-6)
 
 
 def packed_logp(pool, rows):
@@ -161,7 +159,6 @@ G, NEW = 2, 12  # samples per prompt, response budget
 # continuous slots: 3 // G = 1 prompt per prefill round, so every prompt is prefilled alone (with 4, a
 # refill admitting 2 prompts prefills them together: another shape, see test_continuous_rows_across_slot_counts)
 SLOTS = 3
-ATTENTION = ["xla", pytest.param("kernel", marks=pytest.mark.skipif(not load_kernels(), reason="no C++ CPU kernels"))]
 
 
 @pytest.fixture(scope="module")
@@ -175,36 +172,36 @@ def sample(model, prompts, *, attention="xla", slots=SLOTS):
     prompts (`batch_buckets`), `slots` slots; "kernel" = the C++ CPU paged attention (cpu_native)."""
     graphdef, state = model
     return generate(graphdef, state, prompts, num_samples=G, max_new_tokens=NEW, temperature=1.0, eos_token_ids=[1],
-                    pad_token_id=0, rng=jax.random.PRNGKey(2), engine="continuous", slots=slots, paged_attention=attention,
-                    cpu_kernels=attention == "kernel", prompt_buckets=(16,), batch_buckets=(8,))
+                    pad_token_id=0, rng=jax.random.PRNGKey(2), engine="continuous", slots=slots,
+                    paged_attention=attention, cpu_kernels=attention == "kernel", prompt_buckets=(16,),
+                    batch_buckets=(8,))
 
 
-REFERENCES = {}  # (target, prompts before it, attention) -> its reference Rollout, across examples
+REFERENCES = {}  # (target, prompts before it) -> its reference Rollout, across examples
 
 
-def assert_rows_equal(got, want, got_rows, want_rows):
+def assert_rows_equal(got, want, rows):
     for field in ("response_tokens", "response_mask", "logprobs", "logprobs_untruncated"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, field))[got_rows],
-                                      np.asarray(getattr(want, field))[want_rows], err_msg=field)
+        np.testing.assert_array_equal(np.asarray(getattr(got, field))[rows], np.asarray(getattr(want, field))[rows],
+                                      err_msg=field)
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
 @given(target=st.integers(0, K - 1), before=st.lists(st.integers(0, K - 1), max_size=3),
        after=st.lists(st.integers(0, K - 1), max_size=3))
 @settings(max_examples=4, deadline=None)
-def test_continuous_row_ignores_the_other_slots(model, prompts, attention, target, before, after):
+def test_continuous_row_ignores_the_other_slots(model, prompts, target, before, after):
     """Row n draws from (rng, n), so the target's rows keep their index n: the prompts before it
     decide when its rows are admitted and into which of the 3 slots, those before and after what
-    the other slots decode; the reference is the target after copies of itself. Exact, in the
-    XLA paged attention and in the C++ kernel alike."""
+    the other slots decode; the reference is the target after copies of itself. Exact. The XLA
+    paged attention (the C++ kernel, `sample(attention="kernel")`, gave the same bits in a one-off
+    run; left out for the suite's time)."""
     rows = slice(len(before) * G, (len(before) + 1) * G)
-    got = sample(model, [prompts[b] for b in before] + [prompts[target]] + [prompts[b] for b in after],
-                 attention=attention)
-    key = (target, len(before), attention)
+    got = sample(model, [prompts[b] for b in before] + [prompts[target]] + [prompts[b] for b in after])
+    key = (target, len(before))
     if key not in REFERENCES:
-        REFERENCES[key] = sample(model, [prompts[target]] * (len(before) + 1), attention=attention)
+        REFERENCES[key] = sample(model, [prompts[target]] * (len(before) + 1))
     want = REFERENCES[key]
-    assert_rows_equal(got, want, rows, rows)
+    assert_rows_equal(got, want, rows)
 
 
 def test_continuous_rows_across_slot_counts(model, prompts):
