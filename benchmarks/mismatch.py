@@ -178,8 +178,8 @@ def invariance(graphdef, state, prompts, eos, args) -> list[dict]:
         plan = pack_plan(*lengths, lay, prompt_width)
         return to_padded(np.asarray(packed_pass(state, jax.jit(pack)(batch, plan))[0]), plan, n, mask.shape[1])
 
-    row("trainer packed: one sequence per row", packed(dataclasses.replace(layout, sequences_per_row=1)), packed(layout),
-        mask)
+    one_per_row = dataclasses.replace(layout, sequences_per_row=1)
+    row("trainer packed: one sequence per row", packed(one_per_row), packed(layout), mask)
     for slots in (n // 2, args.samples):
         other = generate(graphdef, state, prompts, num_samples=args.samples, max_new_tokens=args.tokens,
                          temperature=1.0, eos_token_ids=eos, pad_token_id=0, rng=jax.random.PRNGKey(args.seed),
@@ -195,7 +195,8 @@ def invariance(graphdef, state, prompts, eos, args) -> list[dict]:
 def measure_invariance(args) -> list[dict]:
     results = []
     models = ([args.model] if args.model else []) + [f"tiny:{h}" for h in args.tiny.split(",") if h]
-    print(f"{'model':>14s} {'dtype':>8s} {'variant':>52s} {'tokens':>6s} {'max|d|':>9s} {'mean|d|':>9s} {'diverged':>8s}")
+    print(f"{'model':>14s} {'dtype':>8s} {'variant':>52s} {'tokens':>6s} {'max|d|':>9s} {'mean|d|':>9s} "
+          f"{'diverged':>8s}")
     for model in models:
         for dtype in args.dtypes.split(","):
             graphdef, state, prompts, eos = load_model(model, dtype, args.prompts)
