@@ -24,11 +24,22 @@ reports:
 
 Prints one table; --out writes the rows as JSON. The trainer's attention path is the CPU's
 (`TrainAttention.XLA`, block-causal segment attention) for both row forms.
+
+    python benchmarks/mismatch.py --invariance [--model DIR] [--tiny 64,128] [--dtypes ...] [--out FILE.json]
+
+Batch invariance (issue #39, item 3; tests/train/test_batch_invariance.py holds float32 to it):
+the same rows' log-probs under other batch compositions, d_t = logp_variant - logp_reference on
+the response tokens (`agreement_stats`). Trainer, padded rows (reference: the whole batch at
+once): each row alone, the rows in reverse order, two halves. Trainer, packed rows (reference:
+`pack_plan`'s first-fit packing): one sequence per row. Sampler (reference: every row in a slot
+at once, same seed): N/2 slots and G slots; rows are compared up to their first differing token
+(a bf16 difference can flip a draw), and `diverged` counts the rows whose tokens part.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -45,7 +56,7 @@ from jaxrl4llm.core import LITE_PPO, agreement_stats, compute_advantages
 from jaxrl4llm.models import ModelConfig, init_model, load_pretrained
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.train.batching import rollout_to_batch
-from jaxrl4llm.train.packing import pack, pack_layout, pack_plan
+from jaxrl4llm.train.packing import pack, pack_layout, pack_plan, to_padded
 from jaxrl4llm.train.policy import make_logprob_fn
 from jaxrl4llm.train.step import make_logprob_pass
 
@@ -135,6 +146,68 @@ def measure(args) -> list[dict]:
     return results
 
 
+def invariance(graphdef, state, prompts, eos, args) -> list[dict]:
+    """Rows of (variant, tokens, max|d|, mean|d|, diverged) for one model and dtype (module docstring)."""
+    sampler = next((s for s in args.samplers.split(",") if s.startswith("continuous")), "continuous/xla")
+    rollout = sample(graphdef, state, prompts, eos, sampler, args)
+    n, r = rollout.response_tokens.shape
+    batch = rollout_to_batch(rollout, compute_advantages(jnp.zeros(n, jnp.float32), 1, LITE_PPO))
+    logp_pass = jax.jit(make_logprob_pass(make_logprob_fn(graphdef, 1.0, args.chunk_size), 1, r))
+    score = lambda rows: np.asarray(logp_pass(state, jax.tree.map(lambda x: x[np.asarray(rows)], batch))[0])
+    mask = np.asarray(batch.loss_mask)
+    reference = score(np.arange(n))
+    out = []
+
+    def row(variant, logp, ref, m, diverged=0):
+        stats = agreement_stats(jnp.asarray(logp), jnp.asarray(ref), jnp.asarray(m))
+        out.append(dict(variant=variant, tokens=int(stats["tokens"]), max_abs=float(stats["max_abs"]),
+                        mean_abs=float(stats["mean_abs"]), diverged=diverged))
+
+    row("trainer padded: each row alone", np.concatenate([score([b]) for b in range(n)]), reference, mask)
+    row("trainer padded: reversed order", score(np.arange(n)[::-1])[::-1], reference, mask)
+    half = n // 2
+    row("trainer padded: two halves", np.concatenate([score(np.arange(half)), score(np.arange(half, n))]), reference,
+        mask)
+    prompt_width = rollout.prompt_tokens.shape[1]
+    layout = pack_layout(rows=n, mini_batches=1, shards=1, prompt_width=prompt_width, response_width=r,
+                         tokens_per_micro_batch=None)
+    packed_pass = jax.jit(make_logprob_pass(make_logprob_fn(graphdef, 1.0, args.chunk_size), 1))
+    lengths = (np.asarray(rollout.prompt_mask).sum(axis=1), np.asarray(rollout.lengths))
+
+    def packed(lay):
+        plan = pack_plan(*lengths, lay, prompt_width)
+        return to_padded(np.asarray(packed_pass(state, jax.jit(pack)(batch, plan))[0]), plan, n, mask.shape[1])
+
+    one_per_row = dataclasses.replace(layout, sequences_per_row=1)
+    row("trainer packed: one sequence per row", packed(one_per_row), packed(layout), mask)
+    for slots in (n // 2, args.samples):
+        other = generate(graphdef, state, prompts, num_samples=args.samples, max_new_tokens=args.tokens,
+                         temperature=1.0, eos_token_ids=eos, pad_token_id=0, rng=jax.random.PRNGKey(args.seed),
+                         engine="continuous", cpu_kernels=sampler.endswith("cpu_native"),
+                         paged_attention=sampler.partition("/")[2], slots=slots)
+        same = np.asarray(other.response_tokens) == np.asarray(rollout.response_tokens)
+        agree = np.cumprod(same, axis=1) * np.asarray(rollout.response_mask) * np.asarray(other.response_mask)
+        row(f"sampler {sampler}: {slots} slots, not {n}", np.asarray(other.logprobs_untruncated),
+            np.asarray(rollout.logprobs_untruncated), agree, diverged=int((~same.all(axis=1)).sum()))
+    return out
+
+
+def measure_invariance(args) -> list[dict]:
+    results = []
+    models = ([args.model] if args.model else []) + [f"tiny:{h}" for h in args.tiny.split(",") if h]
+    print(f"{'model':>14s} {'dtype':>8s} {'variant':>52s} {'tokens':>6s} {'max|d|':>9s} {'mean|d|':>9s} "
+          f"{'diverged':>8s}")
+    for model in models:
+        for dtype in args.dtypes.split(","):
+            graphdef, state, prompts, eos = load_model(model, dtype, args.prompts)
+            for r in invariance(graphdef, state, prompts, eos, args):
+                r = dict(model=os.path.basename(model.rstrip("/")), dtype=dtype, **r)
+                results.append(r)
+                print(f"{r['model']:>14s} {r['dtype']:>8s} {r['variant']:>52s} {r['tokens']:6d} {r['max_abs']:9.2e} "
+                      f"{r['mean_abs']:9.2e} {r['diverged']:8d}", flush=True)
+    return results
+
+
 HEADER = (f"{'model':>14s} {'dtype':>8s} {'sampler':>21s} {'packing':>7s} {'tokens':>6s} {'out[.9,1.1]':>11s} "
           f"{'out[.99,1.01]':>13s} {'max|d|':>8s} {'mean|d|':>9s} {'seq out[.5,2]':>13s}")
 
@@ -157,13 +230,18 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--chunk-size", type=int, default=128, help="the trainer's logprob chunk (model.logprob_chunk_size)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--invariance", action="store_true", help="batch invariance: the same rows under other batch "
+                    "compositions, packings and slot counts (module docstring)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     for s in args.samplers.split(","):
         if s not in SAMPLERS:
             sys.exit(f"--samplers: {s!r} is not one of {SAMPLERS}")
-    print(HEADER)
-    results = measure(args)
+    if args.invariance:
+        results = measure_invariance(args)
+    else:
+        print(HEADER)
+        results = measure(args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": results}, f, indent=1)
