@@ -76,6 +76,12 @@ def remove(path: Any) -> None:
         path.rmtree() if path.is_dir() else path.unlink()
 
 
+def cache_root() -> Path:
+    """jaxrl4llm's local cache folder, `$XDG_CACHE_HOME/jaxrl4llm` (default ~/.cache/jaxrl4llm): its
+    gs:// copies (gcs/), staged run files (runs/) and XLA's compiled programs (xla/) live below."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxrl4llm"
+
+
 def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) -> Path:
     """A local copy of folder or file `path`: `path` itself when local; for gs://, a copy under
     `cache` (default `$XDG_CACHE_HOME/jaxrl4llm/gcs`, ~/.cache/jaxrl4llm/gcs) made once (files
@@ -87,7 +93,7 @@ def local_copy(path: str | os.PathLike, cache: str | os.PathLike | None = None) 
     import fsspec
 
     fs, source = fsspec.core.url_to_fs(str(path).rstrip("/"))
-    root = Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxrl4llm" / "gcs"
+    root = Path(cache) if cache else cache_root() / "gcs"
     target = root / str(path).split("://", 1)[1].rstrip("/")
     for name, info in fs.find(source, detail=True).items():  # every file below, in one listing
         local = target / name[len(source):].lstrip("/")

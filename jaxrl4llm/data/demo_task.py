@@ -21,6 +21,8 @@ import random
 import re
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, models
+
 from jaxrl4llm.data.problems import Problem, problem_to_record
 
 _NAMES = ("Ann", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Ivy", "Jo", "Kim", "Lu", "Max")
@@ -168,7 +170,6 @@ def build_char_tokenizer(out_dir: str | Path) -> str:
     (``role: content`` lines, then ``assistant:``). Load it with
     ``transformers.AutoTokenizer.from_pretrained(out_dir)``.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     specials = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN]

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from jaxrl4llm.data.problems import Problem, problem_to_record
 from jaxrl4llm.data.templates import format_prompt
+from jaxrl4llm.rewards import batch_math_reward
 
 BINS = ("easy", "medium", "hard")
 GenerateFn = Callable[[list[str], int], list[list[str]]]
@@ -166,8 +167,7 @@ def run_difficulty_binning(
       batch_size: prompts per ``generate_fn`` call.
       reward_fn: ``(responses, golds) -> rewards``; default ``rewards.batch_math_reward``.
     """
-    if reward_fn is None:
-        from jaxrl4llm.rewards import batch_math_reward as reward_fn
+    reward_fn = batch_math_reward if reward_fn is None else reward_fn
     default_easy, default_hard = default_thresholds(rollouts)
     easy_min = default_easy if easy_min is None else easy_min
     hard_max = default_hard if hard_max is None else hard_max

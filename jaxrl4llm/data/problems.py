@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from jaxrl4llm.rewards.extraction import gold_answer
+from jaxrl4llm.storage import is_remote, local_copy
+
 PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
 ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "label", "reward_model.ground_truth")
 SOLUTION_KEYS = ("solution", "reference_solution")
@@ -284,8 +287,6 @@ def _hub_rows(path: str, split: str | None) -> tuple[list[str], Iterable[dict], 
 
 def _file_rows(path: str | Path, split: str | None) -> tuple[list[str], Iterable[dict], str, Path]:
     """(fields, rows, name, file) of a local or gs:// file (or a folder's split)."""
-    from jaxrl4llm.storage import is_remote, local_copy
-
     if is_remote(path):
         copy = local_copy(path)
         if not copy.exists():
@@ -334,8 +335,6 @@ def _solution_answer(solution: str) -> str:
     """The gold answer a solution field holds: its last \\boxed{} (MATH), else a one-line solution
     as it is (TRL's math sets store the final answer there), else ""."""
     if "\\boxed" in solution or "\\fbox" in solution:
-        from jaxrl4llm.rewards.extraction import gold_answer
-
         return gold_answer(solution).strip()
     return solution.strip() if "\n" not in solution.strip() else ""
 

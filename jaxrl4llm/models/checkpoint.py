@@ -18,6 +18,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -159,8 +160,6 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
 # ---------------------------------------------------------------------------- save
 def _host_array(x: jax.Array) -> jax.Array:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return multihost_utils.process_allgather(x, tiled=True)
     return x
 

@@ -24,6 +24,8 @@ import shlex
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl4llm.storage import is_remote, local_copy
 
@@ -102,9 +104,6 @@ def resolve_hub_repo(repo_id: str, *, revision: str | None = None, repo_type: st
     """
     if jax.process_count() == 1:
         return _snapshot(repo_id, revision, repo_type, files, local_files_only=False)
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     error, path = None, None
     if jax.process_index() == 0:
         try:

@@ -29,6 +29,7 @@ from importlib import metadata, resources
 from importlib.util import find_spec
 
 import jax
+from jax.experimental import topologies
 
 from jaxrl4llm.plan.chips import ChipSpec
 from jaxrl4llm.train.config import ConfigError
@@ -143,8 +144,6 @@ def gpu_topology_devices(topology: str) -> list[jax.Device]:
         extra = "gpu13" if dist == CUDA_PLUGINS[1][1] else "gpu"
         raise ConfigError(f"--topology {topology!r}: {dist} {plugin_version} does not match jaxlib "
                           f"{jaxlib_version}; reinstall with `pip install -e .[{extra}]`.")
-    from jax.experimental import topologies
-
     try:
         return list(topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
                                                  topology=f"1x{hosts}x{per_host}").devices)

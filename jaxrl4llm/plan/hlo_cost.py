@@ -77,6 +77,9 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
+import jax
+import jaxlib
+
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
                 "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1,
                 "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0}
@@ -303,8 +306,6 @@ def _rerooted(text: str, comps: dict[str, Computation], root: str) -> str:
 
 @functools.cache
 def _cpu_client():
-    import jax
-
     return jax.devices("cpu")[0].client
 
 
@@ -402,8 +403,6 @@ def private_meter_problem() -> str | None:
         return f"jaxlib's private modules are gone ({e})"
     if missing:
         return f"jaxlib has no {', '.join(missing)}"
-    import jaxlib
-
     if jaxlib.__version__ in CHECKED_JAXLIB:  # the meter's tests pass there: skip the child (~3 s)
         return None
     return self_check_problem()
@@ -443,16 +442,10 @@ def meter_notice() -> str | None:
     problem = private_meter_problem()
     if problem is None:
         return None
-    return (f"meter: XLA's private cost analysis is unavailable on jax {_jax_version()} ({problem}); the "
+    return (f"meter: XLA's private cost analysis is unavailable on jax {jax.__version__} ({problem}); the "
             f"figures come from each program's public cost_analysis(): TFLOP and HBM GB count every loop body "
             f"once (not times its trips; too low for the decode and micro-batch loops) and HBM GB keeps XLA's "
             f"count of on-chip and partly-read buffers; coll GB is still weighted by trips.")
-
-
-def _jax_version() -> str:
-    import jax
-
-    return jax.__version__
 
 
 def _computation_cost(hlo_text: str, comps: dict[str, Computation], name: str) -> dict:

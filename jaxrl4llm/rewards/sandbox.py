@@ -20,6 +20,7 @@ The function and its arguments must be picklable (module-level functions).
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import signal
 import socket
@@ -94,8 +95,6 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 def _worker_entry() -> None:  # pragma: no cover - runs in the worker
     """Entry point of a worker subprocess: argv = [fd, memory_bytes, warmup 'module:function',
     preload paths (comma-separated)]."""
-    import importlib
-
     fd, memory, warmup_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     warmup = None
     if warmup_name:
@@ -286,8 +285,6 @@ def call_by_path(path: str, args: tuple, kwargs: dict) -> Any:
 def _import_by_path(path: str) -> Any:
     fn = _IMPORTED.get(path)
     if fn is None:
-        import importlib
-
         module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
         fn = _IMPORTED[path] = getattr(importlib.import_module(module), attr)
     return fn

@@ -10,15 +10,15 @@ import argparse
 
 import jax
 
-from jaxrl4llm.train.config import ConfigError
+from jaxrl4llm.data import encode_prompt_text, load_problems, run_difficulty_binning
+from jaxrl4llm.train.config import ConfigError, load_config
+from jaxrl4llm.train.policy import load_policy
 
 
 def make_generate_fn(policy, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
                      template: str, max_prompt_tokens: int | None = None):
     """generate_fn(prompts: list[str], num_samples) -> list[list[str]] on the JAX sampler; prompts
     formatted with `template` are encoded as training encodes them (`data.encode_prompt_text`)."""
-    from jaxrl4llm.data import encode_prompt_text
-
     calls = [0]
 
     def generate_fn(prompts: list[str], num_samples: int) -> list[list[str]]:
@@ -36,10 +36,6 @@ def make_generate_fn(policy, *, max_new_tokens: int, temperature: float, top_p: 
 
 
 def bin_difficulty_command(args: argparse.Namespace) -> dict:
-    from jaxrl4llm.data import load_problems, run_difficulty_binning
-    from jaxrl4llm.train.config import load_config
-    from jaxrl4llm.train.policy import load_policy
-
     cfg = load_config(None, [f"model.path={args.model}", f"rollout.temperature={args.temperature}"])
     policy = load_policy(cfg, None)
     problems = load_problems(args.data)

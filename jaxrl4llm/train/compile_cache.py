@@ -16,6 +16,8 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
+from jaxrl4llm.storage import cache_root
+
 
 def cache_dir(setting: str | bool) -> Path | None:
     """The cache folder of a `trainer.compile_cache` value (None: off; YAML reads `off` as false)."""
@@ -25,7 +27,7 @@ def cache_dir(setting: str | bool) -> Path | None:
         return Path(setting).expanduser()
     if os.environ.get("JAXRL4LLM_COMPILE_CACHE"):
         return Path(os.environ["JAXRL4LLM_COMPILE_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxrl4llm" / "xla"
+    return cache_root() / "xla"
 
 
 def enable_compile_cache(setting: str | bool) -> Path | None:

@@ -26,6 +26,14 @@ from pathlib import Path
 
 import jax
 
+from jaxrl4llm.data import build_char_tokenizer, demo_solution, format_prompt, load_problems, write_demo_task
+from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained, score_tokens
+from jaxrl4llm.study.plot import plot_runs
+from jaxrl4llm.train.config import load_config
+from jaxrl4llm.train.loop import train
+from jaxrl4llm.train.report import print_run_report
+from jaxrl4llm.train.sft import pack_sft_examples, sft_train
+
 DEMO_MODEL = dict(architecture="qwen3", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32)
 DEMO_TASK = dict(num_train=4000, num_test=200, seed=0, digits=1, ops="+-", steps=2)
@@ -52,10 +60,6 @@ def noisy_solution(solution: str, rng: random.Random, noise: float) -> str:
 
 def build_warm_start(path: Path, train_file: str, *, seed: int = 0, sft_steps: int | None = None, log=print) -> Path:
     """SFT a random demo-size model on noisy-teacher worked solutions; save an HF folder at `path`."""
-    from jaxrl4llm.data import build_char_tokenizer, demo_solution, format_prompt, load_problems
-    from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained, score_tokens
-    from jaxrl4llm.train.sft import pack_sft_examples, sft_train
-
     path = Path(path)
     tokenizer = load_tokenizer(build_char_tokenizer(path))
     config = ModelConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, qk_norm=True, rope_theta=10000.0,
@@ -97,12 +101,6 @@ def warm_start_matches(path: Path, recipe: dict) -> bool:
 def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, quick: bool = False,
              rebuild_warmstart: bool = False, sft_steps: int | None = None, log=print) -> dict:
     """Runs the demo; returns the train summary plus "curves" and "total_seconds"."""
-    from jaxrl4llm.data import write_demo_task
-    from jaxrl4llm.train.config import load_config
-    from jaxrl4llm.train.loop import train
-    from jaxrl4llm.study.plot import plot_runs
-    from jaxrl4llm.train.report import print_run_report
-
     t0 = time.perf_counter()
     out = Path(out_dir)
     paths = write_demo_task(out / "data", **DEMO_TASK)

@@ -8,16 +8,16 @@ import tempfile
 from pathlib import Path
 
 from jaxrl4llm.storage import is_remote, run_path, upload_folder
+from jaxrl4llm.train import hosts
 from jaxrl4llm.train.checkpointing import RunCheckpointer
 from jaxrl4llm.train.config import ConfigError, config_from_dict
+from jaxrl4llm.train.policy import load_policy
 
 
 def export_policy(policy, out: str | Path, source: dict | None = None):
     """Writes `policy` as a Hugging Face folder to `out` (every process calls it; process 0
     writes), with `source` as jaxrl4llm_source.json when given; a gs:// `out` is written to a
     local temporary folder and uploaded. Returns the folder's path."""
-    from jaxrl4llm.train import hosts
-
     with tempfile.TemporaryDirectory() as staging:  # gs://: written here, then uploaded
         path = policy.export(Path(staging) if is_remote(out) else out)
         if not hosts.is_main():
@@ -32,8 +32,6 @@ def export_policy(policy, out: str | Path, source: dict | None = None):
 def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None):
     """Restores the policy parameters of RUN_DIR's checkpoint (latest or `step`) and writes them,
     with the run's tokenizer, as config.json + safetensors to `out`. Either may be gs://."""
-    from jaxrl4llm.train.policy import load_policy
-
     run_dir = run_path(run_dir)  # local or gs:// (jaxrl4llm.storage)
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():

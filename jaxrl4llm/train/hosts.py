@@ -23,6 +23,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 def initialize(env=os.environ) -> None:
@@ -56,8 +57,6 @@ def is_main() -> bool:
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (no-op with one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -65,8 +64,6 @@ def all_true(flag: bool) -> bool:
     """Whether `flag` holds on every process (the same answer everywhere; no-op with one)."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32))).all())
 
 
@@ -75,8 +72,6 @@ def smallest(value: float) -> float:
     a choice every process must make alike, e.g. sizes from each host's free memory."""
     if jax.process_count() == 1:
         return value
-    from jax.experimental import multihost_utils
-
     return float(np.asarray(multihost_utils.process_allgather(np.asarray([value], np.float64))).min())
 
 
@@ -86,8 +81,6 @@ def fetch(x) -> np.ndarray:
     Gathers the shards of other processes when this one does not hold them all."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -114,8 +107,6 @@ def gather_rows(rows: np.ndarray, values: np.ndarray, num_rows: int) -> np.ndarr
     seen = np.zeros((num_rows,), bool)
     full[rows], seen[rows] = values, True
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         all_full, all_seen = (np.asarray(a) for a in multihost_utils.process_allgather((full, seen)))
         full = np.where(all_seen, all_full, 0.0).max(axis=0, initial=-np.inf, where=all_seen)
         seen = all_seen.any(axis=0)

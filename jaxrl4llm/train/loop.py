@@ -24,6 +24,8 @@ import numpy as np
 
 from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
 from jaxrl4llm.models import make_mesh, param_shardings
+from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
+from jaxrl4llm.sampling.partial import PartialRollouts
 from jaxrl4llm.sampling.generate import use_cpu_kernels
 from jaxrl4llm.storage import as_path
 from jaxrl4llm.train import hosts
@@ -218,9 +220,6 @@ def with_scoring_stats(stats: dict, reward_fn, stream: PromptStream, cfg: RunCon
 def partial_stream(policy: Policy, prompts: PromptSet, cfg: RunConfig) -> PartialStream:
     """rollout.partial: an empty engine for P prompts x G samples of width bucket(the training set's
     longest prompt) (one program for the run), on the sampler's mesh."""
-    from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
-    from jaxrl4llm.sampling.partial import PartialRollouts
-
     r = cfg.rollout
     width = bucket(prompts.longest, PROMPT_BUCKETS)
     try:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 
@@ -265,8 +266,6 @@ class MetricsWriter:
         self.path = self.out_dir / "metrics.jsonl"
         self.samples_path = self.out_dir / SAMPLES_FILE
         if progress_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, leave=True)
 
     def truncate_after(self, step: int) -> None:

@@ -34,7 +34,9 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 from jaxrl4llm.train.train_batch import TrainBatch
 
 # a packed row holds at most this many sequences (the loss view has c slots per row)
@@ -230,10 +232,6 @@ def pack(batch: TrainBatch, plan: PackPlan) -> PackedBatch:
 def packed_shardings(mesh, rules=None) -> PackedBatch:
     """PackedBatch of shardings: the row axis (2) split as the rules' "batch" axis, num_micro
     replicated."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
-
     batch_axes = logical_to_spec(("batch",), rules or DEFAULT_RULES)[0]
     rows = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
     return PackedBatch(*([rows] * (len(PackedBatch._fields) - 1)), num_micro=NamedSharding(mesh, PartitionSpec()))

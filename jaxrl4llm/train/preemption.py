@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxrl4llm.train import hosts
+from jaxrl4llm.train.run_folder import checkpoint_steps
 
 RESUME_EXIT_CODE = 75
 
@@ -88,7 +89,6 @@ def resume_from_checkpoint(resume: bool | str, out_dir: str | Path, log: Callabl
         if not isinstance(resume, bool):
             raise ValueError(f"resume={resume!r}: expected True, False or 'auto'")
         return resume
-    from jaxrl4llm.train.run_folder import checkpoint_steps
 
     steps = checkpoint_steps(out_dir)
     if not steps:

@@ -12,8 +12,13 @@ import dataclasses
 import functools
 from pathlib import Path
 
+from jaxrl4llm.data import encode_prompts, format_prompt
+from jaxrl4llm.data.problems import BadRowError, MissingFieldError, is_hub_dataset, load_problems, source_name
+from jaxrl4llm.models import load_tokenizer
+from jaxrl4llm.models.hub import TOKENIZER_FILES, HubFilesMissing, resolve_model
 from jaxrl4llm.storage import is_remote
 from jaxrl4llm.train.config import ConfigError, RunConfig
+from jaxrl4llm.train.reward_fn import reward_needs_gold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +53,6 @@ def run_tokenizer(cfg: RunConfig):
     """The tokenizer of `model.tokenizer` (or `model.path`): a folder, local or gs://, or a Hub id
     (`org/name[@revision]`, its tokenizer files only: `models.hub.TOKENIZER_FILES`), without the
     model's weights; a ConfigError that names the key when it is missing or holds no tokenizer."""
-    from jaxrl4llm.models import load_tokenizer
-    from jaxrl4llm.models.hub import TOKENIZER_FILES, HubFilesMissing, resolve_model
-
     key, path = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
     if not path:
         raise ConfigError("Set model.path (an HF checkpoint folder or Hub id) or, for a random model, model.tokenizer "
@@ -66,8 +68,6 @@ def run_tokenizer(cfg: RunConfig):
 
 
 def build_prompt_set(name: str, problems, tokenizer, cfg: RunConfig) -> PromptSet:
-    from jaxrl4llm.data import encode_prompts, format_prompt
-
     try:
         ids, kept, dropped = encode_prompts(
             problems, tokenizer, cfg.data.template, max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -97,8 +97,6 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
                require_answer: bool = True):
     """The problems of one data file (or Hub dataset); `key` (e.g. "data.train_files[0]") names the
     setting in errors; `require_answer=False` (a reward that needs no gold) keeps rows without one."""
-    from jaxrl4llm.data.problems import BadRowError, MissingFieldError, is_hub_dataset, load_problems
-
     where = f"{key}={path!r}"
     # gs:// and hf://: load_problems names a missing object or repository
     if not is_remote(path) and not is_hub_dataset(path) and not Path(path).is_file():
@@ -132,14 +130,10 @@ def _load_file(path: str, cfg: RunConfig, key: str = "data.train_files / data.ev
 
 def _require_answer(cfg: RunConfig) -> bool:
     """Whether every row needs a gold answer: unless `reward.fn` declares it needs none (train/reward_fn.py)."""
-    from jaxrl4llm.train.reward_fn import reward_needs_gold
-
     return reward_needs_gold(cfg)
 
 
 def _read_eval_files(cfg: RunConfig, require_answer: bool | None = None) -> list[tuple[str, list]]:
-    from jaxrl4llm.data.problems import source_name
-
     require = _require_answer(cfg) if require_answer is None else require_answer
     out = []
     for i, f in enumerate(cfg.data.eval_files):

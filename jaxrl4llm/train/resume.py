@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from jaxrl4llm.storage import as_path
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
+from jaxrl4llm.train.run_folder import read_marker
 
 # prefixes of flattened keys ("rollout.samples_per_prompt") a resume may not change by default
 FIXED_ON_RESUME = (
@@ -114,8 +115,6 @@ def finished_summary(cfg: RunConfig) -> dict | None:
     """When trainer.out_dir holds a run that finished at trainer.steps or later (its marker says
     finished, its metrics reach the step): the summary `train` returns, from the run's files, with
     `finished_before: True`; else None. Reads only."""
-    from jaxrl4llm.train.run_folder import read_marker
-
     out = as_path(cfg.trainer.out_dir)
     marker = read_marker(out)
     if not marker or not marker.get("finished"):

@@ -39,6 +39,7 @@ a failed entry scores 0 in its own term only (the row's error names the entry).
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import math
 import sys
@@ -49,6 +50,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from jaxrl4llm.rewards.sandbox import SandboxPool, call_by_path
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.user_code import import_object
 
@@ -181,8 +183,6 @@ def _user_pool(paths: tuple[str, ...]):
     caller's sys.path, the functions imported at start, before any call's time limit), started on
     first use and kept for the process (closed at exit, or when other functions need them). The
     entries of `reward.fns` that run sandboxed share one pool (each call names its function)."""
-    from jaxrl4llm.rewards.sandbox import SandboxPool
-
     pool = _USER_POOL.get(paths)
     if pool is None or pool._closed:
         for other in _USER_POOL.values():
@@ -190,8 +190,6 @@ def _user_pool(paths: tuple[str, ...]):
         _USER_POOL.clear()
         pool = _USER_POOL[paths] = SandboxPool(memory_bytes=None, pythonpath=[p for p in sys.path if p],
                                                preload=list(paths))
-        import atexit
-
         atexit.register(pool.close)
     return pool
 
@@ -271,8 +269,6 @@ class RewardFn(CountedReward):
                 return Scores(rewards, [f"{type(e).__name__}: {e}"] * n)
             values = [(None, v) for v in out]
         elif self.sandboxed:
-            from jaxrl4llm.rewards.sandbox import call_by_path
-
             why: list = []
             calls = [(self.path, (r, g), self._kwargs(problems, metadata, i)) for i, (r, g) in enumerate(zip(responses, golds))]
             out = _user_pool(self.pool_paths).run(call_by_path, calls, timeout=self.timeout, default=None, errors=why)

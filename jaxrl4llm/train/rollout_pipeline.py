@@ -36,8 +36,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl4llm.models import make_mesh
 from jaxrl4llm.sampling.partial import RowVersions
 from jaxrl4llm.sampling.rollout import Rollout
+from jaxrl4llm.train.config import ConfigError
 
 
 @dataclasses.dataclass
@@ -69,8 +71,6 @@ class PartialStream:
 
 def check_partial(partial: bool, max_staleness: int, engine: str, dynamic_sampling: bool) -> None:
     """rollout.partial's requirements, as a ConfigError naming the settings to change."""
-    from jaxrl4llm.train.config import ConfigError
-
     if not partial:
         return
     if max_staleness < 1:
@@ -153,8 +153,6 @@ def sampler_mesh_shape(n: int) -> tuple[int, int, int]:
 
 def sampler_base_mesh(devices: list):
     """The sampler's own devices as a (data, fsdp, 1) mesh (`sampler_mesh_shape`)."""
-    from jaxrl4llm.models import make_mesh
-
     return make_mesh(*sampler_mesh_shape(len(devices)), devices=devices)
 
 

@@ -28,7 +28,7 @@ import os
 import shutil
 from pathlib import Path
 
-from jaxrl4llm.storage import is_remote, run_path
+from jaxrl4llm.storage import cache_root, is_remote, run_path
 
 STAGED = ("metrics.jsonl", "response_lengths.jsonl", "config_changes.jsonl", "tb", "samples.jsonl", "loggers.json")
 
@@ -36,8 +36,7 @@ STAGED = ("metrics.jsonl", "response_lengths.jsonl", "config_changes.jsonl", "tb
 def staging_folder(out_dir: str) -> Path:
     """The local folder of gs:// run `out_dir`'s staged files: `$XDG_CACHE_HOME/jaxrl4llm/runs/`
     (default ~/.cache) + bucket/path."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxrl4llm" / "runs"
-    return root / str(out_dir).split("://", 1)[1].strip("/")
+    return cache_root() / "runs" / str(out_dir).split("://", 1)[1].strip("/")
 
 
 class RunFiles:

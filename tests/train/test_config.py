@@ -208,7 +208,7 @@ def test_rollout_min_p_and_stops_reach_the_sampler_and_the_scored_text(demo_asse
     (`decode_rows`) ends before the string or leaves a last stop token out."""
     import jax.numpy as jnp
 
-    from jaxrl4llm.sampling import Rollout, partial
+    from jaxrl4llm.sampling import Rollout
     from jaxrl4llm.train import loop
     from jaxrl4llm.train import policy as policy_module
     from jaxrl4llm.train.prompts import load_prompt_sets
@@ -242,7 +242,7 @@ def test_rollout_min_p_and_stops_reach_the_sampler_and_the_scored_text(demo_asse
     assert policy.decode_rows([ids[:4], [*ids[:2], 7]]) == ["12", policy.decode_rows([ids[:2]])[0]]
 
     made = {}
-    monkeypatch.setattr(partial, "PartialRollouts", lambda *a, **kw: made.update(kw))
+    monkeypatch.setattr(loop, "PartialRollouts", lambda *a, **kw: made.update(kw))
     loop.partial_stream(policy, load_prompt_sets(cfg, policy.tokenizer)[0], cfg)
     assert (made["min_p"], made["stop_token_ids"], made["stop_strings"]) == (0.05, (7,), ("=>",))
     assert made["tokenizer"] is policy.tokenizer
