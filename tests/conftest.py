@@ -8,6 +8,10 @@ took a while to compile are written (the suite's thousands of tiny ones are quic
 than to store). A test that points the cache at a folder of its own (trainer.compile_cache=PATH)
 has it there; the next test is back in the session's. The plan tests go without: their programs
 are compiled for TPU topologies with no chip, which XLA can write but not load back.
+
+The longest test files run first (HEAVY_FILES): `./scripts/test` hands whole files to its two
+workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file started
+last would leave one worker running it alone at the end of the suite.
 """
 
 from pathlib import Path
@@ -18,6 +22,22 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 MIN_COMPILE_SECONDS = 0.2  # a program quicker to compile than this is not written
 WITHOUT = ("plan",)  # tests/<folder>/ whose programs are not cached
+# The slowest files, slowest first (seconds on the 2-core CI machine, `--durations`, 2026-11-27):
+# collected ahead of the rest so that the two workers start them first (longest processing time
+# first: the suite ends with short files on both workers, not one worker on a long file).
+HEAVY_FILES = (
+    "train/test_multihost.py",  # 3 two-process runs + fault tests, ~420 s
+    "plan/test_plan.py",  # TPU compiles, ~330 s
+    "train/test_demo.py",  # the quick demo + 2 learning runs, ~230 s
+    "test_gpu_check.py",  # every phase's dry run, ~165 s
+    "train/test_sharded_step.py",  # 8-device update compiles, ~150 s
+    "train/test_loop.py",
+    "kernels/test_cpu_kernels.py",
+    "sampling/test_sharded.py",
+    "train/test_layout.py",
+    "plan/test_meter.py",
+    "train/test_async_rl.py",
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,3 +71,15 @@ def _compile_cache_back_in_the_session_folder(request, session_compile_cache):
         jax.config.update("jax_compilation_cache_dir", str(session_compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
         reset_cache()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """HEAVY_FILES first, in their order; every other test keeps its place (a stable sort)."""
+    tests = Path(__file__).parent
+    stale = [f for f in HEAVY_FILES if not (tests / f).is_file()]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py HEAVY_FILES names files that do not exist: {stale}; "
+                                "remove or rename them there")
+    rank = {tests / f: i for i, f in enumerate(HEAVY_FILES)}
+    items.sort(key=lambda item: rank.get(Path(item.path), len(HEAVY_FILES)))

@@ -703,7 +703,7 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     real = plan.rows * (prompt_tokens / (plan.prompt_group or 1) + mean_response - 1)
     positions = plan.trainer_positions
     if plan.packing is not None:  # the packed passes run as many micro-batches as the lengths fill
-        micro = expected_micro_batches(plan.packing, lengths, prompt_tokens, plan.prompt_len)
+        micro = expected_micro_batches(plan.packing, lengths, prompt_tokens)
         positions = micro * plan.packing.mini_batches * plan.packing.positions
         for p in programs:
             if p.name in ("logprob pass", "update") and p.hlo:

@@ -294,9 +294,9 @@ def choose_row_form(*, rows: int, prompt_width: int, prompt_tokens: float, max_n
       padded         rows x (P + R - 1)
       shared_prompt  rows / G x P + rows x (R - 1)            (G = `prompt_group`; None: not a candidate)
       packed         E[micro-batches] x mini-batches x RR x S  (`packing`; None: not a candidate)
-    E[micro-batches] is `pack_plan` on response lengths drawn from `lengths` (None: `plan`'s prior,
-    lognormal with mean R / 4: the lengths are not known before the run), so packing wins when the
-    expected padding it removes outweighs its per-position overhead.
+    E[micro-batches] is `pack_plan`'s count (`micro_batch_counts`) on response lengths drawn from
+    `lengths` (None: `plan`'s prior, lognormal with mean R / 4: the lengths are not known before the
+    run), so packing wins when the expected padding it removes outweighs its per-position overhead.
     """
     L = prompt_width + max_new_tokens - 1
     positions = {"padded": float(rows * L)}
@@ -304,7 +304,7 @@ def choose_row_form(*, rows: int, prompt_width: int, prompt_tokens: float, max_n
         positions["shared_prompt"] = float(rows // prompt_group * prompt_width + rows * (max_new_tokens - 1))
     if packing is not None:
         dist = lengths or parse_lengths(None, max_new_tokens)
-        micro = expected_micro_batches(packing, dist, prompt_tokens, prompt_width)
+        micro = expected_micro_batches(packing, dist, prompt_tokens)
         positions["packed"] = micro * packing.mini_batches * packing.positions
     costs = {form: p * ROW_FORM_COST[form] for form, p in positions.items()}
     form = min(costs, key=lambda f: (costs[f], ROW_FORMS.index(f)))

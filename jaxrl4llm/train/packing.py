@@ -153,6 +153,43 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int, max_items: int) -> 
     return bins
 
 
+def sequence_positions(prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: PackLayout) -> np.ndarray:
+    """[B] positions each sequence takes in a packed row: plen + rlen - 1 (the last response token
+    is only a target). Raises ValueError if one does not fit a row (layout.row_width)."""
+    need = np.maximum(np.asarray(prompt_lengths, np.int64) + np.asarray(response_lengths, np.int64) - 1, 0)
+    if need.max(initial=0) > layout.row_width:
+        raise ValueError(f"a sequence of {need.max()} positions does not fit a packed row of {layout.row_width}.")
+    return need
+
+
+def deal_rows(need: np.ndarray, layout: PackLayout, mini_batch: int = 0) -> tuple[list[list[list[int]]], int]:
+    """One mini-batch's sequences (`need` [B / mini_batches] positions each) packed into rows
+    first-fit decreasing, the rows dealt to the devices fullest first, round robin: (per device its
+    rows, each a list of indices into `need`; the micro-batches the fullest device needs).
+
+    Raises ValueError if that is more than layout.micro_batches."""
+    bins = first_fit_decreasing(need, layout.row_width, layout.sequences_per_row)
+    fill = [int(need[np.asarray(bb)].sum()) for bb in bins]
+    order = np.argsort(-np.asarray(fill), kind="stable")
+    per_shard: list[list[list[int]]] = [[] for _ in range(layout.shards)]
+    for rank, k in enumerate(order):
+        per_shard[rank % layout.shards].append(bins[k])
+    micro = max(-(-len(rows) // layout.rows_per_shard) for rows in per_shard)
+    if micro > layout.micro_batches:
+        raise ValueError(f"mini-batch {mini_batch} needs {micro} micro-batches, more than the layout's "
+                         f"{layout.micro_batches}.")
+    return per_shard, micro
+
+
+def micro_batch_counts(prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: PackLayout) -> np.ndarray:
+    """[mini_batches] micro-batches each mini-batch fills: `pack_plan`'s num_micro, without
+    building its arrays (what `expected_micro_batches` and `jaxrl4llm plan` need)."""
+    need = sequence_positions(prompt_lengths, response_lengths, layout)
+    per_mini = need.shape[0] // layout.mini_batches
+    return np.array([deal_rows(need[j * per_mini:(j + 1) * per_mini], layout, j)[1]
+                     for j in range(layout.mini_batches)], np.int32)
+
+
 def pack_plan(prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: PackLayout,
               prompt_width: int) -> PackPlan:
     """The packing of B sequences (rows of the padded batch, mini-batch j = rows [j B/n, (j+1) B/n)).
@@ -166,11 +203,8 @@ def pack_plan(prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: 
     cannot: the bound is the all-full-length case)."""
     lay, p = layout, prompt_width
     plen = np.asarray(prompt_lengths, np.int64)
-    rlen = np.asarray(response_lengths, np.int64)
+    need = sequence_positions(plen, response_lengths, lay)
     b, n, s, c = plen.shape[0], lay.mini_batches, lay.row_width, lay.sequences_per_row
-    need = np.maximum(plen + rlen - 1, 0)
-    if need.max(initial=0) > s:
-        raise ValueError(f"a sequence of {need.max()} positions does not fit a packed row of {s}.")
     shape = (n, lay.micro_batches, lay.rows, s)
     source = np.full(shape, -1, np.int32)
     segments = np.zeros(shape, np.int32)
@@ -180,16 +214,7 @@ def pack_plan(prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: 
     per_mini = b // n
     for j in range(n):
         ids = np.arange(j * per_mini, (j + 1) * per_mini)
-        bins = first_fit_decreasing(need[ids], s, c)
-        fill = [int(need[ids[k]].sum()) for k in (np.asarray(bb) for bb in bins)]
-        order = np.argsort(-np.asarray(fill), kind="stable")
-        per_shard: list[list[list[int]]] = [[] for _ in range(lay.shards)]
-        for rank, k in enumerate(order):
-            per_shard[rank % lay.shards].append(bins[k])
-        micro = max(-(-len(rows) // lay.rows_per_shard) for rows in per_shard)
-        if micro > lay.micro_batches:
-            raise ValueError(f"mini-batch {j} needs {micro} micro-batches, more than the layout's {lay.micro_batches}.")
-        num_micro[j] = micro
+        per_shard, num_micro[j] = deal_rows(need[ids], lay, j)
         for d, rows in enumerate(per_shard):
             for i, row in enumerate(rows):
                 m, r = divmod(i, lay.rows_per_shard)
@@ -309,14 +334,14 @@ def packed_abstract(layout: PackLayout, mesh) -> PackedBatch:
                           for name in PackedBatch._fields})
 
 
-def expected_micro_batches(layout: PackLayout, lengths, prompt_tokens: float, prompt_width: int, *,
-                           draws: int = 4, seed: int = 0) -> float:
+def expected_micro_batches(layout: PackLayout, lengths, prompt_tokens: float, *, draws: int = 4,
+                           seed: int = 0) -> float:
     """The mean number of micro-batches a mini-batch of the layout fills when its responses'
     lengths follow `lengths` (plan.lengths.LengthDistribution) and every prompt has
-    `prompt_tokens` real tokens: `pack_plan` on `draws` sampled steps (the trips of the packed
-    update's and log-prob pass's micro-batch loop, for `jaxrl4llm plan`)."""
+    `prompt_tokens` real tokens: `pack_plan`'s counts (`micro_batch_counts`) on `draws` sampled steps
+    (the trips of the packed update's and log-prob pass's micro-batch loop, for `jaxrl4llm plan`)."""
     rng = np.random.default_rng(seed)
     plen = np.full(layout.sequences, max(int(round(prompt_tokens)), 1))
-    counts = [pack_plan(plen, lengths.sample(layout.sequences, layout.response_width, rng), layout,
-                        prompt_width).num_micro.mean() for _ in range(draws)]
+    counts = [micro_batch_counts(plen, lengths.sample(layout.sequences, layout.response_width, rng), layout).mean()
+              for _ in range(draws)]
     return float(np.mean(counts))

@@ -126,15 +126,17 @@ def test_auto_chunk_fits_a_rollout_that_does_not_fit_at_once():
     v5e chip at once; rollout.prompts_per_chunk=auto samples them in chunks that do. Our count
     never under-counts XLA's (so a chunk it picks fits): with HBM to spare XLA keeps about two
     KV blocks beyond the cache (docs/scaling.md); short of it, as here, it keeps none (jax 0.10.2)
-    or part of them (jax 0.12.0.1: 1.1 GB more), and the rest of our count is within 5%."""
+    or part of them (jax 0.12.0.1: 1.1 GB more), and the rest of our count is within 5%. The
+    sampler's programs alone (the chunk is the sampler's; the trainer's compiles were two thirds of its time)."""
     wide = TINY + ["model.hidden_size=1024", "model.intermediate_size=2048", "model.num_heads=8", "model.num_kv_heads=8",
                    "model.head_dim=128", "rollout.prompts_per_step=64", "rollout.samples_per_prompt=8",
                    "rollout.max_new_tokens=16384", "trainer.micro_batch_size=4", "trainer.mini_batches=128"]
-    plan = plan_run(load_config(None, wide + ["rollout.prompts_per_chunk=auto"]), "v5e:2x2")
+    plan = plan_run(load_config(None, wide + ["rollout.prompts_per_chunk=auto"]), "v5e:2x2", sampler_only=True)
     chunk = plan.sampler["prompts_per_chunk"]
     assert 4 <= chunk < 64 and plan.sampler["chunks"] == -(-64 // chunk)
     decode = next(p for p in plan.programs if p.name == "sampler/decode")
-    assert decode.fits and decode.total_bytes + decode.resident_bytes <= 0.9 * plan.chip.hbm
+    train_state = 12 * plan.model.num_params / plan.chips  # waits beside it: float32 parameters + Adam's 2 moments, FSDP
+    assert decode.fits and decode.total_bytes + train_state <= 0.9 * plan.chip.hbm
     assert decode.total_bytes <= decode.analytic_total
     without_blocks = decode.analytic_total - decode.analytic["blocks in flight"]
     assert 0.95 * decode.total_bytes <= without_blocks <= 1.05 * decode.total_bytes or \

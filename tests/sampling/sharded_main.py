@@ -4,7 +4,9 @@ tensor-parallel weights and KV heads), partial rollouts through one engine; the 
 
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from tests.subprocess_xla_flags import xla_flags  # imports no JAX
+
+os.environ["XLA_FLAGS"] = xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

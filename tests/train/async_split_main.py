@@ -7,7 +7,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from tests.subprocess_xla_flags import xla_flags  # imports no JAX
+
+os.environ["XLA_FLAGS"] = xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -13,8 +13,10 @@ import json
 import os
 import sys
 
+from tests.subprocess_xla_flags import xla_flags  # imports no JAX
+
 spec = json.loads(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
+os.environ["XLA_FLAGS"] = xla_flags(spec["devices"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 if spec["num_processes"] > 1:
     os.environ.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{spec['port']}", JAX_NUM_PROCESSES=str(spec["num_processes"]),

@@ -4,7 +4,9 @@ tensor=2) mesh gives the same loss, gradient norm and updated parameters as on o
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from tests.subprocess_xla_flags import xla_flags  # imports no JAX
+
+os.environ["XLA_FLAGS"] = xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import functools  # noqa: E402

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.core import AGGREGATION_MODES, DAPO, GRPO, LITE_PPO, compute_advantages
-from jaxrl4llm.train.packing import first_fit_decreasing, pack, pack_layout, pack_plan, to_padded
+from jaxrl4llm.train.packing import first_fit_decreasing, micro_batch_counts, pack, pack_layout, pack_plan, to_padded
 from jaxrl4llm.train.step import UpdateSettings, init_train_state, make_logprob_pass, make_optimizer, make_update_fn
 
 P, R, G, PROMPTS = 6, 7, 4, 4  # prompt bucket, max new tokens, group, prompts: 16 rows of L = 12
@@ -111,6 +111,18 @@ def test_first_fit_decreasing_keeps_every_bin_within_capacity(lengths, max_items
     assert all(lengths[b].sum() <= 12 and len(b) <= max_items for b in bins)
     # first fit decreasing never needs more than 11/9 OPT + 1 bins; at least it beats one item a bin
     assert len(bins) <= max(-(-len(lengths) // max_items), int(np.ceil(lengths.sum() / 12 * 11 / 9)) + 1)
+
+
+@given(st.data(), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([None, 12, 24, 40]))
+@settings(max_examples=40, deadline=None)
+def test_micro_batch_counts_are_the_plan_s_without_its_arrays(data, mini_batches, shards, tokens):
+    """micro_batch_counts (plan and packing=auto count micro-batches with it) = pack_plan's num_micro."""
+    rows = 16
+    layout = pack_layout(rows=rows, mini_batches=mini_batches, shards=shards, prompt_width=P, response_width=R,
+                         tokens_per_micro_batch=tokens)
+    plen = np.asarray(data.draw(st.lists(st.integers(1, P), min_size=rows, max_size=rows)))
+    rlen = np.asarray(data.draw(st.lists(st.integers(0, R), min_size=rows, max_size=rows)))
+    np.testing.assert_array_equal(micro_batch_counts(plen, rlen, layout), pack_plan(plen, rlen, layout, P).num_micro)
 
 
 def test_packed_log_prob_pass_equals_the_padded_one(model):
