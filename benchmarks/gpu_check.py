@@ -454,29 +454,28 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
 
     w = WORKLOAD[mode]
     timed = timed_rollout(mode, work, log, model)
-    run, state, policy, out, prompts, lengths = timed.run, timed.state, timed.policy, timed.out, timed.prompts, \
-        timed.lengths
-    setup_s, first, t_rollout = timed.setup_s, timed.first_s, timed.rollout_s
-    partial({"model": model, "rollout_s": t_rollout, "rollout_first_s": first})
+    partial({"model": model, "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s})
     export = ""
     if model == next(iter(MODELS[mode])):  # the decode phase's transformers peer loads these weights
-        export = str(policy.export(work / "hf"))  # before the update donates (deletes) them
-    t_logprob, t_update, _ = time_update_programs(run, state, out, w["reps"] + 1)
+        export = str(timed.policy.export(work / "hf"))  # before the update donates (deletes) them
+    t_logprob, t_update, _ = time_update_programs(timed.run, timed.state, timed.out, w["reps"] + 1)
     log(f"  log-prob pass {t_logprob:.3f} s, update {t_update:.3f} s")
-    prompt_tokens = float(np.asarray(out.prompt_mask).sum(-1).mean())
-    return {"model": model, "export": export, "prompt_lens": [len(p) for p in prompts],
-            "params_m": run.policy.config.num_params / 1e6, "rows": len(lengths), "mean_length": float(lengths.mean()),
-            "max_length": int(lengths.max()), "prompt_tokens": prompt_tokens, "setup_s": setup_s,
-            "rollout_first_s": first,
-            "measured": dict(zip(PROGRAMS, (t_rollout, t_logprob, t_update))),
-            "step_s": t_rollout + t_logprob + t_update, "rollout_tokens_per_s": float(lengths.sum()) / t_rollout}
+    lengths = timed.lengths
+    return {"model": model, "export": export, "prompt_lens": [len(p) for p in timed.prompts],
+            "params_m": timed.run.policy.config.num_params / 1e6, "rows": len(lengths),
+            "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
+            "prompt_tokens": float(np.asarray(timed.out.prompt_mask).sum(-1).mean()), "setup_s": timed.setup_s,
+            "rollout_first_s": timed.first_s,
+            "measured": dict(zip(PROGRAMS, (timed.rollout_s, t_logprob, t_update))),
+            "step_s": timed.rollout_s + t_logprob + t_update,
+            "rollout_tokens_per_s": float(lengths.sum()) / timed.rollout_s}
 
 
 # ---------------------------------------------------------------------------- phase: launches (optional)
 def phase_launches(mode: str, work: Path, log, variant: str) -> dict:
     """The first step model's rollout under LAUNCH_VARIANTS[variant] (its XLA_FLAGS are set by the driver,
     before this process starts JAX): seconds and generated tokens/s."""
-    xla_flags, overrides = LAUNCH_VARIANTS[variant]
+    overrides = LAUNCH_VARIANTS[variant][1]
     model = next(iter(MODELS[mode]))
     timed = timed_rollout(mode, work, log, model, overrides)
     return {"model": model, "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": overrides,

@@ -872,9 +872,8 @@ def _public_program_cost(hlo_text: str, comps: dict[str, Computation], loops: li
         if body in comps:
             s, c = collective_bytes(comps, body, num_devices)
             sent, count, kernels = sent + w * s, count + w * c, kernels + w * kernel_launches(comps[body])
-    for loop in loops:
-        kernels += weight.get(loop.parent, 1.0) * (1.0 if loop.trips is None else loop.trips) * \
-            _condition_kernels(comps, loop)
+    for loop in loops:  # a loop's condition runs as often as its body
+        kernels += weight[loop.body] * _condition_kernels(comps, loop)
     flops = float(public.get("flops", 0.0))
     return ProgramCost(flops=flops, hbm_bytes=float(public.get("bytes accessed", 0.0)), collective_bytes=sent,
                        collectives=count, loops=loops, once_counted_flops=flops, kernels=kernels)
