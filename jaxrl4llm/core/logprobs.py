@@ -14,14 +14,18 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm.kernels import exact as exact_numerics
 
-def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperature: float):
-    """[..., V] logits, [...] tokens -> (log p[token], entropy), both float32 [...]."""
+
+def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperature: float, exact: bool = False):
+    """[..., V] logits, [...] tokens -> (log p[token], entropy), both float32 [...]; exact: log p in
+    `kernels.exact.token_logprobs`' fixed order (the sampler's under model.numerics=exact)."""
     z = logits.astype(jnp.float32) / temperature
+    exact_logp = exact_numerics.token_logprobs(z, tokens) if exact else None
     z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
     logz = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
-    logp = picked - logz
+    logp = picked - logz if exact_logp is None else exact_logp
     probs = jnp.exp(z - logz[..., None])
     entropy = jnp.maximum(logz - jnp.sum(probs * z, axis=-1), 0.0)
     return logp, entropy
@@ -118,7 +122,7 @@ def token_logprobs_chunked(
 
 def token_logprobs_from_head(
     head, hidden: chex.Array, tokens: chex.Array, *, temperature: float = 1.0, chunk_size: int = 512,
-    return_entropy: bool = False,
+    return_entropy: bool = False, exact: bool = False,
 ):
     """log p(token) = log_softmax(head(hidden) / temperature)[token], chunked over T.
 
@@ -132,13 +136,14 @@ def token_logprobs_from_head(
       tokens: [B, T] int target tokens (out-of-range ids are clipped: mask those positions).
       temperature: sampling temperature. chunk_size: positions per chunk (static).
       return_entropy: also return the per-token entropy (max-subtracted, as `entropy_from_logits`).
+      exact: the log-normaliser summed in a fixed order (`model.numerics=exact`, `kernels.exact`).
 
     Returns:
       logp [B, T] float32, or (logp, entropy) each [B, T] float32.
     """
     chex.assert_rank([hidden, tokens], [3, 2])
     chex.assert_equal_shape_prefix([hidden, tokens], 2)
-    fn = lambda h, t: _gather_logprob_and_entropy(head(h), t, temperature)
+    fn = lambda h, t: _gather_logprob_and_entropy(head(h), t, temperature, exact)
     logp, ent = _chunked_over_time(fn, (hidden, tokens), min(chunk_size, tokens.shape[1]), tokens.shape[1])
     return (logp, ent) if return_entropy else logp
 

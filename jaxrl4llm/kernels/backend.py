@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm.kernels import exact
 from jaxrl4llm.kernels.decode_attention import decode_attention as kernel_decode_attention
 from jaxrl4llm.kernels.decode_attention import supports as kernel_supports
 from jaxrl4llm.kernels.matmul import matmul as kernel_matmul
@@ -102,3 +103,21 @@ class CpuBackend(DecodeBackend):
         if self.kernels and kernel_supports(cur_k.dtype, dtype):
             return kernel_decode_attention(q, prompt_k, prompt_v, prompt_mask, done_k, done_v, cur_k, cur_v, slot)
         return super().attend(q, prompt_k, prompt_v, prompt_mask, done_k, done_v, cur_k, cur_v, slot, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactBackend(CpuBackend):
+    """The decode backend of `model.numerics=exact`: every matmul is `kernels.exact.matmul` (each
+    output one fma chain, whatever the number of rows), so a token's projections equal the training
+    forward's bits. Weights are stored once per rollout as [K, N] float32 of the compute-dtype values
+    (the trainer rounds its weights the same way); fused projections give the same bits as separate
+    ones (a column does not depend on the others)."""
+
+    def prepare_weight(self, w):
+        return w.astype(jnp.float32).T
+
+    def matmul(self, x, w, dtype):
+        return exact.matmul(exact.rounded(x, dtype), w)
+
+    def split_matmul(self, x, w, dtype):
+        return self.matmul(x, w, dtype)

@@ -35,6 +35,7 @@ class DecodeAttention(enum.StrEnum):
     TPU_RAGGED = "tpu_ragged"
     GPU_TRITON = "gpu_triton"
     CPU_NATIVE = "cpu_native"
+    EXACT = "exact"
 
 
 class TrainAttention(enum.StrEnum):
@@ -43,6 +44,7 @@ class TrainAttention(enum.StrEnum):
     XLA = "xla"
     SPLASH = "splash"
     PALLAS_GPU = "pallas_gpu"
+    EXACT = "exact"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,7 @@ class KernelChoice:
 
 DECODE_REQUESTS = ("auto", "kernel", "xla")  # rollout.decode_attention (generate's `paged_attention`)
 ATTENTION_IMPLS = ("auto", "xla", "splash", "pallas_gpu", "cudnn")  # model.attention_impl
+NUMERICS = ("default", "exact")  # model.numerics: exact runs the EXACT attentions (kernels/exact.py)
 TRAIN_ATTENTION_BY_PLATFORM = {"tpu": TrainAttention.SPLASH, "gpu": TrainAttention.PALLAS_GPU,
                                "cuda": TrainAttention.PALLAS_GPU, "rocm": TrainAttention.PALLAS_GPU}
 
@@ -125,6 +128,12 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
         (`models.decode.xla_decode_attention`); the request is the continuous engine's.
     """
     dtype = jnp.dtype(config.dtype)
+    if getattr(config, "numerics", "default") == "exact":
+        if engine == "static":
+            raise ValueError("model.numerics=exact decodes with the continuous engine (its paged cache feeds the "
+                             "exact attention kernel); set rollout.engine=continuous")
+        return KernelChoice(DecodeAttention.EXACT, "model.numerics=exact: the batch-invariant C++ attention "
+                            "(kernels/exact.py), the training forward's kernel")
     if engine == "static":
         if cpu_kernels and cpu_kernel_supports(dtype, dtype):
             return KernelChoice(DecodeAttention.CPU_NATIVE, "rollout.engine=static: the C++ decode attention kernel "
@@ -154,11 +163,15 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
 
 
 # ---------------------------------------------------------------------------- training attention
-def train_attention_choice(impl: str, platform: str) -> KernelChoice:
+def train_attention_choice(impl: str, platform: str, numerics: str = "default") -> KernelChoice:
     """The training attention of `model.attention_impl` = `impl` on `platform` ("cpu", "tpu", "gpu"):
     "auto" -> splash on TPU, pallas_gpu on GPU, else xla; a named kernel runs as named (a Pallas
     kernel off its platform runs in Pallas' interpreter: tests). "cudnn" (cuDNN flash attention takes
-    per-row lengths, not segment ids) and unknown names are a ValueError."""
+    per-row lengths, not segment ids) and unknown names are a ValueError. `model.numerics=exact`
+    runs the exact kernel whatever `impl` says (the sampler runs it too)."""
+    if numerics == "exact":
+        return KernelChoice(TrainAttention.EXACT, "model.numerics=exact: the batch-invariant C++ attention "
+                            "(kernels/exact.py), the sampler's kernel")
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {impl!r} is unknown; valid: {', '.join(ATTENTION_IMPLS)} "
                          f"(model.attention_impl)")

@@ -25,9 +25,10 @@ import jax
 import jaxlib
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("decode_attention.cc", "matmul.cc", "paged_attention.cc", "top_k.cc")
+SOURCES = ("decode_attention.cc", "exact.cc", "matmul.cc", "paged_attention.cc", "top_k.cc")
 HEADERS = ("parallel.h", "vector_math.h")
-TARGETS = ("jaxrl4llm_decode_attention", "jaxrl4llm_matmul", "jaxrl4llm_paged_attention", "jaxrl4llm_top_k")
+TARGETS = ("jaxrl4llm_decode_attention", "jaxrl4llm_exact_apply_rope", "jaxrl4llm_exact_attention", "jaxrl4llm_exact_matmul",
+           "jaxrl4llm_exact_rms_inverse", "jaxrl4llm_exact_rope_tables", "jaxrl4llm_exact_token_logprob", "jaxrl4llm_matmul", "jaxrl4llm_paged_attention", "jaxrl4llm_top_k")
 
 
 class KernelBuildError(RuntimeError):

@@ -26,6 +26,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxrl4llm.core.logprobs import token_logprobs_from_head
+from jaxrl4llm.kernels import exact as exact_numerics
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.segment_attention import segment_causal_attention
@@ -49,8 +50,10 @@ def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
 class Embed(nnx.Module):
     """embedding [V, D] ("vocab", "embed"): tokens -> rows, and the tied LM head h E^T."""
 
-    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs, std: float = 0.02):
+    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs, std: float = 0.02,
+                 exact: bool = False):
         self.dtype = jnp.dtype(dtype)
+        self.exact = exact
         self.embedding = param(normal_init(rngs, (vocab, dim), param_dtype, std), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -60,7 +63,7 @@ class Embed(nnx.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         """Tied LM head: h [B, T, D] -> h E^T [B, T, V] float32."""
-        return einsum("btd,vd->btv", h, self.embedding[...], self.dtype)
+        return einsum("btd,vd->btv", h, self.embedding[...], self.dtype, self.exact)
 
 
 class CausalLM(nnx.Module):
@@ -80,8 +83,9 @@ class CausalLM(nnx.Module):
         c = config
         self.config = c
         self.lora_settings = lora
+        exact = c.numerics == "exact"
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs,
-                                  std=std)
+                                  std=std, exact=exact)
 
         @nnx.split_rngs(splits=c.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -89,11 +93,12 @@ class CausalLM(nnx.Module):
             return DecoderLayer(c, rngs=rngs, lora=lora)
 
         self.layers = stacked_layers(rngs)
-        self.final_norm = RMSNorm(c.hidden_size, ("norm",), eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        self.final_norm = RMSNorm(c.hidden_size, ("norm",), eps=c.rms_norm_eps, param_dtype=c.param_dtype,
+                                  exact=exact)
         head_lora = lora if lora is not None and "lm_head" in lora.targets else None
         self.lm_head = None if c.tie_word_embeddings else Linear(
             "btd,dv->btv", (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype=c.dtype,
-            param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std, name="lm_head")
+            param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std, name="lm_head", exact=exact)
 
     def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                       attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
@@ -110,7 +115,7 @@ class CausalLM(nnx.Module):
         # left-padded rows are segments too: 1 real, 0 padding (a pad token sees only pads)
         ids = (attention_mask > 0).astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         attend = lambda q, k, v: (segment_causal_attention(q, k, v, ids, dtype=jnp.dtype(c.dtype),
-                                                           impl=c.attention_impl), None)
+                                                           impl=c.attention_impl, numerics=c.numerics), None)
 
         def layer_fn(layer, x, key):
             with lora_dropout(key):
@@ -150,17 +155,28 @@ class CausalLM(nnx.Module):
         sees_prompt = jnp.broadcast_to(jnp.repeat(prompt_mask > 0, group, axis=0)[:, None, :], (rows, t, p))
         rows_attn = jnp.concatenate([sees_prompt, causal_padding_mask(attention_mask)], axis=-1)  # [NG, T, P + T]
         share = lambda a: jnp.repeat(a, group, axis=0)  # [N, ...] -> [N*group, ...]
+        prompt_ranges = rows_ranges = None
+        if c.numerics == "exact":  # the sampler's kernel: the prompt's real keys, then the row's own
+            prompt_ranges = exact_numerics.segment_ranges((prompt_mask > 0).astype(jnp.int32))  # [N, P, 4]
+            own = exact_numerics.segment_ranges((attention_mask > 0).astype(jnp.int32))  # [NG, T, 4]
+            first_real = jnp.broadcast_to(share(p - jnp.sum(prompt_mask > 0, axis=1))[:, None], (rows, t))
+            rows_ranges = jnp.stack([first_real, jnp.full((rows, t), p), own[..., 0] + p, own[..., 1] + p], axis=-1)
+
+        def attention(q, k, v, mask, ranges):
+            if ranges is not None:
+                return exact_numerics.attention(q, k, v, ranges, dtype=dtype)
+            return dot_product_attention(q, k, v, mask, dtype, query_chunk=c.attention_query_chunk)
 
         def attend_prompt(q, k, v):  # keeps the prompt's (rotated) keys and values for its rows
-            return dot_product_attention(q, k, v, prompt_attn, dtype, query_chunk=c.attention_query_chunk), (k, v)
+            return attention(q, k, v, prompt_attn, prompt_ranges), (k, v)
 
         def layer_fn(layer, xs, key):
             xp, xr = xs
             with lora_dropout(key):
                 xp, (kp, vp) = layer(xp, cos_p, sin_p, attend_prompt)
-            attend_rows = lambda q, k, v: (dot_product_attention(
-                q, jnp.concatenate([share(kp), k], axis=1), jnp.concatenate([share(vp), v], axis=1), rows_attn, dtype,
-                query_chunk=c.attention_query_chunk), None)
+            attend_rows = lambda q, k, v: (attention(
+                q, jnp.concatenate([share(kp), k], axis=1), jnp.concatenate([share(vp), v], axis=1), rows_attn,
+                rows_ranges), None)
             with lora_dropout(None if key is None else jax.random.fold_in(key, 1)):
                 xr, _ = layer(xr, cos_r, sin_r, attend_rows)
             return constrain(xp, ACTIVATION_AXES), constrain(xr, ACTIVATION_AXES)
@@ -316,8 +332,9 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
         head = lambda hc: constrain(model.logits(hc), LOGITS_AXES) * inv_temperature
     else:
         head = lambda zc: zc * inv_temperature
+    exact = own and getattr(getattr(model, "config", None), "numerics", "default") == "exact"
     logp, entropy = token_logprobs_from_head(head, h, targets[:, first_scored:], chunk_size=chunk_size,
-                                             return_entropy=True)
+                                             return_entropy=True, exact=exact)
     if not first_scored:
         return logp, entropy
     pad = lambda x: jnp.pad(x, ((0, 0), (first_scored, 0)))

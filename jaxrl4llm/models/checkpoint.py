@@ -82,7 +82,7 @@ def _parse_size(size: int | str) -> int:
 # ---------------------------------------------------------------------------- load
 def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="float32",
                     mesh: Mesh | None = None, rules=None, remat: bool = False,
-                    remat_policy: str = "full", attention_impl: str = "auto") -> CausalLM:
+                    remat_policy: str = "full", attention_impl: str = "auto", numerics: str = "default") -> CausalLM:
     """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3) as an NNX model.
 
     Args:
@@ -94,7 +94,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
         default device.
       remat, remat_policy: rematerialise each layer in training, keeping what the policy names
         (`ModelConfig`, models/remat.py). attention_impl: the training forward's attention
-        backend (`ModelConfig.attention_impl`).
+        backend (`ModelConfig.attention_impl`). numerics: "default" | "exact" (`ModelConfig.numerics`).
     Returns: the `CausalLM` module of the checkpoint's family (`model.config` is its
       ModelConfig); `graphdef, state = nnx.split(model)` for the functional API.
     Raises: FileNotFoundError (folder / config.json), ConfigError (unsupported config),
@@ -102,7 +102,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
     """
     path = os.fspath(path)
     config = ModelConfig.from_pretrained_dir(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                             remat_policy=remat_policy, attention_impl=attention_impl)
+                                             remat_policy=remat_policy, attention_impl=attention_impl,
+                                             numerics=numerics)
     files = _weight_files(path)
     graphdef, abstract = abstract_model(config)
     if mesh is not None:

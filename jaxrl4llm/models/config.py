@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
-from jaxrl4llm.kernels.choice import ATTENTION_IMPLS
+from jaxrl4llm.kernels.choice import ATTENTION_IMPLS, NUMERICS
 from jaxrl4llm.models.remat import REMAT_POLICIES
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
@@ -74,6 +74,9 @@ class ModelConfig:
     attention_impl: the backend of segment-id attention (models/layers/segment_attention.py):
       "auto" (by platform: TPU splash, GPU pallas_gpu, CPU xla) or one forced: "xla", "splash",
       "pallas_gpu", "cudnn".
+    numerics: "default" (each platform's fastest kernels) or "exact": batch-invariant kernels that
+      give the sampler's log-probs and the trainer's the same bits (`kernels.exact`; one CPU
+      device, no LoRA; docs/objectives.md, "Sampler-trainer agreement").
     """
 
     architecture: str = "qwen3"
@@ -101,6 +104,7 @@ class ModelConfig:
     remat_policy: str = "full"
     attention_query_chunk: int | None = 1024
     attention_impl: str = "auto"
+    numerics: str = "default"
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):  # jnp.bfloat16 / np.dtype / "bfloat16" all name the same dtype
@@ -120,6 +124,8 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl={self.attention_impl!r}; choose one of {', '.join(ATTENTION_IMPLS)} "
                               f"(models/layers/segment_attention.py)")
+        if self.numerics not in NUMERICS:
+            raise ConfigError(f"numerics={self.numerics!r}; choose one of {', '.join(NUMERICS)} (kernels/exact.py)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         for name in ("dtype", "param_dtype"):

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl4llm.kernels import exact
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.decoder import decoder_layer
@@ -276,6 +277,7 @@ class FusedLayer:
     def __init__(self, weights: dict, config: ModelConfig, backend: DecodeBackend):
         self.w, self.c, self.backend = weights, config, backend
         self.dtype = jnp.dtype(config.dtype)
+        self.exact = config.numerics == "exact"  # the norms' fixed-order sums (`kernels.exact`)
 
     def _project(self, x: jax.Array, name: str) -> jax.Array:
         """x [B, T, K] -> x W^T [B, T, N] float32 (one 2-D matmul over B*T rows)."""
@@ -283,10 +285,10 @@ class FusedLayer:
         return self.backend.matmul(x.reshape(b * t, -1), self.w[name], self.dtype).reshape(b, t, -1)
 
     def input_norm(self, x):
-        return rms_norm(x, self.w["input_norm"], self.c.rms_norm_eps)
+        return rms_norm(x, self.w["input_norm"], self.c.rms_norm_eps, self.exact)
 
     def post_attn_norm(self, x):
-        return rms_norm(x, self.w["post_attn_norm"], self.c.rms_norm_eps)
+        return rms_norm(x, self.w["post_attn_norm"], self.c.rms_norm_eps, self.exact)
 
     def qkv(self, h):
         c = self.c
@@ -310,7 +312,7 @@ class FusedLayer:
         if "q_norm" not in self.w:
             return q, k
         eps = self.c.rms_norm_eps
-        return rms_norm(q, self.w["q_norm"], eps), rms_norm(k, self.w["k_norm"], eps)
+        return rms_norm(q, self.w["q_norm"], eps, self.exact), rms_norm(k, self.w["k_norm"], eps, self.exact)
 
     def out(self, attn):
         b, t = attn.shape[:2]
@@ -336,7 +338,7 @@ def lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):
     weights from `decode_weights`; h [B, D] float32 -> logits [B, V] float32 (the matmul in
     `config.dtype`, on `backend`). The prefill, the static decode step and the continuous
     engine's step (`sampling.continuous.decode_step`) all end here."""
-    h = rms_norm(h, weights["final_norm"], config.rms_norm_eps)
+    h = rms_norm(h, weights["final_norm"], config.rms_norm_eps, config.numerics == "exact")
     return backend.matmul(h, weights["lm_head"], jnp.dtype(config.dtype))
 
 
@@ -364,7 +366,12 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
     cos, sin = rope_tables(config, positions)
     allowed = causal_padding_mask(mask)
 
+    ranges = exact.segment_ranges(mask.astype(jnp.int32)) if config.numerics == "exact" else None
+
     def attend(q, k, v):  # the prompt attends to itself through the cache-dtype KV it stores
+        if ranges is not None:  # the training forward's kernel, over the same keys in the same order
+            out = exact.attention(q, k, v, ranges, dtype=dtype, kv_dtype=cache_dtype)
+            return out, (k.astype(cache_dtype), v.astype(cache_dtype))
         k, v = k.astype(cache_dtype), v.astype(cache_dtype)
         return dot_product_attention(q, k, v, allowed, dtype), (k, v)
 

@@ -161,7 +161,7 @@ def plan_model_config(cfg: RunConfig):
             missing = e
     if folder is not None and (Path(folder) / "config.json").is_file():
         return ModelConfig.from_pretrained_dir(folder, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                                                remat_policy=m.remat_policy, attention_impl=m.attention_impl)
+                                                remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics)
     if m.vocab_size is None:
         if missing is not None:
             raise ConfigError(f"model.path={m.path!r}: {missing}")

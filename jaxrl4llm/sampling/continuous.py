@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm.kernels import exact
 from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.choice import DecodeAttention
 from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
@@ -44,7 +45,8 @@ from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 from jaxrl4llm.sampling.stops import ends_with_stop_sequence
-from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, copy_pages, empty_free_pages, empty_pool,
+from jaxrl4llm.sampling.paged_cache import (POOL_AXES, TRASH_PAGE, FreePages, as_values, copy_pages, empty_free_pages,
+                                            empty_pool, gather_pages,
                                             kernel_paged_attention, paged_attention, pool_pages, pop_pages,
                                             push_pages, write_tokens)
 
@@ -343,7 +345,7 @@ def draw(engine: Engine, sampling: Sampling, queue: Queue, logits, rows, column)
                          uniform=None if spec.greedy else uniforms.reshape(shards * count, 1),
                          temperature=sampling.temperature,
                          top_k=spec.top_k, top_p=sampling.top_p, use_top_p=spec.use_top_p, greedy=spec.greedy,
-                         use_kernels=spec.use_kernels, min_p=sampling.min_p,
+                         use_kernels=spec.use_kernels, min_p=sampling.min_p, exact=spec.config.numerics == "exact",
                          shards=vocab_shards(spec.backend.mesh, spec.backend.rules))  # top-k per vocab shard + a gather
     return jax.tree.map(lambda x: x.reshape(shards, count), flat)
 
@@ -517,6 +519,16 @@ def _attend(engine: Engine, layer_pool, pages: StepPages, queries, keys, values)
     group = config.num_heads // kv_heads
     queries = queries.reshape(shards, slots, kv_heads, group, head_dim)
     keys, values = keys.reshape(shards, slots, kv_heads, head_dim), values.reshape(shards, slots, kv_heads, head_dim)
+    if spec.attention == DecodeAttention.EXACT:  # the training forward's kernel over the slot's keys in order
+        pool = write_tokens(layer_pool, pages.write_page, pages.write_offset, keys, values, cache_dtype)
+        slot_keys, slot_values = (as_values(x, cache_dtype).reshape(shards * slots, -1, kv_heads, head_dim)
+                                  for x in gather_pages(pool, pages.table))  # [D*S, W*page, KVH, Dh]
+        kv_len = pages.kv_len.reshape(shards * slots, 1)
+        zero = jnp.zeros_like(kv_len)
+        out = exact.attention(queries.reshape(shards * slots, 1, kv_heads * group, head_dim), slot_keys, slot_values,
+                              jnp.stack([zero, kv_len, zero, zero], axis=-1), dtype=jnp.dtype(config.dtype),
+                              kv_dtype=cache_dtype)
+        return out, pool
     if spec.attention == DecodeAttention.CPU_NATIVE:  # the new token written and the live pages read in place, in C++
         out, pool = cpu_paged_attention(queries, layer_pool, keys, values, pages.write_page, pages.write_offset,
                                         pages.table, pages.kv_len)

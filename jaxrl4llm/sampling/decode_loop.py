@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from flax import nnx
 
-from jaxrl4llm.kernels.backend import CpuBackend
+from jaxrl4llm.kernels import exact
+from jaxrl4llm.kernels.backend import CpuBackend, ExactBackend
 from jaxrl4llm.kernels.native import bf16_pairs as kernel_bf16_pairs
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import (DECODE_RULES, DecodeBackend, decode_step, decode_weight_shardings, decode_weights,
@@ -119,8 +120,12 @@ def record_step(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budg
 def decode_backend(config: ModelConfig, *, mesh: Mesh | None, use_kernels: bool, block_size: int) -> DecodeBackend:
     """The decode backend of one sampler call: `kernels.backend.CpuBackend` on CPU (16-bit moves as
     bits; with `use_kernels`, the C++ kernels and, on their AVX512-BF16 paths, packed weights and
-    the pair KV layout), the platform-neutral `DecodeBackend` elsewhere."""
+    the pair KV layout), the platform-neutral `DecodeBackend` elsewhere; `kernels.backend.ExactBackend`
+    under model.numerics=exact (one CPU device)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if config.numerics == "exact":
+        exact.require(devices)
+        return ExactBackend()
     if {d.platform for d in devices} != {"cpu"}:
         return DecodeBackend(mesh=mesh)
     packed = use_kernels and jnp.dtype(config.dtype) == jnp.bfloat16 and kernel_bf16_pairs()

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxrl4llm.kernels import exact as exact_numerics
 from jaxrl4llm.kernels.top_k import top_k as kernel_top_k
 
 # Candidate sets up to this size use sort-free O(K^2) nucleus masks and cumsums; larger
@@ -248,7 +249,8 @@ def split_vocab_top_k(z: jax.Array, k: int, shards: VocabShards) -> tuple[jax.Ar
 # ---------------------------------------------------------------------------- the sampler
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, top_k: int = 0, top_p=1.0,
                   use_top_p: bool = False, greedy: bool = False, uniform: jax.Array | None = None,
-                  use_kernels: bool = False, shards: VocabShards | None = None, min_p=None) -> TokenSample:
+                  use_kernels: bool = False, shards: VocabShards | None = None, min_p=None,
+                  exact: bool = False) -> TokenSample:
     """y ~ softmax(z | min-p ∩ top-k ∩ top-p), z = logits / temperature (greedy: y = argmax z, lowest index on ties).
 
     Args:
@@ -266,10 +268,15 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
         (`split_vocab_top_k`); otherwise (plain temperature sampling, top-p alone) ignored.
       min_p: None = off (the program is the one without min-p); else a scalar in [0, 1] (may be
         traced): keep p >= min_p * p_max (`min_p_keep`) before top-k and top-p. Greedy ignores it.
+      exact: static; `model.numerics=exact`: z = logits * (1 / temperature) and the untruncated
+        log-prob by `kernels.exact.token_logprobs`, as the trainer computes them (`models.causal_lm`).
     Returns: TokenSample of [N] arrays.
     """
     n, vocab = logits.shape
-    z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    if exact:
+        z = logits.astype(jnp.float32) * (1.0 / jnp.asarray(temperature, jnp.float32))
+    else:
+        z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
     if shards is not None and shards.splits(vocab) and greedy:  # argmax = top-1, ties to the lower id
         values, ids, log_norm = split_vocab_top_k(z, 1, shards)
         lp = values[:, 0] - log_norm
@@ -287,6 +294,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature=1.0, 
     block_sums = jnp.sum(jnp.exp(zb - row_max[:, :, None]), axis=-1)  # pass 2 (fused exp + sum)
     log_norm = row_max[:, 0] + jnp.log(jnp.sum(block_sums, axis=-1))
     untruncated = lambda tokens: jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - log_norm
+    if exact:
+        untruncated = lambda tokens: exact_numerics.token_logprobs(z, tokens)
 
     def finish(tokens):
         lp = untruncated(tokens)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl4llm.kernels import exact
 from jaxrl4llm.kernels.choice import KernelChoice, decode_attention_choice, mesh_devices, train_attention_choice
 from jaxrl4llm.models import LoraSettings, ModelConfig
 from jaxrl4llm.plan.lengths import LengthDistribution, parse_lengths
@@ -112,7 +113,7 @@ def model_config_from_fields(cfg: RunConfig, *, vocab_size: int, eos_token_id=No
         attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
         max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
         rope_theta=m.rope_theta, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-        remat_policy=m.remat_policy, attention_impl=m.attention_impl, eos_token_id=eos_token_id,
+        remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id)
 
 
@@ -326,7 +327,15 @@ def attention_kernels(cfg: RunConfig, model_config: ModelConfig, trainer_devices
         decode = decode_attention_choice(model_config, sampler_devices, cpu_kernels=cpu_kernels,
                                          requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
                                          engine=cfg.rollout.engine)
-        train = train_attention_choice(model_config.attention_impl, trainer_devices[0].platform)
+        train = train_attention_choice(model_config.attention_impl, trainer_devices[0].platform,
+                                       model_config.numerics)
+        if model_config.numerics == "exact":
+            exact.require(trainer_devices)
+            exact.require(sampler_devices)
+            if cfg.model.lora is not None:
+                raise ValueError("model.numerics=exact trains the full model: the sampler decodes with the adapters "
+                                 "merged into W (x (W + s A B)), the trainer computes x W + s (x A) B, and those round "
+                                 "differently; drop model.lora or use model.numerics=default")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return decode, train

@@ -92,7 +92,7 @@ class Attention(nnx.Module):
         def linear(name, spec, shape, axes, bias_axes=None, in_ndim=1):
             adapter = lora if lora is not None and name in lora.targets else None
             return Linear(spec, shape, axes, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs, in_ndim=in_ndim,
-                          bias_axes=bias_axes, lora=adapter, name=name)
+                          bias_axes=bias_axes, lora=adapter, name=name, exact=c.numerics == "exact")
 
         qkv_bias = lambda heads: (heads, "head_dim") if c.attention_bias else None
         self.q_proj = linear("q_proj", "btd,dhk->bthk", (d, h, dh), ("embed", "heads", "head_dim"), qkv_bias("heads"))
@@ -102,7 +102,8 @@ class Attention(nnx.Module):
                              qkv_bias("kv_heads"))
         self.o_proj = linear("o_proj", "bthk,hkd->btd", (h, dh, d), ("heads", "head_dim", "embed"),
                              ("norm",) if c.o_proj_bias else None, in_ndim=2)
-        norm = lambda: RMSNorm(dh, ("head_dim",), eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        norm = lambda: RMSNorm(dh, ("head_dim",), eps=c.rms_norm_eps, param_dtype=c.param_dtype,
+                               exact=c.numerics == "exact")
         self.q_norm = norm() if c.qk_norm else None
         self.k_norm = norm() if c.qk_norm else None
 

@@ -51,7 +51,8 @@ def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Ar
     """
     q, k, v = checkpoint_name(layer.qkv(layer.input_norm(x)), "qkv_proj")  # names: models/remat.py
     q, k = layer.qk_norm(q, k)
-    attn, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    exact = getattr(layer, "exact", False)  # model.numerics=exact (`rope.apply_rope`)
+    attn, aux = attend(apply_rope(q, cos, sin, exact), apply_rope(k, cos, sin, exact), v)
     x = x + layer.out(checkpoint_name(attn, "attention"))
     g, u = checkpoint_name(layer.gate_up(layer.post_attn_norm(x)), "mlp_gate_up")
     return x + layer.down(swiglu_gate(g, u)), aux
@@ -62,12 +63,14 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config, *, rngs: nnx.Rngs, lora: LoraSettings | None = None):
         c = config
-        norm = lambda: RMSNorm(c.hidden_size, ("norm",), eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        exact = c.numerics == "exact"
+        self.exact = exact
+        norm = lambda: RMSNorm(c.hidden_size, ("norm",), eps=c.rms_norm_eps, param_dtype=c.param_dtype, exact=exact)
         self.input_norm = norm()
         self.attn = Attention(c, rngs=rngs, lora=lora)
         self.post_attn_norm = norm()
         self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs,
-                       lora=lora)
+                       lora=lora, exact=exact)
 
     # LayerWeights
     def qkv(self, h):

@@ -16,9 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl4llm.kernels import exact as exact_numerics
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype, exact: bool = False) -> jax.Array:
     """y = einsum(spec, x.astype(dtype), w.astype(dtype)) accumulated and returned in float32.
+
+    exact: `model.numerics=exact`, the batch-invariant matmul (`kernels.exact.einsum`): a row's
+    result does not depend on the other rows, the sampler's and the trainer's the same bits.
 
     With dtype=bfloat16 this is bf16 x bf16 -> f32 (the fast path on CPU/TPU/GPU), and so are
     both backward matmuls: the float32 cotangent is cast to bf16 and the input gradients are
@@ -29,6 +34,8 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array
     matmul-like specs).
     """
     dtype = jnp.dtype(dtype)
+    if exact:
+        return exact_numerics.einsum(spec, x, w, dtype)
     if dtype == jnp.float32:
         return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32,
                           precision=jax.lax.Precision.HIGHEST)
@@ -137,12 +144,17 @@ class Linear(nnx.Module):
       shape, axes: W's shape and logical axis names. `in_ndim` leading dims of W are contracted.
       bias_axes: adds b [out...] (None: no bias). lora: LoRA settings (None: no adapter).
       name: the HF name of the linear ("q_proj"): keys its adapter's dropout.
+      exact: the batch-invariant matmul (`model.numerics=exact`; `einsum`).
     """
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *, dtype, param_dtype,
                  rngs: nnx.Rngs, in_ndim: int = 1, bias_axes: tuple[str, ...] | None = None,
-                 lora: LoraSettings | None = None, std: float = 0.02, name: str = ""):
+                 lora: LoraSettings | None = None, std: float = 0.02, name: str = "", exact: bool = False):
+        if exact and lora is not None:
+            raise ValueError(f"{name or spec}: model.numerics=exact has no LoRA adapters (the sampler decodes with "
+                             f"them merged into W, which rounds differently); drop model.lora or use numerics=default")
         self.spec = spec
+        self.exact = exact
         self.dtype = jnp.dtype(dtype)
         self.kernel = param(normal_init(rngs, shape, param_dtype, std), axes)
         self.bias = None if bias_axes is None else param(jnp.zeros(shape[in_ndim:], param_dtype), bias_axes)
@@ -150,7 +162,7 @@ class Linear(nnx.Module):
                                                           dtype=dtype, param_dtype=param_dtype, rngs=rngs, name=name)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = einsum(self.spec, x, self.kernel[...], self.dtype)
+        y = einsum(self.spec, x, self.kernel[...], self.dtype, self.exact)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         if self.lora is not None:

@@ -17,10 +17,11 @@ class MLP(nnx.Module):
     """gate_proj, up_proj [D, F] ("embed", "mlp"); down_proj [F, D] ("mlp", "embed")."""
 
     def __init__(self, hidden: int, intermediate: int, *, dtype, param_dtype, rngs: nnx.Rngs,
-                 lora: LoraSettings | None = None):
+                 lora: LoraSettings | None = None, exact: bool = False):
         def linear(name, spec, shape, axes):
             adapter = lora if lora is not None and name in lora.targets else None
-            return Linear(spec, shape, axes, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=adapter, name=name)
+            return Linear(spec, shape, axes, dtype=dtype, param_dtype=param_dtype, rngs=rngs, lora=adapter, name=name,
+                          exact=exact)
 
         self.gate_proj = linear("gate_proj", "btd,df->btf", (hidden, intermediate), ("embed", "mlp"))
         self.up_proj = linear("up_proj", "btd,df->btf", (hidden, intermediate), ("embed", "mlp"))

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl4llm.kernels import exact as exact_numerics
 from jaxrl4llm.models.config import ModelConfig
 
 
@@ -38,21 +39,29 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of angle = position * inv_freq, duplicated to the full head dim.
+    """cos, sin of angle = position * inv_freq, duplicated to the full head dim (in C++ under
+    `config.numerics=exact`, `kernels.exact.rope_tables`).
 
     Args: positions [B, T] int32. Returns (cos, sin), each [B, T, Dh] float32.
     """
+    if config.numerics == "exact":
+        return exact_numerics.rope_tables(positions, inverse_frequencies(config))
     inv_freq = jnp.asarray(inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, exact: bool = False) -> jax.Array:
     """x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a].
 
-    Args: x [B, T, N, Dh] float32; cos, sin [B, T, Dh]. Returns [B, T, N, Dh] float32.
+    Args: x [B, T, N, Dh] float32; cos, sin [B, T, Dh]; exact: in C++, both products rounded before
+    the sum (`model.numerics=exact`, `kernels.exact.apply_rope`: XLA:CPU contracts a * b + c into one
+    fma where both sit in one fusion, and its fusions differ between the sampler's programs and the
+    trainer's). Returns [B, T, N, Dh] float32.
     """
+    if exact:
+        return exact_numerics.apply_rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

@@ -19,6 +19,8 @@ Backends (`impl`):
   causal + segment ids). The GPU default.
 - "cudnn": cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) does
   not take segment ids, only per-row lengths of right-padded rows: refused with an error.
+- "exact": the batch-invariant C++ kernel of `model.numerics=exact` (`kernels.exact.attention`: each
+  query's keys in sequence order, the sampler's kernel too; one CPU device).
 - "auto": by the platform of the mesh being compiled for (`jax.set_mesh`), else the default backend
   (the rule: `kernels.choice.train_attention_choice`, which `train.layout` resolves for a run).
 A Pallas backend forced on a platform that cannot run it natively (splash on CPU) runs the
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxrl4llm.kernels import exact as exact_numerics
 from jaxrl4llm.kernels.choice import train_attention_choice
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 
@@ -57,15 +60,16 @@ def compile_platform() -> str:
     return jax.default_backend()
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, numerics: str = "default") -> str:
     """"auto" -> the backend of `compile_platform()` (TPU splash, GPU pallas_gpu, else xla);
     a forced name is returned as is (`kernels.choice.train_attention_choice`: unknown names and
     "cudnn" raise ValueError saying why)."""
-    return train_attention_choice(impl, compile_platform()).kernel
+    return train_attention_choice(impl, compile_platform(), numerics).kernel
 
 
 def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                             dtype: jnp.dtype, impl: str = "auto", block: int | None = None) -> jax.Array:
+                             dtype: jnp.dtype, impl: str = "auto", block: int | None = None,
+                             numerics: str = "default") -> jax.Array:
     """out_t = softmax_s(q_t . k_s / sqrt(Dh) ; s <= t, segment_ids[s] == segment_ids[t]) v_s.
 
     Args:
@@ -77,6 +81,7 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
       block: query/key block size of the "xla" path and the largest kernel block; None: the
         backend's default (`DEFAULT_BLOCKS`: xla 128, the fastest measured on CPU by
         benchmarks/segment_attention.py; splash 512, MaxText's; pallas_gpu 128).
+      numerics: `model.numerics`; "exact" runs the "exact" backend whatever `impl` says.
     Returns [B, T, H, Dh] float32. No [B, T, T] array is built by any backend.
     """
     b, t, h, dh = q.shape
@@ -87,7 +92,9 @@ def segment_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
     dtype = jnp.dtype(dtype)
     segment_ids = segment_ids.astype(jnp.int32)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, numerics)
+    if impl == "exact":
+        return exact_numerics.attention(q, k, v, exact_numerics.segment_ranges(segment_ids), dtype=dtype)
     block = block or DEFAULT_BLOCKS.get(impl, 128)
     if impl == "xla":
         return block_causal_attention(q, k, v, segment_ids, dtype=dtype, block=block)
