@@ -176,6 +176,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         raise ValueError(f"prompts_per_chunk must be >= 1 (or None: all prompts at once), got {prompts_per_chunk}")
     if engine not in ("continuous", "static"):
         raise ValueError(f"engine must be 'continuous' or 'static' (rollout.engine), got {engine!r}")
+    if engine == "static" and getattr(config, "numerics", "default") == "exact":
+        raise ValueError("model.numerics=exact decodes with the continuous engine (its paged cache feeds the exact "
+                         "attention kernel); set rollout.engine=continuous")
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1 (rollout.slots; or None: all rows), got {slots}")
     budget = np.full((num_prompts * num_samples,), max_new_tokens, np.int32)

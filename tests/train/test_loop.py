@@ -207,3 +207,12 @@ def test_shared_prompt_forward_changes_no_number_and_says_when_it_cannot(demo_as
     assert shared_prompt_group(cfg(**{"trainer.share_prompt": False}), own_model=True, micro_batches=1) is None
     with pytest.raises(ConfigError, match=r"micro-batch of 2 rows does not give each device whole groups.*multiple of 4"):
         train(cfg(**{"trainer.share_prompt": True, "trainer.micro_batch_size": 2}), log=lambda s: None)
+
+
+def test_a_training_run_in_exact_numerics_has_no_sampler_trainer_gap(demo_assets, tmp_path):
+    """The loop with packed rows and partial rollouts: the mean |old_logp - sampler_logp| it logs is 0."""
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{
+        "model.numerics": "exact", "trainer.packing": True, "rollout.partial": True, "trainer.max_staleness": 1}))
+    train(cfg, log=lambda s: None)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sampler_trainer_logp_gap"] for r in records] == [0.0, 0.0]
