@@ -67,6 +67,10 @@ PHASES = (
                                "after"),
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
                                "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
+    Phase("exact",    60, 240, "optional (`--phases exact`): the Pallas kernels of model.numerics=exact "
+                               "(kernels/exact_pallas.py) on the chip: each row's bits whatever its companions "
+                               "(matmul, attention as a training row and as a decode step, the row kernels), "
+                               "errors against XLA, times", optional=True),
 )
 # The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
 # its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
@@ -483,6 +487,80 @@ def phase_launches(mode: str, work: Path, log, variant: str) -> dict:
             "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s}
 
 
+# ---------------------------------------------------------------------------- phase: exact (optional)
+def phase_exact(mode: str, work: Path, log) -> dict:
+    """kernels/exact_pallas.py natively (the interpreter on the dry run): for each kernel, whether a row
+    computed with other rows (or, for attention, as a decode step over gathered keys) has the bits of the
+    same row in a full call, its max error against XLA, and its time. PhaseFailed when a row moves."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl4llm.kernels import exact_pallas
+    from jaxrl4llm.kernels.exact import _apply_rope_reference, segment_ranges
+
+    interpret = mode == "dry"
+    rng = np.random.default_rng(0)
+    size = 1024 if mode == "gpu" else 256
+    heads, kv_heads, head_dim, length = (16, 8, 128, 256) if mode == "gpu" else (4, 2, 16, 48)
+    figures: dict = {}
+
+    def timed(fn, *args):
+        jax.block_until_ready(fn(*args))
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        return np.asarray(out), time.perf_counter() - start
+
+    x = rng.standard_normal((64, size)).astype(np.float32)
+    w = rng.standard_normal((size, size)).astype(np.float32) / np.sqrt(size)
+    full, seconds = timed(lambda x, w: exact_pallas.matmul(x, w, interpret=interpret), x, w)
+    part = np.asarray(exact_pallas.matmul(x[5:8], w, interpret=interpret))
+    figures["matmul"] = {"invariant": bool(np.array_equal(part, full[5:8])), "seconds": seconds,
+                         "max_err": float(np.abs(full - x.astype(np.float64) @ w).max())}
+    q = rng.standard_normal((1, length, heads, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((1, length, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    first, last = length // 4, length - 3  # a packed sequence [first, length), its query at `last`
+    ranges = segment_ranges(jnp.asarray([[1] * first + [2] * (length - first)]))
+    train, seconds = timed(lambda *a: exact_pallas.attention(*a, interpret=interpret), q, k, v, ranges)
+    slot_k, slot_v = (np.zeros((1, 2 * length, kv_heads, head_dim), np.float32) for _ in range(2))
+    seen = last + 1 - first
+    slot_k[0, :seen], slot_v[0, :seen] = k[0, first:last + 1], v[0, first:last + 1]
+    decode = np.asarray(exact_pallas.attention(q[:, last:last + 1], slot_k, slot_v, jnp.asarray([[[0, seen, 0, 0]]]),
+                                               interpret=interpret))
+    group = heads // kv_heads
+    keys, values = np.repeat(k[0, first:last + 1], group, 1), np.repeat(v[0, first:last + 1], group, 1)
+    scores = np.einsum("hd,shd->hs", q[0, last].astype(np.float64), keys) / np.sqrt(head_dim)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    reference = np.einsum("hs,shd->hd", probs / probs.sum(-1, keepdims=True), values)
+    figures["attention"] = {"invariant": bool(np.array_equal(decode[0, 0], train[0, last])), "seconds": seconds,
+                            "max_err": float(np.abs(train[0, last] - reference).max())}
+    z = rng.standard_normal((64, size)).astype(np.float32) * 3
+    tokens = jnp.asarray(rng.integers(0, size, 64))
+    logp, seconds = timed(lambda z, t: exact_pallas.token_logprob(z, t, interpret=interpret), z, tokens)
+    inverse = np.asarray(exact_pallas.rms_inverse(x, 1e-6, interpret=interpret))
+    angles = np.arange(64)[:, None] * (1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim))[None]
+    cos, sin = (np.concatenate([f(angles)] * 2, -1).astype(np.float32) for f in (np.cos, np.sin))
+    xr = rng.standard_normal((64, 2, head_dim)).astype(np.float32)
+    rope = np.asarray(exact_pallas.apply_rope(xr, cos, sin, interpret=interpret))
+    s = slice(5, 8)
+    figures["rows"] = {
+        "invariant": bool(np.array_equal(np.asarray(exact_pallas.token_logprob(z[s], tokens[s], interpret=interpret)),
+                                         logp[s])
+                          and np.array_equal(np.asarray(exact_pallas.rms_inverse(x[s], 1e-6, interpret=interpret)),
+                                             inverse[s])
+                          and np.array_equal(np.asarray(exact_pallas.apply_rope(xr[s], cos[s], sin[s],
+                                                                                interpret=interpret)), rope[s])),
+        "logprob_max_err": float(np.abs(logp - np.asarray(jax.nn.log_softmax(z)[np.arange(64), tokens])).max()),
+        "rms_max_err": float(np.abs(inverse - 1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1) + 1e-6)).max()),
+        "rope_max_err": float(np.abs(rope - np.asarray(_apply_rope_reference(xr[None], cos[None], sin[None]))[0]).max()),
+        "logprob_seconds": seconds}
+    log(json.dumps(figures))
+    moved = [name for name, f in figures.items() if not f["invariant"]]
+    if moved:
+        raise PhaseFailed(f"rows moved with their companions in: {', '.join(moved)}", figures)
+    return figures
+
+
 # ---------------------------------------------------------------------------- phase: plan (background)
 def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
     """`jaxrl4llm plan --json` of each step phase's run on `plan_topology`, at the rollout's own
@@ -659,6 +737,8 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_demo(mode, work, log)
         elif kind == "launches":
             record["figures"] = phase_launches(mode, work, log, model)
+        elif kind == "exact":
+            record["figures"] = phase_exact(mode, work, log)
         elif kind == "plan":
             record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))

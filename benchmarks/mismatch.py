@@ -3,6 +3,7 @@
     python benchmarks/mismatch.py [--model DIR] [--tiny 64,128] [--dtypes bfloat16,float32]
                                   [--samplers continuous/xla,continuous/cpu_native,static] [--packing true,false]
                                   [--prompts 8] [--samples 4] [--tokens 64] [--out FILE.json]
+                                  [--numerics exact]
 
 For every model (a Hugging Face folder, e.g. SmolLM2-135M-Instruct from
 scripts/materialize_smollm2.py, prompted with its chat template; and random-init Qwen3-shaped
@@ -21,6 +22,10 @@ reports:
     out_1    share of tokens with exp(d_t) outside [0.99, 1.01]
     max|d|, mean|d|
     seq_out  share of rows whose sequence ratio exp(sum_t d_t) leaves [0.5, 2]
+
+`--numerics exact` builds the models with `model.numerics: exact` (kernels/exact.py): the sampler is
+then the continuous engine with the exact kernels ("continuous/exact"; --samplers is ignored), and
+max|d| = 0 says no token's log-probs differ in any bit.
 
 Prints one table; --out writes the rows as JSON. The trainer's attention path is the CPU's
 (`TrainAttention.XLA`, block-causal segment attention) for both row forms.
@@ -61,28 +66,30 @@ from jaxrl4llm.train.policy import make_logprob_fn
 from jaxrl4llm.train.step import make_logprob_pass
 
 SAMPLERS = ("continuous/xla", "continuous/cpu_native", "static")
+EXACT_SAMPLER = "continuous/exact"  # --numerics exact: the decode attention `model.numerics` chooses
 CHAT_QUESTIONS = ("What is 17 times 23?", "Write a haiku about rain.", "Explain photosynthesis in two sentences.",
                   "Name three prime numbers.", "What is the capital of France?", "Give me one tip for learning Python.",
                   "Why is the sky blue?", "Count from one to five in words.")
 
 
-def tiny_config(hidden: int, dtype: str) -> ModelConfig:
+def tiny_config(hidden: int, dtype: str, numerics: str = "default") -> ModelConfig:
     """A Qwen3-shaped random model of hidden size `hidden` (4 layers, 4 heads of hidden/4, 2 kv heads)."""
     return ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rope_theta=10000.0,
-                       max_position_embeddings=1024, tie_word_embeddings=True, dtype=dtype, param_dtype="float32")
+                       max_position_embeddings=1024, tie_word_embeddings=True, dtype=dtype, param_dtype="float32",
+                       numerics=numerics)
 
 
-def load_model(name: str, dtype: str, prompts: int):
+def load_model(name: str, dtype: str, prompts: int, numerics: str = "default"):
     """(graphdef, state, prompt id lists, eos ids) of 'tiny:H' or a checkpoint folder."""
     if name.startswith("tiny:"):
-        graphdef, state = init_model(tiny_config(int(name[5:]), dtype), jax.random.PRNGKey(0), std=0.1)
+        graphdef, state = init_model(tiny_config(int(name[5:]), dtype, numerics), jax.random.PRNGKey(0), std=0.1)
         rng = np.random.default_rng(0)
         ids = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(3, 40, size=prompts)]
         return graphdef, state, ids, (1,)
     import transformers  # the chat template; benchmark-time only
 
-    graphdef, state = nnx.split(load_pretrained(name, dtype=dtype))
+    graphdef, state = nnx.split(load_pretrained(name, dtype=dtype, numerics=numerics))
     tok = transformers.AutoTokenizer.from_pretrained(name)
     ids = []
     for i in range(prompts):
@@ -95,7 +102,9 @@ def load_model(name: str, dtype: str, prompts: int):
 def sample(graphdef, state, prompts, eos, sampler: str, args):
     engine, _, attention = sampler.partition("/")
     kw = dict(engine=engine, cpu_kernels=attention == "cpu_native")
-    if engine == "continuous":
+    if sampler == EXACT_SAMPLER:
+        kw = dict(engine=engine)
+    elif engine == "continuous":
         kw["paged_attention"] = attention
     return generate(graphdef, state, prompts, num_samples=args.samples, max_new_tokens=args.tokens, temperature=1.0,
                     eos_token_ids=eos, pad_token_id=0, rng=jax.random.PRNGKey(args.seed), **kw)
@@ -132,8 +141,9 @@ def measure(args) -> list[dict]:
     models = ([args.model] if args.model else []) + [f"tiny:{h}" for h in args.tiny.split(",") if h]
     for model in models:
         for dtype in args.dtypes.split(","):
-            graphdef, state, prompts, eos = load_model(model, dtype, args.prompts)
-            for sampler in args.samplers.split(","):
+            graphdef, state, prompts, eos = load_model(model, dtype, args.prompts, args.numerics)
+            samplers = [EXACT_SAMPLER] if args.numerics == "exact" else args.samplers.split(",")
+            for sampler in samplers:
                 t0 = time.perf_counter()
                 rollout = sample(graphdef, state, prompts, eos, sampler, args)
                 for packing in args.packing.split(","):
@@ -233,6 +243,8 @@ def main(argv=None) -> None:
     ap.add_argument("--invariance", action="store_true", help="batch invariance: the same rows under other batch "
                     "compositions, packings and slot counts (module docstring)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--numerics", default="default", choices=["default", "exact"],
+                    help="model.numerics of the models (exact: the continuous sampler with the exact kernels)")
     args = ap.parse_args(argv)
     for s in args.samplers.split(","):
         if s not in SAMPLERS:

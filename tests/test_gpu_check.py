@@ -75,10 +75,17 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
     error that lists the known ones, before any work."""
     gc = _gpu_check()
-    assert [p.name for p in gc.PHASES if p.optional] == ["launches"]
+    assert [p.name for p in gc.PHASES if p.optional] == ["launches", "exact"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert "unknown phase(s) lanuches" in err and "known: peaks, plan, kernels" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_exact_phase_checks_the_pallas_kernels_invariance(tmp_path):
+    """The optional exact phase (in Pallas' interpreter here): every kernel's rows keep their bits."""
+    figures = _gpu_check().phase_exact("dry", tmp_path, lambda line: None)
+    assert all(f["invariant"] for f in figures.values())
+    assert figures["attention"]["max_err"] < 1e-5 and figures["matmul"]["max_err"] < 1e-4
