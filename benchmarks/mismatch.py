@@ -224,7 +224,7 @@ HEADER = (f"{'model':>14s} {'dtype':>8s} {'sampler':>21s} {'packing':>7s} {'toke
 
 def print_row(r: dict) -> None:
     print(f"{r['model']:>14s} {r['dtype']:>8s} {r['sampler']:>21s} {str(r['packing']):>7s} {r['tokens']:6d} "
-          f"{100 * r['out_10']:10.2f}% {100 * r['out_1']:12.2f}% {r['max_abs']:8.4f} {r['mean_abs']:9.5f} "
+          f"{100 * r['out_10']:10.2f}% {100 * r['out_1']:12.2f}% {r['max_abs']:8.2g} {r['mean_abs']:9.2g} "
           f"{100 * r['seq_out']:12.1f}%", flush=True)
 
 
