@@ -97,8 +97,8 @@ def packed_rows(plen, rlen, p, width, row_width=128):
     return PackPlan(source, segments, slot_sequence, slot_first, np.ones(1, np.int32))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype, temperature", [("float32", 1.0), ("bfloat16", 0.7)])
+def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype, temperature):
     """Continuous batching (6 slots for 16 rows: rows enter slots as others finish), prompts of 3
     to 12 tokens; the trainer's recompute over left-padded rows, shared-prompt rows and packed rows
     gives every sampled token the sampler's log-prob, bit for bit. Default numerics on the same
@@ -107,10 +107,10 @@ def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype):
     prompts = [list(RNG.integers(2, 256, n)) for n in (3, 7, 12, 5)]
     r = 16
     rollout = generate(graphdef, state, prompts, num_samples=4, max_new_tokens=r, eos_token_ids=[1], pad_token_id=0,
-                       rng=jax.random.PRNGKey(1), slots=6)
+                       rng=jax.random.PRNGKey(1), slots=6, temperature=temperature)
     sampled, mask = np.asarray(rollout.logprobs_untruncated), np.asarray(rollout.response_mask) > 0
     batch = rollout_to_batch(rollout, compute_advantages(jnp.zeros(16, jnp.float32), 4, LITE_PPO))
-    logprob_fn = make_logprob_fn(graphdef, 1.0, 128)
+    logprob_fn = make_logprob_fn(graphdef, temperature, 128)
     padded, _ = jax.jit(make_logprob_pass(logprob_fn, 1, r))(state, batch)
     np.testing.assert_array_equal(np.asarray(padded)[:, -r:][mask], sampled[mask])
 
@@ -119,7 +119,8 @@ def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype):
     attention = jnp.asarray(np.concatenate([rollout.prompt_mask, np.ones((16, r))], 1), jnp.int32)
     positions = jnp.maximum(jnp.cumsum(attention, 1) - 1, 0)
     shared, _ = score_tokens(graphdef, state, tokens[:, :-1], tokens[:, 1:], positions=positions[:, :-1],
-                             attention_mask=attention[:, :-1], first_scored=p - 1, prompt_group=4)
+                             attention_mask=attention[:, :-1], first_scored=p - 1, prompt_group=4,
+                             temperature=temperature)
     np.testing.assert_array_equal(np.asarray(shared)[:, p - 1:][mask], sampled[mask])
 
     plan = packed_rows(np.asarray(rollout.prompt_mask).sum(1).astype(int), np.asarray(rollout.lengths), p,
@@ -130,7 +131,7 @@ def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype):
 
     default = ModelConfig(**{**tiny(dtype).__dict__, "numerics": "default"})
     graphdef_default, _ = init_model(default, jax.random.PRNGKey(0), std=0.1)
-    again, _ = jax.jit(make_logprob_pass(make_logprob_fn(graphdef_default, 1.0, 128), 1, r))(state, batch)
+    again, _ = jax.jit(make_logprob_pass(make_logprob_fn(graphdef_default, temperature, 128), 1, r))(state, batch)
     assert np.any(np.asarray(again)[:, -r:][mask] != sampled[mask])
 
 
