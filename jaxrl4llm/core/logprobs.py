@@ -21,13 +21,15 @@ def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperat
     """[..., V] logits, [...] tokens -> (log p[token], entropy), both float32 [...]; exact: log p in
     `kernels.exact.token_logprobs`' fixed order (the sampler's under model.numerics=exact)."""
     z = logits.astype(jnp.float32) / temperature
-    exact_logp = exact_numerics.token_logprobs(z, tokens) if exact else None
-    z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
-    logz = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
-    logp = picked - logz if exact_logp is None else exact_logp
-    probs = jnp.exp(z - logz[..., None])
-    entropy = jnp.maximum(logz - jnp.sum(probs * z, axis=-1), 0.0)
+    shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
+    logz = jax.nn.logsumexp(shifted, axis=-1)
+    if exact:
+        logp = exact_numerics.token_logprobs(z, tokens)
+    else:
+        picked = jnp.take_along_axis(shifted, tokens[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
+        logp = picked - logz
+    probs = jnp.exp(shifted - logz[..., None])
+    entropy = jnp.maximum(logz - jnp.sum(probs * shifted, axis=-1), 0.0)
     return logp, entropy
 
 

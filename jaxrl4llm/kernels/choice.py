@@ -115,6 +115,14 @@ def platform_decode_kernel(config, devices, *, cpu_kernels: bool, page_size: int
     return None, f"no paged attention kernel on {platform}"
 
 
+def require_engine_for_numerics(config, engine: str) -> None:
+    """ValueError naming the fix when `engine` cannot decode `config.numerics`: exact numerics decode with
+    the continuous engine (its paged cache feeds the exact attention kernel; the static engine has none)."""
+    if getattr(config, "numerics", "default") == "exact" and engine == "static":
+        raise ValueError("model.numerics=exact decodes with the continuous engine (its paged cache feeds the "
+                         "exact attention kernel); set rollout.engine=continuous")
+
+
 def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: str | None = "auto",
                             page_size: int, engine: str = "continuous") -> KernelChoice:
     """The decode attention of a sampler on `devices` (`mesh_devices`) for the model `config`:
@@ -128,10 +136,8 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
         (`models.decode.xla_decode_attention`); the request is the continuous engine's.
     """
     dtype = jnp.dtype(config.dtype)
+    require_engine_for_numerics(config, engine)
     if getattr(config, "numerics", "default") == "exact":
-        if engine == "static":
-            raise ValueError("model.numerics=exact decodes with the continuous engine (its paged cache feeds the "
-                             "exact attention kernel); set rollout.engine=continuous")
         return KernelChoice(DecodeAttention.EXACT, "model.numerics=exact: the batch-invariant C++ attention "
                             "(kernels/exact.py), the training forward's kernel")
     if engine == "static":

@@ -50,10 +50,12 @@ def require(devices=None) -> None:
         raise ValueError(f"model.numerics=exact needs the C++ CPU kernels, which are unavailable: {error}") from None
 
 
-def _call(name: str, out_shape, out_dtype, *args, **attrs):
-    """ffi_call of one of csrc/exact.cc's kernels, built and registered on first use (at trace time)."""
+def _call(name: str, out_shape, out_dtype, *args, outputs: int = 1, **attrs):
+    """ffi_call of one of csrc/exact.cc's kernels (`outputs` > 1: a tuple of that many arrays of one
+    shape), built and registered on first use (at trace time)."""
     native.require_kernels()
-    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(out_shape, out_dtype))(*args, **attrs)
+    result = jax.ShapeDtypeStruct(out_shape, out_dtype)
+    return jax.ffi.ffi_call(name, result if outputs == 1 else (result,) * outputs)(*args, **attrs)
 
 
 def rounded(x: jax.Array, dtype) -> jax.Array:
@@ -164,9 +166,8 @@ def rope_tables(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
     positions [...] int; inv_freq [Dh/2] float32 -> (cos, sin) [..., Dh] float32."""
     flat = positions.reshape(-1).astype(jnp.int32)
     dh = 2 * len(inv_freq)
-    shape = jax.ShapeDtypeStruct((flat.shape[0], dh), jnp.float32)
-    native.require_kernels()
-    cos, sin = jax.ffi.ffi_call("jaxrl4llm_exact_rope_tables", (shape, shape))(flat, jnp.asarray(inv_freq, jnp.float32))
+    cos, sin = _call("jaxrl4llm_exact_rope_tables", (flat.shape[0], dh), jnp.float32, flat,
+                     jnp.asarray(inv_freq, jnp.float32), outputs=2)
     return cos.reshape(*positions.shape, dh), sin.reshape(*positions.shape, dh)
 
 

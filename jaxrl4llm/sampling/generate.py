@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.kernels.choice import (DecodeAttention, decode_attention_choice, mesh_devices,
+                                     require_engine_for_numerics)
 from jaxrl4llm.kernels.native import load_kernels, require_kernels
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
@@ -176,9 +177,7 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         raise ValueError(f"prompts_per_chunk must be >= 1 (or None: all prompts at once), got {prompts_per_chunk}")
     if engine not in ("continuous", "static"):
         raise ValueError(f"engine must be 'continuous' or 'static' (rollout.engine), got {engine!r}")
-    if engine == "static" and getattr(config, "numerics", "default") == "exact":
-        raise ValueError("model.numerics=exact decodes with the continuous engine (its paged cache feeds the exact "
-                         "attention kernel); set rollout.engine=continuous")
+    require_engine_for_numerics(config, engine)
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1 (rollout.slots; or None: all rows), got {slots}")
     budget = np.full((num_prompts * num_samples,), max_new_tokens, np.int32)
