@@ -37,7 +37,25 @@ hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
 have_hash="" have=""
 if [ -f "$stamp" ]; then read -r have_hash have < "$stamp" || true; fi
 if [ -n "$have_hash" ] && [ -z "$have" ]; then have="test"; fi
+# Free disk, checked before pip starts: a venv cut short by a full disk is worse than none. torch
+# is the large part (~2 GB as a local CPU wheel, ~7 GB as PyPI's CUDA build with its nvidia wheels,
+# which is what Python 3.12 gets); jax and the rest take ~1.5 GB.
+require_free_gb() {
+  local need=$1 what=$2 avail
+  avail=$(( $(df -Pk "$VENV" | awk 'NR==2 {print $4}') / 1048576 ))
+  if [ "$avail" -lt "$need" ]; then
+    echo "setup refused: installing $what into $VENV needs about $need GB free on its disk;" \
+         "$avail GB are free ($(df -P "$VENV" | awk 'NR==2 {print $6}')). Free space (old clones" \
+         "and venvs, pip's cache: python3 -m pip cache purge) and run it again." >&2
+    exit 1
+  fi
+}
 if [ "$have_hash" != "$hash" ] || { [ "$want" = test ] && [ "$have" != test ]; }; then
+  if [ "$want" = test ] && ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    require_free_gb 9 "torch (the tests' oracle) and the test extras"
+  elif [ ! -f "$stamp" ]; then
+    require_free_gb 2 "jaxrl4llm"
+  fi
   if [ "$want" = test ]; then
     echo "installing jaxrl4llm and its test extras into $VENV (log: $log)"
     # torch is a test-time oracle only; pinning it keeps pip on the local CPU wheel where there is one
