@@ -218,6 +218,17 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_miniature(args) -> int:
+    from jaxrl4llm.study import miniature
+
+    if args.action == "prepare":
+        for name, path in miniature.prepare(args.out_dir, rebuild=args.rebuild).items():
+            print(f"{name}: {path}")
+        return 0
+    gates = miniature.pilot(args.out_dir)
+    return 0 if all(g.passed for g in gates) else 1
+
+
 def cmd_sweep(args) -> int:
     from jaxrl4llm.study.sweep import sweep_command
 
@@ -227,7 +238,8 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from jaxrl4llm.study.study_report import write_report
 
-    path = write_report(args.run_dirs, args.out, baseline=args.baseline, plots=not args.no_plots)
+    path = write_report(args.run_dirs, args.out, baseline=args.baseline, plots=not args.no_plots,
+                        prediction_grids=args.predictions)
     print(f"report: {path}")
     return 0
 
@@ -350,6 +362,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_demo)
 
+    p = sub.add_parser("miniature", help="the miniature study's chain task, warm starts and pilot gates (issue #40)",
+                       description="prepare: writes the chain task (OUT/data) and SFTs the base-like and aligned-like warm "
+                       "starts (OUT/base_like, OUT/aligned_like; reused while their recipe matches). pilot: short runs of "
+                       "both starts at both budgets, then each gate of the study's pilot with its value (exit 1 if one "
+                       "fails). The grids: configs/sweeps/chain_*.yaml; docs/results/miniature.md.")
+    p.add_argument("action", choices=("prepare", "pilot"))
+    p.add_argument("--out-dir", default="runs/miniature", help="where the task, the warm starts and the pilot go")
+    p.add_argument("--rebuild", action="store_true", help="prepare: build the warm starts again even if their recipe matches")
+    p.set_defaults(fn=cmd_miniature)
+
     p = sub.add_parser("sweep", help="run a grid of runs (recipes x data x models x seeds) from a YAML file",
                        description="Expands GRID.yaml into cells OUT_ROOT/<recipe>/<data>/<model>/seed<k>, validates every "
                        "cell's config, then runs the cells one after another, each a `jaxrl4llm train` process. Run it "
@@ -376,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", default="report", help="output folder (default: report)")
     p.add_argument("--baseline", default=None, metavar="LABEL", help="the arm the others are compared with (default: the first)")
     p.add_argument("--no-plots", action="store_true", help="write the tables only (no PNG curves)")
+    p.add_argument("--predictions", action="append", default=[], metavar="GRID.yaml",
+                   help="judge the pre-registered predictions of this grid file (repeatable; docs/sweeps.md)")
     p.set_defaults(fn=cmd_report)
     return parser
 

@@ -12,6 +12,7 @@ from jaxrl4llm.rewards.format import boxed_format_reward
 from jaxrl4llm.rewards.math import batch_math_reward
 from jaxrl4llm.rewards.math import math_equal
 from jaxrl4llm.rewards.math import math_reward
+from jaxrl4llm.rewards.math import strict_box_reward
 from jaxrl4llm.rewards.normalization import normalize_answer
 from jaxrl4llm.rewards.sandbox import SandboxPool
 from jaxrl4llm.rewards.sandbox import shared_pool
@@ -26,4 +27,5 @@ __all__ = [
     "math_reward",
     "normalize_answer",
     "shared_pool",
+    "strict_box_reward",
 ]

@@ -6,6 +6,7 @@ Public entry points of ``jaxrl4llm.rewards``::
     math_equal(pred, gold, *, timeout=3.0) -> bool
     math_reward(response, gold, *, timeout=3.0) -> float          # 0.0 or 1.0
     batch_math_reward(responses, golds, *, num_workers=None, timeout=3.0) -> list[float]
+    strict_box_reward(responses, golds, *, num_workers=None, timeout=3.0) -> list[float]
 
 Pipeline: ``extraction`` finds the answer, ``normalization`` gives both sides one spelling,
 ``equivalence`` compares (strings, exact numbers, structure, then ``symbolic``/sympy). The
@@ -123,3 +124,20 @@ __all__ = [
     "math_reward",
     "normalize_answer",
 ]
+
+
+def strict_box_reward(
+    responses: Sequence[str],
+    golds: Sequence,
+    *,
+    num_workers: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[float]:
+    r"""``batch_math_reward``, except that a response without ``\boxed{`` scores 0.
+
+    The verifier alone credits an unboxed final number (``7+5=12 12-3=9`` for gold 9); this reward
+    asks for the box, as the chain task's runs do (data/chain_task.py, configs/miniature/).
+    ``reward.fn: jaxrl4llm.rewards:strict_box_reward``.
+    """
+    scores = batch_math_reward(responses, golds, num_workers=num_workers, timeout=timeout)
+    return [score if isinstance(r, str) and "\\boxed{" in r else 0.0 for r, score in zip(responses, scores)]

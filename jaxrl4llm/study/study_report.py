@@ -23,6 +23,7 @@ from typing import Sequence
 
 from jaxrl4llm.train.config import ConfigError
 from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.study.predictions import Prediction, judge, predictions_section, read_predictions
 from jaxrl4llm.study.stats import Interval, mean_interval, welch_test
 
 # (metric key in metrics.jsonl, plot title); a curve is drawn when some run logged the metric
@@ -35,6 +36,9 @@ CURVES = (
     ("clip_frac_low", "clipped tokens with A < 0 (ratio < 1 - eps_low)"),
     ("truncation_rate", "truncated responses"),
     ("truncated_repeat_ratio", "repetitive share of truncated responses"),
+    ("response_length_cv", "response length CV (std / mean)"),
+    ("all_same_groups", "groups whose rewards are all equal"),
+    ("all_same_advantage_share", "share of sum |A| on all-same groups"),
 )
 # training metrics averaged over the last 10% of steps in the final-metrics table
 FINAL_METRICS = ("reward", "entropy", "response_length", "clip_frac_high", "clip_frac_low")
@@ -317,8 +321,10 @@ def _accuracy_section(arms: Sequence[Arm], bench: str, baseline: Arm) -> list[st
     return lines
 
 
-def build_report(arms: Sequence[Arm], baseline: Arm, plots: Sequence[tuple[str, str]]) -> str:
-    """The markdown text of the report (plots: (title, PNG file name) pairs, next to report.md)."""
+def build_report(arms: Sequence[Arm], baseline: Arm, plots: Sequence[tuple[str, str]],
+                 predictions: Sequence[Prediction] = ()) -> str:
+    """The markdown text of the report (plots: (title, PNG file name) pairs, next to report.md;
+    predictions: pre-registered comparisons, judged in their own section)."""
     runs = [r for a in arms for r in a.runs]
     lines = ["# Study report", "",
              f"{len(runs)} runs in {len(arms)} arms, generated {time.strftime('%Y-%m-%d %H:%M')} by `jaxrl4llm report`. "
@@ -339,6 +345,7 @@ def build_report(arms: Sequence[Arm], baseline: Arm, plots: Sequence[tuple[str, 
         lines += [f"- Warning: {len(unfinished)} run(s) stopped before their last step; their last logged values are "
                   f"used: {', '.join(str(r.path) for r in unfinished)}", ""]
 
+    lines += predictions_section(judge(predictions, runs))
     lines += ["## Held-out accuracy", ""]
     benches = benchmarks(runs)
     if not benches:
@@ -376,10 +383,12 @@ def build_report(arms: Sequence[Arm], baseline: Arm, plots: Sequence[tuple[str, 
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path = "report", *, baseline: str | None = None,
-                 plots: bool = True) -> Path:
+                 plots: bool = True, prediction_grids: Sequence[str | Path] = ()) -> Path:
     """Reads the runs, groups them into arms, draws the curves (unless plots=False) and writes
     OUT/report.md; returns its path. baseline: the label of the arm the others are compared
-    with (default: the first arm)."""
+    with (default: the first arm). prediction_grids: grid files whose `predictions:` the report
+    judges (study/predictions.py)."""
+    predictions = read_predictions(prediction_grids)
     arms = group_arms([load_run(p) for p in find_run_dirs(run_dirs)])
     if baseline is None:
         base = arms[0]
@@ -397,5 +406,5 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path = "report", *, 
     plots = [(title, f"{_slug(key)}.png") for key, title in curve_keys
              if plots and plot_curve(arms, key, title, out / f"{_slug(key)}.png")]
     path = out / "report.md"
-    path.write_text(build_report(arms, base, plots))
+    path.write_text(build_report(arms, base, plots, predictions))
     return path

@@ -35,10 +35,11 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from jaxrl4llm.core.recipes import PRESETS
+from jaxrl4llm.study.predictions import parse_predictions
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict, load_config
 from jaxrl4llm.train.run_folder import RUN_OUTPUTS, checkpoint_steps, is_run_folder, mark_run_folder
 
-GRID_KEYS = ("description", "base", "out_root", "recipes", "data", "models", "seeds", "overrides")
+GRID_KEYS = ("description", "base", "out_root", "recipes", "data", "models", "seeds", "overrides", "predictions")
 # grid key -> the cell label's name (cell.json "labels", the report's arm columns), in path order
 AXES = {"recipes": "recipe", "data": "data", "models": "model"}
 ENTRY_KEYS = ("label", "config", "overrides")
@@ -214,6 +215,7 @@ def read_grid(path: str | Path) -> Grid:
     seeds = _as_list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"Grid file {path}: seeds: must be a list of distinct integers (trainer.seed), got {raw.get('seeds')!r}.")
+    parse_predictions(raw.get("predictions"), f"Grid file {path}: predictions")  # judged by the report
     description = raw.get("description") or ""
     if not isinstance(description, str):
         raise ConfigError(f"Grid file {path}: description: must be text.")

@@ -17,29 +17,22 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 
-import jax
-
-from jaxrl4llm.data import build_char_tokenizer, demo_solution, format_prompt, load_problems, write_demo_task
-from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained, score_tokens
+from jaxrl4llm.data import demo_solution, format_prompt, load_problems, write_demo_task
 from jaxrl4llm.study.plot import plot_runs
 from jaxrl4llm.train.config import load_config
 from jaxrl4llm.train.loop import train
 from jaxrl4llm.train.report import print_run_report
-from jaxrl4llm.train.sft import pack_sft_examples, sft_train
+from jaxrl4llm.train.warm_start import DEMO_MODEL, SFT_DEFAULTS, ensure_warm_start
+from jaxrl4llm.train.warm_start import build_warm_start as build_sft_warm_start
 
-DEMO_MODEL = dict(architecture="qwen3", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=32)
 DEMO_TASK = dict(num_train=4000, num_test=200, seed=0, digits=1, ops="+-", steps=2)
-SFT = dict(steps=300, batch_size=64, lr=3e-3, length=96, answer_noise=0.4)
+SFT = dict(**SFT_DEFAULTS, answer_noise=0.4)
 REPO = Path(__file__).resolve().parents[2]
-WARMSTART_RECIPE = "warmstart.json"  # what a warm-start folder was built from; reused only on a match
 
 
 def config_path() -> Path:
@@ -60,42 +53,18 @@ def noisy_solution(solution: str, rng: random.Random, noise: float) -> str:
 
 def build_warm_start(path: Path, train_file: str, *, seed: int = 0, sft_steps: int | None = None, log=print) -> Path:
     """SFT a random demo-size model on noisy-teacher worked solutions; save an HF folder at `path`."""
-    path = Path(path)
-    tokenizer = load_tokenizer(build_char_tokenizer(path))
-    config = ModelConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, qk_norm=True, rope_theta=10000.0,
-                         max_position_embeddings=512, dtype="float32", param_dtype="float32",
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, **DEMO_MODEL)
-    graphdef, params = init_model(config, jax.random.PRNGKey(seed))
     problems = load_problems(train_file)
     rng = random.Random(seed)
-    prompts = [tokenizer(format_prompt(p, "demo"))["input_ids"] for p in problems]
-    completions = [tokenizer(" " + noisy_solution(demo_solution(p), rng, SFT["answer_noise"]))["input_ids"]
-                   + [tokenizer.eos_token_id] for p in problems]
-    data = pack_sft_examples(prompts, completions, length=SFT["length"], pad_id=tokenizer.pad_token_id)
-    logprob_fn = lambda p, x, y, pos, m: score_tokens(graphdef, p, x, y, positions=pos, attention_mask=m,
-                                                      chunk_size=SFT["length"])
-    steps = sft_steps or SFT["steps"]
-    log(f"warm start: SFT of a {config.num_params / 1e6:.2f}M-parameter Qwen3-shaped model for {steps} steps "
-        f"(noisy teacher: {SFT['answer_noise']:.0%} wrong boxed answers)")
-    params = sft_train(params, logprob_fn, data, steps=steps, batch_size=SFT["batch_size"], lr=SFT["lr"], seed=seed,
-                       log_every=100, log=log)
-    save_pretrained((graphdef, params), path)
-    return path
+    prompts = [format_prompt(p, "demo") for p in problems]
+    completions = [(noisy_solution(demo_solution(p), rng, SFT["answer_noise"]), True) for p in problems]
+    log(f"warm start: noisy teacher, {SFT['answer_noise']:.0%} wrong boxed answers")
+    sft = {k: SFT[k] for k in SFT_DEFAULTS} | {"steps": sft_steps or SFT["steps"]}
+    return build_sft_warm_start(path, prompts, completions, model=DEMO_MODEL, sft=sft, seed=seed, log=log)
 
 
 def warm_start_recipe(sft_steps: int | None = None) -> dict:
     """Everything the warm start depends on: model shape, task, SFT settings and seed."""
     return {"model": DEMO_MODEL, "task": DEMO_TASK, "sft": {**SFT, "steps": sft_steps or SFT["steps"]}, "seed": 0}
-
-
-def warm_start_matches(path: Path, recipe: dict) -> bool:
-    """True when `path` holds a complete warm start built from exactly `recipe`."""
-    try:
-        return (path / "config.json").is_file() and json.loads((path / WARMSTART_RECIPE).read_text()) == json.loads(
-            json.dumps(recipe))
-    except (OSError, ValueError):
-        return False
 
 
 def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, quick: bool = False,
@@ -106,13 +75,9 @@ def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, qui
     paths = write_demo_task(out / "data", **DEMO_TASK)
     warm = out / "warmstart"
     recipe = warm_start_recipe(sft_steps or (30 if quick else None))
-    if rebuild_warmstart or not warm_start_matches(warm, recipe):
-        if warm.exists():
-            shutil.rmtree(warm)
-        build_warm_start(warm, paths["train"], seed=recipe["seed"], sft_steps=recipe["sft"]["steps"], log=log)
-        (warm / WARMSTART_RECIPE).write_text(json.dumps(recipe, indent=1, sort_keys=True))
-    else:
-        log(f"warm start: reusing {warm} (same recipe; --rebuild-warmstart to build it again)")
+    ensure_warm_start(warm, recipe, lambda path: build_warm_start(path, paths["train"], seed=recipe["seed"],
+                                                                  sft_steps=recipe["sft"]["steps"], log=log),
+                      rebuild=rebuild_warmstart, log=log)
     t_warm = time.perf_counter() - t0
     base = [f"model.path={warm}", f"data.train_files=[{paths['train']}]", f"data.eval_files=[{paths['test']}]",
             f"trainer.out_dir={out / 'rl'}", "trainer.overwrite=true"]  # the demo's own run folder: replaced each time

@@ -35,8 +35,8 @@ from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
-from jaxrl4llm.train.metrics import (MetricsWriter, check_loggers, most_clipped_tokens, open_loggers,
-                                     truncated_repeat_ratio, write_lengths)
+from jaxrl4llm.train.metrics import (MetricsWriter, all_same_groups, check_loggers, length_cv, most_clipped_tokens,
+                                     open_loggers, truncated_repeat_ratio, write_lengths)
 from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, run_layout, sampler_mesh_for,
                                     split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
@@ -477,7 +477,11 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
         "response_length": float(lengths.mean()),
         "response_length_max": int(lengths.max()),
         "truncation_rate": float(truncated.mean()),
+        "response_length_cv": length_cv(lengths),
     }
+    same_share, same_advantage = all_same_groups(rewards, hosts.fetch(adv.advantages),
+                                                 run.cfg.rollout.samples_per_prompt)
+    record["all_same_groups"], record["all_same_advantage_share"] = same_share, same_advantage
     if truncated.any():
         tokens = hosts.fetch(rollout.response_tokens)
         record["truncated_repeat_ratio"] = truncated_repeat_ratio(

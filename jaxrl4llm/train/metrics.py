@@ -59,6 +59,33 @@ def truncated_repeat_ratio(responses: Iterable[Sequence[int]], truncated: Sequen
     return float(np.mean(flags)) if flags else 0.0
 
 
+def length_cv(lengths: Sequence[int]) -> float:
+    """Coefficient of variation of response lengths [N]: std / mean (0.0 for an empty or all-zero
+    batch). Token- and sequence-level aggregation weight tokens alike when it is near 0."""
+    lengths = np.asarray(lengths, np.float64)
+    mean = lengths.mean() if lengths.size else 0.0
+    return float(lengths.std() / mean) if mean > 0 else 0.0
+
+
+def all_same_groups(rewards: Sequence[float], advantages: Sequence[float], group_size: int) -> tuple[float, float]:
+    """(share of groups whose `group_size` rewards are all equal, share of sum |A| on their rows).
+
+    rewards, advantages: [N], N = groups * group_size, a group's rows adjacent (the rollout's order).
+    Group-mean advantages give such groups A = 0; batch-level normalisation does not (Tricks or
+    Traps, Sec. 4.1): the second figure is the advantage mass spent where the group says nothing.
+    Returns (0.0, 0.0) when N is not a multiple of group_size (a filtered batch).
+    """
+    rewards = np.asarray(rewards, np.float64)
+    advantages = np.abs(np.asarray(advantages, np.float64))
+    if group_size < 1 or rewards.size == 0 or rewards.size % group_size or advantages.shape != rewards.shape:
+        return 0.0, 0.0
+    grouped = rewards.reshape(-1, group_size)
+    same = grouped.max(axis=1) == grouped.min(axis=1)
+    total = advantages.sum()
+    on_same = advantages.reshape(-1, group_size)[same].sum()
+    return float(same.mean()), float(on_same / total) if total > 0 else 0.0
+
+
 def most_clipped_tokens(tokens: np.ndarray, clipped: np.ndarray, decode, k: int = 10) -> list[tuple[str, int]]:
     """The k token strings most often clipped in an update ([B, L] ids and flags), with counts."""
     ids = tokens[np.asarray(clipped, bool)]

@@ -25,3 +25,11 @@ def test_ends_with_one_box(response, expected):
 
 def test_boxed_format_reward_scores_the_shape_not_the_answer():
     assert boxed_format_reward([r"\boxed{3}", r"\boxed{4} or \boxed{3}", "3"], ["4", "4", "3"]) == [1.0, 0.0, 0.0]
+
+
+def test_strict_box_reward_gives_no_credit_without_a_box():
+    from jaxrl4llm.rewards import batch_math_reward, strict_box_reward
+
+    responses = ["7+5=12 12-3=9", r"7+5=12 12-3=9 \boxed{9}", r"\boxed{8}", ""]
+    assert batch_math_reward(responses, ["9"] * 4, num_workers=1)[0] == 1.0  # the verifier alone credits it
+    assert strict_box_reward(responses, ["9"] * 4, num_workers=1) == [0.0, 1.0, 0.0, 0.0]

@@ -15,7 +15,9 @@ import pytest
 
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.train.config import load_config
-from jaxrl4llm.train.demo import WARMSTART_RECIPE, config_path, warm_start_matches, warm_start_recipe
+from jaxrl4llm.train.demo import config_path, warm_start_recipe
+from jaxrl4llm.train.warm_start import RECIPE_FILE as WARMSTART_RECIPE
+from jaxrl4llm.train.warm_start import warm_start_matches
 from jaxrl4llm.train.loop import train
 
 

@@ -210,3 +210,16 @@ def test_a_resumed_training_run_logs_to_the_same_wandb_and_mlflow_runs(finished_
     history, files = wandb_history(offline_loggers, ids["wandb"]["run_id"])
     assert files == 2 and {k: v for k, v in history[3].items() if k in expected} == expected
     assert history[3]["samples/nrows"] == 4  # trainer.log_samples' default
+
+
+def test_length_cv_and_all_same_groups():
+    from jaxrl4llm.train.metrics import all_same_groups, length_cv
+
+    assert length_cv([10, 10, 10]) == 0.0 and length_cv([]) == 0.0
+    assert abs(length_cv([5, 15]) - 0.5) < 1e-12
+    rewards = [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0]  # groups of 4: all-correct, mixed, all-wrong
+    share, mass = all_same_groups(rewards, [0.0] * 4 + [-1, 1, -1, 1] + [0.0] * 4, 4)
+    assert share == 2 / 3 and mass == 0.0  # group-mean advantages: nothing on the all-same groups
+    share, mass = all_same_groups(rewards, [0.5] * 4 + [-1, 1, -1, 1] + [-1.0] * 4, 4)
+    assert share == 2 / 3 and abs(mass - 6 / 10) < 1e-12  # batch-level: 6 of the 10 units on them
+    assert all_same_groups(rewards[:10], [1.0] * 10, 4) == (0.0, 0.0)  # not whole groups
