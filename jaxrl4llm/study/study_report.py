@@ -198,6 +198,16 @@ def tail_mean(run: RunData, key: str, fraction: float = 0.1) -> float | None:
     return sum(series[s] for s in window) / len(window)
 
 
+def most_clipped(arm: Arm, k: int = 10) -> list[tuple[str, int]]:
+    """The k tokens most clipped over the arm's runs: `most_clipped_tokens` counts summed over runs and steps."""
+    counts: dict = {}
+    for run in arm.runs:
+        for record in run.records:
+            for token, count in record.get("most_clipped_tokens") or []:
+                counts[token] = counts.get(token, 0) + int(count)
+    return sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))[:k]
+
+
 def benchmarks(runs: Sequence[RunData]) -> list[str]:
     """The held-out accuracy keys logged by any run: eval/<set>/accuracy for each set, then the
     mean eval/accuracy when there are several sets (with one set it is that set's)."""
@@ -369,6 +379,14 @@ def build_report(arms: Sequence[Arm], baseline: Arm, plots: Sequence[tuple[str, 
             cells.append(_interval(mean_interval(vals), _num))
         rows.append([a.label, str(len(a.runs)), *cells])
     lines += _table(["arm", "n", *present], rows) + [""]
+
+    clipped = [(a.label, most_clipped(a)) for a in arms]
+    if any(top for _, top in clipped):
+        lines += ["## Most clipped tokens", "",
+                  "The decoded tokens most often clipped in the updates (`most_clipped_tokens`, logged every "
+                  "`trainer.clipped_tokens_every` steps), counts summed over the arm's runs and logged steps.", ""]
+        lines += _table(["arm", "tokens (count)"], [[label, ", ".join(f"{json.dumps(t)} ({c})" for t, c in top) or "none"]
+                                                     for label, top in clipped]) + [""]
 
     if plots:
         lines += ["## Curves", ""]

@@ -146,3 +146,12 @@ def test_unfinished_runs_are_flagged(tmp_path):
 def test_no_runs_is_a_clear_error(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "out")]) == 2
     assert "is not a run folder (no metrics.jsonl) and holds none" in capsys.readouterr().err
+
+
+def test_the_report_sums_the_most_clipped_tokens_of_an_arm(sweep_runs, tmp_path):
+    from jaxrl4llm.study.study_report import most_clipped
+
+    arms = group_arms([load_run(p) for p in find_run_dirs([sweep_runs])])
+    assert most_clipped(arms[0]) == [("x", 2 * 4 * 3)]  # 2 a step, 4 steps, 3 seeds
+    text = write_report([sweep_runs], tmp_path / "rep", plots=False).read_text()
+    assert '| lite_ppo | "x" (24) |' in text
