@@ -119,6 +119,9 @@ def pilot_arm(out_dir: Path, start: str, budget: str, *, evaluate: bool, log=pri
 def pilot_gates(arms: dict) -> list[Gate]:
     """The gates of issue #40 from the pilot arms ({"<start>_<budget>": pilot_arm(...)})."""
     mean = lambda arm, key: float(np.mean([r.get(key, 0.0) for r in arms[arm]["steps"]]))
+    # a share of truncated rows: over the steps that truncated any
+    of_truncated = lambda arm, key: float(np.mean([r.get(key, 0.0) for r in arms[arm]["steps"]
+                                                   if r.get("truncation_rate", 0.0) > 0] or [float("nan")]))
     accuracy = lambda arm: float(arms[arm]["eval"].get("accuracy", float("nan")))
     band = lambda arm, b: float(arms[arm]["eval"].get(f"test_{b}/accuracy", float("nan")))
     aligned, base = accuracy("aligned_like_long"), accuracy("base_like_long")
@@ -130,14 +133,15 @@ def pilot_gates(arms: dict) -> list[Gate]:
              band("aligned_like_long", "ops6-8"), low=0.05, high=0.90),
         Gate("short budget truncates", f"aligned-like truncation rate at {BUDGETS['short']} new tokens",
              mean("aligned_like_short", "truncation_rate"), low=0.10, high=0.60),
-        Gate("... unfinished chains", "share of those truncated rows that are loops (4-gram repetition > 0.5)",
-             mean("aligned_like_short", "truncated_repeat_ratio"), high=0.25),
+        Gate("... unfinished chains", "share of those truncated rows that are unfinished work (no boxed answer, no loop)",
+             of_truncated("aligned_like_short", "truncated_unfinished_ratio"), low=0.60),
         Gate("long budget: aligned stops", f"aligned-like truncation rate at {BUDGETS['long']} new tokens",
              mean("aligned_like_long", "truncation_rate"), high=0.05),
         Gate("long budget: base-like does not", f"base-like truncation rate at {BUDGETS['long']} new tokens",
              mean("base_like_long", "truncation_rate"), low=0.05, high=0.40),
-        Gate("... degenerate loops", "share of the base-like long-budget truncated rows that are loops",
-             mean("base_like_long", "truncated_repeat_ratio"), low=0.50),
+        Gate("... degenerate", "share of the base-like long-budget truncated rows that are loops or run on past "
+             f"a boxed answer (loops alone: {of_truncated('base_like_long', 'truncated_repeat_ratio'):.0%})",
+             1.0 - of_truncated("base_like_long", "truncated_unfinished_ratio"), low=0.60),
         Gate("clips high", "aligned-like share of tokens clipped high at eps_high 0.2 (clip_frac_high)",
              mean("aligned_like_long", "clip_frac_high"), low=0.01),
         Gate("all-same groups", "base-like share of groups whose 8 rewards are all equal",

@@ -36,6 +36,7 @@ CURVES = (
     ("clip_frac_low", "clipped tokens with A < 0 (ratio < 1 - eps_low)"),
     ("truncation_rate", "truncated responses"),
     ("truncated_repeat_ratio", "repetitive share of truncated responses"),
+    ("truncated_unfinished_ratio", "unfinished share of truncated responses (no boxed answer, no loop)"),
     ("response_length_cv", "response length CV (std / mean)"),
     ("all_same_groups", "groups whose rewards are all equal"),
     ("all_same_advantage_share", "share of sum |A| on all-same groups"),

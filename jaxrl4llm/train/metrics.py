@@ -26,7 +26,10 @@ from typing import Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from jaxrl4llm.rewards.extraction import matching_brace
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
+
+BOX_OPEN = "\\boxed{"
 
 LENGTHS_FILE = "response_lengths.jsonl"  # per-row lengths of every step; `jaxrl4llm plan --response-lengths RUN`
 
@@ -56,6 +59,33 @@ def truncated_repeat_ratio(responses: Iterable[Sequence[int]], truncated: Sequen
     diagnostic: most overlong responses are degenerate repetition, not long reasoning).
     Returns 0.0 when no response was truncated."""
     flags = [repetition_score(list(r), n) > threshold for r, t in zip(responses, truncated) if t]
+    return float(np.mean(flags)) if flags else 0.0
+
+
+def has_complete_box(text: str) -> bool:
+    """True when `text` holds a `\\boxed{...}` whose brace closes: an answer is written."""
+    start = text.find(BOX_OPEN)
+    while start >= 0:
+        if matching_brace(text, start + len(BOX_OPEN) - 1) is not None:
+            return True
+        start = text.find(BOX_OPEN, start + 1)
+    return False
+
+
+def truncated_boxed_ratio(texts: Sequence[str], truncated: Sequence[bool]) -> float:
+    """Fraction of truncated responses that already hold a complete boxed answer: cut after it (a
+    run-on into more text, or cut only at EOS), not before it. 0.0 when none was truncated."""
+    flags = [has_complete_box(t) for t, cut in zip(texts, truncated) if cut]
+    return float(np.mean(flags)) if flags else 0.0
+
+
+def truncated_unfinished_ratio(responses: Sequence[Sequence[int]], texts: Sequence[str], truncated: Sequence[bool],
+                               *, n: int = 4, threshold: float = 0.5) -> float:
+    """Fraction of truncated responses that are unfinished work: no complete boxed answer and no
+    loop (repetition_score <= `threshold`). The rest are degenerate (loops, run-ons past their
+    answer). 0.0 when none was truncated."""
+    flags = [not has_complete_box(t) and repetition_score(list(r), n) <= threshold
+             for r, t, cut in zip(responses, texts, truncated) if cut]
     return float(np.mean(flags)) if flags else 0.0
 
 

@@ -39,8 +39,8 @@ def test_prepare_writes_the_task_and_both_starts_and_reuses_them(tmp_path, monke
 
 
 def _arm(*, truncation, repeat, clip_high, all_same, accuracy, seconds=2.0):
-    steps = [{"truncation_rate": truncation, "truncated_repeat_ratio": repeat, "clip_frac_high": clip_high,
-              "all_same_groups": all_same}] * 3
+    steps = [{"truncation_rate": truncation, "truncated_repeat_ratio": repeat, "truncated_unfinished_ratio": 1 - repeat,
+              "clip_frac_high": clip_high, "all_same_groups": all_same}] * 3
     bands = {f"test_{b}/accuracy": accuracy for b in CHAIN_BANDS}
     return {"steps": steps, "eval": {"accuracy": accuracy, **bands}, "seconds_per_step": seconds}
 

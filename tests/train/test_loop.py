@@ -18,7 +18,8 @@ REQUIRED_METRICS = (
     "reward", "accuracy", "advantage_mean", "advantage_std", "response_length", "response_length_max",
     "truncation_rate", "truncated_repeat_ratio", "entropy", "clip_frac_low", "clip_frac_high", "approx_kl",
     "grad_norm", "learning_rate", "tokens_per_second", "time_sampling", "time_reward", "time_update",
-    "sampler_trainer_logp_gap", "most_clipped_tokens",
+    "sampler_trainer_logp_gap", "most_clipped_tokens", "response_length_cv", "all_same_groups",
+    "all_same_advantage_share", "truncated_boxed_ratio", "truncated_unfinished_ratio",
 )
 
 

@@ -223,3 +223,16 @@ def test_length_cv_and_all_same_groups():
     share, mass = all_same_groups(rewards, [0.5] * 4 + [-1, 1, -1, 1] + [-1.0] * 4, 4)
     assert share == 2 / 3 and abs(mass - 6 / 10) < 1e-12  # batch-level: 6 of the 10 units on them
     assert all_same_groups(rewards[:10], [1.0] * 10, 4) == (0.0, 0.0)  # not whole groups
+
+
+def test_truncated_rows_by_kind():
+    from jaxrl4llm.train.metrics import has_complete_box, truncated_boxed_ratio, truncated_unfinished_ratio
+
+    assert has_complete_box(r"1+2=3 \boxed{3} 4+4=?") and not has_complete_box(r"1+2=3 \boxed{3")
+    assert has_complete_box(r"\boxed{ \boxed{1} ") and not has_complete_box("7+5=12")
+    texts = ["1+2=3 1+2=3 1+2=3 1+2=3 1+2=3", r"\boxed{3} 4+5=? 4+5=9", "1+2=3 3+4=7 7-", r"\boxed{3}"]
+    rows = [list(t) for t in texts]
+    truncated = [True, True, True, False]
+    assert truncated_boxed_ratio(texts, truncated) == 1 / 3  # the run-on; the last row was not truncated
+    assert truncated_unfinished_ratio(rows, texts, truncated) == 1 / 3  # the cut chain; not the loop
+    assert truncated_boxed_ratio(texts, [False] * 4) == 0.0 == truncated_unfinished_ratio(rows, texts, [False] * 4)
