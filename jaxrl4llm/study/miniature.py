@@ -96,7 +96,9 @@ class Gate:
 
 def pilot_arm(out_dir: Path, start: str, budget: str, *, evaluate: bool, log=print) -> dict:
     """A PILOT_STEPS-step run of the grids' baseline arm (configs/miniature: chain.yaml, the start's,
-    the budget's and the baseline's files; data and warm start under `out_dir`); returns
+    the budget's and the baseline's files; data and warm start under `out_dir`) at the grids' peak
+    learning rate after their warm-up (a constant schedule: a 50-step cosine squeezed into
+    PILOT_STEPS steps would measure clipping at a tenth of the rate); returns
     {"steps": metrics of each step, "eval": step-0 greedy evaluation (when `evaluate`),
     "seconds_per_step": wall time of the steps after the first (compiles excluded)}."""
     from jaxrl4llm.train.loop import train
@@ -104,7 +106,8 @@ def pilot_arm(out_dir: Path, start: str, budget: str, *, evaluate: bool, log=pri
     run_dir = out_dir / "pilot" / f"{start}_{budget}"
     overrides = [f"model.path={out_dir / start}", f"data.train_files=[{out_dir / 'data' / 'train.jsonl'}]",
                  "data.eval_files=[" + ", ".join(str(out_dir / "data" / f"test_{band}.jsonl") for band in CHAIN_BANDS) + "]",
-                 f"trainer.steps={PILOT_STEPS}", f"trainer.eval_every={0 if evaluate else -1}",
+                 # the grids' peak learning rate, not a cosine squeezed into PILOT_STEPS steps
+                 f"trainer.steps={PILOT_STEPS}", "optim.schedule=constant", f"trainer.eval_every={0 if evaluate else -1}",
                  "trainer.checkpoint_every=0", f"trainer.out_dir={run_dir}", "trainer.overwrite=true"]
     files = [CONFIGS / "chain.yaml", CONFIGS / f"{start}.yaml", CONFIGS / f"{budget}_budget.yaml",
              CONFIGS / f"{PILOT_RECIPE}.yaml"]
