@@ -97,7 +97,7 @@ def test_chain_grids_are_valid_share_their_baseline_and_predict_arms_that_exist(
         expanded = expand_cells(read_grid(grid))
         for cell, cfg in zip(expanded, validate_cells(expanded, check_paths=False)):
             assert cells.setdefault(cell.name, cell.overrides) == cell.overrides  # a shared cell is one run
-            assert cfg.trainer.ppo_epochs * cfg.trainer.mini_batches == 8 and cfg.trainer.steps == 50
+            assert cfg.trainer.ppo_epochs * cfg.trainer.mini_batches == 4 and cfg.trainer.steps == 50
             assert cfg.reward.fn == "jaxrl4llm.rewards:strict_box_reward"
     assert len(cells) == 37
     arms = {tuple(sorted(dict(zip(("recipe", "data", "model"), name.split("/")[:3])).items())) for name in cells}
