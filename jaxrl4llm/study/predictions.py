@@ -20,6 +20,7 @@ Each prediction compares two arms over their seeds with Welch's t-test (study/st
   predicted sign at adjusted p < 0.05; **reversed**: the other sign at adjusted p < 0.05;
   **inconclusive** otherwise. `accuracy: none` predicts no difference: "no difference detected"
   when adjusted p >= 0.05 (absence of evidence, said so), "not held" otherwise.
+A prediction whose arms have no runs yet (a sweep in progress) says so and is left out of Holm's m.
 """
 
 from __future__ import annotations
@@ -140,12 +141,8 @@ def run_final(run, metric: str) -> float | None:
     return series[max(series)] if series else None
 
 
-def _matching(runs, labels: dict, name: str) -> list:
-    found = [r for r in runs if all(str(r.labels.get(k)) == v for k, v in labels.items())]
-    if not found:
-        raise ConfigError(f"prediction {name!r}: no run has the labels {labels}; the runs' labels are "
-                          f"{sorted({tuple(sorted(r.labels.items())) for r in runs})}.")
-    return found
+def _matching(runs, labels: dict) -> list:
+    return [r for r in runs if all(str(r.labels.get(k)) == v for k, v in labels.items())]
 
 
 def _engaged(c: Comparison, direction: str) -> str:
@@ -167,21 +164,29 @@ def _verdict(c: Comparison, p_adjusted: float, expected: str) -> str:
 
 
 def judge(predictions: Sequence[Prediction], runs) -> list[Outcome]:
-    """Each prediction judged on `runs` (study_report.RunData with sweep labels)."""
-    comparisons = []
-    for pred in predictions:
-        base = _matching(runs, pred.baseline, pred.name)
-        arm = _matching(runs, pred.arm, pred.name)
+    """Each prediction judged on `runs` (study_report.RunData with sweep labels). A prediction whose
+    baseline or arm has no run yet is reported so ("no run yet with {...}", the labels it looked
+    for) and left out of the Holm family."""
+    comparisons, missing = [], {}
+    for i, pred in enumerate(predictions):
+        base, arm = _matching(runs, pred.baseline), _matching(runs, pred.arm)
+        absent = [labels for labels, found in ((pred.baseline, base), (pred.arm, arm)) if not found]
+        if absent:  # a sweep still running, or a label that names no arm: said in the verdict
+            missing[i] = "no run yet with " + " nor ".join(
+                "{" + ", ".join(f"{k}: {v}" for k, v in labels.items()) + "}" for labels in absent)
         values = lambda rs, fn, metric: [v for v in (fn(r, metric) for r in rs) if v is not None]
         comparisons.append((welch_test(values(base, run_readout, pred.readout_metric),
                                        values(arm, run_readout, pred.readout_metric)),
                             welch_test(values(base, run_final, pred.accuracy_metric),
                                        values(arm, run_final, pred.accuracy_metric))))
-    primary = [i for i, p in enumerate(predictions) if p.primary]
+    primary = [i for i, p in enumerate(predictions) if p.primary and i not in missing]
     adjusted = dict(zip(primary, holm_adjust([comparisons[i][1].p_value for i in primary])))
     outcomes = []
     for i, (pred, (readout, accuracy)) in enumerate(zip(predictions, comparisons)):
         p_adj = adjusted.get(i, accuracy.p_value)
+        if i in missing:
+            outcomes.append(Outcome(pred, readout, accuracy, math.nan, missing[i], missing[i]))
+            continue
         outcomes.append(Outcome(pred, readout, accuracy, p_adj, _engaged(readout, pred.readout_direction),
                                 _verdict(accuracy, p_adj, pred.accuracy)))
     return outcomes

@@ -64,8 +64,10 @@ def test_verdicts_engaged_held_reversed_and_inconclusive(tmp_path):
         min(1.0, 2 * token.accuracy.p_value))  # Holm over the 2 primary predictions, both with this p
     assert down.engaged == "reversed" and down.verdict == "reversed"
     assert flat.engaged == "not engaged" and flat.verdict == "no difference detected (as predicted)"
-    with pytest.raises(ConfigError, match="no run has the labels"):
-        judge(parse_predictions([{**PREDICTION, "arm": {"recipe": "missing"}}]), runs)
+    # an arm with no run yet (a sweep in progress, or a label typo) is said so and left out of Holm's m
+    token, pending = judge(parse_predictions([PREDICTION, {**PREDICTION, "arm": {"recipe": "missing"}}]), runs)
+    assert pending.verdict == pending.engaged == "no run yet with {recipe: missing}"
+    assert token.accuracy_p_adjusted == pytest.approx(token.accuracy.p_value)  # m = 1
 
 
 def test_report_judges_the_predictions_of_a_grid_file(tmp_path):
