@@ -200,7 +200,7 @@ def predictions_section(outcomes: Sequence[Outcome]) -> list[str]:
     """The report's markdown section: each prediction beside its outcome."""
     if not outcomes:
         return []
-    m = sum(o.prediction.primary for o in outcomes)
+    m = sum(o.prediction.primary and not o.verdict.startswith("no run yet") for o in outcomes)
     lines = ["## Predictions and outcomes", "",
              f"Predictions written in the grid files before the runs (study/predictions.py). Mechanism: each run's mean "
              f"of the readout over its training steps; engaged = the predicted sign with a 95% interval that excludes "
