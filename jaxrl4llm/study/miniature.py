@@ -24,6 +24,7 @@ from jaxrl4llm.data import format_prompt, load_problems
 from jaxrl4llm.data.chain_task import (ALIGNED_LIKE, BASE_LIKE, CHAIN_BANDS, TeacherMixture, teacher_completion,
                                        write_chain_task)
 from jaxrl4llm.train.config import load_config
+from jaxrl4llm.train.loop import train
 from jaxrl4llm.train.warm_start import build_warm_start, ensure_warm_start
 
 CHAIN_TASK = dict(num_train=4000, num_test_per_band=100, seed=0)
@@ -101,8 +102,6 @@ def pilot_arm(out_dir: Path, start: str, budget: str, *, evaluate: bool, log=pri
     PILOT_STEPS steps would measure clipping at a tenth of the rate); returns
     {"steps": metrics of each step, "eval": step-0 greedy evaluation (when `evaluate`),
     "seconds_per_step": wall time of the steps after the first (compiles excluded)}."""
-    from jaxrl4llm.train.loop import train
-
     run_dir = out_dir / "pilot" / f"{start}_{budget}"
     overrides = [f"model.path={out_dir / start}", f"data.train_files=[{out_dir / 'data' / 'train.jsonl'}]",
                  "data.eval_files=[" + ", ".join(str(out_dir / "data" / f"test_{band}.jsonl") for band in CHAIN_BANDS) + "]",
