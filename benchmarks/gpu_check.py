@@ -65,23 +65,24 @@ PHASES = (
     Phase("tests",    50,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
     Phase("demo",    175, 600, "`jaxrl4llm demo`, 20 RL steps (--quick on the dry run): held-out accuracy before -> "
                                "after"),
-    Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
-                               "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
     Phase("exact",    60, 240, "optional (`--phases exact`): the Pallas kernels of model.numerics=exact "
                                "(kernels/exact_pallas.py) on the chip: each row's bits whatever its companions "
                                "(matmul, attention as a training row and as a decode step, the row kernels), "
                                "errors against XLA, times", optional=True),
+    Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
+                               "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
 )
 # The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
 # its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
 # XLA's command buffers (CUDA graphs) are one launch for a run of kernels, but by default not across a
 # while loop's trips; a longer burst runs more decode steps per trip of the refill loop.
+LOOP_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LAUNCH_VARIANTS = {
     "default": ("", []),
     "no_command_buffers": ("--xla_gpu_enable_command_buffer=", []),
-    "command_buffers_in_loops": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
-                                 "WHILE,CONDITIONAL", []),
+    "command_buffers_in_loops": (LOOP_COMMAND_BUFFERS, []),
     "burst_64": ("", ["rollout.decode_burst=64"]),
+    "loops_burst_64": (LOOP_COMMAND_BUFFERS, ["rollout.decode_burst=64"]),  # both, if each helps
 }
 # the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
 TOTAL_SECONDS = {"gpu": 480, "dry": 1500}
