@@ -69,6 +69,9 @@ PHASES = (
                                "(kernels/exact_pallas.py) on the chip: each row's bits whatever its companions "
                                "(matmul, attention as a training row and as a decode step, the row kernels), "
                                "errors against XLA, times", optional=True),
+    Phase("profile",  90, 240, "optional (`--phases profile`): the first step model's rollout once more under "
+                               "jax.profiler: the device's busy time, kernels and launch calls (trace_summary)",
+          optional=True),
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
                                "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
 )
@@ -94,6 +97,7 @@ STEP_MEMORY = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 PHASE_ENV = {
     "step": STEP_MEMORY,
     "launches": STEP_MEMORY,
+    "profile": STEP_MEMORY,
     "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
@@ -408,6 +412,7 @@ class TimedRollout:
     setup_s: float
     first_s: float  # the first rollout, its compile included
     rollout_s: float  # the median of WORKLOAD's reps after it
+    rollout: object  # the timed call (compiled): another rollout
 
 
 def timed_rollout(mode: str, work: Path, log, model: str, extra_overrides=()) -> TimedRollout:
@@ -447,7 +452,7 @@ def timed_rollout(mode: str, work: Path, log, model: str, extra_overrides=()) ->
     np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
     t_rollout = median_seconds(rollout, w["reps"])
     log(f"  rollout {t_rollout:.3f} s ({first:.1f} s with its compile)")
-    return TimedRollout(run, state, policy, out, prompts, lengths, setup_s, first, t_rollout)
+    return TimedRollout(run, state, policy, out, prompts, lengths, setup_s, first, t_rollout, rollout)
 
 
 def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: None) -> dict:
@@ -486,6 +491,66 @@ def phase_launches(mode: str, work: Path, log, variant: str) -> dict:
     return {"model": model, "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": overrides,
             "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
             "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s}
+
+
+# ---------------------------------------------------------------------------- phase: profile (optional)
+def trace_summary(trace_dir: Path, top: int = 12) -> dict:
+    """What a jax.profiler trace (its .xplane.pb) says of the device: its kernels (the GPU's stream lines;
+    on a CPU the XLA client's threads), their busy time (the union of their intervals) against the span
+    from the first to the last, the host's kernel-launch calls, and the `top` kernels by total time
+    (names with their numeric suffix dropped: `loop_fusion_12` -> `loop_fusion`)."""
+    import re
+
+    from jax.profiler import ProfileData
+
+    files = sorted(trace_dir.rglob("*.xplane.pb"))
+    if not files:
+        raise PhaseFailed(f"jax.profiler wrote no .xplane.pb under {trace_dir}", {})
+    data = ProfileData.from_file(str(files[-1]))
+    planes = list(data.planes)
+    gpu = [pl_ for pl_ in planes if pl_.name.startswith("/device:GPU")]
+    if gpu:
+        source, lines = "GPU streams", [ln for pl_ in gpu for ln in pl_.lines if ln.name.startswith("Stream")]
+    else:
+        source, lines = "CPU XLA threads", [ln for pl_ in planes if pl_.name == "/host:CPU" for ln in pl_.lines
+                                            if ln.name.startswith("tf_XLAPjRtCpuClient")]
+    events = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name) for ln in lines for e in ln.events
+                    if not e.name.startswith("end: "))
+    busy, reach = 0.0, -math.inf
+    for start, end, _ in events:  # the union of the intervals
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = (events[-1][1] - events[0][0]) if events else 0.0
+    by_name: dict = {}
+    for start, end, name in events:
+        key = re.sub(r"([._]\d+)+$", "", name)
+        count, total = by_name.get(key, (0, 0.0))
+        by_name[key] = (count + 1, total + end - start)
+    launch = [e.duration_ns for pl_ in planes if not pl_.name.startswith("/device") for ln in pl_.lines for e in ln.events
+              if re.match(r"cu(da)?(LaunchKernel|GraphLaunch|LaunchKernelEx)", e.name)]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"source": source, "lines": sorted({f"{pl_.name}: {ln.name}" for pl_ in (gpu or planes) for ln in pl_.lines})[:40],
+            "kernels": len(events), "busy_s": busy / 1e9, "span_s": span / 1e9,
+            "busy_share": busy / span if span else 0.0, "launch_calls": len(launch), "launch_api_s": sum(launch) / 1e9,
+            "top": [{"name": k, "count": c, "total_ms": t / 1e6, "mean_us": t / c / 1e3} for k, (c, t) in ranked]}
+
+
+def phase_profile(mode: str, work: Path, log) -> dict:
+    """The first step model's rollout (compiled and timed as in the step phase), then once more under
+    jax.profiler.trace: is the decode step busy on the device (with which kernels) or idle between them?"""
+    import jax
+
+    model = next(iter(MODELS[mode]))
+    timed = timed_rollout(mode, work, log, model)
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(work / "trace")):
+        timed.rollout()
+    traced_s = time.perf_counter() - t0
+    summary = trace_summary(work / "trace")
+    log(f"  traced rollout {traced_s:.3f} s: {summary['kernels']} kernels, busy {summary['busy_s']:.3f} s of "
+        f"{summary['span_s']:.3f} s")
+    return {"model": model, "rollout_s": timed.rollout_s, "traced_s": traced_s,
+            "longest_row": int(timed.lengths.max()), **summary}
 
 
 # ---------------------------------------------------------------------------- phase: exact (optional)
@@ -740,6 +805,8 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_launches(mode, work, log, model)
         elif kind == "exact":
             record["figures"] = phase_exact(mode, work, log)
+        elif kind == "profile":
+            record["figures"] = phase_profile(mode, work, log)
         elif kind == "plan":
             record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
@@ -1050,6 +1117,16 @@ def markdown(report: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {v} | {_fmt(f['rollout_s'])} | {_fmt(f['tokens_per_s'])} | {_fmt(base / f['rollout_s'])} | "
                   f"{f['xla_flags'] or '-'} | {' '.join(f['overrides']) or '-'} |" for v, f in launches.items()]
+    profile = report["phases"].get("profile", {}).get("figures", {})
+    if profile.get("top") is not None:
+        lines += ["", f"## profile (the {profile['model']} rollout under jax.profiler: {profile['source']})", "",
+                  f"traced rollout {_fmt(profile['traced_s'])} s (untraced {_fmt(profile['rollout_s'])} s); "
+                  f"{profile['kernels']} kernels, busy {_fmt(profile['busy_s'])} s of a {_fmt(profile['span_s'])} s "
+                  f"span ({_fmt(100 * profile['busy_share'])}%); {profile['launch_calls']} launch calls "
+                  f"({_fmt(profile['launch_api_s'])} s); longest row {profile['longest_row']} tokens", "",
+                  "| kernel | count | total ms | mean us |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| `{k['name'][:80]}` | {k['count']} | {_fmt(k['total_ms'])} | {_fmt(k['mean_us'])} |"
+                  for k in profile["top"]]
     for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
         if f:

@@ -75,7 +75,7 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
     error that lists the known ones, before any work."""
     gc = _gpu_check()
-    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "launches"]
+    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "profile", "launches"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 128  # matmul tiles (TPU: multiples of 8 x 128; Triton: >= 16)
 BLOCK_Q, BLOCK_KEYS = 16, 128  # attention: queries per program, keys per block
 BLOCK_ROWS = 16  # rows per program of the row kernels (rms_inverse, token_logprob, apply_rope)
+BLOCK_VOCAB = 128  # token_logprob: vocabulary columns per block
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
@@ -79,13 +80,14 @@ def matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
 # ---------------------------------------------------------------------------- attention
 def _attention_kernel(q_ref, k_ref, v_ref, r_ref, o_ref, *, blocks: int, scale: float):
     q = q_ref[0, 0]  # [BLOCK_Q, Dh]
-    ranges = r_ref[0]  # [BLOCK_Q, 4]
+    # the four bounds [BLOCK_Q, 1] each, loaded from the ref (Triton lowers no slice of a loaded value)
+    a0, a1, b0, b1 = (r_ref[0, :, pl.ds(c, 1)] for c in range(4))
 
     def scores(j):  # [BLOCK_Q, BLOCK_KEYS], -inf where the query does not see the key
         keys = k_ref[0, 0, pl.ds(j * BLOCK_KEYS, BLOCK_KEYS), :]
         s = jnp.dot(q, keys.T, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST) * scale
         pos = j * BLOCK_KEYS + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        seen = ((pos >= ranges[:, 0:1]) & (pos < ranges[:, 1:2])) | ((pos >= ranges[:, 2:3]) & (pos < ranges[:, 3:4]))
+        seen = ((pos >= a0) & (pos < a1)) | ((pos >= b0) & (pos < b1))
         return jnp.where(seen, s, -jnp.inf)
 
     top = jax.lax.fori_loop(0, blocks, lambda j, m: jnp.maximum(m, jnp.max(scores(j), axis=1)),
@@ -174,29 +176,40 @@ def rms_inverse(x: jax.Array, eps: float, *, interpret: bool = False) -> jax.Arr
 
 
 def _logprob_kernel(z_ref, t_ref, o_ref):
-    z = z_ref[...]
-    top = jnp.max(z, axis=1, keepdims=True)
-    total = _ascending_sum(lambda v: jnp.exp(z_ref[:, pl.ds(v, 1)] - top), z.shape[1], z.shape[0])
-    picked = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == t_ref[...], z, 0.0), axis=1,
-                     keepdims=True)
+    """z [R, V'] (V' a multiple of BLOCK_VOCAB, padded with -inf: exp of a pad adds an exact 0), read
+    in BLOCK_VOCAB-wide blocks or one column at a time (Triton takes power-of-two tiles only)."""
+    rows, width = z_ref.shape
+    block = lambda j: z_ref[:, pl.ds(j * BLOCK_VOCAB, BLOCK_VOCAB)]  # [R, BLOCK_VOCAB]
+    column = jax.lax.broadcasted_iota(jnp.int32, (rows, BLOCK_VOCAB), 1)
+    blocks = width // BLOCK_VOCAB
+    top = jax.lax.fori_loop(0, blocks, lambda j, m: jnp.maximum(m, jnp.max(block(j), axis=1, keepdims=True)),
+                            jnp.full((rows, 1), -jnp.inf, jnp.float32))
+    total = _ascending_sum(lambda v: jnp.exp(z_ref[:, pl.ds(v, 1)] - top), width, rows)
+    picked = jax.lax.fori_loop(  # one value and exact zeros
+        0, blocks, lambda j, p: p + jnp.sum(jnp.where(j * BLOCK_VOCAB + column == t_ref[...], block(j), 0.0), axis=1,
+                                            keepdims=True), jnp.zeros((rows, 1), jnp.float32))
     o_ref[...] = (picked - top) - jnp.log(total)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def token_logprob(z: jax.Array, tokens: jax.Array, *, interpret: bool = False) -> jax.Array:
     """(z_tok - max z) - log sum_v exp(z_v - max z), v ascending: z [M, V] float32, tokens [M] -> [M].
-    (The pick is a sum of one value and exact zeros.)"""
-    return _row_call(_logprob_kernel, z.astype(jnp.float32), [tokens.astype(jnp.int32)[:, None]], 1, interpret)[:, 0]
+    (The pick is a sum of one value and exact zeros; V is padded with -inf to whole BLOCK_VOCAB blocks.)"""
+    zp = _pad_to(z.astype(jnp.float32), 1, BLOCK_VOCAB, value=-jnp.inf)
+    return _row_call(_logprob_kernel, zp, [tokens.astype(jnp.int32)[:, None]], 1, interpret)[:, 0]
 
 
 def _rope_kernel(x_ref, c_ref, s_ref, o_ref):
-    x, c, s = x_ref[...], c_ref[...], s_ref[...]  # [R, N*Dh], [R, Dh], [R, Dh]
-    dh = c.shape[1]
+    """x [R, N*Dh], cos, sin [R, Dh]: each half-head loaded from its ref (Triton lowers no slice of a
+    loaded value)."""
+    dh = c_ref.shape[1]
     half = dh // 2
-    for head in range(x.shape[1] // dh):
-        a, b = x[:, head * dh:head * dh + half], x[:, head * dh + half:(head + 1) * dh]
-        o_ref[:, head * dh:head * dh + half] = a * c[:, :half] - b * s[:, :half]
-        o_ref[:, head * dh + half:(head + 1) * dh] = b * c[:, half:] + a * s[:, half:]
+    c_lo, c_hi = c_ref[:, pl.ds(0, half)], c_ref[:, pl.ds(half, half)]
+    s_lo, s_hi = s_ref[:, pl.ds(0, half)], s_ref[:, pl.ds(half, half)]
+    for head in range(x_ref.shape[1] // dh):
+        a, b = x_ref[:, pl.ds(head * dh, half)], x_ref[:, pl.ds(head * dh + half, half)]
+        o_ref[:, pl.ds(head * dh, half)] = a * c_lo - b * s_lo
+        o_ref[:, pl.ds(head * dh + half, half)] = b * c_hi + a * s_hi
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
