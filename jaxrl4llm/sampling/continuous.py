@@ -269,18 +269,21 @@ def _take(a, idx):
     return jax.vmap(lambda x, i: x[jnp.clip(i, 0, x.shape[0] - 1)])(a, idx)
 
 
-def _put(a, idx, value):
-    """Per shard a[d][idx[d]] = value[d]; out-of-range idx (e.g. -1 mapped to X) is dropped."""
+def _put(a, idx, value, unique: bool = False):
+    """Per shard a[d][idx[d]] = value[d]; out-of-range idx (e.g. -1 mapped to X) is dropped. `unique`:
+    the in-range idx of a shard are distinct (XLA:GPU then stores; otherwise each element is a
+    system-scope atomic compare-and-swap, `paged_cache.write_tokens`)."""
     size = a.shape[1]
     idx = jnp.where((idx >= 0) & (idx < size), idx, size)
-    return jax.vmap(lambda x, i, v: x.at[i].set(v.astype(x.dtype), mode="drop"))(a, idx, value)
+    return jax.vmap(lambda x, i, v: x.at[i].set(v.astype(x.dtype), mode="drop", unique_indices=unique))(a, idx, value)
 
 
-def _put2(a, i, j, value):
-    """Per shard a[d][i[d], j[d]] = value[d] (i out of range: dropped)."""
+def _put2(a, i, j, value, unique: bool = False):
+    """Per shard a[d][i[d], j[d]] = value[d] (i out of range: dropped); `unique` as `_put`."""
     size = a.shape[1]
     i = jnp.where((i >= 0) & (i < size), i, size)
-    return jax.vmap(lambda x, r, c, v: x.at[r, c].set(v.astype(x.dtype), mode="drop"))(a, i, j, value)
+    return jax.vmap(lambda x, r, c, v: x.at[r, c].set(v.astype(x.dtype), mode="drop", unique_indices=unique))(
+        a, i, j, value)
 
 
 def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id, stop_seqs=None) -> tuple[Outputs, jax.Array]:
@@ -290,7 +293,7 @@ def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id, stop_seqs
     token = jnp.where(live, sample.tokens, pad_id).astype(jnp.int32)
     is_eos = jnp.any(token[..., None] == eos_ids, axis=-1) & live
     rows = jnp.where(live, rows, -1)
-    tokens = _put2(out.tokens, rows, column, token)
+    tokens = _put2(out.tokens, rows, column, token, unique=True)  # a live slot writes its own row
     if stop_seqs is not None:  # the row's last L tokens, read from its buffer row
         width, max_new_tokens = stop_seqs.shape[1], tokens.shape[-1]
         cols = column[..., None] - width + 1 + jnp.arange(width, dtype=jnp.int32)  # [D, S, L]
@@ -300,10 +303,10 @@ def _record(out: Outputs, rows, column, sample, live, eos_ids, pad_id, stop_seqs
         is_eos = is_eos | (ends_with_stop_sequence(window, stop_seqs) & live)
     out = out._replace(
         tokens=tokens,
-        logprobs=_put2(out.logprobs, rows, column, sample.logprob),
-        logprobs_untruncated=_put2(out.logprobs_untruncated, rows, column, sample.logprob_untruncated),
-        length=_put(out.length, rows, column + 1),
-        eos_seen=_put(out.eos_seen, rows, is_eos),
+        logprobs=_put2(out.logprobs, rows, column, sample.logprob, unique=True),
+        logprobs_untruncated=_put2(out.logprobs_untruncated, rows, column, sample.logprob_untruncated, unique=True),
+        length=_put(out.length, rows, column + 1, unique=True),
+        eos_seen=_put(out.eos_seen, rows, is_eos, unique=True),
     )
     return out, is_eos
 
@@ -564,7 +567,7 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
     free, new_page = pop_pages(state.free, need)
     slot_ids = jnp.where(need, jnp.arange(slots_per_shard, dtype=jnp.int32)[None], -1)
     own_page = jnp.clip(own // page_size, 0, engine.response_pages - 1)
-    slot_pages = _put2(slots.pages, slot_ids, own_page, new_page)
+    slot_pages = _put2(slots.pages, slot_ids, own_page, new_page, unique=True)  # one page a slot
     write_page = jnp.where(slots.live, jnp.take_along_axis(slot_pages, own_page[..., None], axis=2)[..., 0],
                            TRASH_PAGE)
     write_offset = jnp.where(slots.live, own % page_size, 0)

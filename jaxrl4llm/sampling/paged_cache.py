@@ -71,7 +71,7 @@ def push_pages(free: FreePages, pages: jax.Array, release: jax.Array) -> FreePag
     size = free.stack.shape[1]
     rank = jnp.cumsum(release, axis=1, dtype=jnp.int32) - 1
     at = jnp.where(release, free.top[:, None] + rank, size)  # out of range: dropped
-    stack = jax.vmap(lambda s, i, p: s.at[i].set(p, mode="drop"))(free.stack, at, pages)
+    stack = jax.vmap(lambda s, i, p: s.at[i].set(p, mode="drop", unique_indices=True))(free.stack, at, pages)  # ranks
     return FreePages(stack, free.top + jnp.sum(release, axis=1, dtype=jnp.int32))
 
 
@@ -98,12 +98,16 @@ def write_tokens(pool: jax.Array, pages: jax.Array, offsets: jax.Array, k: jax.A
                  dtype=None) -> jax.Array:
     """pool[d, pages[d, m], offsets[d, m]] = interleave(k[d, m], v[d, m]). pool [D, P, page, 2 KVH, Dh];
     pages, offsets [D, M] int32; k, v [D, M, KVH, Dh] (any float dtype), cast to `dtype` (the
-    pool's values, default its dtype)."""
+    pool's values, default its dtype).
+
+    The places are distinct but on the trash page (idle slots), which nothing reads, so the scatter
+    says `unique_indices`: without it XLA:GPU writes each 16-bit element with a system-scope atomic
+    compare-and-swap, 47% of a Qwen3-0.6B decode step's GPU time on an H100 (docs/gpu.md)."""
     d, m, kvh, dh = k.shape
     new = jnp.stack([k, v], axis=3).reshape(d, m, 2 * kvh, dh).astype(dtype or pool.dtype)
     if pool.dtype == jnp.uint16:
         new = jax.lax.bitcast_convert_type(new, jnp.uint16)
-    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x))(pool, pages, offsets, new)
+    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x, unique_indices=True))(pool, pages, offsets, new)
 
 
 def gather_pages(pool: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -123,7 +127,7 @@ def copy_pages(pool: jax.Array, dst: jax.Array, src: jax.Array) -> jax.Array:
     rows = jax.vmap(lambda p, j: p[j])(pool, src).reshape((d, m * page) + pool.shape[3:])
     pages = jnp.repeat(dst, page, axis=1)
     offsets = jnp.broadcast_to(jnp.tile(jnp.arange(page, dtype=jnp.int32), m), (d, m * page))
-    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x))(pool, pages, offsets, rows)
+    return jax.vmap(lambda p, i, o, x: p.at[i, o].set(x, unique_indices=True))(pool, pages, offsets, rows)  # as write_tokens
 
 
 def paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, counts: jax.Array, num_chunks, *,
