@@ -1015,7 +1015,8 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
                 del background[name]
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
-    for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS)):
+    for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS), "profile",
+                 "exact"):  # the first phase that ran on the device names it
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])

@@ -41,13 +41,17 @@ from jaxrl4llm.train.config import ConfigError
 # figure NVIDIA quotes). Sources: NVIDIA's H100 SXM, H200 SXM and A100 80 GB SXM datasheets; the
 # HGX B200 datasheet (1000 W: 2.25 PFLOP/s dense bf16 of 4.5 sparse, 8 TB/s HBM3e, NVLink 5 at
 # 1.8 TB/s bidirectional), as of 2026-11.
-# What one kernel launch adds to a program's time on a GPU (`ChipSpec.kernel_seconds`), measured on
-# one H100 80GB HBM3 with jax 0.11.2 (scripts/gpu_check, 2026-11-27, docs/gpu.md "Results"): the
-# continuous sampler's rollout of Qwen3-0.6B (64 rows, 891 decode steps of ~430 kernels each) took
-# 3.862 s where its HBM traffic alone predicts 1.867 s; its 349887 kernels (`kernel_launches`, trips
-# counted) explain the 1.995 s at 5.70 us each. Checked on Qwen3-1.7B's rollout, not fitted to it
-# (docs/gpu.md). The same figure is assumed for the other GPUs (unmeasured).
-GPU_KERNEL_SECONDS = 5.70e-6
+# What each kernel adds to a program's time on a GPU beyond its HBM and compute time
+# (`ChipSpec.kernel_seconds`), from one H100 80GB HBM3 with jax 0.11.2 (scripts/gpu_check, docs/gpu.md
+# "Results"): under jax.profiler (2026-11-28) the Qwen3-0.6B rollout's GPU was busy 3.861 s of its
+# 3.873 s, 1.807 s of it in the KV-cache scatters (then system-scope atomic compare-and-swaps,
+# since written as plain stores: `sampling.paged_cache.write_tokens`); the other kernels took 2.054 s
+# where the meter's HBM traffic predicts 1.867 s: 0.187 s over its 349887 kernels
+# (`kernel_launches`, trips counted) = 0.54 us each (small kernels' floor; the host's launches hid
+# behind them, CUDA graphs, 1006 launch calls). Fitted on that rollout alone; the same figure is
+# assumed for the other GPUs (unmeasured). (The 5.70 us of 2026-11-27 was fitted to the whole gap,
+# scatters included.)
+GPU_KERNEL_SECONDS = 0.54e-6
 GPU_CHIPS: dict[str, ChipSpec] = {
     "h100": ChipSpec(84942979072, 989e12, 3.35e12, 450e9, kernel_seconds=GPU_KERNEL_SECONDS),
     "h200": ChipSpec(151397597184, 989e12, 4.8e12, 450e9, kernel_seconds=GPU_KERNEL_SECONDS),

@@ -57,8 +57,8 @@ Kernel launches (`kernels`): on a GPU each top-level op of a computation that ru
 loop's body and condition, a conditional's branch) is a kernel the host launches; the fused ops
 inside a fusion are not. They are counted with the same trips and branch weights as the flops, and
 `ChipSpec.kernel_seconds` prices each (`plan.programs.ProgramPlan.launch_seconds`): a decode step of
-a 28-layer model is ~430 kernels, and on an H100 their launches cost more than the step's HBM
-traffic (docs/gpu.md, "Results").
+a 28-layer model is ~430 kernels, most of them small, each with a floor of GPU time that its
+bytes do not account for (docs/gpu.md, "Results").
 
 On jax 0.12 the HLO parser accepts the `-done` half of an async op (`slice-done`) fed by a
 parameter instead of its `-start`, and then crashes the process (jax 0.10.2 rejected the text): a
