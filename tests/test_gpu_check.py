@@ -89,3 +89,22 @@ def test_exact_phase_checks_the_pallas_kernels_invariance(tmp_path):
     figures = _gpu_check().phase_exact("dry", tmp_path, lambda line: None)
     assert all(f["invariant"] for f in figures.values())
     assert figures["attention"]["max_err"] < 1e-5 and figures["matmul"]["max_err"] < 1e-4
+
+
+def test_trace_summary_reads_a_profile_of_xla_ops(tmp_path):
+    """The profile phase's reader on a CPU trace (the XLA client's threads stand in for a GPU's
+    streams): the ops it ran, busy time within the span, names without their numeric suffix."""
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda x: jax.lax.fori_loop(0, 20, lambda i, y: jnp.tanh(y @ y), x))
+    x = jnp.ones((128, 128))
+    step(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path / "trace")):
+        step(x).block_until_ready()
+    summary = _gpu_check().trace_summary(tmp_path / "trace")
+    assert summary["source"] == "CPU XLA threads" and summary["kernels"] >= 20
+    assert 0 < summary["busy_s"] <= summary["span_s"] + 1e-9 and 0 < summary["busy_share"] <= 1
+    names = [k["name"] for k in summary["top"]]
+    assert names and not any(n[-1].isdigit() for n in names), names
+    assert sum(k["count"] for k in summary["top"]) <= summary["kernels"]
