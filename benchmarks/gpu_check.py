@@ -513,7 +513,8 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
         source, lines = "GPU streams", [ln for pl_ in gpu for ln in pl_.lines if ln.name.startswith("Stream")]
     else:
         source, lines = "CPU XLA threads", [ln for pl_ in planes if pl_.name == "/host:CPU" for ln in pl_.lines
-                                            if ln.name.startswith("tf_XLAPjRtCpuClient")]
+                                            if ln.name.startswith("tf_XLA") and "Eigen" not in ln.name]
+        # (the thread that runs the ops: tf_XLAPjRtCpuClient on jax 0.10, tf_XLAExecute on 0.12)
     events = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name) for ln in lines for e in ln.events
                     if not e.name.startswith("end: "))
     busy, reach = 0.0, -math.inf
