@@ -70,3 +70,34 @@ def test_row_kernels_ignore_the_other_rows():
         np.testing.assert_array_equal(exact_pallas.token_logprob(z[s], tokens[s], interpret=True), logp[s])
         np.testing.assert_array_equal(exact_pallas.rms_inverse(X[s], 1e-6, interpret=True), inverse[s])
         np.testing.assert_array_equal(exact_pallas.apply_rope(x[s], cos[s], sin[s], interpret=True), rope[s])
+
+
+@pytest.mark.skipif(bool(__import__("jaxrl4llm.plan.gpu", fromlist=["x"]).missing_gpu_packages()),
+                    reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu] (or .[gpu13])")
+@pytest.mark.parametrize("kernel", ["matmul", "attention", "rms_inverse", "token_logprob", "apply_rope"])
+def test_each_kernel_compiles_for_an_h100_at_real_widths(kernel):
+    """Triton takes what the interpreter does not check: no slice of a loaded value, power-of-two tiles.
+    Each kernel is compiled for sm_90a on this CPU (jax's CUDA plugin, an abstract H100) at widths no
+    power of two: SmolLM2's hidden 576 and 9:3 heads of 64, 300 positions, Qwen3's 151936 tokens. On
+    an H100 they then ran and kept their bits (`scripts/gpu_check --phases exact`, docs/gpu.md)."""
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding, use_abstract_mesh
+
+    from jaxrl4llm.plan.gpu import gpu_topology_devices
+
+    device = gpu_topology_devices("h100:1")[0]
+    spec = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    fn, args = {
+        "matmul": (exact_pallas.matmul, (spec((40, 576)), spec((576, 1536)))),
+        "attention": (exact_pallas.attention, (spec((1, 300, 9, 64)), spec((1, 300, 3, 64)), spec((1, 300, 3, 64)),
+                                               spec((1, 300, 4), jnp.int32))),
+        "rms_inverse": (lambda x: exact_pallas.rms_inverse(x, 1e-6), (spec((40, 576)),)),
+        "token_logprob": (exact_pallas.token_logprob, (spec((40, 151936)), spec((40,), jnp.int32))),
+        "apply_rope": (exact_pallas.apply_rope, (spec((40, 9, 64)), spec((40, 64)), spec((40, 64)))),
+    }[kernel]
+    h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device.device_kind, num_cores=None,
+                                                                       platform="cuda"))
+    with use_abstract_mesh(h100):  # Pallas' Triton lowering reads the GPU's kind from it
+        lowered = jax.jit(fn).trace(*args).lower()
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    lowered.compile()
