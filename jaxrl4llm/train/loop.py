@@ -36,8 +36,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import (MetricsWriter, all_same_groups, check_loggers, length_cv, most_clipped_tokens,
-                                     open_loggers, truncated_boxed_ratio, truncated_repeat_ratio,
-                                     truncated_unfinished_ratio, write_lengths)
+                                     open_loggers, truncated_kinds, write_lengths)
 from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, run_layout, sampler_mesh_for,
                                     split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
@@ -483,14 +482,12 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
     same_share, same_advantage = all_same_groups(rewards, hosts.fetch(adv.advantages),
                                                  run.cfg.rollout.samples_per_prompt)
     record["all_same_groups"], record["all_same_advantage_share"] = same_share, same_advantage
-    record.update(truncated_repeat_ratio=0.0, truncated_boxed_ratio=0.0, truncated_unfinished_ratio=0.0)
+    record.update(truncated_kinds([], [], []))  # zeros; the rows are decoded only when some were cut
     if truncated.any():
         tokens = hosts.fetch(rollout.response_tokens)
         rows = [tokens[i, : lengths[i]].tolist() if truncated[i] else [] for i in range(len(lengths))]
         texts = run.policy.decode_rows(rows)
-        record["truncated_repeat_ratio"] = truncated_repeat_ratio(rows, truncated)
-        record["truncated_boxed_ratio"] = truncated_boxed_ratio(texts, truncated)
-        record["truncated_unfinished_ratio"] = truncated_unfinished_ratio(rows, texts, truncated)
+        record.update(truncated_kinds(rows, texts, truncated))
     if run.ref_params is None:
         record.pop("kl", None)
     every = run.cfg.trainer.clipped_tokens_every

@@ -72,21 +72,18 @@ def has_complete_box(text: str) -> bool:
     return False
 
 
-def truncated_boxed_ratio(texts: Sequence[str], truncated: Sequence[bool]) -> float:
-    """Fraction of truncated responses that already hold a complete boxed answer: cut after it (a
-    run-on into more text, or cut only at EOS), not before it. 0.0 when none was truncated."""
-    flags = [has_complete_box(t) for t, cut in zip(texts, truncated) if cut]
-    return float(np.mean(flags)) if flags else 0.0
-
-
-def truncated_unfinished_ratio(responses: Sequence[Sequence[int]], texts: Sequence[str], truncated: Sequence[bool],
-                               *, n: int = 4, threshold: float = 0.5) -> float:
-    """Fraction of truncated responses that are unfinished work: no complete boxed answer and no
-    loop (repetition_score <= `threshold`). The rest are degenerate (loops, run-ons past their
-    answer). 0.0 when none was truncated."""
-    flags = [not has_complete_box(t) and repetition_score(list(r), n) <= threshold
+def truncated_kinds(responses: Sequence[Sequence[int]], texts: Sequence[str], truncated: Sequence[bool], *,
+                    n: int = 4, threshold: float = 0.5) -> dict[str, float]:
+    """What the truncated responses are, as shares of them (0.0 each when none was truncated), each
+    row scored once: `truncated_repeat_ratio` loops (repetition_score > `threshold`, as
+    `truncated_repeat_ratio`), `truncated_boxed_ratio` cut after a complete boxed answer (a run-on
+    into more text), `truncated_unfinished_ratio` neither: unfinished work."""
+    kinds = [(repetition_score(list(r), n) > threshold, has_complete_box(t))
              for r, t, cut in zip(responses, texts, truncated) if cut]
-    return float(np.mean(flags)) if flags else 0.0
+    loop, boxed = (np.array([k[i] for k in kinds], bool) for i in (0, 1))
+    share = lambda flags: float(flags.mean()) if kinds else 0.0
+    return {"truncated_repeat_ratio": share(loop), "truncated_boxed_ratio": share(boxed),
+            "truncated_unfinished_ratio": share(~loop & ~boxed)}
 
 
 def length_cv(lengths: Sequence[int]) -> float:

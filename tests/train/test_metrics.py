@@ -226,13 +226,15 @@ def test_length_cv_and_all_same_groups():
 
 
 def test_truncated_rows_by_kind():
-    from jaxrl4llm.train.metrics import has_complete_box, truncated_boxed_ratio, truncated_unfinished_ratio
+    from jaxrl4llm.train.metrics import has_complete_box, truncated_kinds, truncated_repeat_ratio
 
     assert has_complete_box(r"1+2=3 \boxed{3} 4+4=?") and not has_complete_box(r"1+2=3 \boxed{3")
     assert has_complete_box(r"\boxed{ \boxed{1} ") and not has_complete_box("7+5=12")
     texts = ["1+2=3 1+2=3 1+2=3 1+2=3 1+2=3", r"\boxed{3} 4+5=? 4+5=9", "1+2=3 3+4=7 7-", r"\boxed{3}"]
     rows = [list(t) for t in texts]
     truncated = [True, True, True, False]
-    assert truncated_boxed_ratio(texts, truncated) == 1 / 3  # the run-on; the last row was not truncated
-    assert truncated_unfinished_ratio(rows, texts, truncated) == 1 / 3  # the cut chain; not the loop
-    assert truncated_boxed_ratio(texts, [False] * 4) == 0.0 == truncated_unfinished_ratio(rows, texts, [False] * 4)
+    kinds = truncated_kinds(rows, texts, truncated)
+    assert kinds["truncated_boxed_ratio"] == 1 / 3  # the run-on; the last row was not truncated
+    assert kinds["truncated_unfinished_ratio"] == 1 / 3  # the cut chain; not the loop
+    assert kinds["truncated_repeat_ratio"] == 1 / 3 == truncated_repeat_ratio(rows, truncated)  # the loop
+    assert set(truncated_kinds(rows, texts, [False] * 4).values()) == {0.0}
