@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.kernels import exact, exact_pallas
+from jaxrl4llm.plan.gpu import gpu_topology_devices, missing_gpu_packages
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((40, 200)).astype(np.float32)
@@ -72,7 +73,7 @@ def test_row_kernels_ignore_the_other_rows():
         np.testing.assert_array_equal(exact_pallas.apply_rope(x[s], cos[s], sin[s], interpret=True), rope[s])
 
 
-@pytest.mark.skipif(bool(__import__("jaxrl4llm.plan.gpu", fromlist=["x"]).missing_gpu_packages()),
+@pytest.mark.skipif(bool(missing_gpu_packages()),
                     reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu] (or .[gpu13])")
 @pytest.mark.parametrize("kernel", ["matmul", "attention", "rms_inverse", "token_logprob", "apply_rope"])
 def test_each_kernel_compiles_for_an_h100_at_real_widths(kernel):
@@ -82,8 +83,6 @@ def test_each_kernel_compiles_for_an_h100_at_real_widths(kernel):
     an H100 they then ran and kept their bits (`scripts/gpu_check --phases exact`, docs/gpu.md)."""
     import jax
     from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding, use_abstract_mesh
-
-    from jaxrl4llm.plan.gpu import gpu_topology_devices
 
     device = gpu_topology_devices("h100:1")[0]
     spec = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
