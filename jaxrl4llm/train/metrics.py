@@ -53,12 +53,17 @@ def repetition_score(tokens: Sequence[int], n: int = 4) -> float:
     return 1.0 - len(set(grams)) / len(grams)
 
 
+def is_loop(tokens: Sequence[int], n: int = 4, threshold: float = 0.5) -> bool:
+    """A degenerate repetition: repetition_score(tokens, n) > threshold."""
+    return repetition_score(list(tokens), n) > threshold
+
+
 def truncated_repeat_ratio(responses: Iterable[Sequence[int]], truncated: Sequence[bool], *, n: int = 4,
                            threshold: float = 0.5) -> float:
-    """Fraction of truncated responses whose repetition_score exceeds `threshold` (the study's
-    diagnostic: most overlong responses are degenerate repetition, not long reasoning).
-    Returns 0.0 when no response was truncated."""
-    flags = [repetition_score(list(r), n) > threshold for r, t in zip(responses, truncated) if t]
+    """Fraction of truncated responses that are loops (`is_loop`; the study's diagnostic: most
+    overlong responses are degenerate repetition, not long reasoning). Returns 0.0 when no response
+    was truncated."""
+    flags = [is_loop(r, n, threshold) for r, t in zip(responses, truncated) if t]
     return float(np.mean(flags)) if flags else 0.0
 
 
@@ -75,10 +80,10 @@ def has_complete_box(text: str) -> bool:
 def truncated_kinds(responses: Sequence[Sequence[int]], texts: Sequence[str], truncated: Sequence[bool], *,
                     n: int = 4, threshold: float = 0.5) -> dict[str, float]:
     """What the truncated responses are, as shares of them (0.0 each when none was truncated), each
-    row scored once: `truncated_repeat_ratio` loops (repetition_score > `threshold`, as
-    `truncated_repeat_ratio`), `truncated_boxed_ratio` cut after a complete boxed answer (a run-on
-    into more text), `truncated_unfinished_ratio` neither: unfinished work."""
-    kinds = [(repetition_score(list(r), n) > threshold, has_complete_box(t))
+    row scored once: `truncated_repeat_ratio` loops (`is_loop`), `truncated_boxed_ratio` cut after a
+    complete boxed answer (a run-on into more text), `truncated_unfinished_ratio` neither: unfinished
+    work."""
+    kinds = [(is_loop(r, n, threshold), has_complete_box(t))
              for r, t, cut in zip(responses, texts, truncated) if cut]
     loop, boxed = (np.array([k[i] for k in kinds], bool) for i in (0, 1))
     share = lambda flags: float(flags.mean()) if kinds else 0.0
