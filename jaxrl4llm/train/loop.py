@@ -533,6 +533,41 @@ def save_checkpoint(ckpt, steps_done: int, state, stream, cfg: RunConfig, pendin
     ckpt.save(steps_done, state.replace(frozen=None), meta, pending=arrays)
 
 
+def _restore(ckpt: RunCheckpointer, state, partial, unattended: bool, log: Callable[[str], None]):
+    """A resumed run's stage: the newest checkpoint (the newest readable one when `unattended`) into
+    `state` (its frozen base kept), and with it the data cursor, the retired prompts, the rollouts in
+    flight and the partial engine's rows. Returns (state, start_step, cursor, retired, pending)."""
+    abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
+    restored, meta, start_step = ckpt.restore_newest_readable(abstract, log) if unattended else ckpt.restore(abstract)
+    state = restored.replace(frozen=state.frozen)
+    cursor = int(meta["data_cursor"])
+    retired, pending = meta.get("retired_prompts", []), []
+    if meta.get("pending") or meta.get("partial"):  # an asynchronous run's rollouts in flight
+        arrays = ckpt.restore_pending(start_step)
+        pending = pending_from_host(arrays, meta.get("pending", []), lambda a: a)
+        if partial is not None and meta.get("partial"):  # the engine, its rows mid-way
+            partial.engine.restore({k[7:]: v for k, v in arrays.items() if k.startswith("engine/")},
+                                   meta["partial"]["engine"])
+            partial.prompt_ids.update({int(t): ids for t, ids in meta["partial"]["prompt_ids"].items()})
+    log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
+    return state, start_step, cursor, retired, pending
+
+
+def _final_eval(run, cfg: RunConfig, history: list, out, writer, evaluate_now: Callable[[], dict]) -> dict | None:
+    """The run's held-out figures after its last step: the last step's own evaluation, else the one a
+    resumed run logged before it stopped, else a new one (`evaluate_now`, then logged). None without
+    eval sets or with trainer.eval_every < 0."""
+    if not run.eval_sets or cfg.trainer.eval_every < 0:
+        return None
+    if history and any(k.startswith("eval/") for k in history[-1]):
+        return {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
+    if not history and (logged := logged_eval(out, cfg.trainer.steps)) is not None:
+        return logged  # a resume at the last step (the run stopped after its evaluation): not again
+    eval_after = evaluate_now()
+    writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
+    return eval_after
+
+
 def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: Callable[[str], None],
            closing: contextlib.ExitStack) -> dict:
     if resume and (done := finished_summary(cfg)) is not None:
@@ -563,20 +598,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
     ckpt = closing.enter_context(RunCheckpointer(out, keep=cfg.trainer.keep_checkpoints))
     start_step, cursor, retired, pending = 0, 0, [], []
     if resume:
-        abstract = state.replace(frozen=None)  # checkpoints hold no frozen base
-        restored, meta, start_step = (ckpt.restore_newest_readable(abstract, log) if unattended else
-                                      ckpt.restore(abstract))
-        state = restored.replace(frozen=state.frozen)
-        cursor = int(meta["data_cursor"])
-        retired = meta.get("retired_prompts", [])
-        if meta.get("pending") or meta.get("partial"):  # an asynchronous run's rollouts in flight
-            arrays = ckpt.restore_pending(start_step)
-            pending = pending_from_host(arrays, meta.get("pending", []), lambda a: a)
-            if partial is not None and meta.get("partial"):  # the engine, its rows mid-way
-                partial.engine.restore({k[7:]: v for k, v in arrays.items() if k.startswith("engine/")},
-                                       meta["partial"]["engine"])
-                partial.prompt_ids.update({int(t): ids for t, ids in meta["partial"]["prompt_ids"].items()})
-        log(f"resumed from {ckpt.dir / str(start_step)} (step {start_step}, data cursor {cursor})")
+        state, start_step, cursor, retired, pending = _restore(ckpt, state, partial, unattended, log)
     if hosts.is_main():  # after the restore: a --resume that fails leaves the run's config.json as it was
         record_config_changes(files.dir, start_step, changes)
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -667,15 +689,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             log(f"preempted: checkpoint of step {step + 1} saved in {ckpt.dir}")
             raise Preempted(step + 1, str(ckpt.dir / str(step + 1)))
 
-    eval_after = None
-    if run.eval_sets and cfg.trainer.eval_every >= 0:
-        if history and any(k.startswith("eval/") for k in history[-1]):
-            eval_after = {k[5:]: v for k, v in history[-1].items() if k.startswith("eval/")}
-        elif not history and (logged := logged_eval(out, cfg.trainer.steps)) is not None:
-            eval_after = logged  # a resume at the last step (the run stopped after its evaluation): not again
-        else:
-            eval_after = evaluate_at(cfg.trainer.steps, state)
-            writer.write(cfg.trainer.steps, {f"eval/{k}": v for k, v in eval_after.items()}, advance=False)
+    eval_after = _final_eval(run, cfg, history, out, writer, lambda: evaluate_at(cfg.trainer.steps, state))
     writer.close()
     files.sync()
     export_dir = export_policy(run.policy.with_state(state), out / "hf_export") if cfg.trainer.export_hf else None
