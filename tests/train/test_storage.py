@@ -29,7 +29,10 @@ def _serialized_handlers(server_module) -> None:
     (its in-memory store is read and rewritten without a lock: a download read an object's bytes
     and its metadata apart while tensorstore rewrote an OCDBT manifest, and tensorstore then
     failed with "Malformed StorageGeneration" once in a loaded CI run), and media downloads carry
-    the object's x-goog-generation / x-goog-metageneration headers, as GCS's do."""
+    the object's x-goog-generation / x-goog-metageneration headers, as GCS's do: both routes,
+    /download/... and tensorstore's GET .../o/NAME?alt=media (the emulator answers the latter
+    without them; tensorstore then reads generation 0 and refuses its next conditional write with
+    "Malformed StorageGeneration": `test_a_read_object_s_generation_conditions_the_next_write`)."""
     import threading
 
     if getattr(server_module, "_jaxrl4llm_serialized", False):
@@ -41,7 +44,8 @@ def _serialized_handlers(server_module) -> None:
         def handler(request, response, storage, *args, **kwargs):
             with lock:
                 fn(request, response, storage, *args, **kwargs)
-                if fn is objects.download and response.status < 300:
+                media = fn is objects.download or (fn is objects.get and request.query.get("alt") == ["media"])
+                if media and response.status < 300:
                     try:
                         obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
                     except Exception:  # noqa: BLE001 (not found: the handler answered already)
@@ -78,6 +82,22 @@ def bucket():
         server.stop()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_a_read_object_s_generation_conditions_the_next_write(bucket):
+    """What orbax's OCDBT manifest writes rely on: tensorstore reads an object (a fresh context: no
+    cache) and writes it back on the condition that it is unchanged. The emulator must give the read
+    the object's generation, as GCS does; with generation 0 the write fails "Malformed
+    StorageGeneration" (it did, now and then, in CI's gs:// training run)."""
+    import tensorstore as ts
+
+    spec = {"driver": "gcs", "bucket": bucket.removeprefix("gs://"), "path": "generations/"}
+    written = ts.KvStore.open(spec, context=ts.Context()).result().write("x", b"one").result()
+    store = ts.KvStore.open(spec, context=ts.Context()).result()
+    read = store.read("x").result()
+    assert read.value == b"one" and read.stamp.generation == written.generation
+    store.write("x", b"two", if_equal=read.stamp.generation).result()
+    assert ts.KvStore.open(spec, context=ts.Context()).result().read("x").result().value == b"two"
 
 
 def test_run_path_keeps_local_paths_and_opens_gs_urls(tmp_path):
