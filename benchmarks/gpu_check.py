@@ -69,6 +69,12 @@ PHASES = (
                                "(kernels/exact_pallas.py) on the chip: each row's bits whatever its companions "
                                "(matmul, attention as a training row and as a decode step, the row kernels), "
                                "errors against XLA, times", optional=True),
+    Phase("attention", 75, 240, "optional (`--phases attention`): the Triton paged attention alone at the first "
+                               "step model's rollout's kv lengths every ATTENTION_STRIDE decode steps, under each "
+                               "block/split/warps of ATTENTION_CONFIGS: the rollout's attention seconds each "
+                               "predicts, its output against the default's; then (attention:default, "
+                               "attention:best, a process each) the rollout under the default and the fastest",
+          optional=True),
     Phase("profile",  90, 240, "optional (`--phases profile`): the first step model's rollout once more under "
                                "jax.profiler: the device's busy time, kernels and launch calls (trace_summary)",
           optional=True),
@@ -87,6 +93,15 @@ LAUNCH_VARIANTS = {
     "burst_64": ("", ["rollout.decode_burst=64"]),
     "loops_burst_64": (LOOP_COMMAND_BUFFERS, ["rollout.decode_burst=64"]),  # both, if each helps
 }
+# The attention phase's kernel configurations: (pages a loop step reads, partitions of a slot's pages or
+# None for the default rule, Triton warps); the first is the default. On an H100 and an H200 the Qwen3-0.6B
+# rollout's paged attention took ~0.91 s (36 us a call, then 4 pages a step, 2 partitions, 4 warps): ~4x
+# its KV bytes at the copy bandwidth. Of these 16 on an H200 (2026-11-28, docs/gpu.md) 4 pages, 4
+# partitions, 8 warps was the fastest (1.22x), now the default. A row's kv lengths every ATTENTION_STRIDE
+# decode steps stand for the steps between.
+ATTENTION_CONFIGS = ((4, None, 8), (4, 2, 4), (4, 1, 4), (4, 4, 4), (4, 8, 4), (2, 4, 4), (2, 8, 4), (8, 1, 4),
+                     (8, 2, 4), (8, 4, 4), (4, 2, 8), (8, 2, 8), (8, 4, 8), (16, 1, 4), (16, 2, 4), (1, 8, 4))
+ATTENTION_STRIDE = 32
 # the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
 TOTAL_SECONDS = {"gpu": 480, "dry": 1500}
 # A phase's environment on top of the driver's. JAX takes 75% of a GPU's memory when it starts: a step
@@ -98,6 +113,7 @@ PHASE_ENV = {
     "step": STEP_MEMORY,
     "launches": STEP_MEMORY,
     "profile": STEP_MEMORY,
+    "attention": STEP_MEMORY,
     "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
@@ -554,6 +570,118 @@ def phase_profile(mode: str, work: Path, log) -> dict:
             "longest_row": int(timed.lengths.max()), **summary}
 
 
+# ---------------------------------------------------------------------------- phase: attention (optional)
+def attention_snapshots(mode: str, page: int):
+    """The first step model's rollout as its decode attention sees it: every row starts at once (one slot
+    each), row n holding prompt + t + 1 tokens at decode step t < L_n and idle (0) after. Returns
+    (kv_len [N, S] at t = 0, ATTENTION_STRIDE, ..., table width W in pages, the model's size fields)."""
+    import numpy as np
+
+    from jaxrl4llm.sampling.continuous import shard_sizes
+
+    w = WORKLOAD[mode]
+    fields = model_fields(mode, next(iter(MODELS[mode])))
+    lengths = forced_lengths(mode)
+    prompt = ATTENTION_PROMPT_TOKENS[mode]
+    sizes = shard_sizes(prompts_per_shard=w["prompts"], slots_per_shard=len(lengths), samples=w["samples"],
+                        prompt_len=ATTENTION_PROMPT_WIDTH[mode], max_new_tokens=w["max_new_tokens"], page_size=page)
+    steps = np.arange(0, int(lengths.max()), ATTENTION_STRIDE if mode == "gpu" else 4)
+    kv_len = np.where(steps[:, None] < lengths[None], prompt + steps[:, None] + 1, 0).astype(np.int32)
+    return kv_len, sizes.table_pages, fields
+
+
+# the rollout's prompts: 55 real tokens on average in a 64-token bucket (the step phase's demo prompts)
+ATTENTION_PROMPT_TOKENS, ATTENTION_PROMPT_WIDTH = {"gpu": 55, "dry": 5}, {"gpu": 64, "dry": 8}
+
+
+def phase_attention(mode: str, work: Path, log) -> dict:
+    """`gpu_paged_attention` alone at the rollout's kv lengths (`attention_snapshots`), one program a
+    configuration of ATTENTION_CONFIGS that runs every snapshot: the rollout's attention seconds it
+    predicts (layers x ATTENTION_STRIDE x the program's time), and its output's relative error against
+    the default configuration's (bf16: the partitions round probabilities apart). Pallas' interpreter and
+    three configurations on the dry run."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
+
+    page = 16
+    kv_len, width, fields = attention_snapshots(mode, page)
+    snaps, slots = kv_len.shape
+    kvh, group, dh = fields["num_kv_heads"], fields["num_heads"] // fields["num_kv_heads"], fields["head_dim"]
+    rng = np.random.default_rng(0)
+    pages = slots * width + 1
+    pool = jnp.asarray(rng.standard_normal((pages, page, 2 * kvh, dh)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((slots, kvh, group, dh)), jnp.float32)
+    table = jnp.asarray(1 + rng.permutation(slots * width).reshape(slots, width), jnp.int32)
+    stride = ATTENTION_STRIDE if mode == "gpu" else 4
+    configs = ATTENTION_CONFIGS if mode == "gpu" else ATTENTION_CONFIGS[:1] + ((1, 8, 4), (2, None, 4))
+    reps = 5 if mode == "gpu" else 1
+    live = jnp.asarray(kv_len > 0)
+    rows, reference = [], None
+    for per_block, splits, warps in configs:
+        block, k, padded = gpa.kernel_blocks(width, slots, kvh, per_block, splits)
+        default = per_block == gpa.PAGES_PER_BLOCK and splits is None and warps == gpa.NUM_WARPS
+        name = f"{block} pages/step, {k} partitions{'' if splits else ' (the rule)'}, {warps} warps" + \
+            (" (default)" if default else "")
+        try:
+            one = functools.partial(gpa.gpu_paged_attention_one_shard, pages_per_block=per_block, k_splits=splits,
+                                    num_warps=warps, interpret=mode == "dry")
+            program = jax.jit(lambda q, pool, table, kv_len: jax.lax.map(lambda n: one(q, pool, table, n), kv_len))
+            out = jax.block_until_ready(program(q, pool, table, kv_len))
+            seconds = median_seconds(lambda: jax.block_until_ready(program(q, pool, table, kv_len)), reps)
+            out = jnp.where(live[..., None, None, None], out, 0.0)
+            if reference is None:
+                reference = out
+            rel = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+            row = {"config": name, "pages_per_block": block, "k_splits": k, "num_warps": warps, "padded_pages": padded,
+                   "program_ms": 1e3 * seconds, "rollout_attention_s": fields["num_layers"] * stride * seconds,
+                   "rel_to_default": rel}
+        except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a row of the table
+            row = {"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log(f"  {row}")
+        rows.append(row)
+    timed = [r for r in rows if "error" not in r]
+    if not timed:
+        raise PhaseFailed("no configuration ran", {"rows": rows})
+    default = timed[0]["rollout_attention_s"] if configs[0][1] is None else float("nan")
+    for r in timed:
+        r["default_over_this"] = default / r["rollout_attention_s"]
+    bad = [r["config"] for r in timed if not r["rel_to_default"] <= 2e-2]
+    best = min(timed, key=lambda r: r["rollout_attention_s"])
+    figures = {"snapshots": snaps, "slots": slots, "table_pages": width, "stride": stride, "rows": rows,
+               "best": best["config"]}
+    if bad:
+        raise PhaseFailed(f"outputs off the default's by more than 2e-2: {', '.join(bad)}", figures)
+    return figures
+
+
+def phase_attention_rollout(mode: str, work: Path, log, which: str) -> dict:
+    """The first step model's rollout with the attention phase's `which` configuration ("default", or
+    "best": its fastest), set in `gpu_paged_attention`'s constants before anything traces (this process
+    is the rollout's own): seconds and generated tokens/s. "best" does not run when it is the default."""
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
+
+    sweep = read_record(work.parent, "attention")
+    rows = [r for r in sweep.get("figures", {}).get("rows", []) if "error" not in r]
+    if not rows:
+        raise PhaseFailed(f"needs the attention phase's table, which has no timed row ({sweep['status']})", {})
+    row = rows[0] if which == "default" else min(rows, key=lambda r: r["rollout_attention_s"])
+    if which == "best" and row is rows[0]:
+        return {"config": row["config"], "note": "the default is the fastest: its rollout is attention:default's"}
+    w = WORKLOAD[mode]
+    fields = model_fields(mode, next(iter(MODELS[mode])))
+    gpa.PAGES_PER_BLOCK, gpa.NUM_WARPS = row["pages_per_block"], row["num_warps"]
+    gpa.GRID_TARGET = row["k_splits"] * w["prompts"] * w["samples"] * fields["num_kv_heads"]  # the rule gives k
+    timed = timed_rollout(mode, work, log, next(iter(MODELS[mode])))
+    return {"config": row["config"], "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
+            "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s,
+            "predicted_attention_s": row["rollout_attention_s"]}
+
+
 # ---------------------------------------------------------------------------- phase: exact (optional)
 def phase_exact(mode: str, work: Path, log) -> dict:
     """kernels/exact_pallas.py natively (the interpreter on the dry run): for each kernel, whether a row
@@ -808,6 +936,9 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_exact(mode, work, log)
         elif kind == "profile":
             record["figures"] = phase_profile(mode, work, log)
+        elif kind == "attention":
+            record["figures"] = phase_attention_rollout(mode, work, log, model) if model else \
+                phase_attention(mode, work, log)
         elif kind == "plan":
             record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
@@ -999,7 +1130,8 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
             background[p.name] = (launch(p.name, seconds), p.collect_after)
             log(f"{p.name}: started in the background ({PHASE_ENV.get(p.name)}, up to {seconds:.0f} s)")
             continue
-        expand = {"step": [f"step:{m}" for m in models], "launches": [f"launches:{v}" for v in LAUNCH_VARIANTS]}
+        expand = {"step": [f"step:{m}" for m in models], "launches": [f"launches:{v}" for v in LAUNCH_VARIANTS],
+                  "attention": ["attention", "attention:default", "attention:best"]}
         for phase in expand.get(p.name, [p.name]):
             left = total - (time.monotonic() - start)
             if left < 10:
@@ -1017,7 +1149,7 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS), "profile",
-                 "exact"):  # the first phase that ran on the device names it
+                 "exact", "attention"):  # the first phase that ran on the device names it
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])
@@ -1129,6 +1261,23 @@ def markdown(report: dict) -> str:
                   "| kernel | count | total ms | mean us |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| `{k['name'][:80]}` | {k['count']} | {_fmt(k['total_ms'])} | {_fmt(k['mean_us'])} |"
                   for k in profile["top"]]
+    attention = report["phases"].get("attention", {}).get("figures", {})
+    if attention.get("rows"):
+        lines += ["", f"## attention (the paged attention alone at {attention['snapshots']} snapshots of the rollout's "
+                      f"{attention['slots']} slots, {attention['table_pages']}-page tables, one every "
+                      f"{attention['stride']} decode steps)", "",
+                  "| configuration | program ms | rollout attention s | default / this | rel to default |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['config']} | error: {r['error'][:150].replace('|', '/')} | | | |" if "error" in r else
+                  f"| {r['config']} | {_fmt(r['program_ms'])} | {_fmt(r['rollout_attention_s'])} | "
+                  f"{_fmt(r['default_over_this'])} | {_fmt(r['rel_to_default'])} |" for r in attention["rows"]]
+    rollouts = {n.partition(":")[2]: r["figures"] for n, r in report["phases"].items()
+                if n.startswith("attention:") and r.get("figures", {}).get("rollout_s")}
+    if rollouts:
+        base = rollouts.get("default", {}).get("rollout_s", float("nan"))
+        lines += ["", "| rollout with | configuration | rollout s | tokens/s | default / this |", "| --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {f['config']} | {_fmt(f['rollout_s'])} | {_fmt(f['tokens_per_s'])} | "
+                  f"{_fmt(base / f['rollout_s'])} |" for k, f in rollouts.items()]
     for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
         if f:

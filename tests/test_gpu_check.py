@@ -75,13 +75,29 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
     error that lists the known ones, before any work."""
     gc = _gpu_check()
-    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "profile", "launches"]
+    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "attention", "profile", "launches"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert "unknown phase(s) lanuches" in err and "known: peaks, plan, kernels" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_attention_phase_times_each_configuration_against_the_default(tmp_path, monkeypatch):
+    """The optional attention phase (Pallas' interpreter here): the default configuration first, every
+    configuration's output within bf16 tolerance of it (one splits a slot's pages 8 ways: the combine
+    runs), the rollout's attention seconds finite and the best named."""
+    gc = _gpu_check()
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling modules (the workload's lengths)
+    figures = gc.phase_attention("dry", tmp_path, lambda line: None)
+    rows = figures["rows"]
+    assert rows[0]["config"].endswith("(default)") and rows[0]["rel_to_default"] == 0
+    assert [r["k_splits"] for r in rows][1] == 8 and all(r["rel_to_default"] <= 2e-2 for r in rows)
+    assert all(math.isfinite(r["rollout_attention_s"]) and r["rollout_attention_s"] > 0 for r in rows)
+    assert figures["best"] in {r["config"] for r in rows} and figures["snapshots"] >= 2
+    lengths = gc.attention_snapshots("dry", 16)[0]
+    assert lengths[0].min() > 0 and (lengths == 0).any()  # every row live at step 0, some done by the last
 
 
 def test_exact_phase_checks_the_pallas_kernels_invariance(tmp_path):

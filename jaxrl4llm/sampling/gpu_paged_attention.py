@@ -31,21 +31,34 @@ from jax.experimental.pallas.ops.gpu.paged_attention import DEFAULT_MASK_VALUE, 
 from jaxrl4llm.sampling.paged_cache import per_device
 
 BLOCK_H = 16  # query heads a program computes (Triton's dot needs 16 rows; a GQA group is padded up)
+# The blocks, the split and the warps: the fastest of 16 configurations at a Qwen3-0.6B rollout's kv
+# lengths on an H200 (`scripts/gpu_check --phases attention`, docs/gpu.md, 2026-11-28): 1.22x the
+# kernel's previous 4 warps and 1024-program grid alone, the rollout 2.04 s -> 1.96 s.
 PAGES_PER_BLOCK = 4  # pages one loop step of a program reads (64 tokens at 16-token pages)
-_GRID_TARGET = 1024  # programs worth launching: the k-split parallelises long slots when slots are few
+GRID_TARGET = 2048  # programs worth launching: the k-split parallelises long slots when slots are few
+NUM_WARPS, NUM_STAGES = 8, 2  # Triton's launch parameters of a program
 
 
-def _splits(pages: int, slots: int, kv_heads: int, pages_per_block: int) -> tuple[int, int]:
-    """(pages_per_block, k_splits) for a slot of `pages` logical pages: partitions of whole blocks,
-    as many as bring the grid near `_GRID_TARGET` programs."""
-    block = max(b for b in range(1, min(pages_per_block, pages) + 1) if pages % b == 0)
-    blocks = pages // block
-    want = max(1, _GRID_TARGET // max(1, slots * kv_heads))
-    return block, max(k for k in range(1, min(want, blocks) + 1) if blocks % k == 0)
+def kernel_blocks(pages: int, slots: int, kv_heads: int, pages_per_block: int | None = None,
+                  k_splits: int | None = None) -> tuple[int, int, int]:
+    """(pages_per_block, k_splits, padded_pages) for slots of `pages` logical pages: a program reads
+    `pages_per_block` pages a loop step (default `PAGES_PER_BLOCK`); a slot's pages split into
+    `k_splits` partitions, one program each (default: as many as bring the grid near `GRID_TARGET`
+    programs, at most one per block);
+    the page table is padded to `padded_pages`, a multiple of both, with pages no slot's length
+    reaches (a partition past a slot's length does no work)."""
+    block = max(1, min(pages_per_block or PAGES_PER_BLOCK, pages))
+    blocks = -(-pages // block)
+    if k_splits is None:
+        k_splits = min(blocks, max(1, GRID_TARGET // max(1, slots * kv_heads)))
+    if k_splits < 1:
+        raise ValueError(f"k_splits={k_splits}: at least 1 partition of a slot's pages")
+    return block, k_splits, -(-pages // (block * k_splits)) * block * k_splits
 
 
 def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *,
-                                  pages_per_block: int = PAGES_PER_BLOCK, k_splits: int | None = None,
+                                  pages_per_block: int | None = None, k_splits: int | None = None,
+                                  num_warps: int | None = None, num_stages: int | None = None,
                                   interpret: bool = False) -> jax.Array:
     """softmax(q K^T / sqrt(Dh)) V over each slot's first kv_len tokens, K and V read in place.
 
@@ -55,7 +68,8 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
       table [S, W] int32: a slot's logical pages (its tokens contiguous over them).
       kv_len [S] int32: valid tokens of each slot (0: an idle slot, whose output is 0).
       pages_per_block: pages a program reads per loop step; k_splits: partitions of a slot's
-        pages run as separate programs (default: enough for ~1024 programs).
+        pages run as separate programs (`kernel_blocks`); num_warps, num_stages: Triton's. None: this
+        module's constants, read when the call traces.
       interpret: run the kernel in Pallas' interpreter (any backend; for tests on CPU).
     Returns: [S, KVH, H/KVH, Dh] float32.
     """
@@ -64,12 +78,9 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
     width = table.shape[1]
     if two_kvh != 2 * kvh:
         raise ValueError(f"pool [pages, page, 2 KVH, Dh] has {two_kvh} head columns for {kvh} kv heads of q")
-    block, splits = _splits(width, s, kvh, pages_per_block)
-    if k_splits is not None:
-        splits = k_splits
-    if width % (splits * block):
-        raise ValueError(f"a slot's {width} pages do not split into {splits} partitions of {block}-page blocks")
-    per_split = width // splits
+    block, splits, padded = kernel_blocks(width, s, kvh, pages_per_block, k_splits)
+    table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, padded - width)))  # page 0: read past the length only
+    per_split = padded // splits
     heads = -(-hg // BLOCK_H) * BLOCK_H
     head_blocks = heads // BLOCK_H
     qp = jnp.pad((q * dh**-0.5).astype(pool.dtype), ((0, 0), (0, 0), (0, heads - hg), (0, 0)))
@@ -98,7 +109,7 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
                    jax.ShapeDtypeStruct((splits, s, kvh, heads), jnp.float32),
                    jax.ShapeDtypeStruct((splits, s, kvh, heads), jnp.float32)],
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES),
         name="jaxrl4llm_paged_attention",
     )(qp, pool, None, pool, None, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
     o, l, m = o[..., :hg, :], l[..., :hg], m[..., :hg]

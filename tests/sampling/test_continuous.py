@@ -132,12 +132,13 @@ _xla_path = jax.jit(lambda q, pool, table, counts: paged_attention(q, pool, tabl
 
 
 @settings(max_examples=4, deadline=None, derandomize=True)
-@given(st.sampled_from([(2, 3, 4, 2), (1, 4, 8, 1)]), st.integers(0, 2**31 - 1))
+@given(st.sampled_from([(2, 3, 4, 2), (1, 4, 8, 3)]), st.integers(0, 2**31 - 1))
 def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     """The GPU (Triton) paged attention kernel, run by Pallas' interpreter on CPU, on our interleaved
     pool as the engine holds it: equals `paged_attention` (XLA) on every live slot, for (kv heads,
     GQA group, page size, partitions of a slot's pages) = (2, 3, 4, 2), (1, 4, 8, 1) (a group padded
-    to the kernel's 16 query rows; two partitions: the flash-decoding combine); lengths cross pages,
+    to the kernel's 16 query rows; partitions: the flash-decoding combine, three of a 4-page slot
+    padding its page table to 6); lengths cross pages,
     an idle slot gives 0. Tolerance: a bf16 pool; the kernel rounds unnormalised probabilities to
     bf16 (the XLA path normalised ones). Two shapes: one compile each."""
     kvh, hg, page, splits = case
