@@ -553,6 +553,23 @@ def _restore(ckpt: RunCheckpointer, state, partial, unattended: bool, log: Calla
     return state, start_step, cursor, retired, pending
 
 
+def _draw(run, cfg: RunConfig, stream: PromptStream, partial, start_step: int, t: int, policy,
+          on_params_read=None) -> PendingRollout:
+    """An asynchronous run's stage: the rollout that step `t` trains on, sampled by `policy` (whole
+    groups, `sample_groups`; with partial rollouts the engine's next segment, `sample_segment`), with
+    the policy version it was sampled at (trainer.max_staleness steps behind at most)."""
+    k = cfg.trainer.max_staleness
+    if partial is None:
+        rollout, scores, stats = sample_groups(policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t),
+                                               run.reward_fn, run.recipe, on_params_read)
+        return PendingRollout(t, sampling_version(t, k, start_step), rollout, scores.rewards, stats,
+                              components=scores.components)
+    version = partial_version(t, k, start_step)
+    rollout, scores, stats, versions = sample_segment(policy, partial, run.train_set, stream, cfg, t, version,
+                                                      run.base_key, run.reward_fn, on_params_read)
+    return PendingRollout(t, version, rollout, scores.rewards, stats, versions, scores.components)
+
+
 def _final_eval(run, cfg: RunConfig, history: list, out, writer, evaluate_now: Callable[[], dict]) -> dict | None:
     """The run's held-out figures after its last step: the last step's own evaluation, else the one a
     resumed run logged before it stopped, else a new one (`evaluate_now`, then logged). None without
@@ -626,16 +643,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             f"is_cap=5); the update treats them as on-policy.")
     ahead = k - 1 if partial is not None else k  # rollouts sampled whole before the update that trains on them
 
-    def draw(t, policy, on_params_read=None) -> PendingRollout:
-        if partial is None:
-            rollout, scores, stats = sample_groups(policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t),
-                                                   run.reward_fn, run.recipe, on_params_read)
-            return PendingRollout(t, sampling_version(t, k, start_step), rollout, scores.rewards, stats,
-                                  components=scores.components)
-        version = partial_version(t, k, start_step)
-        rollout, scores, stats, versions = sample_segment(policy, partial, run.train_set, stream, cfg, t, version,
-                                                          run.base_key, run.reward_fn, on_params_read)
-        return PendingRollout(t, version, rollout, scores.rewards, stats, versions, scores.components)
+    draw = functools.partial(_draw, run, cfg, stream, partial, start_step)
 
     for step in range(start_step, cfg.trainer.steps):
         t_step = time.perf_counter()

@@ -135,20 +135,25 @@ class PackPlan(NamedTuple):
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int, max_items: int) -> list[list[int]]:
     """Bins of item indices, longest item first into the first bin it fits (tokens <= capacity,
-    items <= max_items), a new bin when none does. Every length must be <= capacity."""
+    items <= max_items), a new bin when none does. Every length must be <= capacity.
+    (Python ints and lists: a run's layout packs a few thousand sampled mini-batches at startup,
+    `expected_micro_batches`, where numpy's per-call cost dominated.)"""
+    sizes = np.asarray(lengths).tolist()
     bins: list[list[int]] = []
-    free = np.zeros(0, np.int64)
-    counts = np.zeros(0, np.int64)
-    for i in np.argsort(-lengths, kind="stable"):
-        fits = np.flatnonzero((free >= lengths[i]) & (counts < max_items))
-        if fits.size:
-            k = int(fits[0])
+    free: list[int] = []
+    counts: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda j: -sizes[j]):  # stable, as np.argsort(kind="stable")
+        size = sizes[i]
+        for k in range(len(bins)):
+            if free[k] >= size and counts[k] < max_items:
+                break
         else:  # a new bin
             k = len(bins)
             bins.append([])
-            free, counts = np.append(free, capacity), np.append(counts, 0)
-        bins[k].append(int(i))
-        free[k] -= lengths[i]
+            free.append(capacity)
+            counts.append(0)
+        bins[k].append(i)
+        free[k] -= size
         counts[k] += 1
     return bins
 
@@ -169,7 +174,8 @@ def deal_rows(need: np.ndarray, layout: PackLayout, mini_batch: int = 0) -> tupl
 
     Raises ValueError if that is more than layout.micro_batches."""
     bins = first_fit_decreasing(need, layout.row_width, layout.sequences_per_row)
-    fill = [int(need[np.asarray(bb)].sum()) for bb in bins]
+    sizes = np.asarray(need).tolist()
+    fill = [sum(sizes[i] for i in bb) for bb in bins]
     order = np.argsort(-np.asarray(fill), kind="stable")
     per_shard: list[list[list[int]]] = [[] for _ in range(layout.shards)]
     for rank, k in enumerate(order):
