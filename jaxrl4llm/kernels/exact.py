@@ -3,7 +3,8 @@ the trainer's bit for bit (docs/objectives.md, "Sampler-trainer agreement").
 
 Every reduction of the forward runs in one fixed order that depends only on the reduced values,
 never on the number of rows, a row's place in its batch or packed row, or the thread split
-(the C++ kernels of csrc/exact.cc, on one CPU device):
+(the C++ kernels of csrc/exact.cc on a CPU device, the Pallas kernels of `kernels.exact_pallas` on a
+GPU or TPU: `use_pallas`; one device either way):
 
     matmul     y[m, n] = fma(x[m, K-1], w[K-1, n], ... fma(x[m, 0], w[0, n], 0))     k ascending
     sums       ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)),  p_l = sum_{k = l mod 8} a_k  (RMSNorm,
@@ -28,22 +29,41 @@ that the PPO ratio compares with the sampler's log-probs.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm.kernels import native
+from jaxrl4llm.kernels import exact_pallas, native
+
+# Which kernels run exact numerics: the C++ CPU kernels on a CPU device, the Pallas kernels of
+# `kernels.exact_pallas` on a GPU or TPU. JAXRL4LLM_EXACT_KERNELS=pallas takes the Pallas kernels on a
+# CPU too, in Pallas' interpreter (tests of the GPU / TPU route on CPU).
+KERNELS_ENV = "JAXRL4LLM_EXACT_KERNELS"
+
+
+def use_pallas() -> bool:
+    """Whether this process's exact numerics run the Pallas kernels (read at trace time: one device,
+    the process's default backend)."""
+    return jax.default_backend() != "cpu" or os.environ.get(KERNELS_ENV, "") == "pallas"
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
 
 def require(devices=None) -> None:
-    """Raise ValueError naming the fix unless exact numerics can run here: the C++ kernels build and
-    load, on one CPU device (`devices`: the program's; None: this process's first)."""
+    """Raise ValueError naming the fix unless exact numerics can run here: one device; on a CPU the
+    C++ kernels build and load (`devices`: the program's; None: this process's first)."""
     devices = jax.devices()[:1] if devices is None else list(devices)
     platforms = {d.platform for d in devices}
-    if platforms != {"cpu"} or len(devices) != 1:
-        raise ValueError(f"model.numerics=exact runs on one CPU device (its kernels are C++ CPU kernels); this "
-                         f"program runs on {len(devices)} {'/'.join(sorted(platforms))} device(s). Use "
-                         f"model.numerics=default here, or one CPU device")
+    if len(devices) != 1:
+        raise ValueError(f"model.numerics=exact runs on one device (its kernels are not partitioned); this "
+                         f"program runs on {len(devices)} {'/'.join(sorted(platforms))} devices. Use "
+                         f"model.numerics=default here, or one device")
+    if platforms != {"cpu"} or use_pallas():
+        return  # the Pallas kernels (kernels/exact_pallas.py)
     try:
         native.require_kernels()
     except native.KernelBuildError as error:
@@ -67,6 +87,8 @@ def rounded(x: jax.Array, dtype) -> jax.Array:
 @jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """y = x w: x [M, K], w [K, N] float32 -> [M, N] float32, each y[m, n] one fma chain over k ascending."""
+    if use_pallas():
+        return exact_pallas.matmul(x, w, interpret=_interpret())
     return _call("jaxrl4llm_exact_matmul", (x.shape[0], w.shape[1]), jnp.float32, x, w)
 
 
@@ -121,6 +143,8 @@ def _rms_inverse_reference(x, eps):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def rms_inverse(x: jax.Array, eps: float) -> jax.Array:
     """1 / sqrt(mean(x^2, -1) + eps): x [..., D] float32 -> [...], the sum in the fixed order."""
+    if use_pallas():
+        return exact_pallas.rms_inverse(_rows(x), float(eps), interpret=_interpret()).reshape(x.shape[:-1])
     out = _call("jaxrl4llm_exact_rms_inverse", (_rows(x).shape[0],), jnp.float32, _rows(x), eps=np.float32(eps))
     return out.reshape(x.shape[:-1])
 
@@ -140,6 +164,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 @jax.custom_vjp
 def _token_logprob(z, tokens):
+    if use_pallas():
+        return exact_pallas.token_logprob(z, tokens, interpret=_interpret())
     return _call("jaxrl4llm_exact_token_logprob", (z.shape[0],), jnp.float32, z, tokens)
 
 
@@ -166,6 +192,10 @@ def rope_tables(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
     positions [...] int; inv_freq [Dh/2] float32 -> (cos, sin) [..., Dh] float32."""
     flat = positions.reshape(-1).astype(jnp.int32)
     dh = 2 * len(inv_freq)
+    if use_pallas():  # element-wise on a GPU or TPU: every element's cos and sin by one code path
+        angles = flat.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None]
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        return jnp.cos(angles).reshape(*positions.shape, dh), jnp.sin(angles).reshape(*positions.shape, dh)
     cos, sin = _call("jaxrl4llm_exact_rope_tables", (flat.shape[0], dh), jnp.float32, flat,
                      jnp.asarray(inv_freq, jnp.float32), outputs=2)
     return cos.reshape(*positions.shape, dh), sin.reshape(*positions.shape, dh)
@@ -182,6 +212,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """`layers.rope.apply_rope` in C++, each product rounded before the sum: x [B, T, N, Dh] float32;
     cos, sin [B, T, Dh] -> [B, T, N, Dh]."""
     b, t, n, dh = x.shape
+    if use_pallas():
+        return exact_pallas.apply_rope(x.reshape(b * t, n, dh), cos.reshape(b * t, dh), sin.reshape(b * t, dh),
+                                       interpret=_interpret()).reshape(x.shape)
     out = _call("jaxrl4llm_exact_apply_rope", (b * t, n, dh), jnp.float32, x.reshape(b * t, n, dh),
                 cos.reshape(b * t, dh), sin.reshape(b * t, dh))
     return out.reshape(x.shape)
@@ -218,6 +251,8 @@ def ranges_mask(ranges: jax.Array, num_keys: int) -> jax.Array:
 
 @jax.custom_vjp
 def _attention(q, k, v, ranges):
+    if use_pallas():
+        return exact_pallas.attention(q, k, v, ranges, interpret=_interpret())
     scale = np.float32(q.shape[-1] ** -0.5)
     return _call("jaxrl4llm_exact_attention", q.shape, jnp.float32, q, k, v, ranges, scale=scale)
 

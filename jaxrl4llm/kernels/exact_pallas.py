@@ -19,9 +19,10 @@ same bits. The values differ from the C++ kernels' (other exp, other dot hardwar
 between the sampler and the trainer on one platform.
 
 `interpret=True` runs a kernel in Pallas' interpreter (tests on CPU: tests/kernels/test_exact_pallas.py
-holds each kernel's invariance there). On a chip they are not yet wired into the model (the sampler
-and the trainer call `kernels.exact`, one CPU device): `scripts/gpu_check --phases exact` runs the
-same invariance checks natively on a GPU.
+holds each kernel's invariance there). `kernels.exact` calls them off the CPU (`exact.use_pallas`), so
+`model.numerics: exact` runs on one GPU or TPU; tests/kernels/test_exact.py runs the sampler-trainer
+bit-equality test through them in the interpreter. `scripts/gpu_check --phases exact` runs the
+invariance checks natively on a GPU.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def decode_backend(config: ModelConfig, *, mesh: Mesh | None, use_kernels: bool,
     """The decode backend of one sampler call: `kernels.backend.CpuBackend` on CPU (16-bit moves as
     bits; with `use_kernels`, the C++ kernels and, on their AVX512-BF16 paths, packed weights and
     the pair KV layout), the platform-neutral `DecodeBackend` elsewhere; `kernels.backend.ExactBackend`
-    under model.numerics=exact (one CPU device)."""
+    under model.numerics=exact (one device)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     if config.numerics == "exact":
         exact.require(devices)

@@ -74,7 +74,8 @@ class ModelConfigSection:
     # (TPU splash kernel, GPU Pallas flash attention, CPU block-causal XLA), or force one
     attention_impl: Literal["auto", "xla", "splash", "pallas_gpu"] = "auto"
     # exact: batch-invariant kernels, so the sampler's log-probs equal the trainer's bit for bit
-    # (kernels/exact.py; one CPU device, no LoRA; docs/objectives.md, "Sampler-trainer agreement")
+    # (kernels/exact.py; one device: C++ kernels on a CPU, Pallas on a GPU or TPU; no LoRA;
+    # docs/objectives.md, "Sampler-trainer agreement")
     numerics: Literal["default", "exact"] = "default"
     # positions per LM-head chunk when scoring: a chunk's logits hold rows x chunk x vocab floats
     # (64 rows x 64 x 32k vocab = 0.5 GiB); measured on a 48M model, 64 rows x 255 tokens, remat:

@@ -97,12 +97,28 @@ def packed_rows(plen, rlen, p, width, row_width=128):
     return PackPlan(source, segments, slot_sequence, slot_first, np.ones(1, np.int32))
 
 
-@pytest.mark.parametrize("dtype, temperature", [("float32", 1.0), ("bfloat16", 0.7)])
-def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype, temperature):
+@pytest.fixture
+def exact_kernels(request, monkeypatch):
+    """The kernels of exact numerics: "cpp" (the C++ CPU kernels) or "pallas" (the Pallas kernels of
+    GPUs and TPUs, in Pallas' interpreter: $JAXRL4LLM_EXACT_KERNELS, read when a program traces, so
+    the other route's compiled programs are dropped before and after)."""
+    if request.param == "pallas":
+        monkeypatch.setenv(exact.KERNELS_ENV, "pallas")
+        jax.clear_caches()
+    yield request.param
+    if request.param == "pallas":
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("dtype, temperature, exact_kernels", [("bfloat16", 0.7, "cpp"), ("float32", 1.0, "pallas")],
+                         indirect=["exact_kernels"])
+def test_sampler_logprobs_equal_the_trainers_bit_for_bit(dtype, temperature, exact_kernels):
     """Continuous batching (6 slots for 16 rows: rows enter slots as others finish), prompts of 3
     to 12 tokens; the trainer's recompute over left-padded rows, shared-prompt rows and packed rows
-    gives every sampled token the sampler's log-prob, bit for bit. Default numerics on the same
+    gives every sampled token the sampler's log-prob, bit for bit, with the C++ kernels and with the
+    Pallas kernels a GPU or TPU runs (here in Pallas' interpreter). Default numerics on the same
     model differ (the test can fail)."""
+    assert exact.use_pallas() == (exact_kernels == "pallas")
     graphdef, state = init_model(tiny(dtype), jax.random.PRNGKey(0), std=0.1)
     prompts = [list(RNG.integers(2, 256, n)) for n in (3, 7, 12, 5)]
     r = 16
