@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from jaxrl4llm.core import cispo_surrogate, clipped_surrogate, sapo_gate, sapo_surrogate
 from tests.core import reference as ref
@@ -138,12 +138,15 @@ TAUS = st.sampled_from([(1.0, 1.05), (0.5, 2.0)])
 
 @FAST
 @given(seed=seeds, taus=TAUS, per_token_adv=st.booleans())
+@example(seed=554431908, taus=(0.5, 2.0), per_token_adv=False)  # a float32 gradient 1.08e-6 off (CI, 2026-11-28)
 def test_sapo_matches_reference_value_and_gradient(seed, taus, per_token_adv):
+    """Against the float64 reference; float32 tolerances: gradients of order 1 lose ~1e-6 absolute
+    to cancellation (an element of 4e-4 came out 1.08e-6 off), as the loss does (atol 1e-5 both)."""
     logp, old, adv, m = _inputs(seed, per_token_adv, spread=0.6)
     loss, _, grad = _np(*_sapo(*map(jnp.asarray, (logp, old, adv, m)), tau_pos=taus[0], tau_neg=taus[1]))
     exp_loss, exp_grad = ref.sapo_surrogate(logp, old, adv, m, tau_pos=taus[0], tau_neg=taus[1])
     np.testing.assert_allclose(loss, exp_loss, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(grad, exp_grad, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grad, exp_grad, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(loss[m == 0], 0.0)
 
 
