@@ -570,6 +570,20 @@ def _draw(run, cfg: RunConfig, stream: PromptStream, partial, start_step: int, t
     return PendingRollout(t, version, rollout, scores.rewards, stats, versions, scores.components)
 
 
+def _stop_preempted(steps_done: int, save: Callable[[], None] | None, writer, files, ckpt: RunCheckpointer,
+                    log: Callable[[str], None]) -> None:
+    """A preempted run's last stage (every process, after the same step): `save` this step's
+    checkpoint (None: the step's periodic one is already on its way), flush the metrics and the run
+    folder, wait for the write, then raise Preempted (exit 75: the relaunch resumes here)."""
+    if save is not None:
+        save()
+    writer.close()
+    files.sync()
+    ckpt.close()  # waits for the write
+    log(f"preempted: checkpoint of step {steps_done} saved in {ckpt.dir}")
+    raise Preempted(steps_done, str(ckpt.dir / str(steps_done)))
+
+
 def _final_eval(run, cfg: RunConfig, history: list, out, writer, evaluate_now: Callable[[], dict]) -> dict | None:
     """The run's held-out figures after its last step: the last step's own evaluation, else the one a
     resumed run logged before it stopped, else a new one (`evaluate_now`, then logged). None without
@@ -689,13 +703,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             save()
             files.sync()  # gs://: the metrics so far reach the run folder with each checkpoint
         if stop_requested():  # a SIGTERM reached some process: all save this step and stop together
-            if not checkpoint_now:
-                save()
-            writer.close()
-            files.sync()
-            ckpt.close()  # waits for the write
-            log(f"preempted: checkpoint of step {step + 1} saved in {ckpt.dir}")
-            raise Preempted(step + 1, str(ckpt.dir / str(step + 1)))
+            _stop_preempted(step + 1, None if checkpoint_now else save, writer, files, ckpt, log)
 
     eval_after = _final_eval(run, cfg, history, out, writer, lambda: evaluate_at(cfg.trainer.steps, state))
     writer.close()
