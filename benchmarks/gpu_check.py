@@ -69,6 +69,10 @@ PHASES = (
                                "(kernels/exact_pallas.py) on the chip: each row's bits whatever its companions "
                                "(matmul, attention as a training row and as a decode step, the row kernels), "
                                "errors against XLA, times", optional=True),
+    Phase("agreement", 150, 240, "optional (`--phases agreement`): model.numerics=exact end to end on the chip "
+                                 "(benchmarks/numerics.py, a random Qwen3-shaped model, bf16): the sampler's log-prob "
+                                 "of every token against the trainer's recompute (exact: 0 differing), rollout and "
+                                 "update tokens/s against default numerics", optional=True),
     Phase("attention", 75, 240, "optional (`--phases attention`): the Triton paged attention alone at the first "
                                "step model's rollout's kv lengths every ATTENTION_STRIDE decode steps, under each "
                                "block/split/warps of ATTENTION_CONFIGS: the rollout's attention seconds each "
@@ -756,6 +760,34 @@ def phase_exact(mode: str, work: Path, log) -> dict:
     return figures
 
 
+# The agreement phase's model and rollout: a random Qwen3-shaped model (head_dim 128 on the GPU, GQA 2:1)
+# and P prompts x G samples x R new tokens, bf16; the dry run's is tiny and uses the CPU's C++ exact kernels
+# (the Pallas route in the interpreter is tests/kernels/test_exact.py's).
+AGREEMENT = {
+    "gpu": dict(hidden=1024, layers=8, heads=8, kv_heads=4, vocab=32768, prompts=8, samples=4, new_tokens=256,
+                repeats=2),
+    "dry": dict(hidden=32, layers=2, heads=4, kv_heads=2, vocab=128, prompts=2, samples=2, new_tokens=8, repeats=1),
+}
+
+
+def phase_agreement(mode: str, work: Path, log) -> dict:
+    """`numerics.compare` on the device: for default and exact numerics, rollout and update tokens/s
+    and the sampled tokens whose log-probs differ in any bit from the trainer's recompute.
+    PhaseFailed when exact mode leaves a token differing (issue #39: it must be 0 on every device)."""
+    from numerics import compare, random_prompts, tiny_config
+
+    a = AGREEMENT[mode]
+    config = tiny_config(a["hidden"], "bfloat16", a["layers"], a["heads"], a["kv_heads"], a["vocab"])
+    figures = compare(config, random_prompts(a["prompts"], a["vocab"]), a["new_tokens"], a["samples"], a["repeats"])
+    figures["model"] = {k: a[k] for k in ("hidden", "layers", "heads", "kv_heads", "vocab")}
+    log(json.dumps(figures))
+    exact = figures["exact"]
+    if exact["differing"]:
+        raise PhaseFailed(f"exact numerics: {exact['differing']} of {exact['tokens']} sampled tokens' log-probs "
+                          "differ from the trainer's", figures)
+    return figures
+
+
 # ---------------------------------------------------------------------------- phase: plan (background)
 def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
     """`jaxrl4llm plan --json` of each step phase's run on `plan_topology`, at the rollout's own
@@ -934,6 +966,8 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_launches(mode, work, log, model)
         elif kind == "exact":
             record["figures"] = phase_exact(mode, work, log)
+        elif kind == "agreement":
+            record["figures"] = phase_agreement(mode, work, log)
         elif kind == "profile":
             record["figures"] = phase_profile(mode, work, log)
         elif kind == "attention":
@@ -1149,7 +1183,7 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS), "profile",
-                 "exact", "attention"):  # the first phase that ran on the device names it
+                 "exact", "agreement", "attention"):  # the first phase that ran on the device names it
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])
@@ -1278,6 +1312,18 @@ def markdown(report: dict) -> str:
         lines += ["", "| rollout with | configuration | rollout s | tokens/s | default / this |", "| --- | --- | ---: | ---: | ---: |"]
         lines += [f"| {k} | {f['config']} | {_fmt(f['rollout_s'])} | {_fmt(f['tokens_per_s'])} | "
                   f"{_fmt(base / f['rollout_s'])} |" for k, f in rollouts.items()]
+    agreement = report["phases"].get("agreement", {}).get("figures", {})
+    if agreement.get("exact"):
+        m = agreement["model"]
+        lines += ["", f"## agreement (model.numerics, a random Qwen3-shaped model: hidden {m['hidden']}, {m['layers']} "
+                      f"layers, {m['heads']}:{m['kv_heads']} heads, vocabulary {m['vocab']}, bf16)", "",
+                  "| numerics | rollout tokens/s | update tokens/s | tokens whose log-probs differ | ρ outside [0.9, 1.1] "
+                  "| max \\|d\\| |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {_fmt(agreement[k]['rollout_tokens_per_s'])} | {_fmt(agreement[k]['update_tokens_per_s'])} | "
+                  f"{agreement[k]['differing']} of {agreement[k]['tokens']} | {_fmt(100 * agreement[k]['out_10'])}% | "
+                  f"{_fmt(agreement[k]['max_abs'])} |" for k in ("default", "exact")]
+        lines += ["", f"exact / default time: rollout {_fmt(agreement['rollout_ratio'])}x, "
+                      f"update {_fmt(agreement['update_ratio'])}x"]
     for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
         if f:

@@ -75,7 +75,7 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
     error that lists the known ones, before any work."""
     gc = _gpu_check()
-    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "attention", "profile", "launches"]
+    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "agreement", "attention", "profile", "launches"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
@@ -105,6 +105,21 @@ def test_exact_phase_checks_the_pallas_kernels_invariance(tmp_path):
     figures = _gpu_check().phase_exact("dry", tmp_path, lambda line: None)
     assert all(f["invariant"] for f in figures.values())
     assert figures["attention"]["max_err"] < 1e-5 and figures["matmul"]["max_err"] < 1e-4
+
+
+def test_agreement_phase_runs_exact_numerics_end_to_end_and_reports_its_cost(tmp_path, monkeypatch):
+    """The optional agreement phase (the CPU's exact kernels here): no sampled token's log-prob differs
+    from the trainer's in exact mode, both modes' tokens/s are reported, and the markdown shows them."""
+    gc = _gpu_check()
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling module (numerics)
+    figures = gc.phase_agreement("dry", tmp_path, lambda line: None)
+    assert figures["exact"]["differing"] == 0 and figures["exact"]["tokens"] > 0
+    assert figures["default"]["tokens"] == figures["exact"]["tokens"]
+    assert all(math.isfinite(figures[m][k]) and figures[m][k] > 0 for m in ("default", "exact")
+               for k in ("rollout_tokens_per_s", "update_tokens_per_s"))
+    text = gc.markdown({"mode": "dry", "python": "3", "date": "today", "phases": {
+        "agreement": {"status": "ok", "seconds": 1.0, "figures": figures}}})
+    assert "| exact | " in text and f"0 of {figures['exact']['tokens']} |" in text
 
 
 def test_trace_summary_reads_a_profile_of_xla_ops(tmp_path):
