@@ -77,8 +77,9 @@ def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def compare(base: ModelConfig, prompts, new_tokens: int, samples: int, repeats: int) -> dict:
     """{mode: {rollout_tokens_per_s, update_tokens_per_s, tokens, differing, out_10, max_abs, ...}} for
-    model.numerics default and exact (`measure`), each the best of `repeats` timed runs after a compile run, the modes alternating in each
-    repeat (a noisy machine slows both alike); plus the exact / default time ratios."""
+    model.numerics default and exact (`measure`), each the best of `repeats` timed runs after a compile
+    run, the modes alternating in each repeat (a noisy machine slows both alike); plus rollout_ratio
+    and update_ratio, exact's time over default's."""
     modes = {m: measure(dataclasses.replace(base, numerics=m), prompts, new_tokens, samples) for m in ("default", "exact")}
     best = {m: [float("inf"), float("inf")] for m in modes}
     for _ in range(repeats):
