@@ -64,6 +64,7 @@ from jaxrl4llm.train.batching import rollout_to_batch
 from jaxrl4llm.train.packing import pack, pack_layout, pack_plan, to_padded
 from jaxrl4llm.train.policy import make_logprob_fn
 from jaxrl4llm.train.step import make_logprob_pass
+from numerics import tiny_config  # a sibling benchmark (this folder is on sys.path when run as a script)
 
 SAMPLERS = ("continuous/xla", "continuous/cpu_native", "static")
 EXACT_SAMPLER = "continuous/exact"  # --numerics exact: the decode attention `model.numerics` chooses
@@ -72,18 +73,11 @@ CHAT_QUESTIONS = ("What is 17 times 23?", "Write a haiku about rain.", "Explain 
                   "Why is the sky blue?", "Count from one to five in words.")
 
 
-def tiny_config(hidden: int, dtype: str, numerics: str = "default") -> ModelConfig:
-    """A Qwen3-shaped random model of hidden size `hidden` (4 layers, 4 heads of hidden/4, 2 kv heads)."""
-    return ModelConfig(architecture="qwen3", vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
-                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rope_theta=10000.0,
-                       max_position_embeddings=1024, tie_word_embeddings=True, dtype=dtype, param_dtype="float32",
-                       numerics=numerics)
-
-
 def load_model(name: str, dtype: str, prompts: int, numerics: str = "default"):
     """(graphdef, state, prompt id lists, eos ids) of 'tiny:H' or a checkpoint folder."""
     if name.startswith("tiny:"):
-        graphdef, state = init_model(tiny_config(int(name[5:]), dtype, numerics), jax.random.PRNGKey(0), std=0.1)
+        config = dataclasses.replace(tiny_config(int(name[5:]), dtype), numerics=numerics)
+        graphdef, state = init_model(config, jax.random.PRNGKey(0), std=0.1)
         rng = np.random.default_rng(0)
         ids = [rng.integers(2, 512, size=int(n)).tolist() for n in rng.integers(3, 40, size=prompts)]
         return graphdef, state, ids, (1,)
