@@ -9,11 +9,20 @@ than to store). A test that points the cache at a folder of its own (trainer.com
 has it there; the next test is back in the session's. The plan tests go without: their programs
 are compiled for TPU topologies with no chip, which XLA can write but not load back.
 
+Compile speed (`./scripts/test`): every test but those marked `xla_default_opt` runs with
+XLA_FLAGS=--xla_backend_optimization_level=0, LLVM's cheapest code generation for XLA:CPU's
+programs: the suite is mostly compiling tiny programs, and the level changes how XLA's float sums
+are vectorised, not what they compute (a float32 log-prob moves by about one ulp). The tests
+marked `xla_default_opt` pin float bits or claim bit-equality at the level users run, so
+scripts/test runs them in a second pytest process without the flag, and here they fail when the
+flag is set (`OPT_LEVEL_FLAG`).
+
 The longest test files run first (HEAVY_FILES): `./scripts/test` hands whole files to its two
 workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file started
 last would leave one worker running it alone at the end of the suite.
 """
 
+import os
 from pathlib import Path
 
 import jax
@@ -38,6 +47,20 @@ HEAVY_FILES = (
     "plan/test_meter.py",
     "train/test_async_rl.py",
 )
+
+
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level"  # scripts/test sets it to 0 for the unmarked tests
+
+
+def pytest_runtest_setup(item):
+    """A test marked xla_default_opt fails, naming the fix, in a process whose XLA_FLAGS set the
+    LLVM optimisation level: its pinned bits would not hold there."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if item.get_closest_marker("xla_default_opt") and OPT_LEVEL_FLAG in flags:
+        pytest.fail(f"{item.nodeid} is marked xla_default_opt: it pins float bits or claims bit-equality at XLA's "
+                    f"default LLVM optimisation level, and this process has XLA_FLAGS={flags!r}. Run it without "
+                    f"{OPT_LEVEL_FLAG} (./scripts/test runs the marked tests in a second process, "
+                    "`pytest -m xla_default_opt`).", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,6 +1,10 @@
-"""policy_loss is bit-identical to the values pinned at commit cda4f50, before the surrogates became a
-table: for every shipped preset and the surrogate variants (GSPO, GSPO-token, dual clip, SAPO, CISPO's
-absolute cap, Clip-Cov, KL-Cov, TIS, MIS), on one fixed random batch, under jit.
+"""policy_loss equals the values pinned at commit cda4f50, before the surrogates became a table: for
+every shipped preset and the surrogate variants (GSPO, GSPO-token, dual clip, SAPO, CISPO's absolute
+cap, Clip-Cov, KL-Cov, TIS, MIS), on one fixed random batch, under jit. Bit for bit on the kind of host
+the pins were made on (no AVX512-BF16); XLA:CPU compiles for the host's instruction sets and sums a
+mean in the order its vector width gives, so on an AVX-512 host two metrics (approx_kl, entropy)
+differ by 2 and 1 ulps while the loss and its gradient stay bit for bit: the test allows MAX_ULP
+ulps and prints a NOTICE naming what was not bit for bit.
 
 The fixture data/policy_loss_cda4f50.npz holds, per case (`cases`), what `pinned_outputs` returns
 (`scalar_keys` "case:name" / `scalars`: the loss numerator and denominator and every metric;
@@ -18,6 +22,9 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.core import CISPO, GRPO, LITE_PPO, PRESETS, apply_surrogate, compute_advantages, policy_loss
+
+# float32 bits pinned at cda4f50: at XLA's default LLVM optimisation level (tests/conftest.py)
+pytestmark = pytest.mark.xla_default_opt
 
 FIXTURE = Path(__file__).parent / "data" / "policy_loss_cda4f50.npz"
 B, G, T = 8, 4, 12
@@ -97,13 +104,24 @@ def load_pins(case):
         return pinned, data["clip_flags"][index]
 
 
+MAX_ULP = 4  # XLA:CPU sums a mean in the order the host's vector width gives (module docstring)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_policy_loss_is_bit_identical_to_cda4f50(case):
+def test_policy_loss_equals_cda4f50_to_the_last_bits(case):
     got = pinned_outputs(CASES[case], pinned_inputs())
     want, _ = load_pins(case)
     assert set(got) == set(want), "the metrics' names changed"
+    moved = []
     for key, value in got.items():
-        np.testing.assert_array_equal(value, want[key], err_msg=f"{case}: {key}")
+        try:
+            np.testing.assert_array_max_ulp(value, want[key], maxulp=MAX_ULP)
+        except AssertionError as error:
+            raise AssertionError(f"{case}: {key} moved from the pin made at cda4f50: {error}") from None
+        if not np.array_equal(value, want[key]):
+            moved.append(key)
+    if moved:
+        print(f"NOTICE: {case}: {moved} within {MAX_ULP} ulps of the pins, not bit for bit (another host's vector width)")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

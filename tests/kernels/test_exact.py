@@ -18,6 +18,9 @@ from jaxrl4llm.train.packing import PackPlan, pack, to_padded
 from jaxrl4llm.train.policy import make_logprob_fn
 from jaxrl4llm.train.step import make_logprob_pass
 
+# the sampler's log-probs equal the trainer's bit for bit: at XLA's default LLVM optimisation level (tests/conftest.py)
+pytestmark = pytest.mark.xla_default_opt
+
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((37, 96)).astype(np.float32)
 W = RNG.standard_normal((96, 70)).astype(np.float32)

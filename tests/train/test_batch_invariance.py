@@ -36,6 +36,9 @@ from jaxrl4llm.train.packing import PackPlan, pack, to_padded
 from jaxrl4llm.train.policy import make_logprob_fn
 from jaxrl4llm.train.step import make_logprob_pass
 
+# bit-equality across batch compositions: at XLA's default LLVM optimisation level (tests/conftest.py)
+pytestmark = pytest.mark.xla_default_opt
+
 K, P, R = 8, 128, 16  # pool of sequences, prompt width, response width
 L = P + R - 1
 B = 4  # the fixed batch size of the exact trainer tests

@@ -210,6 +210,7 @@ def test_shared_prompt_forward_changes_no_number_and_says_when_it_cannot(demo_as
         train(cfg(**{"trainer.share_prompt": True, "trainer.micro_batch_size": 2}), log=lambda s: None)
 
 
+@pytest.mark.xla_default_opt  # zero differing bits, at the level users run (tests/conftest.py)
 def test_a_training_run_in_exact_numerics_has_no_sampler_trainer_gap(demo_assets, tmp_path):
     """The loop with packed rows and partial rollouts: the mean |old_logp - sampler_logp| it logs is 0."""
     cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{
