@@ -3,7 +3,7 @@
     decode attention (the continuous engine's paged attention; `rollout.decode_attention`):
         xla         `paged_cache.paged_attention`: XLA's chunks of live pages, on every platform
         tpu_ragged  `paged_cache.kernel_paged_attention`: JAX's ragged paged attention kernel (TPU)
-        gpu_triton  `gpu_paged_attention`: JAX's Pallas/Triton paged attention kernel (NVIDIA GPU)
+        gpu_triton  `gpu_paged_attention`: our Pallas/Triton paged attention kernel (NVIDIA GPU)
         cpu_native  `kernels.paged_attention`: the C++ kernel (one CPU device, the CPU kernels on)
     training attention (`segment_attention.segment_causal_attention`; `model.attention_impl`):
         xla | splash (TPU) | pallas_gpu (GPU)

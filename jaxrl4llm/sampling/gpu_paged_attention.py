@@ -1,12 +1,13 @@
-"""The continuous sampler's decode attention on NVIDIA GPUs: JAX's Pallas (Triton) paged attention
-kernel (`jax.experimental.pallas.ops.gpu.paged_attention`) reading our page pool in place.
+"""The continuous sampler's decode attention on NVIDIA GPUs: a Pallas (Triton) paged attention
+kernel reading our page pool in place.
 
 Our pool keeps a layer's keys and values interleaved on the head axis, [pages, page, 2 KVH, Dh]
-per shard (`paged_cache`, the TPU kernel's layout); JAX's GPU wrapper wants k_pages and v_pages
-[KVH, pages, page, Dh], which would be a transpose (a copy of the whole pool) every layer of every
-step. So we call the kernel body (`paged_attention_kernel`) under our own `pallas_call`, whose block
-specs pick head h's keys at column 2h and its values at 2h + 1 of the same pool buffer: the kernel
-addresses the pool through its strides, nothing is copied. One program per (slot, kv head, block of
+per shard (`paged_cache`, the TPU kernel's layout); JAX's GPU paged attention wants k_pages and
+v_pages [KVH, pages, page, Dh], which would be a transpose (a copy of the whole pool) every layer
+of every step. So the kernel body here (`partition_kernel`, the algorithm of JAX's
+`pallas.ops.gpu.paged_attention`, which jax 0.12 deprecates) runs under our own `pallas_call`,
+whose block specs pick head h's keys at column 2h and its values at 2h + 1 of the same pool
+buffer: the kernel addresses the pool through its strides, nothing is copied. One program per (slot, kv head, block of
 16 query heads, partition of the slot's pages); each reads only the pages below its slot's length,
 `pages_per_block` at a time, with an online softmax:
 
@@ -21,12 +22,13 @@ forward) to bf16 rounding, not bit for bit.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.experimental.pallas.ops.gpu.paged_attention import DEFAULT_MASK_VALUE, paged_attention_kernel
 
 from jaxrl4llm.sampling.paged_cache import per_device
 
@@ -37,6 +39,54 @@ BLOCK_H = 16  # query heads a program computes (Triton's dot needs 16 rows; a GQ
 PAGES_PER_BLOCK = 4  # pages one loop step of a program reads (64 tokens at 16-token pages)
 GRID_TARGET = 2048  # programs worth launching: the k-split parallelises long slots when slots are few
 NUM_WARPS, NUM_STAGES = 8, 2  # Triton's launch parameters of a program
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a logit past the slot's length: finite, so no inf - inf
+
+
+def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m_ref, *, pages_per_block: int):
+    """One program: a block of query heads against partition k = program_id(2) of its slot's pages.
+
+        o_k = sum_t exp(s_t - m_k) V_t,  l_k = sum_t exp(s_t - m_k),  m_k = max_t s_t,  s = q K^T
+
+    over the partition's tokens below the slot's length, `pages_per_block` pages a loop step with an
+    online softmax (exp as exp2 of log2(e) x, the GPU's fast exponential); probabilities are rounded
+    to the pool's dtype for the V matmul. A partition past the length leaves o = l = 0, m = the
+    float32 minimum (the combine in `gpu_paged_attention_one_shard` then weighs it 0).
+
+    Refs: q [BLOCK_H, Dh] (pre-scaled by 1/sqrt(Dh), the pool's dtype); k, v [pages, page, Dh] (one
+    kv head's column of the pool); table [pages of the partition] int32; length [1] int32.
+    Outputs: o [BLOCK_H, Dh], l, m [BLOCK_H] float32.
+    """
+    block_h, dh = q_ref.shape
+    page = k_ref.shape[-2]
+    per_partition = table_ref.shape[0]
+    block_k = pages_per_block * page
+    log2e = math.log2(math.e)
+    first_page = pl.program_id(2) * per_partition
+    last_page = jnp.minimum(pl.cdiv(length_ref[0], page), first_page + per_partition)
+
+    def partition():
+        q = q_ref[...]
+
+        def step(i, carry):
+            o, m, l = carry
+            pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
+            k = k_ref[pages].reshape(block_k, dh)
+            v = v_ref[pages].reshape(block_k, dh)
+            token = (first_page + i * pages_per_block) * page + jnp.arange(block_k)
+            s = jnp.where((token < length_ref[0])[None, :], plgpu.dot(q, k.T), MASK_VALUE)  # [BLOCK_H, block_k]
+            m_next = jnp.maximum(m, s.max(axis=-1))
+            correction = jnp.exp2((m - m_next) * log2e)
+            p = jnp.exp2((s - m_next[:, None]) * log2e)
+            return correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_next, correction * l + p.sum(axis=-1)
+
+        start = (jnp.zeros((block_h, dh), jnp.float32), jnp.full((block_h,), jnp.finfo(jnp.float32).min),
+                 jnp.zeros((block_h,), jnp.float32))
+        return jax.lax.fori_loop(0, pl.cdiv(last_page - first_page, pages_per_block), step, start)
+
+    empty = lambda: (jnp.zeros((block_h, dh), jnp.float32), jnp.full((block_h,), jnp.finfo(jnp.float32).min),
+                     jnp.zeros((block_h,), jnp.float32))
+    o, m, l = jax.lax.cond(first_page >= last_page, empty, partition)
+    o_ref[...], l_ref[...], m_ref[...] = o, l, m
 
 
 def kernel_blocks(pages: int, slots: int, kv_heads: int, pages_per_block: int | None = None,
@@ -84,8 +134,7 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
     heads = -(-hg // BLOCK_H) * BLOCK_H
     head_blocks = heads // BLOCK_H
     qp = jnp.pad((q * dh**-0.5).astype(pool.dtype), ((0, 0), (0, 0), (0, heads - hg), (0, 0)))
-    kernel = functools.partial(paged_attention_kernel, num_heads=hg, pages_per_compute_block=block,
-                               mask_value=DEFAULT_MASK_VALUE, attn_logits_soft_cap=None)
+    kernel = functools.partial(partition_kernel, pages_per_block=block)
     head = lambda g: (g // head_blocks, g % head_blocks)  # grid axis 1: (kv head, block of query heads)
     # grid (slot, kv head x head block, partition): the kernel reads its partition as program_id(2)
     o, l, m = pl.pallas_call(
@@ -94,9 +143,7 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
         in_specs=[
             pl.BlockSpec((None, None, BLOCK_H, dh), lambda b, g, k: (b, *head(g), 0)),  # q
             pl.BlockSpec((pool.shape[0], page, None, dh), lambda b, g, k: (0, 0, 2 * head(g)[0], 0)),  # keys
-            None,
             pl.BlockSpec((pool.shape[0], page, None, dh), lambda b, g, k: (0, 0, 2 * head(g)[0] + 1, 0)),  # values
-            None,
             pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),  # the partition's pages
             pl.BlockSpec((1,), lambda b, g, k: (b,)),  # the slot's length
         ],
@@ -111,7 +158,7 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES),
         name="jaxrl4llm_paged_attention",
-    )(qp, pool, None, pool, None, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
+    )(qp, pool, pool, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
     o, l, m = o[..., :hg, :], l[..., :hg], m[..., :hg]
     w = jnp.exp(m - jnp.max(m, axis=0))  # [K, S, KVH, hg]: each partition's share of the softmax
     total = jnp.sum(w * l, axis=0)

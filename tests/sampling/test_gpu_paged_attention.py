@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jaxrl4llm.plan.gpu import gpu_topology_devices, missing_gpu_packages
 from jaxrl4llm.sampling.gpu_paged_attention import GRID_TARGET, PAGES_PER_BLOCK, kernel_blocks
 
 
@@ -25,3 +26,90 @@ def test_a_prime_page_count_still_splits():
     assert kernel_blocks(69, 64, 8) == (PAGES_PER_BLOCK, GRID_TARGET // (64 * 8), 80)  # 4 partitions of 20 pages
     with pytest.raises(ValueError, match="k_splits=0"):
         kernel_blocks(69, 64, 8, k_splits=0)
+
+
+def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
+    """`partition_kernel` is the algorithm of JAX's `pallas.ops.gpu.paged_attention` kernel body
+    (deprecated in jax 0.12, so no longer imported at run time): under the same `pallas_call`, in
+    Pallas' interpreter, both give the same bits: o, l and m of every partition, an idle slot, lengths
+    ending inside a page and a partition past a slot's length included. Where a jax release has
+    removed that module the test says so and the XLA-path tests in test_continuous.py remain."""
+    import functools
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import pallas as pl
+
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            from jax.experimental.pallas.ops.gpu import paged_attention as upstream
+        except ImportError:
+            pytest.skip(f"jax {jax.__version__} has no pallas.ops.gpu.paged_attention to compare with")
+    rng = np.random.default_rng(0)
+    slots, block_h, dh, page, pages, per_block, splits, per_split = 3, 16, 16, 4, 20, 2, 2, 4
+    q = jnp.asarray(rng.normal(size=(slots, block_h, dh)), jnp.bfloat16)
+    keys = jnp.asarray(rng.normal(size=(pages, page, dh)), jnp.bfloat16)
+    values = jnp.asarray(rng.normal(size=(pages, page, dh)), jnp.bfloat16)
+    table = jnp.asarray(np.stack([rng.permutation(np.arange(1, pages))[:splits * per_split] for _ in range(slots)]),
+                        jnp.int32).reshape(slots, splits, per_split)
+    lengths = jnp.asarray([0, 7, 13], jnp.int32)  # idle; inside partition 0's second page; partition 1 empty
+
+    def run(kernel, with_scales):
+        none = [None] if with_scales else []
+        return pl.pallas_call(
+            kernel, grid=(slots, 1, splits),
+            in_specs=[pl.BlockSpec((None, block_h, dh), lambda b, g, k: (b, 0, 0)),
+                      pl.BlockSpec((pages, page, dh), lambda b, g, k: (0, 0, 0)), *none,
+                      pl.BlockSpec((pages, page, dh), lambda b, g, k: (0, 0, 0)), *none,
+                      pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),
+                      pl.BlockSpec((1,), lambda b, g, k: (b,))],
+            out_specs=[pl.BlockSpec((None, None, block_h, dh), lambda b, g, k: (k, b, 0, 0)),
+                       pl.BlockSpec((None, None, block_h), lambda b, g, k: (k, b, 0)),
+                       pl.BlockSpec((None, None, block_h), lambda b, g, k: (k, b, 0))],
+            out_shape=[jax.ShapeDtypeStruct((splits, slots, block_h, dh), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, slots, block_h), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, slots, block_h), jnp.float32)],
+            interpret=True,
+        )(q, keys, *none, values, *none, table, lengths)
+
+    ours = run(functools.partial(gpa.partition_kernel, pages_per_block=per_block), False)
+    theirs = run(functools.partial(upstream.paged_attention_kernel, num_heads=block_h,
+                                   pages_per_compute_block=per_block, mask_value=upstream.DEFAULT_MASK_VALUE,
+                                   attn_logits_soft_cap=None), True)
+    for name, a, b in zip("olm", ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert float(jnp.abs(ours[0][:, 0]).max()) == 0.0 and float(ours[1][1, 1].max()) == 0.0  # idle; past the length
+    assert gpa.MASK_VALUE == upstream.DEFAULT_MASK_VALUE
+
+
+@pytest.mark.skipif(bool(missing_gpu_packages()),
+                    reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu] (or .[gpu13])")
+@pytest.mark.parametrize("kv_heads, group", [(8, 2), (8, 4)])
+def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group):
+    """What the interpreter does not check (Triton's own rules) at the rollout's shapes: head_dim 128,
+    GQA 16:8 and 32:8, 16-token pages of a bf16 pool, 64 slots of 64 pages, the default blocks and
+    k-split: the kernel lowers to Triton and compiles for sm_90a on this CPU (jax's CUDA plugin, an
+    abstract H100). On a chip: `scripts/gpu_check` (kernels, attention and decode phases)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding, use_abstract_mesh
+
+    from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
+
+    device = gpu_topology_devices("h100:1")[0]
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    slots, dh, page, width = 64, 128, 16, 64
+    args = (spec((1, slots, kv_heads, group, dh), jnp.float32), spec((1, slots * width + 1, page, 2 * kv_heads, dh),
+                                                                      jnp.bfloat16),
+            spec((1, slots, width), jnp.int32), spec((1, slots), jnp.int32))
+    h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device.device_kind, num_cores=None,
+                                                                       platform="cuda"))
+    with use_abstract_mesh(h100):  # Pallas' Triton lowering reads the GPU's kind from it
+        lowered = jax.jit(gpu_paged_attention).trace(*args).lower()
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    lowered.compile()
