@@ -83,3 +83,28 @@ def paged_attention_reference(q, pool, table, lengths):
         probs /= probs.sum(-1, keepdims=True)
         out[i] = np.einsum("khn,nke->khe", probs, tokens[:, :, 1])
     return out
+
+
+def h100_spec(shape, dtype=np.float32):
+    """An abstract argument on an abstract H100 (no GPU needed): for `compile_for_h100`."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxrl4llm.plan.gpu import gpu_topology_devices
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(gpu_topology_devices("h100:1")[0]))
+
+
+def compile_for_h100(fn, *args) -> None:
+    """Lower `fn(*args)` (args from `h100_spec`) through Pallas' Triton lowering and compile it for
+    sm_90a on this CPU with jax's CUDA plugin: what Triton takes that the interpreter does not check
+    (no slice of a loaded value, power-of-two tiles). Needs the `gpu` or `gpu13` extra."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from jaxrl4llm.plan.gpu import gpu_topology_devices
+
+    kind = gpu_topology_devices("h100:1")[0].device_kind
+    h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=kind, num_cores=None, platform="cuda"))
+    with use_abstract_mesh(h100):  # Pallas' Triton lowering reads the GPU's kind from it
+        lowered = jax.jit(fn).trace(*args).lower()
+    assert "__gpu$xla.gpu.triton" in lowered.as_text(), "no Triton kernel in the lowered program"
+    lowered.compile()

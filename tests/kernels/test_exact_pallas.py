@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.kernels import exact, exact_pallas
-from jaxrl4llm.plan.gpu import gpu_topology_devices, missing_gpu_packages
+from jaxrl4llm.plan.gpu import missing_gpu_packages
+from tests.gpu_kernels import compile_for_h100, h100_spec
 
 # each output bit-identical across batch compositions: at XLA's default LLVM optimisation level (tests/conftest.py)
 pytestmark = pytest.mark.xla_default_opt
@@ -84,11 +85,7 @@ def test_each_kernel_compiles_for_an_h100_at_real_widths(kernel):
     Each kernel is compiled for sm_90a on this CPU (jax's CUDA plugin, an abstract H100) at widths no
     power of two: SmolLM2's hidden 576 and 9:3 heads of 64, 300 positions, Qwen3's 151936 tokens. On
     an H100 they then ran and kept their bits (`scripts/gpu_check --phases exact`, docs/gpu.md)."""
-    import jax
-    from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding, use_abstract_mesh
-
-    device = gpu_topology_devices("h100:1")[0]
-    spec = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    spec = h100_spec
     fn, args = {
         "matmul": (exact_pallas.matmul, (spec((40, 576)), spec((576, 1536)))),
         "attention": (exact_pallas.attention, (spec((1, 300, 9, 64)), spec((1, 300, 3, 64)), spec((1, 300, 3, 64)),
@@ -97,9 +94,4 @@ def test_each_kernel_compiles_for_an_h100_at_real_widths(kernel):
         "token_logprob": (exact_pallas.token_logprob, (spec((40, 151936)), spec((40,), jnp.int32))),
         "apply_rope": (exact_pallas.apply_rope, (spec((40, 9, 64)), spec((40, 64)), spec((40, 64)))),
     }[kernel]
-    h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device.device_kind, num_cores=None,
-                                                                       platform="cuda"))
-    with use_abstract_mesh(h100):  # Pallas' Triton lowering reads the GPU's kind from it
-        lowered = jax.jit(fn).trace(*args).lower()
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
-    lowered.compile()
+    compile_for_h100(fn, *args)

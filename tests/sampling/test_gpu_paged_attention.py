@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxrl4llm.plan.gpu import gpu_topology_devices, missing_gpu_packages
+from jaxrl4llm.plan.gpu import missing_gpu_packages
 from jaxrl4llm.sampling.gpu_paged_attention import GRID_TARGET, PAGES_PER_BLOCK, kernel_blocks
+from tests.gpu_kernels import compile_for_h100, h100_spec
 
 
 @given(st.integers(1, 300), st.integers(1, 256), st.integers(1, 16), st.integers(1, 16),
@@ -95,21 +96,11 @@ def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group):
     GQA 16:8 and 32:8, 16-token pages of a bf16 pool, 64 slots of 64 pages, the default blocks and
     k-split: the kernel lowers to Triton and compiles for sm_90a on this CPU (jax's CUDA plugin, an
     abstract H100). On a chip: `scripts/gpu_check` (kernels, attention and decode phases)."""
-    import jax
     import jax.numpy as jnp
-    from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding, use_abstract_mesh
 
     from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 
-    device = gpu_topology_devices("h100:1")[0]
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     slots, dh, page, width = 64, 128, 16, 64
-    args = (spec((1, slots, kv_heads, group, dh), jnp.float32), spec((1, slots * width + 1, page, 2 * kv_heads, dh),
-                                                                      jnp.bfloat16),
-            spec((1, slots, width), jnp.int32), spec((1, slots), jnp.int32))
-    h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device.device_kind, num_cores=None,
-                                                                       platform="cuda"))
-    with use_abstract_mesh(h100):  # Pallas' Triton lowering reads the GPU's kind from it
-        lowered = jax.jit(gpu_paged_attention).trace(*args).lower()
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
-    lowered.compile()
+    compile_for_h100(gpu_paged_attention, h100_spec((1, slots, kv_heads, group, dh), jnp.float32),
+                     h100_spec((1, slots * width + 1, page, 2 * kv_heads, dh), jnp.bfloat16),
+                     h100_spec((1, slots, width), jnp.int32), h100_spec((1, slots), jnp.int32))
