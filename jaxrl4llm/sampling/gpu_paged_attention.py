@@ -7,9 +7,9 @@ v_pages [KVH, pages, page, Dh], which would be a transpose (a copy of the whole 
 of every step. So the kernel body here (`partition_kernel`, the algorithm of JAX's
 `pallas.ops.gpu.paged_attention`, which jax 0.12 deprecates) runs under our own `pallas_call`,
 whose block specs pick head h's keys at column 2h and its values at 2h + 1 of the same pool
-buffer: the kernel addresses the pool through its strides, nothing is copied. One program per (slot, kv head, block of
-16 query heads, partition of the slot's pages); each reads only the pages below its slot's length,
-`pages_per_block` at a time, with an online softmax:
+buffer: the kernel addresses the pool through its strides, nothing is copied. One program per
+(slot, kv head, block of 16 query heads, partition of the slot's pages); each reads only the pages
+below its slot's length, `pages_per_block` at a time, with an online softmax:
 
     o_k = sum_t exp(s_t - m_k) V_t,  l_k = sum_t exp(s_t - m_k)  over partition k,  s = q K^T / sqrt(Dh)
     out = sum_k exp(m_k - m) o_k / sum_k exp(m_k - m) l_k,  m = max_k m_k      (flash decoding)
@@ -64,6 +64,9 @@ def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m
     first_page = pl.program_id(2) * per_partition
     last_page = jnp.minimum(pl.cdiv(length_ref[0], page), first_page + per_partition)
 
+    start = (jnp.zeros((block_h, dh), jnp.float32), jnp.full((block_h,), jnp.finfo(jnp.float32).min),
+             jnp.zeros((block_h,), jnp.float32))  # (o, m, l) of no token: what an empty partition keeps
+
     def partition():
         q = q_ref[...]
 
@@ -79,13 +82,9 @@ def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m
             p = jnp.exp2((s - m_next[:, None]) * log2e)
             return correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_next, correction * l + p.sum(axis=-1)
 
-        start = (jnp.zeros((block_h, dh), jnp.float32), jnp.full((block_h,), jnp.finfo(jnp.float32).min),
-                 jnp.zeros((block_h,), jnp.float32))
         return jax.lax.fori_loop(0, pl.cdiv(last_page - first_page, pages_per_block), step, start)
 
-    empty = lambda: (jnp.zeros((block_h, dh), jnp.float32), jnp.full((block_h,), jnp.finfo(jnp.float32).min),
-                     jnp.zeros((block_h,), jnp.float32))
-    o, m, l = jax.lax.cond(first_page >= last_page, empty, partition)
+    o, m, l = jax.lax.cond(first_page >= last_page, lambda: start, partition)
     o_ref[...], l_ref[...], m_ref[...] = o, l, m
 
 

@@ -111,11 +111,16 @@ def test_a_host_takes_its_own_pin_then_a_legacy_pin_of_its_name_then_none():
     assert "with avx512f" in describe(host) and "not recorded" in describe(legacy)
 
 
-def cpu_name() -> str:
+def cpuinfo_field(*names: str) -> str | None:
+    """The first /proc/cpuinfo line named one of `names`, its value; None where there is none."""
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
+        if line.split(":")[0].strip() in names:
             return line.split(":", 1)[1].strip()
-    return platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    return cpuinfo_field("model name") or platform.machine()
 
 
 # The instruction-set flags XLA:CPU's code generation reads (LLVM targets the host's): two hosts with
@@ -126,10 +131,8 @@ ISA_PREFIXES = ("avx", "sse", "ssse", "fma", "f16c", "bmi", "amx", "vaes", "vpcl
 
 def cpu_isa() -> str:
     """This host's instruction-set flags (/proc/cpuinfo's flags / Features, ISA_PREFIXES), sorted."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.split(":")[0].strip() in ("flags", "Features"):
-            return " ".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(ISA_PREFIXES)))
-    return ""
+    flags = (cpuinfo_field("flags", "Features") or "").split()
+    return " ".join(sorted(f for f in flags if f.startswith(ISA_PREFIXES)))
 
 
 def host_identity() -> dict:
@@ -148,10 +151,12 @@ def matching_pin(pins: list[dict], host: dict) -> dict | None:
 
 
 def describe(identity: dict) -> str:
+    """A host identity (or a pin) in words: jax, CPU name, and how many instruction-set flags."""
     isa = identity.get("isa")
-    return (f"jax {identity['jax']}, {identity['cpu']}, "
-            + (f"{len(isa.split())} instruction-set flags ({'with' if 'avx512f' in isa.split() else 'without'} "
-               "avx512f)" if isa else "instruction sets not recorded"))
+    if not isa:
+        return f"jax {identity['jax']}, {identity['cpu']}, instruction sets not recorded"
+    avx512 = "with" if "avx512f" in isa.split() else "without"
+    return f"jax {identity['jax']}, {identity['cpu']}, {len(isa.split())} instruction-set flags ({avx512} avx512f)"
 
 
 def test_warm_start_is_reused_only_for_the_same_recipe(tmp_path):
