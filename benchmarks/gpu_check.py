@@ -75,7 +75,7 @@ PHASES = (
                                  "update tokens/s against default numerics", optional=True),
     Phase("attention", 75, 240, "optional (`--phases attention`): the Triton paged attention alone at the first "
                                "step model's rollout's kv lengths every ATTENTION_STRIDE decode steps, under each "
-                               "block/split/warps of ATTENTION_CONFIGS: the rollout's attention seconds each "
+                               "layout/block/split/warps of ATTENTION_CONFIGS: the rollout's attention seconds each "
                                "predicts, its output against the default's; then (attention:default, "
                                "attention:best, a process each) the rollout under the default and the fastest",
           optional=True),
@@ -97,14 +97,20 @@ LAUNCH_VARIANTS = {
     "burst_64": ("", ["rollout.decode_burst=64"]),
     "loops_burst_64": (LOOP_COMMAND_BUFFERS, ["rollout.decode_burst=64"]),  # both, if each helps
 }
-# The attention phase's kernel configurations: (pages a loop step reads, partitions of a slot's pages or
-# None for the default rule, Triton warps); the first is the default. On an H100 and an H200 the Qwen3-0.6B
-# rollout's paged attention took ~0.91 s (36 us a call, then 4 pages a step, 2 partitions, 4 warps): ~4x
-# its KV bytes at the copy bandwidth. Of these 16 on an H200 (2026-11-28, docs/gpu.md) 4 pages, 4
-# partitions, 8 warps was the fastest (1.22x), now the default. A row's kv lengths every ATTENTION_STRIDE
-# decode steps stand for the steps between.
-ATTENTION_CONFIGS = ((4, None, 8), (4, 2, 4), (4, 1, 4), (4, 4, 4), (4, 8, 4), (2, 4, 4), (2, 8, 4), (8, 1, 4),
-                     (8, 2, 4), (8, 4, 4), (4, 2, 8), (8, 2, 8), (8, 4, 8), (16, 1, 4), (16, 2, 4), (1, 8, 4))
+# The attention phase's kernel configurations: (layout, pages a loop step reads, partitions of a slot's pages
+# or None for the default rule, Triton warps); the first is the default. On an H100 and an H200 the
+# Qwen3-0.6B rollout's paged attention took ~0.91 s (36 us a call, then per_kv_head, 4 pages a step, 2
+# partitions, 4 warps): ~4x its KV bytes at the copy bandwidth. Of 16 per_kv_head configurations on an
+# H200 (2026-11-28, docs/gpu.md) 4 pages, 4 partitions, 8 warps was the fastest (1.22x), now the default;
+# the 8 kept here spanned them. The per_slot layout (every kv head of a slot in one program: no padded
+# query rows, 8x fewer programs and partials at 16:8) has not yet run on a chip. A row's kv lengths every
+# ATTENTION_STRIDE decode steps stand for the steps between.
+ATTENTION_CONFIGS = (("per_kv_head", 4, None, 8), ("per_kv_head", 4, 2, 4), ("per_kv_head", 4, 8, 4),
+                     ("per_kv_head", 8, 2, 8), ("per_kv_head", 8, 4, 8), ("per_kv_head", 16, 1, 4),
+                     ("per_kv_head", 2, 8, 4), ("per_kv_head", 1, 8, 4),
+                     ("per_slot", 1, None, 4), ("per_slot", 1, 1, 4), ("per_slot", 1, 2, 4), ("per_slot", 1, 4, 4),
+                     ("per_slot", 1, 8, 4), ("per_slot", 2, 2, 4), ("per_slot", 2, 4, 8), ("per_slot", 1, 4, 8))
+ATTENTION_DRY_CONFIGS = (ATTENTION_CONFIGS[0], ("per_kv_head", 1, 8, 4), ("per_slot", 1, None, 4), ("per_slot", 2, 2, 4))
 ATTENTION_STRIDE = 32
 # the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
 TOTAL_SECONDS = {"gpu": 480, "dry": 1500}
@@ -272,6 +278,15 @@ def paged_case(rng, shapes: dict, heads: tuple[int, int]):
     return q, pool, table, lengths, counts
 
 
+def paged_layouts(group: int, kv_heads: int) -> list[str]:
+    """The paged attention kernel's layouts that run at these heads (`gpu_paged_attention.kernel_layout`),
+    the default first: the kernels phase checks each against the float64 reference."""
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
+
+    ordered = [gpa.LAYOUT, *(name for name in gpa.LAYOUTS if name != gpa.LAYOUT)]
+    return [name for name in ordered if gpa.kernel_layout(kv_heads, group, name) == name]
+
+
 def segment_case(rng, shapes: dict, heads: tuple[int, int]):
     """q [B, T, H, Dh], k, v [B, T, KVH, Dh] bf16, packed segment ids [B, T] (ragged sequences
     1, 2, ..., 0 on the trailing padding) and a cotangent [B, T, H, Dh] float32."""
@@ -333,7 +348,7 @@ def phase_kernels(mode: str, work: Path, log, partial=lambda figures: None) -> d
     import numpy as np
 
     from jaxrl4llm.models.layers.segment_attention import segment_causal_attention
-    from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
     from jaxrl4llm.sampling.paged_cache import paged_attention
     from tests.gpu_kernels import paged_attention_reference
 
@@ -355,30 +370,33 @@ def phase_kernels(mode: str, work: Path, log, partial=lambda figures: None) -> d
 
     for h, kvh in shapes["heads"]:
         tag = f"{h}:{kvh}"
-        # -- paged attention (decode): the kernel and the XLA path on the same pool
-        try:
-            q, pool, table, lengths, counts = paged_case(rng, shapes, (h, kvh))
-            chunk = max(c for c in (1, 2, 4, 8) if shapes["pages_per_slot"] % c == 0)
-            kernel = jax.jit(functools.partial(gpu_paged_attention, interpret=interpret))
-            xla = jax.jit(lambda q, pool, table, counts: paged_attention(
-                q, pool, table, counts, jnp.int32(shapes["pages_per_slot"] // chunk), pages_per_chunk=chunk,
-                dtype=jnp.bfloat16))
-            got = jax.block_until_ready(kernel(q, pool, table, lengths))
-            want_xla = jax.block_until_ready(xla(q, pool, table, counts))
-            live = lambda x: np.asarray(x)[0, 1:]  # slot 0 is idle: the XLA path gives it a mean of V, unused
-            # the reference reads q as the kernel does: rounded to the pool's dtype
-            ref = paged_attention_reference(q[0].astype(pool.dtype), pool[0], table[0], lengths[0])[None]
-            row = check(f"paged {tag}", "paged", live(got), live(ref), live(want_xla))
-            row["idle_slot_zero"] = bool(np.all(np.asarray(got)[0, 0] == 0))
-            row["kernel_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(kernel(q, pool, table, lengths)),
-                                                    shapes["reps"])
-            row["xla_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(xla(q, pool, table, counts)),
-                                                 shapes["reps"])
-            figures[f"paged {tag}"] = row
-        except Exception as e:  # noqa: BLE001 - a kernel that raises on the chip is reported; the next runs
-            failed.append(f"paged {tag}")
-            figures[f"paged {tag}"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-            log(traceback.format_exc(limit=6))
+        # -- paged attention (decode): the kernel in each layout (the default's row is "paged h:kvh") and
+        # the XLA path on the same pool
+        q, pool, table, lengths, counts = paged_case(rng, shapes, (h, kvh))
+        chunk = max(c for c in (1, 2, 4, 8) if shapes["pages_per_slot"] % c == 0)
+        xla = jax.jit(lambda q, pool, table, counts: paged_attention(
+            q, pool, table, counts, jnp.int32(shapes["pages_per_slot"] // chunk), pages_per_chunk=chunk,
+            dtype=jnp.bfloat16))
+        live = lambda x: np.asarray(x)[0, 1:]  # slot 0 is idle: the XLA path gives it a mean of V, unused
+        # the reference reads q as the kernel does: rounded to the pool's dtype
+        ref = paged_attention_reference(q[0].astype(pool.dtype), pool[0], table[0], lengths[0])[None]
+        for layout in paged_layouts(h // kvh, kvh):
+            name = f"paged {tag}" if layout == gpa.LAYOUT else f"paged {layout} {tag}"
+            try:
+                kernel = jax.jit(functools.partial(gpa.gpu_paged_attention, layout=layout, interpret=interpret))
+                got = jax.block_until_ready(kernel(q, pool, table, lengths))
+                want_xla = jax.block_until_ready(xla(q, pool, table, counts))
+                row = check(name, "paged", live(got), live(ref), live(want_xla))
+                row["idle_slot_zero"] = bool(np.all(np.asarray(got)[0, 0] == 0))
+                row["kernel_ms"] = 1e3 * median_seconds(
+                    lambda: jax.block_until_ready(kernel(q, pool, table, lengths)), shapes["reps"])
+                row["xla_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(xla(q, pool, table, counts)),
+                                                     shapes["reps"])
+                figures[name] = row
+            except Exception as e:  # noqa: BLE001 - a kernel that raises on the chip is reported; the next runs
+                failed.append(name)
+                figures[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                log(traceback.format_exc(limit=6))
         # -- flash attention (training): forward and backward, pallas_gpu and the XLA path
         try:
             q, k, v, ids, d_out = segment_case(rng, shapes, (h, kvh))
@@ -622,18 +640,18 @@ def phase_attention(mode: str, work: Path, log) -> dict:
     q = jnp.asarray(rng.standard_normal((slots, kvh, group, dh)), jnp.float32)
     table = jnp.asarray(1 + rng.permutation(slots * width).reshape(slots, width), jnp.int32)
     stride = ATTENTION_STRIDE if mode == "gpu" else 4
-    configs = ATTENTION_CONFIGS if mode == "gpu" else ATTENTION_CONFIGS[:1] + ((1, 8, 4), (2, None, 4))
+    configs = ATTENTION_CONFIGS if mode == "gpu" else ATTENTION_DRY_CONFIGS
     reps = 5 if mode == "gpu" else 1
     live = jnp.asarray(kv_len > 0)
     rows, reference = [], None
-    for per_block, splits, warps in configs:
-        block, k, padded = gpa.kernel_blocks(width, slots, kvh, per_block, splits)
-        default = per_block == gpa.PAGES_PER_BLOCK and splits is None and warps == gpa.NUM_WARPS
-        name = f"{block} pages/step, {k} partitions{'' if splits else ' (the rule)'}, {warps} warps" + \
+    for layout, per_block, splits, warps in configs:
+        block, k, padded = gpa.kernel_blocks(width, slots, gpa.program_shape(kvh, group, layout)[0], per_block, splits)
+        default = (layout, per_block, splits, warps) == (gpa.LAYOUT, gpa.PAGES_PER_BLOCK, None, gpa.NUM_WARPS)
+        name = f"{layout}: {block} pages/step, {k} partitions{'' if splits else ' (the rule)'}, {warps} warps" + \
             (" (default)" if default else "")
         try:
-            one = functools.partial(gpa.gpu_paged_attention_one_shard, pages_per_block=per_block, k_splits=splits,
-                                    num_warps=warps, interpret=mode == "dry")
+            one = functools.partial(gpa.gpu_paged_attention_one_shard, layout=layout, pages_per_block=per_block,
+                                    k_splits=splits, num_warps=warps, interpret=mode == "dry")
             program = jax.jit(lambda q, pool, table, kv_len: jax.lax.map(lambda n: one(q, pool, table, n), kv_len))
             out = jax.block_until_ready(program(q, pool, table, kv_len))
             seconds = median_seconds(lambda: jax.block_until_ready(program(q, pool, table, kv_len)), reps)
@@ -641,7 +659,8 @@ def phase_attention(mode: str, work: Path, log) -> dict:
             if reference is None:
                 reference = out
             rel = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
-            row = {"config": name, "pages_per_block": block, "k_splits": k, "num_warps": warps, "padded_pages": padded,
+            row = {"config": name, "layout": layout, "pages_per_block": block, "k_splits": k, "num_warps": warps,
+                   "padded_pages": padded,
                    "program_ms": 1e3 * seconds, "rollout_attention_s": fields["num_layers"] * stride * seconds,
                    "rel_to_default": rel}
         except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a row of the table
@@ -678,8 +697,13 @@ def phase_attention_rollout(mode: str, work: Path, log, which: str) -> dict:
         return {"config": row["config"], "note": "the default is the fastest: its rollout is attention:default's"}
     w = WORKLOAD[mode]
     fields = model_fields(mode, next(iter(MODELS[mode])))
-    gpa.PAGES_PER_BLOCK, gpa.NUM_WARPS = row["pages_per_block"], row["num_warps"]
-    gpa.GRID_TARGET = row["k_splits"] * w["prompts"] * w["samples"] * fields["num_kv_heads"]  # the rule gives k
+    gpa.LAYOUT, gpa.NUM_WARPS = row["layout"], row["num_warps"]
+    if row["layout"] == "per_slot":
+        gpa.SLOT_PAGES_PER_BLOCK = row["pages_per_block"]
+    else:
+        gpa.PAGES_PER_BLOCK = row["pages_per_block"]
+    head_programs = gpa.program_shape(fields["num_kv_heads"], fields["num_heads"] // fields["num_kv_heads"])[0]
+    gpa.GRID_TARGET = row["k_splits"] * w["prompts"] * w["samples"] * head_programs  # the rule then gives k
     timed = timed_rollout(mode, work, log, next(iter(MODELS[mode])))
     return {"config": row["config"], "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
             "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s,

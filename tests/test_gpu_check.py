@@ -60,8 +60,8 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
     missing = [p for p, v in _numbers(report["phases"]) if v is None or not math.isfinite(v)]
     assert all(p.endswith("/chip/ici_bandwidth") for p in missing), missing
     kernels = report["phases"]["kernels"]["figures"]
-    assert {k for k in kernels if k != "interpret"} == {f"{kind} {h}:{kv}" for kind in ("paged", "flash forward",
-                                                                                       "flash backward")
+    assert {k for k in kernels if k != "interpret"} == {f"{kind} {h}:{kv}" for kind in ("paged", "paged per_slot",
+                                                                                       "flash forward", "flash backward")
                                                        for h, kv in gc.KERNEL_SHAPES["dry"]["heads"]}
     assert all(v["pass"] for k, v in kernels.items() if k != "interpret")
     comparison = report["phases"]["plan"]["figures"]["comparison"]
@@ -87,13 +87,14 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
 def test_attention_phase_times_each_configuration_against_the_default(tmp_path, monkeypatch):
     """The optional attention phase (Pallas' interpreter here): the default configuration first, every
     configuration's output within bf16 tolerance of it (one splits a slot's pages 8 ways: the combine
-    runs), the rollout's attention seconds finite and the best named."""
+    runs; two run a program per slot), the rollout's attention seconds finite and the best named."""
     gc = _gpu_check()
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling modules (the workload's lengths)
     figures = gc.phase_attention("dry", tmp_path, lambda line: None)
     rows = figures["rows"]
     assert rows[0]["config"].endswith("(default)") and rows[0]["rel_to_default"] == 0
     assert [r["k_splits"] for r in rows][1] == 8 and all(r["rel_to_default"] <= 2e-2 for r in rows)
+    assert [r["layout"] for r in rows] == ["per_kv_head", "per_kv_head", "per_slot", "per_slot"]
     assert all(math.isfinite(r["rollout_attention_s"]) and r["rollout_attention_s"] > 0 for r in rows)
     assert figures["best"] in {r["config"] for r in rows} and figures["snapshots"] >= 2
     lengths = gc.attention_snapshots("dry", 16)[0]

@@ -56,7 +56,7 @@ from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program, engine_slots,
                                            prefill_batch)
 from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
-from jaxrl4llm.sampling.gpu_paged_attention import BLOCK_H
+from jaxrl4llm.sampling.gpu_paged_attention import dot_rows as gpu_kernel_dot_rows
 from jaxrl4llm.sampling.memory import (SIZING_SHARE, continuous_memory, decode_memory, decode_sizing, prompts_per_chunk,
                                        slots_that_fit, weights_program_memory)
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -641,12 +641,12 @@ def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, len
 
 
 def kernel_query_rows(config, tensor_parallel: int, gpu_kernel: bool) -> int:
-    """Query heads a chip's paged attention kernel computes per slot: the model's, or on GPU each kv
-    head's group padded to the Triton kernel's 16 rows (`gpu_paged_attention.BLOCK_H`)."""
+    """Query heads each kv token of a slot meets in a chip's paged attention kernel: the model's, or on
+    GPU the Triton kernel's padded rows (`gpu_paged_attention.dot_rows`, its layout's)."""
     kv_heads, group = config.num_kv_heads // tensor_parallel, config.num_heads // config.num_kv_heads
     if not gpu_kernel:
         return kv_heads * group
-    return kv_heads * -(-group // BLOCK_H) * BLOCK_H
+    return gpu_kernel_dot_rows(kv_heads, group)
 
 
 def attention_kernel_flops(config, mesh: Mesh, impl: str, rows_per_chip: float, seq: int, *, remat: bool,

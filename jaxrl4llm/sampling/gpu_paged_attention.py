@@ -5,14 +5,25 @@ Our pool keeps a layer's keys and values interleaved on the head axis, [pages, p
 per shard (`paged_cache`, the TPU kernel's layout); JAX's GPU paged attention wants k_pages and
 v_pages [KVH, pages, page, Dh], which would be a transpose (a copy of the whole pool) every layer
 of every step. So the kernel body here (`partition_kernel`, the algorithm of JAX's
-`pallas.ops.gpu.paged_attention`, which jax 0.12 deprecates) runs under our own `pallas_call`,
-whose block specs pick head h's keys at column 2h and its values at 2h + 1 of the same pool
-buffer: the kernel addresses the pool through its strides, nothing is copied. One program per
-(slot, kv head, block of 16 query heads, partition of the slot's pages); each reads only the pages
-below its slot's length, `pages_per_block` at a time, with an online softmax:
+`pallas.ops.gpu.paged_attention`, which jax 0.12 deprecates, generalised to several kv heads a
+program) runs under our own `pallas_call`, whose block specs view the pool as [pages, page, KVH,
+k|v, Dh] and pick the keys or the values: the kernel addresses the pool through its strides,
+nothing is copied. Each program reads only the pages below its slot's length, `pages_per_block`
+at a time, with an online softmax:
 
     o_k = sum_t exp(s_t - m_k) V_t,  l_k = sum_t exp(s_t - m_k)  over partition k,  s = q K^T / sqrt(Dh)
     out = sum_k exp(m_k - m) o_k / sum_k exp(m_k - m) l_k,  m = max_k m_k      (flash decoding)
+
+Two layouts of the grid (`LAYOUTS`):
+- "per_kv_head": a program per (slot, kv head, block of 16 query heads, partition of the slot's
+  pages), JAX's: a GQA group of 2 or 4 query heads is padded to Triton's 16 dot rows, and each
+  program writes 16 rows of float32 partials.
+- "per_slot": a program per (slot, partition) computes every query head of the slot against every
+  kv head's keys, a loop step's keys [pages x page x KVH, Dh] read as the pool holds them (each
+  token's heads contiguous); a query row's scores outside its own kv head's columns are masked
+  (block-diagonal attention): KVH times the dot work (tensor-core FLOPs decode does not lack), KVH
+  times fewer programs, and no padded rows at Qwen3's 16:8.
+Which is faster on a chip is measured by `scripts/gpu_check --phases attention` (docs/gpu.md).
 
 It rounds unnormalised probabilities to the pool's dtype before the V matmul (as the TPU kernel
 does), so it equals `paged_cache.paged_attention` (which rounds normalised ones, as the training
@@ -32,51 +43,63 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxrl4llm.sampling.paged_cache import per_device
 
-BLOCK_H = 16  # query heads a program computes (Triton's dot needs 16 rows; a GQA group is padded up)
-# The blocks, the split and the warps: the fastest of 16 configurations at a Qwen3-0.6B rollout's kv
-# lengths on an H200 (`scripts/gpu_check --phases attention`, docs/gpu.md, 2026-11-28): 1.22x the
-# kernel's previous 4 warps and 1024-program grid alone, the rollout 2.04 s -> 1.96 s.
-PAGES_PER_BLOCK = 4  # pages one loop step of a program reads (64 tokens at 16-token pages)
+BLOCK_H = 16  # Triton's fewest dot rows: a program's query rows are padded up to a power of two >= this
+LAYOUTS = ("per_kv_head", "per_slot")
+# The layout, blocks, split and warps: the fastest of 16 configurations of the per_kv_head layout at a
+# Qwen3-0.6B rollout's kv lengths on an H200 (`scripts/gpu_check --phases attention`, docs/gpu.md,
+# 2026-11-28): 1.22x the kernel's previous 4 warps and 1024-program grid alone, the rollout 2.04 s ->
+# 1.96 s. The per_slot layout has not yet run on a chip.
+LAYOUT = "per_kv_head"
+PAGES_PER_BLOCK = 4  # pages one loop step of a per_kv_head program reads (64 tokens at 16-token pages)
+SLOT_PAGES_PER_BLOCK = 1  # of a per_slot program (a page holds every kv head: 16 tokens x 8 heads = 128 key rows)
 GRID_TARGET = 2048  # programs worth launching: the k-split parallelises long slots when slots are few
 NUM_WARPS, NUM_STAGES = 8, 2  # Triton's launch parameters of a program
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a logit past the slot's length: finite, so no inf - inf
 
 
-def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m_ref, *, pages_per_block: int):
-    """One program: a block of query heads against partition k = program_id(2) of its slot's pages.
+def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m_ref, *, pages_per_block: int,
+                     group: int):
+    """One program: its query rows against partition k = program_id(2) of its slot's pages.
 
         o_k = sum_t exp(s_t - m_k) V_t,  l_k = sum_t exp(s_t - m_k),  m_k = max_t s_t,  s = q K^T
 
-    over the partition's tokens below the slot's length, `pages_per_block` pages a loop step with an
-    online softmax (exp as exp2 of log2(e) x, the GPU's fast exponential); probabilities are rounded
-    to the pool's dtype for the V matmul. A partition past the length leaves o = l = 0, m = the
-    float32 minimum (the combine in `gpu_paged_attention_one_shard` then weighs it 0).
+    over the partition's tokens below the slot's length and, for query row r, the keys of kv head
+    r // group alone (with one kv head a program, group = the rows: every row reads it),
+    `pages_per_block` pages a loop step with an online softmax (exp as exp2 of log2(e) x, the GPU's
+    fast exponential); probabilities are rounded to the pool's dtype for the V matmul. A partition
+    past the length leaves o = l = 0, m = the float32 minimum (the combine in
+    `gpu_paged_attention_one_shard` then weighs it 0). Rows past the last kv head's group (padding)
+    match no key: their o, l, m are garbage, sliced off by the caller.
 
-    Refs: q [BLOCK_H, Dh] (pre-scaled by 1/sqrt(Dh), the pool's dtype); k, v [pages, page, Dh] (one
-    kv head's column of the pool); table [pages of the partition] int32; length [1] int32.
-    Outputs: o [BLOCK_H, Dh], l, m [BLOCK_H] float32.
+    Refs: q [R, Dh] (pre-scaled by 1/sqrt(Dh), the pool's dtype); k, v [pages, page, KVH, Dh] (the
+    program's kv heads' keys or values in the pool); table [pages of the partition] int32; length [1]
+    int32. Outputs: o [R, Dh], l, m [R] float32.
     """
-    block_h, dh = q_ref.shape
-    page = k_ref.shape[-2]
+    rows, dh = q_ref.shape
+    page, kv_heads = k_ref.shape[1], k_ref.shape[2]
     per_partition = table_ref.shape[0]
-    block_k = pages_per_block * page
+    block_k = pages_per_block * page * kv_heads  # a loop step's key rows: (token, kv head), token-major
     log2e = math.log2(math.e)
     first_page = pl.program_id(2) * per_partition
     last_page = jnp.minimum(pl.cdiv(length_ref[0], page), first_page + per_partition)
 
-    start = (jnp.zeros((block_h, dh), jnp.float32), jnp.full((block_h,), jnp.finfo(jnp.float32).min),
-             jnp.zeros((block_h,), jnp.float32))  # (o, m, l) of no token: what an empty partition keeps
+    start = (jnp.zeros((rows, dh), jnp.float32), jnp.full((rows,), jnp.finfo(jnp.float32).min),
+             jnp.zeros((rows,), jnp.float32))  # (o, m, l) of no token: what an empty partition keeps
 
     def partition():
         q = q_ref[...]
+        column = jnp.arange(block_k)
 
         def step(i, carry):
             o, m, l = carry
             pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
             k = k_ref[pages].reshape(block_k, dh)
             v = v_ref[pages].reshape(block_k, dh)
-            token = (first_page + i * pages_per_block) * page + jnp.arange(block_k)
-            s = jnp.where((token < length_ref[0])[None, :], plgpu.dot(q, k.T), MASK_VALUE)  # [BLOCK_H, block_k]
+            token = (first_page + i * pages_per_block) * page + column // kv_heads
+            visible = (token < length_ref[0])[None, :]
+            if kv_heads > 1:  # block-diagonal: row r reads kv head r // group
+                visible = visible & ((jnp.arange(rows) // group)[:, None] == (column % kv_heads)[None, :])
+            s = jnp.where(visible, plgpu.dot(q, k.T), MASK_VALUE)  # [R, block_k]
             m_next = jnp.maximum(m, s.max(axis=-1))
             correction = jnp.exp2((m - m_next) * log2e)
             p = jnp.exp2((s - m_next[:, None]) * log2e)
@@ -88,27 +111,68 @@ def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m
     o_ref[...], l_ref[...], m_ref[...] = o, l, m
 
 
-def kernel_blocks(pages: int, slots: int, kv_heads: int, pages_per_block: int | None = None,
+def kernel_layout(kv_heads: int, group: int, layout: str | None = None) -> str:
+    """The layout a call runs (`LAYOUTS`; None: `LAYOUT`). per_slot needs a power-of-two count of kv
+    heads (its key rows are Triton blocks) and at most 128 query rows a slot; otherwise per_kv_head
+    runs, which takes any."""
+    layout = layout or LAYOUT
+    if layout not in LAYOUTS:
+        raise ValueError(f"paged attention layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    if layout == "per_slot" and (kv_heads & (kv_heads - 1) or kv_heads * group > 128):
+        return "per_kv_head"
+    return layout
+
+
+def program_shape(kv_heads: int, group: int, layout: str | None = None) -> tuple[int, int]:
+    """(programs a slot's partition runs, query rows a program computes) in `kernel_layout`'s layout:
+    per_kv_head: KVH x ceil(group / 16) programs of 16 rows; per_slot: 1 program of the slot's KVH x
+    group query heads padded to a power of two >= 16."""
+    if kernel_layout(kv_heads, group, layout) == "per_slot":
+        return 1, max(BLOCK_H, 1 << (kv_heads * group - 1).bit_length())
+    return kv_heads * -(-group // BLOCK_H), BLOCK_H
+
+
+def dot_rows(kv_heads: int, group: int, layout: str | None = None) -> int:
+    """Query rows (padding included) each kv token of a slot meets in the kernel's dots, summed over
+    the slot's programs: q K^T and P V cost 4 x this x Dh FLOPs a token (`plan`'s count). per_kv_head:
+    a program's rows meet its kv head's tokens; per_slot: every row meets every kv head's."""
+    programs, rows = program_shape(kv_heads, group, layout)
+    return programs * rows * (kv_heads if kernel_layout(kv_heads, group, layout) == "per_slot" else 1)
+
+
+def kernel_blocks(pages: int, slots: int, head_programs: int, pages_per_block: int | None = None,
                   k_splits: int | None = None) -> tuple[int, int, int]:
-    """(pages_per_block, k_splits, padded_pages) for slots of `pages` logical pages: a program reads
-    `pages_per_block` pages a loop step (default `PAGES_PER_BLOCK`); a slot's pages split into
-    `k_splits` partitions, one program each (default: as many as bring the grid near `GRID_TARGET`
-    programs, at most one per block);
-    the page table is padded to `padded_pages`, a multiple of both, with pages no slot's length
-    reaches (a partition past a slot's length does no work)."""
-    block = max(1, min(pages_per_block or PAGES_PER_BLOCK, pages))
+    """(pages_per_block, k_splits, padded_pages) for slots of `pages` logical pages, `head_programs`
+    programs a slot's partition (`program_shape`): a program reads `pages_per_block` pages a loop step
+    (default `PAGES_PER_BLOCK`; a power of two, Triton's blocks: at most the largest one <= `pages`);
+    a slot's pages split into `k_splits` partitions, one program each (default: as many as bring the
+    grid near `GRID_TARGET` programs, at most one per block); the page table is padded to
+    `padded_pages`, a multiple of both, with pages no slot's length reaches (a partition past a slot's
+    length does no work)."""
+    block = pages_per_block or PAGES_PER_BLOCK
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"pages_per_block={block}: a power of two (Triton's blocks), e.g. 1, 2, 4 or 8")
+    block = min(block, 1 << (max(pages, 1).bit_length() - 1))  # a 3-page table reads 2 a step, not 3
     blocks = -(-pages // block)
     if k_splits is None:
-        k_splits = min(blocks, max(1, GRID_TARGET // max(1, slots * kv_heads)))
+        k_splits = min(blocks, max(1, GRID_TARGET // max(1, slots * head_programs)))
     if k_splits < 1:
         raise ValueError(f"k_splits={k_splits}: at least 1 partition of a slot's pages")
     return block, k_splits, -(-pages // (block * k_splits)) * block * k_splits
 
 
+def rows_by_head(x: jax.Array, kv_heads: int, group: int, per_slot: bool) -> jax.Array:
+    """A kernel output [K, S, programs, R, ...] as [K, S, KVH, group, ...], the padded rows dropped."""
+    k, s, _, rows, *trailing = x.shape
+    if per_slot:  # one program: row r = kv head r // group
+        return x.reshape(k, s, rows, *trailing)[:, :, :kv_heads * group].reshape(k, s, kv_heads, group, *trailing)
+    return x.reshape(k, s, kv_heads, -1, *trailing)[:, :, :, :group]  # program g = kv head g // blocks
+
+
 def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *,
-                                  pages_per_block: int | None = None, k_splits: int | None = None,
-                                  num_warps: int | None = None, num_stages: int | None = None,
-                                  interpret: bool = False) -> jax.Array:
+                                  layout: str | None = None, pages_per_block: int | None = None,
+                                  k_splits: int | None = None, num_warps: int | None = None,
+                                  num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """softmax(q K^T / sqrt(Dh)) V over each slot's first kv_len tokens, K and V read in place.
 
     Args:
@@ -116,49 +180,57 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
       pool [pages, page, 2 KVH, Dh] bf16/f16: key of head h at column 2h, its value at 2h + 1.
       table [S, W] int32: a slot's logical pages (its tokens contiguous over them).
       kv_len [S] int32: valid tokens of each slot (0: an idle slot, whose output is 0).
-      pages_per_block: pages a program reads per loop step; k_splits: partitions of a slot's
-        pages run as separate programs (`kernel_blocks`); num_warps, num_stages: Triton's. None: this
-        module's constants, read when the call traces.
+      layout: the grid's (`LAYOUTS`, `kernel_layout`); pages_per_block: pages a program reads per
+        loop step; k_splits: partitions of a slot's pages run as separate programs (`kernel_blocks`);
+        num_warps, num_stages: Triton's. None: this module's constants, read when the call traces.
       interpret: run the kernel in Pallas' interpreter (any backend; for tests on CPU).
     Returns: [S, KVH, H/KVH, Dh] float32.
     """
     s, kvh, hg, dh = q.shape
-    _, page, two_kvh, _ = pool.shape
+    pages, page, two_kvh, _ = pool.shape
     width = table.shape[1]
     if two_kvh != 2 * kvh:
         raise ValueError(f"pool [pages, page, 2 KVH, Dh] has {two_kvh} head columns for {kvh} kv heads of q")
-    block, splits, padded = kernel_blocks(width, s, kvh, pages_per_block, k_splits)
+    layout = kernel_layout(kvh, hg, layout)
+    head_programs, rows = program_shape(kvh, hg, layout)
+    per_slot = layout == "per_slot"
+    default_block = SLOT_PAGES_PER_BLOCK if per_slot else PAGES_PER_BLOCK
+    block, splits, padded = kernel_blocks(width, s, head_programs, pages_per_block or default_block, k_splits)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, padded - width)))  # page 0: read past the length only
     per_split = padded // splits
-    heads = -(-hg // BLOCK_H) * BLOCK_H
-    head_blocks = heads // BLOCK_H
-    qp = jnp.pad((q * dh**-0.5).astype(pool.dtype), ((0, 0), (0, 0), (0, heads - hg), (0, 0)))
-    kernel = functools.partial(partition_kernel, pages_per_block=block)
-    head = lambda g: (g // head_blocks, g % head_blocks)  # grid axis 1: (kv head, block of query heads)
-    # grid (slot, kv head x head block, partition): the kernel reads its partition as program_id(2)
+    q = (q * dh**-0.5).astype(pool.dtype)
+    if per_slot:  # [S, 1, R, Dh]: row r = kv head r // hg, query head r % hg of its group
+        q = jnp.pad(q.reshape(s, 1, kvh * hg, dh), ((0, 0), (0, 0), (0, rows - kvh * hg), (0, 0)))
+    else:  # [S, KVH x blocks, 16, Dh]: program g = kv head g // blocks, its block g % blocks of 16 query heads
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, head_programs // kvh * rows - hg), (0, 0))).reshape(s, head_programs, rows, dh)
+    kv_block = kvh if per_slot else 1  # kv heads a program reads
+    head = lambda g: 0 if per_slot else g // (head_programs // kvh)  # a program's first kv head (in blocks of kv_block)
+    kernel = functools.partial(partition_kernel, pages_per_block=block, group=hg if per_slot else rows)
+    pool = pool.reshape(pages, page, kvh, 2, dh)  # free: keys at [..., h, 0, :], values at [..., h, 1, :]
+    # grid (slot, head program, partition): the kernel reads its partition as program_id(2)
     o, l, m = pl.pallas_call(
         kernel,
-        grid=(s, kvh * head_blocks, splits),
+        grid=(s, head_programs, splits),
         in_specs=[
-            pl.BlockSpec((None, None, BLOCK_H, dh), lambda b, g, k: (b, *head(g), 0)),  # q
-            pl.BlockSpec((pool.shape[0], page, None, dh), lambda b, g, k: (0, 0, 2 * head(g)[0], 0)),  # keys
-            pl.BlockSpec((pool.shape[0], page, None, dh), lambda b, g, k: (0, 0, 2 * head(g)[0] + 1, 0)),  # values
+            pl.BlockSpec((None, None, rows, dh), lambda b, g, k: (b, g, 0, 0)),  # q
+            pl.BlockSpec((pages, page, kv_block, None, dh), lambda b, g, k: (0, 0, head(g), 0, 0)),  # keys
+            pl.BlockSpec((pages, page, kv_block, None, dh), lambda b, g, k: (0, 0, head(g), 1, 0)),  # values
             pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),  # the partition's pages
             pl.BlockSpec((1,), lambda b, g, k: (b,)),  # the slot's length
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, BLOCK_H, dh), lambda b, g, k: (k, b, *head(g), 0)),  # o_k
-            pl.BlockSpec((None, None, None, BLOCK_H), lambda b, g, k: (k, b, *head(g))),  # l_k
-            pl.BlockSpec((None, None, None, BLOCK_H), lambda b, g, k: (k, b, *head(g))),  # m_k
+            pl.BlockSpec((None, None, None, rows, dh), lambda b, g, k: (k, b, g, 0, 0)),  # o_k
+            pl.BlockSpec((None, None, None, rows), lambda b, g, k: (k, b, g, 0)),  # l_k
+            pl.BlockSpec((None, None, None, rows), lambda b, g, k: (k, b, g, 0)),  # m_k
         ],
-        out_shape=[jax.ShapeDtypeStruct((splits, s, kvh, heads, dh), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, s, kvh, heads), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, s, kvh, heads), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((splits, s, head_programs, rows, dh), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, s, head_programs, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, s, head_programs, rows), jnp.float32)],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES),
         name="jaxrl4llm_paged_attention",
-    )(qp, pool, pool, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
-    o, l, m = o[..., :hg, :], l[..., :hg], m[..., :hg]
+    )(q, pool, pool, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
+    o, l, m = (rows_by_head(x, kvh, hg, per_slot) for x in (o, l, m))
     w = jnp.exp(m - jnp.max(m, axis=0))  # [K, S, KVH, hg]: each partition's share of the softmax
     total = jnp.sum(w * l, axis=0)
     return jnp.sum(w[..., None] * o, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]

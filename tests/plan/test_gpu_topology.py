@@ -235,7 +235,8 @@ def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_readi
     for operands in calls:
         q, keys, values, table, lengths = [o.strip() for o in operands.split(",")]
         assert keys == values  # one pool buffer, K and V picked by the block specs
-        source = re.search(rf"\n\s*{re.escape(keys)} = bf16\[(\d+),16,2,32\]\S* bitcast\(([\w.]+)\)", hlo)
+        # the pool [pages, page, 2 KVH, Dh] viewed as [pages, page, KVH, k|v, Dh]: a bitcast, not a copy
+        source = re.search(rf"\n\s*{re.escape(keys)} = bf16\[(\d+),16,1,2,32\]\S* bitcast\(([\w.]+)\)", hlo)
         assert source and "scatter" in source[2], source  # the pool as write_tokens left it
     assert 0 < decode.kernel_flops < decode.flops and 0 < decode.kernel_bytes < decode.hbm_bytes
     assert plan.decode["q_heads"] == 16  # a GPU's kv head and its 2 query heads, padded to the kernel's 16 rows

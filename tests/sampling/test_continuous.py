@@ -125,23 +125,27 @@ def test_the_ragged_kernel_call_traces():
     assert out.shape == (1, 8, 2, 4, 128) and out.dtype == jnp.float32
 
 
-_gpu_kernel = jax.jit(lambda q, pool, table, kv_len, k_splits: gpu_paged_attention(
-    q, pool, table, kv_len, interpret=True, pages_per_block=1, k_splits=k_splits), static_argnames="k_splits")
+_gpu_kernel = jax.jit(lambda q, pool, table, kv_len, k_splits, layout: gpu_paged_attention(
+    q, pool, table, kv_len, interpret=True, layout=layout, pages_per_block=1, k_splits=k_splits),
+    static_argnames=("k_splits", "layout"))
 _xla_path = jax.jit(lambda q, pool, table, counts: paged_attention(q, pool, table, counts, jnp.int32(2),
                                                                    pages_per_chunk=2, dtype=jnp.bfloat16))
 
 
-@settings(max_examples=4, deadline=None, derandomize=True)
-@given(st.sampled_from([(2, 3, 4, 2), (1, 4, 8, 3)]), st.integers(0, 2**31 - 1))
+@pytest.mark.parametrize("case", [(2, 3, 4, 2, "per_kv_head"), (1, 4, 8, 3, "per_kv_head"), (4, 2, 4, 2, "per_slot"),
+                                  (2, 3, 8, 3, "per_slot")])
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1))
 def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     """The GPU (Triton) paged attention kernel, run by Pallas' interpreter on CPU, on our interleaved
     pool as the engine holds it: equals `paged_attention` (XLA) on every live slot, for (kv heads,
-    GQA group, page size, partitions of a slot's pages) = (2, 3, 4, 2), (1, 4, 8, 1) (a group padded
-    to the kernel's 16 query rows; partitions: the flash-decoding combine, three of a 4-page slot
-    padding its page table to 6); lengths cross pages,
-    an idle slot gives 0. Tolerance: a bf16 pool; the kernel rounds unnormalised probabilities to
-    bf16 (the XLA path normalised ones). Two shapes: one compile each."""
-    kvh, hg, page, splits = case
+    GQA group, page size, partitions of a slot's pages, layout) = (2, 3, 4, 2), (1, 4, 8, 3) a program
+    per kv head (a group padded to the kernel's 16 query rows; partitions: the flash-decoding combine,
+    three of a 4-page slot padding its page table to 6), (4, 2, 4, 2), (2, 3, 8, 3) a program per slot
+    (every kv head's keys a loop step, each query row masked to its own head's: 8 and 6 real rows of
+    16); lengths cross pages, an idle slot gives 0. Tolerance: a bf16 pool; the kernel rounds
+    unnormalised probabilities to bf16 (the XLA path normalised ones). Four shapes: one compile each."""
+    kvh, hg, page, splits, layout = case
     rng = np.random.default_rng(seed)
     slots, dh, width, pages = 3, 16, 4, 24
     pool = jnp.asarray(rng.normal(size=(1, pages, page, 2 * kvh, dh)), jnp.bfloat16)
@@ -150,20 +154,20 @@ def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     table = np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(slots)])[None].astype(np.int32)
     counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
     want = np.asarray(_xla_path(q, pool, table, counts))
-    got = _gpu_kernel(q, pool, table, lengths, k_splits=splits)
+    got = _gpu_kernel(q, pool, table, lengths, k_splits=splits, layout=layout)
     assert got.shape == q.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got)[0, 1:], want[0, 1:], atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)  # the idle slot
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads, group", [(8, 2), (8, 4)])
-def test_gpu_paged_kernel_in_bf16_at_qwen3_shapes(kv_heads, group):
+@pytest.mark.parametrize("kv_heads, group, layout", [(8, 2, "per_kv_head"), (8, 4, "per_kv_head"), (8, 2, "per_slot")])
+def test_gpu_paged_kernel_in_bf16_at_qwen3_shapes(kv_heads, group, layout):
     """The Triton paged attention kernel (for real on a GPU, Pallas' interpreter elsewhere:
-    `tests.gpu_kernels.pallas_interpret`) at Qwen3 shapes: head_dim 128, GQA 16:8 and 32:8, 16-token
-    pages, a bf16 pool, its default blocks and k-split; slots of ragged lengths over scattered pages
-    and an idle slot (output 0). Equals the XLA path and a float64 reference to bf16 tolerances
-    (`tests.gpu_kernels.BF16_*`)."""
+    `tests.gpu_kernels.pallas_interpret`) at Qwen3 shapes: head_dim 128, GQA 16:8 and 32:8 a program
+    per kv head, 16:8 a program per slot, 16-token pages, a bf16 pool, the layout's default blocks and
+    k-split; slots of ragged lengths over scattered pages and an idle slot (output 0). Equals the XLA
+    path and a float64 reference to bf16 tolerances (`tests.gpu_kernels.BF16_*`)."""
     rng = np.random.default_rng(group)
     slots, dh, page, width, pages = 4, 128, 16, 8, 40
     pool = bf16_normal(rng, (1, pages, page, 2 * kv_heads, dh))
@@ -172,7 +176,7 @@ def test_gpu_paged_kernel_in_bf16_at_qwen3_shapes(kv_heads, group):
     table = np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(slots)])[None].astype(np.int32)
     counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
     pool_bf16, q32 = jnp.asarray(pool, jnp.bfloat16), jnp.asarray(q, jnp.float32)
-    got = jax.jit(lambda *a: gpu_paged_attention(*a, interpret=pallas_interpret()))(
+    got = jax.jit(lambda *a: gpu_paged_attention(*a, layout=layout, interpret=pallas_interpret()))(
         q32, pool_bf16, jnp.asarray(table), jnp.asarray(lengths))
     xla = jax.jit(lambda *a: paged_attention(*a, jnp.int32(width // 2), pages_per_chunk=2, dtype=jnp.bfloat16))(
         q32, pool_bf16, jnp.asarray(table), jnp.asarray(counts))

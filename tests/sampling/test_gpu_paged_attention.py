@@ -1,24 +1,38 @@
-"""`gpu_paged_attention.kernel_blocks`: how the Triton paged attention cuts a slot's pages (the
-kernel itself: tests/sampling/test_continuous.py, in Pallas' interpreter and, marked gpu, on a chip)."""
+"""`gpu_paged_attention`'s rules: how the Triton paged attention cuts a slot's pages
+(`kernel_blocks`) and lays out its grid (`kernel_layout`, `program_shape`, `dot_rows`); its kernel
+body against JAX's, and its compile for an H100 (the kernel's values: tests/sampling/test_continuous.py,
+in Pallas' interpreter and, marked gpu, on a chip)."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxrl4llm.plan.gpu import missing_gpu_packages
-from jaxrl4llm.sampling.gpu_paged_attention import GRID_TARGET, PAGES_PER_BLOCK, kernel_blocks
+from jaxrl4llm.sampling.gpu_paged_attention import (GRID_TARGET, LAYOUTS, PAGES_PER_BLOCK, dot_rows, kernel_blocks,
+                                                     kernel_layout, program_shape)
 from tests.gpu_kernels import compile_for_h100, h100_spec
 
 
-@given(st.integers(1, 300), st.integers(1, 256), st.integers(1, 16), st.integers(1, 16),
+@given(st.integers(1, 300), st.integers(1, 256), st.integers(1, 16), st.sampled_from([1, 2, 4, 8, 16]),
        st.one_of(st.none(), st.integers(1, 64)))
 def test_the_padded_table_holds_every_page_in_whole_blocks_and_partitions(pages, slots, kv_heads, per_block, splits):
     block, k, padded = kernel_blocks(pages, slots, kv_heads, per_block, splits)
-    assert block == min(per_block, pages) and (splits is None or k == splits)
+    assert block & (block - 1) == 0 and block <= min(per_block, pages) < 2 * block  # Triton's power of two
+    assert block == per_block or block > pages // 2
+    assert splits is None or k == splits
     assert padded % (block * k) == 0 and pages <= padded < pages + block * k  # the least padding
     if splits is None:  # the default: about GRID_TARGET programs, never a partition without a block
         blocks = -(-pages // block)
         assert 1 <= k <= blocks and (k == blocks or slots * kv_heads * k <= max(GRID_TARGET, slots * kv_heads))
+
+
+def test_a_three_page_table_reads_two_pages_a_step():
+    """A slot's table of 3 pages (prompt and response within 48 tokens) made a 3-page block, a
+    48-token Triton block the GPU refuses to compile (powers of two only); now 2 pages a step, and a
+    block size that is no power of two is an error naming the rule."""
+    assert kernel_blocks(3, 8, 8)[0] == 2 and kernel_blocks(3, 8, 8, k_splits=1) == (2, 1, 4)
+    with pytest.raises(ValueError, match="pages_per_block=3: a power of two"):
+        kernel_blocks(64, 8, 8, 3)
 
 
 def test_a_prime_page_count_still_splits():
@@ -27,6 +41,29 @@ def test_a_prime_page_count_still_splits():
     assert kernel_blocks(69, 64, 8) == (PAGES_PER_BLOCK, GRID_TARGET // (64 * 8), 80)  # 4 partitions of 20 pages
     with pytest.raises(ValueError, match="k_splits=0"):
         kernel_blocks(69, 64, 8, k_splits=0)
+
+
+@given(st.integers(1, 16), st.integers(1, 16), st.sampled_from(LAYOUTS))
+def test_a_layout_covers_every_query_head_in_power_of_two_programs(kv_heads, group, layout):
+    """Every layout's programs hold all KVH x group query heads in rows of a power of two >= 16
+    (Triton's dots); per_slot runs where its key rows are a power of two (KVH) and its rows at most
+    128, otherwise per_kv_head; the dots' rows a kv token meets (plan's FLOPs) count the padding."""
+    ran = kernel_layout(kv_heads, group, layout)
+    programs, rows = program_shape(kv_heads, group, layout)
+    assert rows >= 16 and rows & (rows - 1) == 0 and programs * rows >= kv_heads * group
+    if ran == "per_slot":
+        assert layout == "per_slot" and kv_heads & (kv_heads - 1) == 0 and programs == 1 and rows < 2 * max(16, kv_heads * group)
+        assert dot_rows(kv_heads, group, layout) == rows * kv_heads
+    else:
+        assert layout == "per_kv_head" or kv_heads & (kv_heads - 1) or kv_heads * group > 128
+        assert programs == kv_heads * -(-group // 16) and dot_rows(kv_heads, group, layout) == programs * 16
+
+
+def test_an_unknown_layout_is_an_error_that_lists_them():
+    with pytest.raises(ValueError, match="'per_head'.*per_kv_head, per_slot"):
+        kernel_layout(8, 2, "per_head")
+    assert program_shape(8, 2, "per_slot") == (1, 16) and program_shape(8, 2, "per_kv_head") == (8, 16)  # Qwen3 16:8
+    assert program_shape(8, 4, "per_slot") == (1, 32) and kernel_layout(6, 2, "per_slot") == "per_kv_head"
 
 
 def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
@@ -60,13 +97,14 @@ def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
                         jnp.int32).reshape(slots, splits, per_split)
     lengths = jnp.asarray([0, 7, 13], jnp.int32)  # idle; inside partition 0's second page; partition 1 empty
 
-    def run(kernel, with_scales):
+    def run(kernel, with_scales):  # JAX's body takes k, v [pages, page, Dh] and scales; ours [pages, page, KVH, Dh]
         none = [None] if with_scales else []
+        kv = (pages, page, dh) if with_scales else (pages, page, 1, dh)
         return pl.pallas_call(
             kernel, grid=(slots, 1, splits),
             in_specs=[pl.BlockSpec((None, block_h, dh), lambda b, g, k: (b, 0, 0)),
-                      pl.BlockSpec((pages, page, dh), lambda b, g, k: (0, 0, 0)), *none,
-                      pl.BlockSpec((pages, page, dh), lambda b, g, k: (0, 0, 0)), *none,
+                      pl.BlockSpec(kv, lambda b, g, k: (0,) * len(kv)), *none,
+                      pl.BlockSpec(kv, lambda b, g, k: (0,) * len(kv)), *none,
                       pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),
                       pl.BlockSpec((1,), lambda b, g, k: (b,))],
             out_specs=[pl.BlockSpec((None, None, block_h, dh), lambda b, g, k: (k, b, 0, 0)),
@@ -76,9 +114,9 @@ def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
                        jax.ShapeDtypeStruct((splits, slots, block_h), jnp.float32),
                        jax.ShapeDtypeStruct((splits, slots, block_h), jnp.float32)],
             interpret=True,
-        )(q, keys, *none, values, *none, table, lengths)
+        )(q, *((keys, *none, values, *none) if with_scales else (keys[:, :, None], values[:, :, None])), table, lengths)
 
-    ours = run(functools.partial(gpa.partition_kernel, pages_per_block=per_block), False)
+    ours = run(functools.partial(gpa.partition_kernel, pages_per_block=per_block, group=block_h), False)
     theirs = run(functools.partial(upstream.paged_attention_kernel, num_heads=block_h,
                                    pages_per_compute_block=per_block, mask_value=upstream.DEFAULT_MASK_VALUE,
                                    attn_logits_soft_cap=None), True)
@@ -90,17 +128,23 @@ def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
 
 @pytest.mark.skipif(bool(missing_gpu_packages()),
                     reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu] (or .[gpu13])")
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_heads, group", [(8, 2), (8, 4)])
-def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group):
-    """What the interpreter does not check (Triton's own rules) at the rollout's shapes: head_dim 128,
-    GQA 16:8 and 32:8, 16-token pages of a bf16 pool, 64 slots of 64 pages, the default blocks and
-    k-split: the kernel lowers to Triton and compiles for sm_90a on this CPU (jax's CUDA plugin, an
-    abstract H100). On a chip: `scripts/gpu_check` (kernels, attention and decode phases)."""
+def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group, layout):
+    """What the interpreter does not check (Triton's own rules, shared memory) at the rollout's shapes:
+    head_dim 128, GQA 16:8 and 32:8, 16-token pages of a bf16 pool, 64 slots of 64 pages (and of 3), each layout
+    with its default blocks and k-split: the kernel lowers to Triton and compiles for sm_90a on this
+    CPU (jax's CUDA plugin, an abstract H100). On a chip: `scripts/gpu_check` (kernels, attention and
+    decode phases)."""
+    import functools
+
     import jax.numpy as jnp
 
     from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 
-    slots, dh, page, width = 64, 128, 16, 64
-    compile_for_h100(gpu_paged_attention, h100_spec((1, slots, kv_heads, group, dh), jnp.float32),
-                     h100_spec((1, slots * width + 1, page, 2 * kv_heads, dh), jnp.bfloat16),
-                     h100_spec((1, slots, width), jnp.int32), h100_spec((1, slots), jnp.int32))
+    slots, dh, page = 64, 128, 16
+    for width in (64, 3):  # a long slot's table; a 3-page one (two pages a loop step, `kernel_blocks`)
+        compile_for_h100(functools.partial(gpu_paged_attention, layout=layout),
+                         h100_spec((1, slots, kv_heads, group, dh), jnp.float32),
+                         h100_spec((1, slots * width + 1, page, 2 * kv_heads, dh), jnp.bfloat16),
+                         h100_spec((1, slots, width), jnp.int32), h100_spec((1, slots), jnp.int32))
