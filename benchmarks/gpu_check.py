@@ -82,6 +82,9 @@ PHASES = (
     Phase("profile",  90, 240, "optional (`--phases profile`): the first step model's rollout once more under "
                                "jax.profiler: the device's busy time, kernels and launch calls (trace_summary)",
           optional=True),
+    Phase("trainer", 120, 240, "optional (`--phases trainer`): the last step model's log-prob pass and update "
+                               "once more under jax.profiler: busy share and kernels (trace_summary), beside their "
+                               "timed runs", optional=True),
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
                                "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
 )
@@ -123,6 +126,7 @@ PHASE_ENV = {
     "step": STEP_MEMORY,
     "launches": STEP_MEMORY,
     "profile": STEP_MEMORY,
+    "trainer": STEP_MEMORY,
     "attention": STEP_MEMORY,
     "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
@@ -592,6 +596,49 @@ def phase_profile(mode: str, work: Path, log) -> dict:
             "longest_row": int(timed.lengths.max()), **summary}
 
 
+# ---------------------------------------------------------------------------- phase: trainer (optional)
+def phase_trainer(mode: str, work: Path, log) -> dict:
+    """The last step model's log-prob pass and update (set up, compiled and timed as in the step
+    phase), then each once more under jax.profiler.trace: where a trainer program's device time goes
+    (busy share, kernels by total time), to name why the measured time runs past plan's prediction."""
+    import jax
+
+    from jaxrl4llm.train.step import join_params
+    from plan_accuracy import runs_logprob_pass, update_batch
+
+    w = WORKLOAD[mode]
+    model = list(MODELS[mode])[-1]
+    timed = timed_rollout(mode, work, log, model)
+    run, state = timed.run, timed.state
+    batch = update_batch(run, state, timed.out)
+    figures: dict = {"model": model, "rows": len(timed.lengths)}
+
+    def profiled(name: str, call) -> None:
+        call()  # its compile
+        seconds = median_seconds(call, w["reps"])
+        trace = work / f"trace_{name.replace(' ', '_')}"
+        t0 = time.perf_counter()
+        with jax.profiler.trace(str(trace)):
+            call()
+        traced_s = time.perf_counter() - t0
+        summary = trace_summary(trace)
+        log(f"  {name} {seconds:.3f} s, traced {traced_s:.3f} s: {summary['kernels']} kernels, busy "
+            f"{summary['busy_s']:.3f} s of {summary['span_s']:.3f} s")
+        figures[name] = {"seconds": seconds, "traced_s": traced_s, **summary}
+
+    if runs_logprob_pass(run):
+        params = join_params(state.params, state.frozen)
+        profiled("logprob pass", lambda: jax.block_until_ready(run.logprob_pass(params, batch)[0]))
+    box = {"state": state}
+
+    def update():  # the update donates its state: each call takes the last one's
+        box["state"], metrics, _ = run.update(box["state"], batch)
+        return jax.block_until_ready(metrics)
+
+    profiled("update", update)
+    return figures
+
+
 # ---------------------------------------------------------------------------- phase: attention (optional)
 def attention_snapshots(mode: str, page: int):
     """The first step model's rollout as its decode attention sees it: every row starts at once (one slot
@@ -994,6 +1041,8 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_agreement(mode, work, log)
         elif kind == "profile":
             record["figures"] = phase_profile(mode, work, log)
+        elif kind == "trainer":
+            record["figures"] = phase_trainer(mode, work, log)
         elif kind == "attention":
             record["figures"] = phase_attention_rollout(mode, work, log, model) if model else \
                 phase_attention(mode, work, log)
@@ -1207,7 +1256,7 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS), "profile",
-                 "exact", "agreement", "attention"):  # the first phase that ran on the device names it
+                 "trainer", "exact", "agreement", "attention"):  # the first phase that ran on the device names it
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])
@@ -1254,6 +1303,17 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return "nan" if math.isnan(x) else (f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}")
     return str(x)
+
+
+def profile_lines(what: str, summary: dict, untraced_s: float, note: str = "") -> list[str]:
+    """A markdown section of a program's `trace_summary`: busy time, launches and its top kernels."""
+    lines = ["", f"## profile ({what} under jax.profiler: {summary['source']})", "",
+             f"traced {_fmt(summary['traced_s'])} s (untraced {_fmt(untraced_s)} s); {summary['kernels']} kernels, busy "
+             f"{_fmt(summary['busy_s'])} s of a {_fmt(summary['span_s'])} s span ({_fmt(100 * summary['busy_share'])}%); "
+             f"{summary['launch_calls']} launch calls ({_fmt(summary['launch_api_s'])} s){note}", "",
+             "| kernel | count | total ms | mean us |", "| --- | ---: | ---: | ---: |"]
+    return lines + [f"| `{k['name'][:80]}` | {k['count']} | {_fmt(k['total_ms'])} | {_fmt(k['mean_us'])} |"
+                    for k in summary["top"]]
 
 
 def markdown(report: dict) -> str:
@@ -1311,14 +1371,12 @@ def markdown(report: dict) -> str:
                   f"{f['xla_flags'] or '-'} | {' '.join(f['overrides']) or '-'} |" for v, f in launches.items()]
     profile = report["phases"].get("profile", {}).get("figures", {})
     if profile.get("top") is not None:
-        lines += ["", f"## profile (the {profile['model']} rollout under jax.profiler: {profile['source']})", "",
-                  f"traced rollout {_fmt(profile['traced_s'])} s (untraced {_fmt(profile['rollout_s'])} s); "
-                  f"{profile['kernels']} kernels, busy {_fmt(profile['busy_s'])} s of a {_fmt(profile['span_s'])} s "
-                  f"span ({_fmt(100 * profile['busy_share'])}%); {profile['launch_calls']} launch calls "
-                  f"({_fmt(profile['launch_api_s'])} s); longest row {profile['longest_row']} tokens", "",
-                  "| kernel | count | total ms | mean us |", "| --- | ---: | ---: | ---: |"]
-        lines += [f"| `{k['name'][:80]}` | {k['count']} | {_fmt(k['total_ms'])} | {_fmt(k['mean_us'])} |"
-                  for k in profile["top"]]
+        lines += profile_lines(f"the {profile['model']} rollout", profile, profile["rollout_s"],
+                               f"; longest row {profile['longest_row']} tokens")
+    trainer = report["phases"].get("trainer", {}).get("figures", {})
+    for program in ("logprob pass", "update"):
+        if trainer.get(program, {}).get("top") is not None:
+            lines += profile_lines(f"the {trainer['model']} {program}", trainer[program], trainer[program]["seconds"])
     attention = report["phases"].get("attention", {}).get("figures", {})
     if attention.get("rows"):
         lines += ["", f"## attention (the paged attention alone at {attention['snapshots']} snapshots of the rollout's "

@@ -94,14 +94,24 @@ def one_device_mesh():
     return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
 
 
+def update_batch(run, state, rollout):
+    """The update's batch of `rollout` with random 0/1 rewards, as the loop builds it."""
+    rewards = np.random.default_rng(0).integers(0, 2, int(rollout.lengths.shape[0])).astype(np.float32)
+    return build_batch(run, state, rollout, rewards)[0]
+
+
+def runs_logprob_pass(run) -> bool:
+    """Whether the run's step has a separate log-prob pass (not when the update scores old_logp itself)."""
+    return run.settings.old_logp_from_update is False and run.cfg.trainer.old_logp_source == "recompute"
+
+
 def time_update_programs(run, state, rollout, reps: int):
     """Median wall seconds of the log-prob pass (0 when the update scores old_logp itself) and of
     the update on `rollout`'s batch (random 0/1 rewards), each after a compile: (logprob s, update s,
     state after the updates)."""
-    rewards = np.random.default_rng(0).integers(0, 2, int(rollout.lengths.shape[0])).astype(np.float32)
-    batch, _ = build_batch(run, state, rollout, rewards)
+    batch = update_batch(run, state, rollout)
     t_logprob = 0.0
-    if run.settings.old_logp_from_update is False and run.cfg.trainer.old_logp_source == "recompute":
+    if runs_logprob_pass(run):
         params = join_params(state.params, state.frozen)
         run.logprob_pass(params, batch)
         t_logprob = median_seconds(lambda: run.logprob_pass(params, batch)[0], reps)

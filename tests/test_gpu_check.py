@@ -75,7 +75,8 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
     error that lists the known ones, before any work."""
     gc = _gpu_check()
-    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "agreement", "attention", "profile", "launches"]
+    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "agreement", "attention", "profile", "trainer",
+                                                        "launches"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
@@ -141,3 +142,17 @@ def test_trace_summary_reads_a_profile_of_xla_ops(tmp_path):
     names = [k["name"] for k in summary["top"]]
     assert names and not any(n[-1].isdigit() for n in names), names
     assert sum(k["count"] for k in summary["top"]) <= summary["kernels"]
+
+
+def test_trainer_phase_profiles_the_logprob_pass_and_the_update(tmp_path, monkeypatch):
+    """The optional trainer phase (the dry run's model on the CPU): the log-prob pass and the update,
+    each timed and traced, their device time summarised, and their profile sections in the report."""
+    gc = _gpu_check()
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling modules (plan_accuracy)
+    figures = gc.phase_trainer("dry", tmp_path, lambda line: None)
+    for program in ("logprob pass", "update"):
+        f = figures[program]
+        assert f["seconds"] > 0 and f["kernels"] > 0 and 0 < f["busy_share"] <= 1 and f["top"], (program, f)
+    text = gc.markdown({"mode": "dry", "python": "3", "date": "today", "phases": {
+        "trainer": {"status": "ok", "seconds": 1.0, "figures": figures}}})
+    assert f"## profile (the {figures['model']} logprob pass" in text and f"the {figures['model']} update" in text
