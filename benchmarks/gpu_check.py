@@ -717,7 +717,8 @@ def phase_attention(mode: str, work: Path, log) -> dict:
     timed = [r for r in rows if "error" not in r]
     if not timed:
         raise PhaseFailed("no configuration ran", {"rows": rows})
-    default = timed[0]["rollout_attention_s"] if configs[0][1] is None else float("nan")
+    default = timed[0]["rollout_attention_s"] if rows[0] is timed[0] and rows[0]["config"].endswith("(default)") \
+        else float("nan")
     for r in timed:
         r["default_over_this"] = default / r["rollout_attention_s"]
     bad = [r["config"] for r in timed if not r["rel_to_default"] <= 2e-2]

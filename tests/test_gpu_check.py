@@ -97,6 +97,7 @@ def test_attention_phase_times_each_configuration_against_the_default(tmp_path, 
     assert [r["k_splits"] for r in rows][1] == 8 and all(r["rel_to_default"] <= 2e-2 for r in rows)
     assert [r["layout"] for r in rows] == ["per_kv_head", "per_kv_head", "per_slot", "per_slot"]
     assert all(math.isfinite(r["rollout_attention_s"]) and r["rollout_attention_s"] > 0 for r in rows)
+    assert rows[0]["default_over_this"] == 1 and all(math.isfinite(r["default_over_this"]) for r in rows)
     assert figures["best"] in {r["config"] for r in rows} and figures["snapshots"] >= 2
     lengths = gc.attention_snapshots("dry", 16)[0]
     assert lengths[0].min() > 0 and (lengths == 0).any()  # every row live at step 0, some done by the last
