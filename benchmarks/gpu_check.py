@@ -86,19 +86,22 @@ PHASES = (
                                "once more under jax.profiler: busy share and kernels (trace_summary), beside their "
                                "timed runs", optional=True),
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
-                               "LAUNCH_VARIANTS, one process each: is the decode step launch-bound?", optional=True),
+                               "LAUNCH_VARIANTS, one process each: XLA flags and decode bursts", optional=True),
 )
 # The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
 # its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
 # XLA's command buffers (CUDA graphs) are one launch for a run of kernels, but by default not across a
-# while loop's trips; a longer burst runs more decode steps per trip of the refill loop.
+# while loop's trips; a longer burst runs more decode steps per trip of the refill loop. None of these
+# helped on the H100 (2026-11-28, the launches table of docs/gpu.md; both together, 1.02x, is dropped).
+# The projections' and MLP's GEMMs of a decode step (64 rows) ran at ~half the copy bandwidth on the
+# H200 as XLA's Triton GEMM fusions: cublas_gemm has XLA call cuBLAS for them instead.
 LOOP_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LAUNCH_VARIANTS = {
     "default": ("", []),
     "no_command_buffers": ("--xla_gpu_enable_command_buffer=", []),
     "command_buffers_in_loops": (LOOP_COMMAND_BUFFERS, []),
     "burst_64": ("", ["rollout.decode_burst=64"]),
-    "loops_burst_64": (LOOP_COMMAND_BUFFERS, ["rollout.decode_burst=64"]),  # both, if each helps
+    "cublas_gemm": ("--xla_gpu_enable_triton_gemm=false", []),
 }
 # The attention phase's kernel configurations: (layout, pages a loop step reads, partitions of a slot's pages
 # or None for the default rule, Triton warps); the first is the default. On an H100 and an H200 the
