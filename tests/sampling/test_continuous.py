@@ -188,17 +188,19 @@ def test_gpu_paged_kernel_in_bf16_at_qwen3_shapes(kv_heads, group, layout):
     assert_close_bf16(np.asarray(got)[0, 1:], np.asarray(xla)[0, 1:], "kernel vs xla path")
 
 
-def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkeypatch):
+@pytest.mark.parametrize("layout", ["per_kv_head", "per_slot"])
+def test_continuous_engine_on_the_gpu_kernel_gives_the_static_rows(qwen3, monkeypatch, layout):
     """The engine's GPU path end to end on CPU: `generate` and the engine taken for a GPU, the kernel
-    run by Pallas' interpreter (float32: no bf16 rounding between the paths) on every layer's pool
-    as the engine writes it, its page tables and lengths. The greedy case of
-    `test_continuous_engine_gives_the_static_rows` (its static rollout compiled once in a session):
-    the static engine's tokens, log-probs to float32 rounding."""
+    (in each grid layout, `gpu_paged_attention.LAYOUT`) run by Pallas' interpreter (float32: no bf16
+    rounding between the paths) on every layer's pool as the engine writes it, its page tables and
+    lengths. The greedy case of `test_continuous_engine_gives_the_static_rows` (its static rollout
+    compiled once in a session): the static engine's tokens, log-probs to float32 rounding."""
     import functools
 
     from jaxrl4llm.kernels import choice
     from jaxrl4llm.sampling import continuous, gpu_paged_attention as gpa
 
+    monkeypatch.setattr(gpa, "LAYOUT", layout)  # read when the kernel's call traces
     monkeypatch.setattr(choice, "is_gpu", lambda devices: True)  # the one rule: kernels.choice
     monkeypatch.setattr(choice, "gpu_kernel_supports", lambda *shape: True)
     calls = []
