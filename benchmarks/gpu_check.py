@@ -696,7 +696,8 @@ def phase_attention(mode: str, work: Path, log) -> dict:
     rows, reference = [], None
     for layout, per_block, splits, warps in configs:
         block, k, padded = gpa.kernel_blocks(width, slots, gpa.program_shape(kvh, group, layout)[0], per_block, splits)
-        default = (layout, per_block, splits, warps) == (gpa.LAYOUT, gpa.PAGES_PER_BLOCK, None, gpa.NUM_WARPS)
+        default = (layout, per_block, splits, warps) == (gpa.LAYOUT, gpa.default_pages_per_block(gpa.LAYOUT), None,
+                                                         gpa.NUM_WARPS)
         name = f"{layout}: {block} pages/step, {k} partitions{'' if splits else ' (the rule)'}, {warps} warps" + \
             (" (default)" if default else "")
         try:

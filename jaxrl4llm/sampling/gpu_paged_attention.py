@@ -132,6 +132,12 @@ def program_shape(kv_heads: int, group: int, layout: str | None = None) -> tuple
     return kv_heads * -(-group // BLOCK_H), BLOCK_H
 
 
+def default_pages_per_block(layout: str) -> int:
+    """Pages a loop step reads unless a call says: `SLOT_PAGES_PER_BLOCK` for per_slot, else
+    `PAGES_PER_BLOCK` (module constants, read when a call traces)."""
+    return SLOT_PAGES_PER_BLOCK if layout == "per_slot" else PAGES_PER_BLOCK
+
+
 def dot_rows(kv_heads: int, group: int, layout: str | None = None) -> int:
     """Query rows (padding included) each kv token of a slot meets in the kernel's dots, summed over
     the slot's programs: q K^T and P V cost 4 x this x Dh FLOPs a token (`plan`'s count). per_kv_head:
@@ -194,8 +200,8 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
     layout = kernel_layout(kvh, hg, layout)
     head_programs, rows = program_shape(kvh, hg, layout)
     per_slot = layout == "per_slot"
-    default_block = SLOT_PAGES_PER_BLOCK if per_slot else PAGES_PER_BLOCK
-    block, splits, padded = kernel_blocks(width, s, head_programs, pages_per_block or default_block, k_splits)
+    block, splits, padded = kernel_blocks(width, s, head_programs, pages_per_block or default_pages_per_block(layout),
+                                          k_splits)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, padded - width)))  # page 0: read past the length only
     per_split = padded // splits
     q = (q * dh**-0.5).astype(pool.dtype)
