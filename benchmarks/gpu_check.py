@@ -73,7 +73,7 @@ PHASES = (
                                  "(benchmarks/numerics.py, a random Qwen3-shaped model, bf16): the sampler's log-prob "
                                  "of every token against the trainer's recompute (exact: 0 differing), rollout and "
                                  "update tokens/s against default numerics", optional=True),
-    Phase("attention", 75, 240, "optional (`--phases attention`): the Triton paged attention alone at the first "
+    Phase("attention", 110, 240, "optional (`--phases attention`): the Triton paged attention alone at the first "
                                "step model's rollout's kv lengths every ATTENTION_STRIDE decode steps, under each "
                                "layout/block/split/warps of ATTENTION_CONFIGS: the rollout's attention seconds each "
                                "predicts, its output against the default's; then (attention:default, "
