@@ -167,8 +167,20 @@ def kernel_blocks(pages: int, slots: int, head_programs: int, pages_per_block: i
     return block, k_splits, -(-pages // (block * k_splits)) * block * k_splits
 
 
+def heads_by_program(q: jax.Array, programs: int, rows: int, per_slot: bool) -> jax.Array:
+    """q [S, KVH, group, Dh] as the kernel's [S, programs, R, Dh], padded rows of zeros (`program_shape`);
+    `rows_by_head` undoes it. per_slot: row r = kv head r // group; else program g = kv head g // blocks,
+    its block g % blocks of R query heads."""
+    s, kv_heads, group, dh = q.shape
+    if per_slot:
+        return jnp.pad(q.reshape(s, 1, kv_heads * group, dh), ((0, 0), (0, 0), (0, rows - kv_heads * group), (0, 0)))
+    heads = programs // kv_heads * rows
+    return jnp.pad(q, ((0, 0), (0, 0), (0, heads - group), (0, 0))).reshape(s, programs, rows, dh)
+
+
 def rows_by_head(x: jax.Array, kv_heads: int, group: int, per_slot: bool) -> jax.Array:
-    """A kernel output [K, S, programs, R, ...] as [K, S, KVH, group, ...], the padded rows dropped."""
+    """A kernel output [K, S, programs, R, ...] as [K, S, KVH, group, ...], the padded rows dropped
+    (`heads_by_program`'s inverse)."""
     k, s, _, rows, *trailing = x.shape
     if per_slot:  # one program: row r = kv head r // group
         return x.reshape(k, s, rows, *trailing)[:, :, :kv_heads * group].reshape(k, s, kv_heads, group, *trailing)
@@ -204,11 +216,7 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
                                           k_splits)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, padded - width)))  # page 0: read past the length only
     per_split = padded // splits
-    q = (q * dh**-0.5).astype(pool.dtype)
-    if per_slot:  # [S, 1, R, Dh]: row r = kv head r // hg, query head r % hg of its group
-        q = jnp.pad(q.reshape(s, 1, kvh * hg, dh), ((0, 0), (0, 0), (0, rows - kvh * hg), (0, 0)))
-    else:  # [S, KVH x blocks, 16, Dh]: program g = kv head g // blocks, its block g % blocks of 16 query heads
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, head_programs // kvh * rows - hg), (0, 0))).reshape(s, head_programs, rows, dh)
+    q = heads_by_program((q * dh**-0.5).astype(pool.dtype), head_programs, rows, per_slot)
     kv_block = kvh if per_slot else 1  # kv heads a program reads
     head = lambda g: 0 if per_slot else g // (head_programs // kvh)  # a program's first kv head (in blocks of kv_block)
     kernel = functools.partial(partition_kernel, pages_per_block=block, group=hg if per_slot else rows)
