@@ -14,7 +14,7 @@ It prints tokens/s of both (sum of lengths over the wall time of the K rollouts,
 excluded: a warm-up pass of 2 rollouts of each arm first), their ratio, and whether the tokens are
 equal. The first segment starts from empty slots and the last has no next rollout to admit, so
 the steady-state gain needs many rollouts; `jaxrl4llm plan` models the steady state
-(`plan.lengths.continuous_decode_work(partial=True)`), and this script prints that model's step
+(`plan.decode_work.continuous_decode_work(partial=True)`), and this script prints that model's step
 ratio for the run's K rollouts beside the measured one.
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.sampler import SAMPLED, draw_lengths, make_hf_model  # noqa: E402
 from jaxrl4llm.models import load_pretrained  # noqa: E402
-from jaxrl4llm.plan.lengths import segment_schedule  # noqa: E402
+from jaxrl4llm.plan.decode_work import segment_schedule  # noqa: E402
 from jaxrl4llm.sampling.continuous import BURST  # noqa: E402
 from jaxrl4llm.sampling import generate  # noqa: E402
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket  # noqa: E402

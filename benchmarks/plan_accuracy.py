@@ -34,10 +34,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm.data import build_char_tokenizer, write_demo_task  # noqa: E402
-from jaxrl4llm.plan.lengths import LengthDistribution  # noqa: E402
 from jaxrl4llm.plan.programs import plan_run  # noqa: E402
 from jaxrl4llm.train.config import load_config  # noqa: E402
 from jaxrl4llm.train.loop import build_batch, setup_run  # noqa: E402
+from jaxrl4llm.train.response_lengths import LengthDistribution  # noqa: E402
 from jaxrl4llm.train.step import join_params  # noqa: E402
 from train_step import SIZES  # noqa: E402
 

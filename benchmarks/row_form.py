@@ -37,11 +37,11 @@ from train_step import SIZES  # noqa: E402
 from update_profile import ragged_rollout  # noqa: E402
 from jaxrl4llm.core import LITE_PPO, compute_advantages  # noqa: E402
 from jaxrl4llm.models import ModelConfig, init_model  # noqa: E402
-from jaxrl4llm.plan.lengths import parse_lengths  # noqa: E402
 from jaxrl4llm.train.batching import rollout_to_batch  # noqa: E402
 from jaxrl4llm.train.layout import ROW_FORMS, choose_row_form  # noqa: E402
 from jaxrl4llm.train.packing import pack, pack_layout, pack_plan  # noqa: E402
 from jaxrl4llm.train.policy import make_logprob_fn  # noqa: E402
+from jaxrl4llm.train.response_lengths import parse_lengths  # noqa: E402
 from jaxrl4llm.train.step import UpdateSettings, init_train_state, make_logprob_pass, make_optimizer, make_update_fn  # noqa: E402
 
 GROUP = 8

@@ -102,8 +102,8 @@ def compare_layouts(args) -> None:
     """--lengths: one Lite PPO update and one log-prob pass of the same ragged rollout with padded
     rows, padded rows sharing each prompt's forward (group 8), and packed rows
     (train/packing.py), timed in one run; the losses must agree."""
-    from jaxrl4llm.plan.lengths import parse_lengths
     from jaxrl4llm.train.packing import pack, pack_layout, pack_plan
+    from jaxrl4llm.train.response_lengths import parse_lengths
 
     cfg = ModelConfig(architecture="qwen3", tie_word_embeddings=True, dtype="bfloat16", param_dtype="float32",
                       remat=True, remat_policy="full", **SIZES[args.size])
@@ -249,8 +249,9 @@ def main() -> None:
                     help="comma-separated rows per shared prompt forward: 1 (every row whole) and/or 8")
     ap.add_argument("--stages", default="forward,score,grad,optimizer,update,logprob_pass")
     ap.add_argument("--lengths", default=None,
-                    help="a response-length distribution (plan/lengths.py: lognormal:mean=256,sigma=0.8, fixed, ...): "
-                         "compare padded, shared-prompt and packed rows on one ragged rollout instead of the stages")
+                    help="a response-length distribution (train/response_lengths.py: lognormal:mean=256,sigma=0.8, "
+                         "fixed, ...): compare padded, shared-prompt and packed rows on one ragged rollout "
+                         "instead of the stages")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="with --lengths: the response width")
     ap.add_argument("--tokens-per-micro-batch", type=int, default=None,
                     help="with --lengths: the packed micro-batch budget (trainer.tokens_per_micro_batch)")

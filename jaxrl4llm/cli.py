@@ -211,10 +211,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from jaxrl4llm.study.plot import plot_runs
     from jaxrl4llm.train.demo import run_demo
 
-    run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick, rebuild_warmstart=args.rebuild_warmstart,
-             sft_steps=args.sft_steps)
+    summary = run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick,
+                       rebuild_warmstart=args.rebuild_warmstart, sft_steps=args.sft_steps)
+    run_dir = Path(summary["out_dir"])
+    print(f"curves: {plot_runs([run_dir], run_dir / 'curves.png')}")
     return 0
 
 

@@ -1,5 +1,26 @@
-"""The jaxrl4llm modules import each other without a cycle, none uses another's private (`_x`) names, and
-they import each other at the top of the module (LAZY_IMPORTS lists the exceptions and why).
+"""The jaxrl4llm modules import each other down the package's layers (LAYERS) and without a cycle,
+none uses another's private (`_x`) names, and they import each other at the top of the module
+(LAZY_IMPORTS lists the exceptions and why).
+
+The layers, bottom to top (a package is a subpackage or a top-level module of jaxrl4llm/;
+`__init__` is jaxrl4llm/__init__.py):
+
+    __init__ storage core kernels   the version, paths and filesystems, the loss math on arrays, the numerics kernels
+    models                          the LLMs: weights, forward, decode step
+    sampling data rewards           the rollout engine; datasets and prompts; the verifier
+    train                           the trainer
+    plan study                      the planner and the studies, which read what train runs
+    cli                             the command line
+
+A module imports modules of its own package and of lower layers, never of a higher one. Above the
+bottom, a package may import another of its own layer one way only: no two packages import each
+other, directly or round a loop (data imports rewards; rewards imports no data). The bottom layer's
+packages import none of each other: core is the pure loss math and kernels the numerics kernels,
+neither needs the other (what core's log-probs take from kernels they take as an argument,
+`core.token_logprobs_from_head(logprob_fn=...)`); storage stands alone, and jaxrl4llm/__init__.py,
+which Python runs before any jaxrl4llm module, imports none. An import against the layers is fixed
+by moving code: the imported piece down to the importer's layer or below, or the importing piece up;
+an import moved into a function is no fix (the graph sees it).
 
 The graph is read from the source (ast, nothing imported): an edge A -> B for every
 `import B` / `from B import x` in A, at module level or inside a function, B a jaxrl4llm
@@ -9,14 +30,25 @@ A cycle means two modules each need the other: one of them holds a piece that be
 
 import ast
 from pathlib import Path
+from typing import NamedTuple
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxrl4llm"
 
+# Bottom to top; the module docstring gives the rule.
+LAYERS = (
+    ("__init__", "storage", "core", "kernels"),
+    ("models",),
+    ("sampling", "data", "rewards"),
+    ("train",),
+    ("plan", "study"),
+    ("cli",),
+)
 
-def _module_names() -> dict[str, Path]:
+
+def _module_names(package: Path = PACKAGE) -> dict[str, Path]:
     names = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
@@ -30,25 +62,48 @@ def _known(name: str, modules) -> str | None:
     return None
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = _module_names()
-    graph = {name: set() for name in modules}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+class Import(NamedTuple):
+    """One import statement's edge: `file`:`line` (module `importer`) imports module `imported`,
+    taking `names` from it (`from M import a, b`; empty for `import M` and `from P import m`, m a module)."""
+
+    file: str
+    line: int
+    importer: str
+    imported: str
+    names: tuple[str, ...]
+
+
+def module_imports(package: Path = PACKAGE) -> list[Import]:
+    """Every import of one jaxrl4llm module by another, at module level or inside a function."""
+    modules = _module_names(package)
+    found = {}
+    for name, path in sorted(modules.items()):
+        anchor = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        file = path.relative_to(package.parent).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets = []
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                targets = [(alias.name, None) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            for target in targets:
+                    parts = anchor.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in modules else (base, a.name)
+                           for a in node.names]
+            for target, taken in targets:
                 known = _known(target, modules)
                 if known is not None and known != name:
-                    graph[name].add(known)
+                    names = found.setdefault((file, node.lineno, name, known), [])
+                    if taken is not None:
+                        names.append(taken)
+    return [Import(*key, tuple(names)) for key, names in found.items()]
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    graph = {name: set() for name in _module_names(package)}
+    for imp in module_imports(package):
+        graph[imp.importer].add(imp.imported)
     return graph
 
 
@@ -96,6 +151,114 @@ def test_cycles_are_found():
 def test_jaxrl4llm_modules_import_without_a_cycle():
     cycles = find_cycles(import_graph())
     assert cycles == [], "import cycles among jaxrl4llm modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def package_of(module: str) -> str:
+    """The package (a LAYERS entry) of a jaxrl4llm module: jaxrl4llm.train.loop -> train,
+    jaxrl4llm.cli -> cli, jaxrl4llm -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def unlayered(modules, layers=LAYERS) -> list[str]:
+    """The packages of `modules` that no layer lists, and the LAYERS entries listed twice or naming no package."""
+    packages = {package_of(m) for m in modules}
+    listed = [p for layer in layers for p in layer]
+    return ([f"{p}: in no layer of LAYERS (add it where its imports put it)" for p in sorted(packages - set(listed))]
+            + [f"{p}: in LAYERS twice" for p in sorted({p for p in listed if listed.count(p) > 1})]
+            + [f"{p}: in LAYERS, no such package (remove it)" for p in sorted(set(listed) - packages)])
+
+
+def layer_breaks(imports: list[Import], layers=LAYERS) -> list[str]:
+    """Each import against the layers (the module docstring): a package importing from a higher layer,
+    or one bottom-layer package from another. Layers count from 0, the bottom."""
+    level = {p: i for i, layer in enumerate(layers) for p in layer}
+    found = []
+    for imp in imports:
+        a, b = package_of(imp.importer), package_of(imp.imported)
+        if a == b or a not in level or b not in level:
+            continue
+        where = f"{imp.file}:{imp.line} imports {imp.imported}" + (f" ({', '.join(imp.names)})" if imp.names else "")
+        if level[b] > level[a]:
+            found.append(f"{where}: {a} (layer {level[a]}) must not import {b} (layer {level[b]}, higher)")
+        elif level[a] == level[b] == 0:
+            found.append(f"{where}: {a} and {b} (layer 0, the bottom) import none of each other")
+    return found
+
+
+def package_loops(imports: list[Import]) -> list[str]:
+    """The loops between packages (A imports B and B imports A, directly or round more packages): for each,
+    its packages and one import of each edge between them."""
+    graph, edges = {}, {}
+    for imp in imports:
+        a, b = package_of(imp.importer), package_of(imp.imported)
+        graph.setdefault(a, set()), graph.setdefault(b, set())
+        if a != b:
+            graph[a].add(b)
+            edges.setdefault((a, b), []).append(imp)
+    loops = []
+    for loop in find_cycles(graph):
+        shown = [f"{imps[0].file}:{imps[0].line} imports {imps[0].imported}"
+                 + (f" (and {len(imps) - 1} more {a} -> {b})" if len(imps) > 1 else "")
+                 for (a, b), imps in sorted(edges.items()) if a in loop and b in loop]
+        loops.append(" <-> ".join(loop) + ": " + "; ".join(shown))
+    return loops
+
+
+def test_imports_against_the_layers_are_found(tmp_path):
+    files = {
+        "__init__.py": "", "storage.py": "", "cli.py": "import jaxrl4llm.train.loop\n",
+        "core/__init__.py": "", "core/logprobs.py": "from jaxrl4llm.kernels.exact import token_logprobs\n",
+        "kernels/__init__.py": "", "kernels/exact.py": "",
+        "kernels/backend.py": "from jaxrl4llm.models.decode import DecodeBackend, KVBlock\n",
+        "models/__init__.py": "", "models/decode.py": "from jaxrl4llm.kernels import exact\n",
+        "sampling/__init__.py": "", "data/__init__.py": "from jaxrl4llm.rewards import extract\n",
+        "rewards/__init__.py": "from jaxrl4llm import data\n", "study/__init__.py": "",
+        "train/__init__.py": "", "train/loop.py": "import jaxrl4llm.storage\nfrom . import layout\n",
+        "train/layout.py": "def f():\n    from jaxrl4llm.plan import lengths\n",
+        "plan/__init__.py": "", "plan/lengths.py": "from ..train.loop import train\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "jaxrl4llm" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "jaxrl4llm" / name).write_text(text)
+    imports = module_imports(tmp_path / "jaxrl4llm")
+    assert layer_breaks(imports) == [
+        "jaxrl4llm/core/logprobs.py:1 imports jaxrl4llm.kernels.exact (token_logprobs): core and kernels (layer 0, "
+        "the bottom) import none of each other",
+        "jaxrl4llm/kernels/backend.py:1 imports jaxrl4llm.models.decode (DecodeBackend, KVBlock): kernels (layer 0) "
+        "must not import models (layer 1, higher)",
+        "jaxrl4llm/train/layout.py:2 imports jaxrl4llm.plan.lengths: train (layer 3) must not import plan (layer 4, "
+        "higher)"]
+    assert sorted(package_loops(imports)) == [
+        "data <-> rewards: jaxrl4llm/data/__init__.py:1 imports jaxrl4llm.rewards; "
+        "jaxrl4llm/rewards/__init__.py:1 imports jaxrl4llm.data",  # one layer, both ways
+        "kernels <-> models: jaxrl4llm/kernels/backend.py:1 imports jaxrl4llm.models.decode; "
+        "jaxrl4llm/models/decode.py:1 imports jaxrl4llm.kernels.exact",
+        "plan <-> train: jaxrl4llm/plan/lengths.py:1 imports jaxrl4llm.train.loop; "
+        "jaxrl4llm/train/layout.py:2 imports jaxrl4llm.plan.lengths"]
+    assert unlayered(_module_names(tmp_path / "jaxrl4llm")) == []
+    assert unlayered(["jaxrl4llm.core", "jaxrl4llm.extra.x"], (("core", "kernels"), ("core",))) == [
+        "extra: in no layer of LAYERS (add it where its imports put it)", "core: in LAYERS twice",
+        "kernels: in LAYERS, no such package (remove it)"]
+
+
+def test_every_package_is_in_one_layer():
+    problems = unlayered(_module_names())
+    assert problems == [], "LAYERS does not match the packages of jaxrl4llm/:\n" + "\n".join(problems)
+
+
+def test_no_module_imports_up_the_layers():
+    breaks = layer_breaks(module_imports())
+    assert breaks == [], (
+        "imports against the package layers (LAYERS in tests/test_imports.py, layer 0 the bottom; the rule is its "
+        "docstring's). Move the imported code down to the importing package's layer or below, or the importing code "
+        "up; an import inside a function is no fix:\n" + "\n".join(breaks))
+
+
+def test_packages_import_each_other_one_way():
+    loops = package_loops(module_imports())
+    assert loops == [], ("packages that import each other: move what one needs of the other into a module below "
+                         "both (or pass it in as an argument):\n" + "\n".join(loops))
 
 
 def private_uses(path: Path, modules, package: Path = PACKAGE) -> list[str]:

@@ -14,17 +14,15 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxrl4llm.kernels import exact as exact_numerics
 
-
-def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperature: float, exact: bool = False):
-    """[..., V] logits, [...] tokens -> (log p[token], entropy), both float32 [...]; exact: log p in
-    `kernels.exact.token_logprobs`' fixed order (the sampler's under model.numerics=exact)."""
+def _gather_logprob_and_entropy(logits: chex.Array, tokens: chex.Array, temperature: float, logprob_fn=None):
+    """[..., V] logits, [...] tokens -> (log p[token], entropy), both float32 [...]; logprob_fn: log p
+    computed by logprob_fn(z, tokens), z = logits / temperature (`token_logprobs_from_head`)."""
     z = logits.astype(jnp.float32) / temperature
     shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # else logZ - E[z] cancels
     logz = jax.nn.logsumexp(shifted, axis=-1)
-    if exact:
-        logp = exact_numerics.token_logprobs(z, tokens)
+    if logprob_fn is not None:
+        logp = logprob_fn(z, tokens)
     else:
         picked = jnp.take_along_axis(shifted, tokens[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
         logp = picked - logz
@@ -124,7 +122,7 @@ def token_logprobs_chunked(
 
 def token_logprobs_from_head(
     head, hidden: chex.Array, tokens: chex.Array, *, temperature: float = 1.0, chunk_size: int = 512,
-    return_entropy: bool = False, exact: bool = False,
+    return_entropy: bool = False, logprob_fn=None,
 ):
     """log p(token) = log_softmax(head(hidden) / temperature)[token], chunked over T.
 
@@ -138,14 +136,16 @@ def token_logprobs_from_head(
       tokens: [B, T] int target tokens (out-of-range ids are clipped: mask those positions).
       temperature: sampling temperature. chunk_size: positions per chunk (static).
       return_entropy: also return the per-token entropy (max-subtracted, as `entropy_from_logits`).
-      exact: the log-normaliser summed in a fixed order (`model.numerics=exact`, `kernels.exact`).
+      logprob_fn: z [..., V] float32 (the chunk's logits / temperature), tokens [...] -> log p [...], in
+        place of the XLA log-softmax (None); `models.score_tokens` passes `kernels.exact.token_logprobs`
+        under `model.numerics=exact` (the log-normaliser summed in a fixed order, the sampler's).
 
     Returns:
       logp [B, T] float32, or (logp, entropy) each [B, T] float32.
     """
     chex.assert_rank([hidden, tokens], [3, 2])
     chex.assert_equal_shape_prefix([hidden, tokens], 2)
-    fn = lambda h, t: _gather_logprob_and_entropy(head(h), t, temperature, exact)
+    fn = lambda h, t: _gather_logprob_and_entropy(head(h), t, temperature, logprob_fn)
     logp, ent = _chunked_over_time(fn, (hidden, tokens), min(chunk_size, tokens.shape[1]), tokens.shape[1])
     return (logp, ent) if return_entropy else logp
 

@@ -29,7 +29,7 @@ def decode_attention(q: jax.Array, prompt_k: jax.Array, prompt_v: jax.Array, pro
     [N, KVH, Dh, blk], values [N, KVH, blk, Dh]; cur_k/v [N, KVH, blk, Dh], visible up to `slot`
     (int32 scalar). All caches share one dtype (bfloat16 or float32).
     Or, bf16 only and when `native.bf16_pairs()`: prompt and sealed operands in the pair layout
-    (`kernels.backend.pair_keys` / `pair_values`: prompt_k [P, KVH, Dh/2, T, 2], prompt_v
+    (`sampling.decode_backends.pair_keys` / `pair_values`: prompt_k [P, KVH, Dh/2, T, 2], prompt_v
     [P, KVH, T/2, Dh, 2], sealed [N, KVH, Dh/2, blk, 2] / [N, KVH, blk/2, Dh, 2]), which the
     kernel multiplies with AVX512-BF16 dot products.
     Returns [N, H, Dh] float32.

@@ -334,7 +334,8 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
         head = lambda zc: zc * inv_temperature
     exact = own and getattr(getattr(model, "config", None), "numerics", "default") == "exact"
     logp, entropy = token_logprobs_from_head(head, h, targets[:, first_scored:], chunk_size=chunk_size,
-                                             return_entropy=True, exact=exact)
+                                             return_entropy=True,
+                                             logprob_fn=exact_numerics.token_logprobs if exact else None)
     if not first_scored:
         return logp, entropy
     pad = lambda x: jnp.pad(x, ((0, 0), (first_scored, 0)))

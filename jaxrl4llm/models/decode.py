@@ -22,7 +22,7 @@ block being filled keeps its keys [B, KVH, S, Dh]: one slot is a contiguous row 
 
 `DecodeBackend` is the one hook where a platform changes how the decode step's primitive
 operations run (weight layout, matmul, embedding gather, cache writes and layouts, attention);
-this module is platform-neutral, and `jaxrl4llm.kernels.backend` holds the CPU backends (C++
+this module is platform-neutral, and `jaxrl4llm.sampling.decode_backends` holds the CPU backends (C++
 kernels, pair layouts, 16-bit moves). The XLA ops here are the reference they are tested against.
 """
 
@@ -76,7 +76,7 @@ class DecodeBackend:
     """How the decode step's primitives run: plain XLA ops, for every platform.
 
     Subclass and override to change a layout or a primitive for one platform
-    (`jaxrl4llm.kernels.backend.CpuBackend`). Hashable: a jit static argument.
+    (`jaxrl4llm.sampling.decode_backends.CpuBackend`). Hashable: a jit static argument.
     mesh, rules: shard the decode arrays on `mesh` by the logical `rules` (None: one device).
     """
 

@@ -47,11 +47,10 @@ from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_att
 from jaxrl4llm.models.lora import plain_graphdef
 from jaxrl4llm.models.remat import saved_floats_per_token
 from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
+from jaxrl4llm.plan.decode_work import continuous_decode_work, decode_block_trips, static_decode_work
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
 from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
                                      find_loops, meter_notice, parse_module, program_cost)
-from jaxrl4llm.plan.lengths import (LengthDistribution, continuous_decode_work, decode_block_trips, parse_lengths,
-                                    static_decode_work)
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program, engine_slots,
                                            prefill_batch)
@@ -64,6 +63,7 @@ from jaxrl4llm.train.layout import (RunLayout, lora_dropout, lora_settings, mesh
                                     run_layout, sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.packing import expected_micro_batches, packed_abstract
 from jaxrl4llm.train.policy import make_logprob_fn
+from jaxrl4llm.train.response_lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
 from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, make_logprob_pass,
                                   make_optimizer, make_update_fn, train_state_shardings)

@@ -33,13 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.kernels.choice import DecodeAttention
 from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, lm_head, prefill_kv
 from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.sampling.decode_backends import CpuBackend
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
 from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens

@@ -21,7 +21,6 @@ from jax.sharding import Mesh, NamedSharding
 from flax import nnx
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.kernels.backend import CpuBackend, ExactBackend
 from jaxrl4llm.kernels.native import bf16_pairs as kernel_bf16_pairs
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import (DECODE_RULES, DecodeBackend, decode_step, decode_weight_shardings, decode_weights,
@@ -29,6 +28,7 @@ from jaxrl4llm.models.decode import (DECODE_RULES, DecodeBackend, decode_step, d
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.lora import merge_lora
 from jaxrl4llm.models.sharding import logical_to_spec
+from jaxrl4llm.sampling.decode_backends import CpuBackend, ExactBackend
 from jaxrl4llm.sampling.decode_mesh import vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.sampling.stops import ends_with_stop_sequence, last_tokens
@@ -118,9 +118,9 @@ def record_step(state: DecodeState, sample, eos_ids, pad_id, num_rows: int, budg
 
 
 def decode_backend(config: ModelConfig, *, mesh: Mesh | None, use_kernels: bool, block_size: int) -> DecodeBackend:
-    """The decode backend of one sampler call: `kernels.backend.CpuBackend` on CPU (16-bit moves as
+    """The decode backend of one sampler call: `decode_backends.CpuBackend` on CPU (16-bit moves as
     bits; with `use_kernels`, the C++ kernels and, on their AVX512-BF16 paths, packed weights and
-    the pair KV layout), the platform-neutral `DecodeBackend` elsewhere; `kernels.backend.ExactBackend`
+    the pair KV layout), the platform-neutral `DecodeBackend` elsewhere; `decode_backends.ExactBackend`
     under model.numerics=exact (one device)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     if config.numerics == "exact":

@@ -89,7 +89,7 @@ def as_values(x: jax.Array, dtype) -> jax.Array:
 def empty_pool(shape: tuple, dtype, *, bits: bool) -> jax.Array:
     """A zeroed pool of `dtype` values; with `bits` (XLA:CPU, 16-bit dtypes) stored as uint16 bit
     patterns: XLA:CPU widens a bf16 scatter or gather to float32 over the whole buffer, so every
-    decode step would convert the whole pool (`kernels.backend.move_as_bits`); on integers it does not."""
+    decode step would convert the whole pool (`decode_backends.move_as_bits`); on integers it does not."""
     dtype = jnp.dtype(dtype)
     return jnp.zeros(shape, jnp.uint16 if bits and dtype.itemsize == 2 else dtype)
 

@@ -11,8 +11,9 @@
    while its recipe (`warmstart.json`) matches; `--rebuild-warmstart` forces a new one;
 3. runs `configs/demo.yaml` (Lite PPO) from that checkpoint, with the same templates,
    verifier, loaders, sampler and train step as a real run;
-4. prints the step table, `held-out accuracy: X% -> Y%` (4 samples per test problem at the
-   rollout temperature 1.0) and the path of the curves PNG.
+4. prints the step table and `held-out accuracy: X% -> Y%` (4 samples per test problem at the
+   rollout temperature 1.0); `jaxrl4llm demo` then draws the run's curves (`cli.cmd_demo`, with
+   `study.plot.plot_runs`) and prints the PNG's path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import time
 from pathlib import Path
 
 from jaxrl4llm.data import demo_solution, format_prompt, load_problems, write_demo_task
-from jaxrl4llm.study.plot import plot_runs
 from jaxrl4llm.train.config import load_config
 from jaxrl4llm.train.loop import train
 from jaxrl4llm.train.report import print_run_report
@@ -69,7 +69,7 @@ def warm_start_recipe(sft_steps: int | None = None) -> dict:
 
 def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, quick: bool = False,
              rebuild_warmstart: bool = False, sft_steps: int | None = None, log=print) -> dict:
-    """Runs the demo; returns the train summary plus "curves" and "total_seconds"."""
+    """Runs the demo; returns the train summary (its run folder: "out_dir") plus "total_seconds"."""
     t0 = time.perf_counter()
     out = Path(out_dir)
     paths = write_demo_task(out / "data", **DEMO_TASK)
@@ -85,12 +85,8 @@ def run_demo(out_dir: str = "runs/demo", overrides: list[str] | None = None, qui
         base += ["trainer.steps=3", "data.eval_limit=32", "trainer.checkpoint_every=0", "trainer.eval_samples=2"]
     cfg = load_config(config_path(), base + list(overrides or []))
     summary = train(cfg, log=log)
-    run_dir = Path(cfg.trainer.out_dir)
-    png = plot_runs([run_dir], run_dir / "curves.png")
     print_run_report(summary)
     total = time.perf_counter() - t0
     log(f"time: {total:.0f}s in total ({t_warm:.0f}s task + warm start, {total - t_warm:.0f}s RL with evaluation)")
-    log(f"curves: {png}")
-    summary["curves"] = str(png)
     summary["total_seconds"] = total
     return summary

@@ -33,13 +33,13 @@ from jax.sharding import Mesh
 from jaxrl4llm.kernels import exact
 from jaxrl4llm.kernels.choice import KernelChoice, decode_attention_choice, mesh_devices, train_attention_choice
 from jaxrl4llm.models import LoraSettings, ModelConfig
-from jaxrl4llm.plan.lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import PAGE_SIZE
 from jaxrl4llm.sampling.decode_mesh import decode_mesh
 from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.packing import PackLayout, expected_micro_batches, pack_layout
+from jaxrl4llm.train.response_lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.train.rollout_pipeline import split_devices
 from jaxrl4llm.train.step import UpdateSettings
 

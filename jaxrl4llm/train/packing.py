@@ -343,7 +343,7 @@ def packed_abstract(layout: PackLayout, mesh) -> PackedBatch:
 def expected_micro_batches(layout: PackLayout, lengths, prompt_tokens: float, *, draws: int = 4,
                            seed: int = 0) -> float:
     """The mean number of micro-batches a mini-batch of the layout fills when its responses'
-    lengths follow `lengths` (plan.lengths.LengthDistribution) and every prompt has
+    lengths follow `lengths` (train.response_lengths.LengthDistribution) and every prompt has
     `prompt_tokens` real tokens: `pack_plan`'s counts (`micro_batch_counts`) on `draws` sampled steps
     (the trips of the packed update's and log-prob pass's micro-batch loop, for `jaxrl4llm plan`)."""
     rng = np.random.default_rng(seed)

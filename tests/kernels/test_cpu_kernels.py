@@ -1,8 +1,8 @@
 """The C++ CPU kernels (jaxrl4llm.kernels) against the XLA formulations they replace.
 
 decode attention: equal to models.decode.xla_decode_attention (float32: to round-off; bfloat16: to
-the rounding of the probabilities), and what kernels.backend.CpuBackend(kernels=True) attends with; paged
-attention: the same pool writes as sampling.paged_cache.write_tokens and the outputs of its
+the rounding of the probabilities), and what sampling.decode_backends.CpuBackend(kernels=True)
+attends with; paged attention: the same pool writes as sampling.paged_cache.write_tokens and the outputs of its
 paged_attention; top-k: bit-identical to jax.lax.top_k, ties and IEEE total
 order included. Plus the build switch and its errors.
 """
@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from jaxrl4llm.kernels import KernelBuildError, decode_attention, load_kernels, require_kernels, top_k
 from jaxrl4llm.kernels import native
 from jaxrl4llm.kernels.matmul import matmul, pack_weight
-from jaxrl4llm.kernels.backend import CpuBackend, pair_keys, pair_values
 from jaxrl4llm.kernels.paged_attention import paged_attention as kernel_paged_attention
 from jaxrl4llm.models.decode import xla_decode_attention
+from jaxrl4llm.sampling.decode_backends import CpuBackend, pair_keys, pair_values
 from jaxrl4llm.sampling.paged_cache import paged_attention, write_tokens
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.models.decode import DecodeBackend
 from jaxrl4llm.models.layers.norm import rms_norm
+from jaxrl4llm.sampling.decode_backends import CpuBackend
 
 CPU = CpuBackend()  # kernels=False: the 16-bit moves only, no C++ kernel needed
 _cpu_write_slot = jax.jit(CPU.write_slot)

@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from jaxrl4llm.plan.lengths import ContinuousWork, continuous_decode_work, parse_lengths, static_decode_work
+from jaxrl4llm.plan.decode_work import ContinuousWork, continuous_decode_work, static_decode_work
 from jaxrl4llm.plan.programs import format_plan, plan_eval, plan_to_dict, with_lengths
 from jaxrl4llm.train.config import load_config
+from jaxrl4llm.train.response_lengths import parse_lengths
 
 from tests.plan.conftest import TINY  # noqa: E402
 

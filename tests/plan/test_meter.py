@@ -1,5 +1,6 @@
 """The meter: XLA's HLO cost with every loop trip counted (`plan.hlo_cost`), the length
-distribution as an input (`plan.lengths`), and a step model that scales as the programs do."""
+distribution as an input (`train.response_lengths`, `plan.decode_work`), and a step model that
+scales as the programs do."""
 
 import json
 
@@ -13,10 +14,11 @@ from jaxrl4llm.plan import hlo_cost
 from jaxrl4llm.plan.chips import ChipSpec
 from jaxrl4llm.plan.hlo_cost import (_xla_cost, compiled_hlo_text, find_conditionals, kernel_launches, meter_notice,
                                      op_bytes, parsable_hlo, parse_module, private_meter_problem, program_cost)
-from jaxrl4llm.plan.lengths import (LengthDistribution, decode_block_trips, parse_lengths, static_decode_work)
+from jaxrl4llm.plan.decode_work import decode_block_trips, static_decode_work
 from jaxrl4llm.plan.programs import ProgramPlan, plan_run, topology_mesh, with_lengths
 from jaxrl4llm.train.config import ConfigError, load_config
 from jaxrl4llm.train.metrics import write_lengths
+from jaxrl4llm.train.response_lengths import LengthDistribution, parse_lengths
 
 from tests.plan.conftest import TINY
 

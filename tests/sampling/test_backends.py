@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl4llm.kernels.backend import CpuBackend
 from jaxrl4llm.models.decode import DecodeBackend
 from jaxrl4llm.sampling.buckets import left_pad_prompts
+from jaxrl4llm.sampling.decode_backends import CpuBackend
 from jaxrl4llm.sampling.decode_loop import sample_program, weights_program
 from tests.sampling.conftest import PAD, load_family, random_prompts
 

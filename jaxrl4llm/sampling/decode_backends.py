@@ -1,4 +1,5 @@
-"""The sampler's CPU decode backend: where the CPU-only layouts and kernels plug into decoding.
+"""The sampler's decode backends beyond the platform-neutral one: where the CPU-only layouts and
+kernels (`jaxrl4llm.kernels`) plug into decoding, and the exact-numerics backend.
 
 `models.decode.DecodeBackend` is the platform-neutral hook; `CpuBackend` overrides it on CPU:
 
@@ -9,6 +10,10 @@
   paths (bf16 on a CPU that has them) also the matmul kernel on packed weights (`packed=True`,
   `kernels.matmul.pack_weight`) and prompt / sealed KV in the attention kernel's pair layout
   (`pairs=True`, `pair_keys`, `pair_values`).
+
+`ExactBackend` (`model.numerics=exact`, any platform) runs every matmul as `kernels.exact.matmul`.
+`sampling.decode_loop.decode_backend` picks one per sampler call. The backends live in the sampler, above
+both the protocol they implement (`models`) and the kernels they call (`kernels`, which imports no `models`).
 """
 
 from __future__ import annotations
