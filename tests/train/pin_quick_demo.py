@@ -5,15 +5,17 @@ repository root:
     python -m tests.train.pin_quick_demo OUT/rl          # an intended change: this host's pin only
     python -m tests.train.pin_quick_demo --add OUT/rl    # another host: its pin beside the others
 
-The pins are kept per host (jax, jaxlib, CPU name and instruction sets: test_demo.host_identity),
-since XLA:CPU compiles for the host and a last-bit difference changes the sampled run. Re-pin only
+The pins are kept per host (jax, jaxlib, CPU name, instruction sets, caches and cores:
+tests/host_identity.py), since the run's matrix products follow the CPU they run on and a last-bit
+difference changes the sampled run; a host with no pin is checked for what does not depend on it. Re-pin only
 for an intended change of the demo's numbers (say which and why in the commit); the other hosts'
 pins are then gone, and each such host adds its own with --add."""
 
 import json
 import sys
 
-from tests.train.test_demo import PINNED, host_identity, pinned_metrics
+from tests.host_identity import host_identity
+from tests.train.test_demo import PINNED, pinned_metrics
 
 HOW = ("`jaxrl4llm demo --quick --out-dir OUT trainer.packing=true`'s OUT/rl/metrics.jsonl less its wall-clock keys, "
        "one pin per host; rewrite only for an intended change: python -m tests.train.pin_quick_demo [--add] OUT/rl")
