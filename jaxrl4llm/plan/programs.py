@@ -37,7 +37,6 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl4llm.core import policy_loss
 from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
 from jaxrl4llm.models.config import ModelConfig
@@ -59,14 +58,14 @@ from jaxrl4llm.sampling.gpu_paged_attention import dot_rows as gpu_kernel_dot_ro
 from jaxrl4llm.sampling.memory import (SIZING_SHARE, continuous_memory, decode_memory, decode_sizing, prompts_per_chunk,
                                        slots_that_fit, weights_program_memory)
 from jaxrl4llm.train.config import ConfigError, RunConfig
-from jaxrl4llm.train.layout import (RunLayout, lora_dropout, lora_settings, mesh_dims, model_config_from_fields,
+from jaxrl4llm.train.layout import (RunLayout, lora_settings, mesh_dims, model_config_from_fields,
                                     run_layout, sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.packing import expected_micro_batches, packed_abstract
 from jaxrl4llm.train.policy import make_logprob_fn
+from jaxrl4llm.train.programs import optimizer_for, trainer_programs
 from jaxrl4llm.train.response_lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
-from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, make_logprob_pass,
-                                  make_optimizer, make_update_fn, train_state_shardings)
+from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, train_state_shardings)
 
 
 PEAKS = ("datasheet", "measured")
@@ -224,6 +223,7 @@ class ProgramPlan:
     collective_bytes: float = 0.0  # bytes a chip sends over its links per run (ring model)
     collectives: float = 0.0  # collective ops per run
     once_counted_flops: float = 0.0  # what XLA's cost_analysis() reports (loop bodies once), for comparison
+    lowered: Any = dataclasses.field(default=None, repr=False, compare=False)  # jax's Lowered: what was compiled
     compute_seconds: float = 0.0  # flops / peak
     memory_seconds: float = 0.0  # hbm_bytes / HBM bandwidth
     collective_seconds: float = 0.0  # collective_bytes / interconnect bandwidth
@@ -287,7 +287,8 @@ def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Me
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
-            compiled = lowered_fn().compile()
+            lowered = lowered_fn()
+            compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError / JaxRuntimeError
         text = str(e)
         if "RESOURCE_EXHAUSTED" not in text:
@@ -304,7 +305,7 @@ def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Me
     m = compiled.memory_analysis()
     return ProgramPlan(name, True, argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
                        alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
-                       analytic=analytic, model_flops=model_flops), compiled
+                       analytic=analytic, model_flops=model_flops, lowered=lowered), compiled
 
 
 # ---------------------------------------------------------------------------- the programs
@@ -433,7 +434,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     param_bytes = per_chip_bytes(params)
     trainable_bytes = per_chip_bytes(train_params)
     programs = []
-    optimizer, schedule = make_optimizer(lr=cfg.optim.lr, max_grad_norm=cfg.optim.max_grad_norm)
+    optimizer, _ = optimizer_for(cfg)  # the run's (train/programs.py): its state is what waits in HBM
     state_sh = train_state_shardings(p_shard, optimizer, trainable, mesh, f_shard)
     train_state = _with_shardings(jax.eval_shape(lambda p, f: init_train_state(p, optimizer, f), trainable,
                                                  frozen_abstract), state_sh)
@@ -559,8 +560,6 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         seq = packing.row_width
     # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
     per_chip_positions = per_chip_rows * (seq if group is None else response_len - 1 + prompt_len / group)
-    if packing is not None:
-        chunk_rows = per_chip_rows  # a packed micro-batch scores every position (the head too)
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     chunk = min(cfg.model.logprob_chunk_size, response_len if packing is None else seq)  # head positions at once
     residuals = config.num_layers * per_chip_positions * d * 4  # the scan's saved residual stream (remat)
@@ -576,8 +575,10 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass (at most)
     kernel = attention_kernel_flops(config, mesh, layout.train_attention.kernel, per_chip_rows, seq, remat=config.remat,
                                     epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
-    plan_l, compiled_l = _compile("logprob pass", lambda: jax.jit(make_logprob_pass(
-                             logprob_fn, micro, settings.scored_tokens, group)).lower(params, batch),
+    # the loop's own programs (train/programs.py), lowered on abstract arrays
+    trainer = trainer_programs(cfg, mesh, logprob_fn=logprob_fn, settings=settings, params=train_params, frozen=frozen,
+                               recipe=recipe)
+    plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(params, batch),
                          {"parameters": param_bytes, "batch": batch_bytes,
                           "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
                          2 * config.num_params * tokens / mesh.size, mesh, log)
@@ -586,14 +587,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     plan_l.kernel_flops = kernel_flops_of(kernel, "logprob pass", micro)
     price(plan_l, compiled_l)
     programs.append(plan_l)
-    b_sh = batch_shardings(mesh) if packing is None else jax.tree.map(lambda x: x.sharding, batch)
-    update = make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
-                            settings=settings, loss_fn=policy_loss,
-                            dropout_seed=cfg.trainer.seed if lora_dropout(cfg) else None,
-                            loss_seed=cfg.trainer.seed)
-    plan_u, compiled_u = _compile("update", lambda: jax.jit(update, in_shardings=(state_sh, b_sh),
-                                                    out_shardings=(state_sh, None, None),
-                                                    donate_argnums=(0,)).lower(train_state, batch),
+    plan_u, compiled_u = _compile("update", lambda: trainer.update.lower(train_state, batch),
                          {"parameters": param_bytes, "optimizer state": state_bytes - param_bytes,
                           "gradients": 2 * trainable_bytes,  # a micro-batch's gradients and their accumulator
                           "batch": batch_bytes,
@@ -992,7 +986,8 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
         "decode": {k: (dict((a, float(b)) for a, b in v.items()) if k == "work" else v)
                    for k, v in (plan.decode or {}).items()},
-        "programs": [dict({k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"}, total_bytes=p.total_bytes, analytic_total=p.analytic_total,
+        "programs": [dict({k: v for k, v in dataclasses.asdict(dataclasses.replace(p, lowered=None)).items()
+                                 if k not in ("hlo", "lowered")}, total_bytes=p.total_bytes, analytic_total=p.analytic_total,
                           seconds=p.seconds, binding=p.binding, share=plan.share(p))
                      for p in plan.programs],
         "step_seconds": plan.step_seconds,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm.core import compute_advantages, policy_loss, scale_rewards
+from jaxrl4llm.core import compute_advantages, scale_rewards
 from jaxrl4llm.models import make_mesh, param_shardings
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.partial import PartialRollouts
@@ -41,6 +41,7 @@ from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for
                                     split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
+from jaxrl4llm.train.programs import TrainerPrograms, loss_fn_for, trainer_programs
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import CORRECT_REWARD_THRESHOLD, make_reward_fn
@@ -51,19 +52,12 @@ from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.samples import sample_rows
 from jaxrl4llm.train.scoring import RowScores, score_rows_with_components
-from jaxrl4llm.train.packing import PackLayout, pack, pack_layout, pack_plan, packed_shardings
+from jaxrl4llm.train.packing import pack_plan
 from jaxrl4llm.train.step import (
     TrainBatch,
     UpdateSettings,
-    batch_shardings,
-    init_train_state,
     join_params,
-    make_logprob_pass,
-    make_optimizer,
-    make_update_fn,
-    train_state_shardings,
 )
-from jaxrl4llm.train.user_code import import_object
 
 
 class PromptStream:
@@ -290,6 +284,7 @@ class Run:
     sampler_mesh: Any = None  # the sampler's own devices (mesh.sampler_devices), or None: the training devices
     sampler_params: Any = None  # the trainable parameters' shardings on sampler_mesh (fsdp over its devices)
     sampler_frozen: Any = None  # the frozen base (LoRA) on sampler_mesh, moved there once
+    programs: TrainerPrograms | None = None  # the jitted trainer programs (train/programs.py) that `update` / `logprob_pass` run
 
 
 def sampler_policy(run: Run, state) -> Policy:
@@ -347,7 +342,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
             f"algorithm {knob} weighs tokens by pi_old / pi_sampler, but with trainer.old_logp_source=sampler the old "
             f"log-probs are the sampler's: the ratio is always 1. Set trainer.old_logp_source=recompute (the trainer "
             f"re-scores the rollout), or drop the correction.")
-    loss_fn = import_object(cfg.algorithm.custom_loss, "algorithm.custom_loss") if cfg.algorithm.custom_loss else policy_loss
+    loss_fn_for(cfg)  # a bad algorithm.custom_loss fails here, before the weights load
     G = cfg.rollout.samples_per_prompt
     micro_batches(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])  # fails fast
     # the reward and the data first (then the tokenizer alone, no weights): a bad one fails in seconds
@@ -356,12 +351,6 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
     policy = load_policy(cfg, mesh)
     if sampler_mesh is not None:
         policy = dataclasses.replace(policy, decode_mesh=sampler_mesh_for(cfg, sampler_mesh, policy.config))
-    optimizer, schedule = make_optimizer(
-        lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
-        total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
-        min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
-        eps=cfg.optim.eps, max_grad_norm=cfg.optim.max_grad_norm,
-    )
     try:  # the sampler's C++ CPU kernels, as `generate` decides them for its calls
         cpu_kernels = policy.config is not None and use_cpu_kernels(policy.cpu_kernels, policy.sampler_mesh)
     except ValueError as e:
@@ -370,45 +359,30 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
                         sampler_mesh=sampler_mesh, cpu_kernels=cpu_kernels, log=log)
     if layout.decode_attention is not None:  # the sampler runs the layout's kernel (kernels.choice: decided once)
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
-    settings, micro = layout.update, layout.update.micro_batches
-    # Optimizer-state shardings pinned from the parameters', the batch placed by in_shardings:
-    # the update keeps every leaf where it is.
-    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-    state_shardings = train_state_shardings(sharding_of(policy.params), optimizer, policy.params, mesh,
-                                            sharding_of(policy.frozen))
-    state = jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings)(
-        policy.params, policy.frozen)
-    batch_in = batch_shardings(mesh)
-    update_in = packed_shardings(mesh) if settings.packing else batch_in
-    update = jax.jit(
-        make_update_fn(logprob_fn=policy.logprob_fn, recipe=recipe, optimizer=optimizer, schedule=schedule,
-                       settings=settings, loss_fn=loss_fn, dropout_seed=cfg.trainer.seed if policy.dropout else None,
-                       loss_seed=cfg.trainer.seed),
-        in_shardings=(state_shardings, update_in),
-        out_shardings=(state_shardings, None, None),
-        donate_argnums=(0,),
-    )
-    logprob_pass = jax.jit(make_logprob_pass(policy.logprob_fn, micro, settings.scored_tokens, settings.prompt_group),
-                           in_shardings=(sharding_of(policy.state), update_in))
+    settings = layout.update
+    programs = trainer_programs(cfg, mesh, logprob_fn=policy.logprob_fn, settings=settings, params=policy.params,
+                                frozen=policy.frozen, recipe=recipe)
+    state = programs.init_state(policy.params, policy.frozen)
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
         cfg=cfg, recipe=recipe, policy=policy, train_set=train_set, eval_sets=eval_sets,
         reward_fn=reward_fn,
         # under the mesh context the model constrains its activations (rows over data x fsdp)
-        update=_in_mesh(update, mesh), logprob_pass=_in_mesh(logprob_pass, mesh),
+        update=_in_mesh(programs.update, mesh), logprob_pass=_in_mesh(programs.logprob_pass, mesh),
         make_batch=batch_program(lambda r, t, l: compute_advantages(
             scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l),
-            batch_in, sampled_logp=recipe.sampler_logp_kind == "sampled"),
+            programs.batch_shardings, sampled_logp=recipe.sampler_logp_kind == "sampled"),
         ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
-        batch_shardings=batch_in,
+        batch_shardings=programs.batch_shardings,
         settings=settings,
-        pack=jax.jit(pack, out_shardings=update_in) if settings.packing else None,
+        pack=programs.pack,
         layout=layout,
         sampler_mesh=sampler_mesh,
         sampler_params=None if sampler_mesh is None else param_shardings(policy.params, sampler_mesh),
         sampler_frozen=None if sampler_mesh is None or policy.frozen is None else
         jax.device_put(policy.frozen, param_shardings(policy.frozen, sampler_mesh)),
+        programs=programs,
     )
     return run, state
 
