@@ -51,7 +51,7 @@ from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topol
 from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
                                      find_loops, meter_notice, parse_module, program_cost)
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
-from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, EngineSpec, continuous_program, engine_slots,
+from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, continuous_program, engine_spec_for,
                                            prefill_batch)
 from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
 from jaxrl4llm.sampling.gpu_paged_attention import dot_rows as gpu_kernel_dot_rows
@@ -489,8 +489,12 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
             num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
             fitting_slots = slots_that_fit(config, chip.sizing_bytes - sampler_resident, prompts=num_prompts, **sizing)
             slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
-            slots = engine_slots(slots, num_prompts=num_prompts, samples=g_samples, shards=ddp)  # as `generate` does
             attention = decode_attention.kernel  # the layout's: what the run's sampler runs
+            spec = engine_spec_for(config, backend, mesh=dmesh, num_prompts=num_prompts, num_samples=g_samples,
+                                   max_new_tokens=response_len, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                                   greedy=False, use_kernels=False, slots=slots, page_size=PAGE_SIZE,
+                                   burst=cfg.rollout.decode_burst, attention=attention)  # as `generate` builds it
+            slots = spec.slots
             tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
             valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
             budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
@@ -499,10 +503,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                                          tensor_parallel=dtp, embed_dtype=embed_dtype)
             plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(
                 weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
-                scalar(jnp.int32), budget, spec=EngineSpec(
-                    config=config, num_samples=g_samples, max_new_tokens=response_len, top_k=int(cfg.rollout.top_k),
-                    use_top_p=cfg.rollout.top_p < 1.0, greedy=False, backend=backend, use_kernels=False,
-                    num_shards=ddp, slots=slots, burst=cfg.rollout.decode_burst, attention=attention)),
+                scalar(jnp.int32), budget, spec=spec),
                 analytic, 0.0, dmesh, log)
             chunk, chunks = prompts, 1
             continuous_sampler = dict(slots=slots, fitting_slots=fitting_slots, attention=attention)  # fits or not

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.kernels.choice import DecodeAttention
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, lm_head, prefill_kv
@@ -41,7 +41,7 @@ from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_backends import CpuBackend
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
-from jaxrl4llm.sampling.decode_mesh import vocab_shards
+from jaxrl4llm.sampling.decode_mesh import data_parallel_size, vocab_shards
 from jaxrl4llm.sampling.filters import row_uniforms, sample_tokens
 from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention
 from jaxrl4llm.sampling.stops import ends_with_stop_sequence
@@ -105,6 +105,25 @@ def engine_slots(slots: int | None, *, num_prompts: int, samples: int, shards: i
     engine and `plan` size them: rounded up to a multiple of D, every row at most:
         S = D min(ceil(slots / D), P / D * G)"""
     return min(-(-(slots or num_prompts * samples) // shards), num_prompts // shards * samples) * shards
+
+
+def engine_spec_for(config: ModelConfig, backend: DecodeBackend, *, mesh, num_prompts: int, num_samples: int,
+                    max_new_tokens: int, top_k: int, top_p: float, greedy: bool, use_kernels: bool, slots: int | None,
+                    page_size: int, burst: int, attention: DecodeAttention | None = None,
+                    requested_attention: str | None = None) -> EngineSpec:
+    """The EngineSpec of `num_prompts` prompts (a multiple of the mesh's D data-parallel shards) of
+    `num_samples` rows each, built alike by `generate`, the partial-rollout engine and `plan`: S =
+    `engine_slots(slots, ...)`; `attention` the run's layout's kernel, or None: resolved here by
+    `kernels.choice.decode_attention_choice` from `requested_attention` (rollout.decode_attention)."""
+    shards = data_parallel_size(mesh)
+    if attention is None:
+        attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
+                                            requested=requested_attention, page_size=int(page_size)).kernel
+    return EngineSpec(config=config, backend=backend, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                      top_k=int(top_k), use_top_p=bool(top_p < 1.0), greedy=bool(greedy), use_kernels=use_kernels,
+                      num_shards=shards, slots=engine_slots(slots, num_prompts=num_prompts, samples=num_samples,
+                                                            shards=shards),
+                      page_size=int(page_size), burst=int(burst), attention=attention)
 
 
 class ShardSizes(NamedTuple):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.sampling.filters import VocabShards
 
 
@@ -58,3 +59,14 @@ def vocab_shards(mesh: Mesh | None, rules) -> VocabShards | None:
     batch = table.get("batch")
     rows = tuple(a for a in ((batch,) if isinstance(batch, str) else tuple(batch or ())) if a in mesh.shape)
     return VocabShards(mesh, vocab, rows)
+
+
+def data_parallel_size(mesh: Mesh | None) -> int:
+    """Number of ways the sampler splits its rows on `mesh` (the product of the mesh axes of the
+    decode layout's "batch" rule, `models.decode.DECODE_RULES`); 1 without a mesh. The prompts of
+    a call are padded to a multiple of it, and the continuous engine runs that many shards."""
+    if mesh is None:
+        return 1
+    axes = dict(DECODE_RULES)["batch"]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))

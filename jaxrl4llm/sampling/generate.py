@@ -22,29 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.choice import (DecodeAttention, decode_attention_choice, mesh_devices,
-                                     require_engine_for_numerics)
+from jaxrl4llm.kernels.choice import (DecodeAttention, require_engine_for_numerics)
 from jaxrl4llm.kernels.native import load_kernels, require_kernels
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
-from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, EngineSpec, continuous_program, engine_slots
+from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, continuous_program, engine_spec_for
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
+from jaxrl4llm.sampling.decode_mesh import data_parallel_size
 from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids, stop_token_sequences
-
-
-def data_parallel_size(mesh: Mesh | None) -> int:
-    """Number of ways the sampler splits its rows on `mesh` (the product of the mesh axes of the
-    decode layout's "batch" rule, `models.decode.DECODE_RULES`); 1 without a mesh. The prompts of
-    a call are padded to a multiple of it, and the continuous engine runs that many shards."""
-    if mesh is None:
-        return 1
-    axes = dict(DECODE_RULES)["batch"]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))
 
 
 def use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
@@ -211,12 +200,10 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
-            attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
-                                                requested=paged_attention, page_size=int(kv_page_size)).kernel
-            spec = EngineSpec(config=config, backend=backend, use_kernels=use_kernels, num_shards=dp,
-                              slots=engine_slots(slots, num_prompts=num_rows, samples=num_samples, shards=dp),
-                              page_size=int(kv_page_size), burst=int(decode_burst),
-                              attention=attention, **sampling)
+            spec = engine_spec_for(config, backend, mesh=mesh, num_prompts=num_rows, num_samples=num_samples,
+                                   max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
+                                   use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
+                                   requested_attention=paged_attention)
             run = lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
         else:
             run = lambda *args, **kw: sample_program(weights, *args, config=config, block_size=block_size,

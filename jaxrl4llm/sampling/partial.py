@@ -33,15 +33,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.kernels.choice import DecodeAttention
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import left_pad_prompts
-from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, EngineSpec, engine_slots, partial_enqueue, partial_init,
+from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, engine_spec_for, partial_enqueue, partial_init,
                                             partial_segment)
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, weights_program
-from jaxrl4llm.sampling.generate import data_parallel_size, use_cpu_kernels
+from jaxrl4llm.sampling.decode_mesh import data_parallel_size
+from jaxrl4llm.sampling.generate import use_cpu_kernels
 from jaxrl4llm.sampling.rollout import Rollout
 from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids, stop_token_sequences
 
@@ -108,14 +109,10 @@ class PartialRollouts:
         self.pad_token_id = int(pad_token_id)
         self.temperature = np.float32(temperature if temperature > 0 else 1.0)
         self.top_p = np.float32(top_p)
-        self.spec = EngineSpec(config=config, backend=self.backend, num_samples=num_samples,
-                               max_new_tokens=max_new_tokens, top_k=int(top_k), use_top_p=bool(top_p < 1.0),
-                               greedy=self.greedy, use_kernels=use_kernels, num_shards=dp,
-                               slots=engine_slots(slots, num_prompts=num_prompts, samples=num_samples, shards=dp),
-                               page_size=int(kv_page_size), burst=int(decode_burst),
-                               attention=decode_attention_choice(
-                                   config, mesh_devices(mesh), cpu_kernels=use_kernels, requested=paged_attention,
-                                   page_size=int(kv_page_size)).kernel)
+        self.spec = engine_spec_for(config, self.backend, mesh=mesh, num_prompts=num_prompts, num_samples=num_samples,
+                                    max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=self.greedy,
+                                    use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
+                                    requested_attention=paged_attention)
         state = partial_init(np.int32(pad_token_id), spec=self.spec, num_prompts=num_prompts, prompt_len=prompt_len)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
