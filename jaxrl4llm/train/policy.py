@@ -137,15 +137,13 @@ class Policy:
 
     def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose
-        decode memory (`sampling.memory`) fits `SIZING_SHARE` (85%) of the free memory of a device that reports
-        it (TPU, GPU); None (all at once) otherwise."""
+        decode memory (`sampling.memory`) fits the sampler's memory budget (`_memory_budget`: this
+        process's sampler device, the smallest over the processes); None (all at once) without one."""
         if self.prompts_per_chunk != "auto":
             return self.prompts_per_chunk or None
-        stats = self.sampler_mesh.devices.flat[0].memory_stats() if self.sampler_mesh is not None else \
-            jax.devices()[0].memory_stats()
-        if not stats or "bytes_limit" not in stats or self.config is None:
+        budget = self._memory_budget()  # the one budget rule, as `slots_for`'s
+        if budget is None:
             return None
-        budget = SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
         return prompts_per_chunk(self.config, budget, prompts=num_prompts, **sizing)
