@@ -125,8 +125,8 @@ def _markdown_files() -> list[Path]:
 
 
 def _code_files() -> list[Path]:
-    """The package, the tests and the benchmarks (their README included)."""
-    return sorted(p for top in ("jaxrl4llm", "tests", "benchmarks") for p in (REPO / top).rglob("*.py")) + [
+    """The package, the tests, the benchmarks (their README included) and the examples."""
+    return sorted(p for top in ("jaxrl4llm", "tests", "benchmarks", "examples") for p in (REPO / top).rglob("*.py")) + [
         REPO / "benchmarks" / "README.md"]
 
 
@@ -245,7 +245,7 @@ def test_github_anchors_of_headings():
 
 def test_every_doc_link_resolves():
     """Every relative link of README.md and docs/**/*.md and every docs/<page>.md[#anchor] named in
-    them or in the package, the tests and the benchmarks points at a file that exists and, for an
+    them or in the package, the tests, the benchmarks and the examples points at a file that exists and, for an
     anchor, at one of its headings (GitHub's anchors)."""
     problems = broken_links(_markdown_files(), _code_files())
     assert not problems, "broken doc links:\n" + "\n".join(problems)
