@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.choice import (DecodeAttention, decode_attention_choice, mesh_devices,
+from jaxrl4llm.kernels.choice import (DecodeAttention, decode_attention_choice, mesh_devices, mesh_tensor_parallel,
                                      require_engine_for_numerics)
 from jaxrl4llm.kernels.native import load_kernels, require_kernels
 from jaxrl4llm.models.causal_lm import CausalLM, merge
@@ -212,7 +212,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
         if continuous:
             attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
-                                                requested=paged_attention, page_size=int(kv_page_size)).kernel
+                                                requested=paged_attention, page_size=int(kv_page_size),
+                                                tensor_parallel=mesh_tensor_parallel(mesh)).kernel
             spec = EngineSpec(config=config, backend=backend, use_kernels=use_kernels, num_shards=dp,
                               slots=engine_slots(slots, num_prompts=num_rows, samples=num_samples, shards=dp),
                               page_size=int(kv_page_size), burst=int(decode_burst),

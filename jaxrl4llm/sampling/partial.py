@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices, mesh_tensor_parallel
 from jaxrl4llm.models.causal_lm import CausalLM, merge
 from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
@@ -115,7 +115,7 @@ class PartialRollouts:
                                page_size=int(kv_page_size), burst=int(decode_burst),
                                attention=decode_attention_choice(
                                    config, mesh_devices(mesh), cpu_kernels=use_kernels, requested=paged_attention,
-                                   page_size=int(kv_page_size)).kernel)
+                                   page_size=int(kv_page_size), tensor_parallel=mesh_tensor_parallel(mesh)).kernel)
         state = partial_init(np.int32(pad_token_id), spec=self.spec, num_prompts=num_prompts, prompt_len=prompt_len)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
