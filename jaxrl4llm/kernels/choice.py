@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.kernels.decode_attention import supports as cpu_kernel_supports
+from jaxrl4llm.kernels.tpu_blocks import ragged_blocks
 
 
 class DecodeAttention(enum.StrEnum):
@@ -68,7 +69,8 @@ TRAIN_ATTENTION_BY_PLATFORM = {"tpu": TrainAttention.SPLASH, "gpu": TrainAttenti
 def tpu_kernel_supports(head_dim: int) -> bool:
     """Whether the TPU ragged paged attention kernel takes this head size: it lays a head across
     the 128 lanes of a vector register (smaller heads fail an assertion inside the kernel), so
-    other sizes use `paged_cache.paged_attention` (XLA) on TPU too."""
+    other sizes use `paged_cache.paged_attention` (XLA) on TPU too. Its blocks must also fit the
+    chip's scoped VMEM (`tpu_blocks.ragged_blocks`, read by `platform_decode_kernel`)."""
     return head_dim % 128 == 0
 
 
@@ -91,14 +93,28 @@ def mesh_devices(mesh) -> list:
     return list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
 
 
+def mesh_tensor_parallel(mesh) -> int:
+    """The size of `mesh`'s "tensor" axis, over which the sampler splits the kv heads (1 without one)."""
+    return int(dict(mesh.shape).get("tensor", 1)) if mesh is not None else 1
+
+
 # ---------------------------------------------------------------------------- decode attention
-def platform_decode_kernel(config, devices, *, cpu_kernels: bool, page_size: int) -> tuple[DecodeAttention | None, str]:
-    """(the platform's paged attention kernel, why) when it takes the model's shapes, else (None, why not)."""
+def platform_decode_kernel(config, devices, *, cpu_kernels: bool, page_size: int,
+                           tensor_parallel: int = 1) -> tuple[DecodeAttention | None, str]:
+    """(the platform's paged attention kernel, why) when it takes the model's shapes, else (None, why not).
+    tensor_parallel: the sampler's tensor axis, over which a device holds its share of the kv heads
+    (the TPU kernel's blocks are sized for that share)."""
     platform, head_dim, dtype = devices[0].platform, config.head_dim, jnp.dtype(config.dtype)
     if platform == "tpu":
-        if tpu_kernel_supports(head_dim):
-            return DecodeAttention.TPU_RAGGED, f"TPU, head_dim {head_dim} a multiple of 128"
-        return None, f"the TPU ragged paged attention kernel needs head_dim a multiple of 128 (this model: {head_dim})"
+        if not tpu_kernel_supports(head_dim):
+            return None, f"the TPU ragged paged attention kernel needs head_dim a multiple of 128 (this model: {head_dim})"
+        tp = tensor_parallel if config.num_kv_heads % max(tensor_parallel, 1) == 0 else 1
+        blocks, why = ragged_blocks(getattr(devices[0], "device_kind", None), q_heads=config.num_heads // tp,
+                                    kv_heads=config.num_kv_heads // tp, head_dim=head_dim, page_size=page_size,
+                                    dtype=dtype)
+        if blocks is None:
+            return None, why
+        return DecodeAttention.TPU_RAGGED, f"TPU, head_dim {head_dim} a multiple of 128, {why}"
     if is_gpu(devices):
         if gpu_kernel_supports(head_dim, dtype, page_size):
             return DecodeAttention.GPU_TRITON, f"GPU, head_dim {head_dim}, kv_page_size {page_size}, {dtype.name}"
@@ -124,7 +140,7 @@ def require_engine_for_numerics(config, engine: str) -> None:
 
 
 def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: str | None = "auto",
-                            page_size: int, engine: str = "continuous") -> KernelChoice:
+                            page_size: int, engine: str = "continuous", tensor_parallel: int = 1) -> KernelChoice:
     """The decode attention of a sampler on `devices` (`mesh_devices`) for the model `config`:
 
       requested None or "auto": the platform's kernel where it takes the model's shapes, else xla
@@ -134,6 +150,8 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
       engine: "static" decodes without a paged cache: its attention is the C++ decode attention
         kernel (`kernels.decode_attention`) when the CPU kernels run and take the model, else XLA's
         (`models.decode.xla_decode_attention`); the request is the continuous engine's.
+      tensor_parallel: the sampler mesh's tensor axis (a device's share of the kv heads: the TPU
+        kernel's blocks must fit the chip's scoped VMEM at it, `tpu_blocks.ragged_blocks`).
     """
     dtype = jnp.dtype(config.dtype)
     require_engine_for_numerics(config, engine)
@@ -153,7 +171,8 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
                          f"{', '.join(repr(n) for n in names)}")
     if requested == "xla":
         return KernelChoice(DecodeAttention.XLA, "rollout.decode_attention=xla")
-    kernel, why = platform_decode_kernel(config, devices, cpu_kernels=cpu_kernels, page_size=page_size)
+    kernel, why = platform_decode_kernel(config, devices, cpu_kernels=cpu_kernels, page_size=page_size,
+                                         tensor_parallel=tensor_parallel)
     if requested == "auto":
         if kernel is None:
             return KernelChoice(DecodeAttention.XLA, f"auto: {why}; XLA's chunks of live pages instead", fallback=True)
@@ -161,11 +180,11 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
     if kernel is not None and requested in ("kernel", kernel.value):
         return KernelChoice(kernel, f"rollout.decode_attention={requested}: {why}")
     raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): 'auto', 'xla' anywhere, "
-                     f"'kernel' on TPU (head_dim a multiple of 128), on GPU (a power-of-two head_dim >= 16 "
-                     f"and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
+                     f"'kernel' on TPU (head_dim a multiple of 128, blocks that fit its scoped VMEM), on GPU (a "
+                     f"power-of-two head_dim >= 16 and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
                      f"device, a bfloat16 or float32 model). This call: {devices[0].platform}, head_dim "
                      f"{config.head_dim}, kv_page_size {page_size}, {dtype.name}, CPU kernels "
-                     f"{'on' if cpu_kernels else 'off'}" + ("" if kernel is None else f"; its kernel: {kernel.value}"))
+                     f"{'on' if cpu_kernels else 'off'}" + (f"; {why}" if kernel is None else f"; its kernel: {kernel.value}"))
 
 
 # ---------------------------------------------------------------------------- training attention

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,8 @@ from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
 from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_attention_flops
 from jaxrl4llm.models.lora import plain_graphdef
 from jaxrl4llm.models.remat import saved_floats_per_token
+from jaxrl4llm.plan.compile_errors import classify as classify_compile_error
+from jaxrl4llm.plan.compile_errors import error_frames
 from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
 from jaxrl4llm.plan.decode_work import continuous_decode_work, decode_block_trips, static_decode_work
 from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
@@ -211,6 +212,7 @@ class ProgramPlan:
     alias_bytes: int = 0
     temp_bytes: int = 0
     needed_bytes: int | None = None  # from RESOURCE_EXHAUSTED when it does not fit
+    failure: str = ""  # why it did not compile (`compile_errors.KINDS`: hbm, vmem, smem, kernel, shape); "" compiled
     model_flops: float = 0.0  # ours: the program's matmul FLOPs per chip per run, loops unrolled, as run
     analytic: dict = dataclasses.field(default_factory=dict)  # category -> bytes per chip
     error: str = ""
@@ -277,29 +279,27 @@ class ProgramPlan:
         self.loops = [(loop.name, loop.trips) for loop in cost.loops]
 
 
-_EXHAUSTED = re.compile(r"(?:temporaries|memory)\D*\(([\d.]+)([KMGT])\).*?available HBM\s*\(([\d.]+)([KMGT])\)", re.S)
-
-
 def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Mesh,
              log=None) -> tuple[ProgramPlan, Any]:
     """Lower and compile under the mesh context (as the loop runs them: the model's activation
-    constraints read it); a RESOURCE_EXHAUSTED becomes a plan that does not fit."""
+    constraints read it); XLA's HBM verdict (RESOURCE_EXHAUSTED in HBM) becomes a plan that does not
+    fit, another compile failure (a kernel's VMEM or SMEM, a kernel that fails to lower, a shape:
+    `compile_errors.classify`) a plan that does not compile, with its one line; others raise."""
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
             lowered = lowered_fn()
             compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError / JaxRuntimeError
-        text = str(e)
-        if "RESOURCE_EXHAUSTED" not in text:
+    except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError / JaxRuntimeError, kernels their own
+        failure = classify_compile_error(f"{type(e).__name__}: {e}", name, error_frames(e))
+        if failure is None:
             raise
-        match = _EXHAUSTED.search(text)
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-        needed = int(float(match.group(1)) * scale[match.group(2)]) if match else None
         if log:
-            log(f"  compiled {name:<16} {time.perf_counter() - start:6.1f} s: does not fit")
-        return ProgramPlan(name, False, needed_bytes=needed, analytic=analytic, model_flops=model_flops,
-                           error=text.splitlines()[0][:300]), None
+            log(f"  compiled {name:<16} {time.perf_counter() - start:6.1f} s: "
+                + ("does not fit" if failure.kind == "hbm" else f"does not compile ({failure.kind})"))
+        return ProgramPlan(name, False, needed_bytes=failure.needed if failure.kind == "hbm" else None,
+                           analytic=analytic, model_flops=model_flops, failure=failure.kind,
+                           error=failure.line or str(e).splitlines()[0][:300]), None
     if log:
         log(f"  compiled {name:<16} {time.perf_counter() - start:6.1f} s")
     m = compiled.memory_analysis()
@@ -450,7 +450,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     # sampler alone the same rule): the C++ CPU kernels are custom calls XLA cannot cost, so plan prices XLA's path
     decode_attention = layout.decode_attention if layout is not None else decode_attention_choice(
         config, mesh_devices(dmesh), cpu_kernels=False, requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
-        engine=cfg.rollout.engine)
+        engine=cfg.rollout.engine, tensor_parallel=dmesh.shape["tensor"])
     sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
     ddp, dtp, block, embed_dtype = (sizing[k] for k in ("data_parallel", "tensor_parallel", "block_size", "embed_dtype"))
     # the backend the run would pick (on CPU: the XLA path; the C++ kernels are custom calls XLA cannot cost)
@@ -823,11 +823,21 @@ def memory_limit_text(chip: ChipSpec) -> str:
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION {chip.memory_fraction:g})")
 
 
+def compile_failures(plan: RunPlan) -> list[str]:
+    """One line for each program that did not compile for another reason than HBM (a kernel's VMEM
+    or SMEM, a kernel that fails to lower, a shape: `compile_errors`): what failed and a fix."""
+    return [p.error for p in plan.programs if p.failure not in ("", "hbm")]
+
+
 def advice(plan: RunPlan) -> list[str]:
-    """What to change for each program that does not fit (or is over the fit check's limit, `memory_limit_text`)."""
-    out = []
+    """What to change for each program that does not compile (`compile_failures`) or does not fit
+    (or is over the fit check's limit, `memory_limit_text`)."""
+    out = compile_failures(plan)
     for p in plan.programs:
-        if p.fits and p.total_bytes + p.resident_bytes <= plan.chip.fit_bytes:
+        if p.failure not in ("", "hbm") or p.fits and p.total_bytes + p.resident_bytes <= plan.chip.fit_bytes:
+            continue
+        if not p.fits and p.needed_bytes is None:  # out of HBM by XLA's word, with no figures to read
+            out.append(f"{p.name}: XLA's compiler ran out of HBM ({p.error}): lower what the program holds")
             continue
         what = {
             "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
@@ -918,6 +928,10 @@ def format_plan(plan: RunPlan) -> str:
              f"{'ours GiB':>8} {'ours/XLA':>8}"
     lines += ["memory per chip", header, "-" * len(header)]
     for p in plan.programs:
+        if p.failure not in ("", "hbm"):  # no bytes: it did not compile (its line is under DOES NOT COMPILE)
+            lines.append(f"{p.name:<16} {'NO':>4} {'-':>12} {_gib(p.resident_bytes):>7} {'-':>6} {'-':>7} {'-':>7} "
+                         f"{_gib(p.analytic_total):>8} {'-':>8}  does not compile: {p.failure}")
+            continue
         ratio = p.analytic_total / p.total_bytes if p.total_bytes else float("nan")
         lines.append(f"{p.name:<16} {'yes' if p.fits else 'NO':>4} {_gib(p.total_bytes):>12} "
                      f"{_gib(p.resident_bytes):>7} {100 * (p.total_bytes + p.resident_bytes) / plan.chip.hbm:>6.1f} "
@@ -953,8 +967,15 @@ def format_plan(plan: RunPlan) -> str:
                  "(sampler) that hold no real token under the length distribution.")
     if notice := meter_notice():  # the public fallback: coarser TFLOP and HBM GB (plan.hlo_cost)
         lines.append(notice)
-    problems = advice(plan)
-    lines += [""] + (["DOES NOT FIT:"] + ["  " + a for a in problems] if problems else [f"every program fits (< {memory_limit_text(plan.chip)})"])
+    failed = compile_failures(plan)
+    problems = advice(plan)[len(failed):]
+    lines.append("")
+    if failed:
+        lines += ["DOES NOT COMPILE (not an HBM verdict):"] + ["  " + a for a in failed]
+    if problems:
+        lines += ["DOES NOT FIT:"] + ["  " + a for a in problems]
+    if not failed and not problems:
+        lines.append(f"every program fits (< {memory_limit_text(plan.chip)})")
     return "\n".join(lines)
 
 
@@ -967,6 +988,9 @@ def format_eval(plan: RunPlan, problems: int) -> str:
     lines = [f"eval: {problems} problems x {plan.rows // max(problems, 1)} samples, {sm.get('engine')} engine ({how}): "
              f"{_seconds(plan.step_seconds)} a chip, {100 * plan.padding_fraction:.0f}% of it on finished rows"]
     for p in plan.programs:  # fits: it compiled, and with the state beside it under 90% of HBM (`RunPlan.fits`)
+        if p.failure not in ("", "hbm"):
+            lines.append(f"  {p.error}")
+            continue
         fits = p.fits and p.total_bytes + p.resident_bytes <= plan.chip.fit_bytes
         lines.append(f"  {p.name:<16} fits {'yes' if fits else 'NO':<3} {_gib(p.total_bytes + p.resident_bytes)} GiB "
                      f"with the state, {p.runs:.0f} x {_seconds(p.seconds)} ({p.binding}-bound)"

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices, mesh_tensor_parallel
 from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_attention
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, lm_head, prefill_kv
@@ -118,7 +118,8 @@ def engine_spec_for(config: ModelConfig, backend: DecodeBackend, *, mesh, num_pr
     shards = data_parallel_size(mesh)
     if attention is None:
         attention = decode_attention_choice(config, mesh_devices(mesh), cpu_kernels=use_kernels,
-                                            requested=requested_attention, page_size=int(page_size)).kernel
+                                            requested=requested_attention, page_size=int(page_size),
+                                            tensor_parallel=mesh_tensor_parallel(mesh)).kernel
     return EngineSpec(config=config, backend=backend, num_samples=num_samples, max_new_tokens=max_new_tokens,
                       top_k=int(top_k), use_top_p=bool(top_p < 1.0), greedy=bool(greedy), use_kernels=use_kernels,
                       num_shards=shards, slots=engine_slots(slots, num_prompts=num_prompts, samples=num_samples,

@@ -31,11 +31,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ragged_kernel
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 from jax.sharding import PartitionSpec as P
 
+from jaxrl4llm.kernels.tpu_blocks import RaggedBlocks, ragged_blocks, slots_per_call
 from jaxrl4llm.models.layers.linear import einsum
 
 TRASH_PAGE = 0
@@ -198,37 +197,41 @@ def kernel_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_l
     slot's tokens contiguous over its logical pages); kv_len [D, S] int32 (0 for idle slots, run
     as 1 token of the trash page). With a mesh the kernel runs per device (shard_map): D over
     `batch_axes`, kv heads over `tensor_axis`. block_sizes: the kernel's num_kv_pages_per_block /
-    num_queries_per_block / vmem_limit_bytes (default: its tuned table for the TPU generation).
-    Returns [D, S, KVH, H/KVH, Dh] float32.
+    num_queries_per_block / vmem_limit_bytes (default: `kernel_blocks`, the blocks that fit the
+    chip's scoped VMEM). A shard's slots go to the kernel in calls of `tpu_blocks.slots_per_call`
+    (its page table is prefetched into 1 MiB of SMEM). Returns [D, S, KVH, H/KVH, Dh] float32.
     """
+    kind = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).device_kind
+
     def one_device(q, pool, table, kv_len):
         d, s, kvh, hg, dh = q.shape
-        if block_sizes is None and mesh is not None and jax.devices()[0].platform != "tpu":
-            sizes = target_block_sizes(mesh.devices.flat[0].device_kind, q.dtype, pool.dtype, kvh * hg, kvh, dh,
-                                       pool.shape[2], s, table.shape[-1])
-        else:
-            sizes = block_sizes or {}
+        per_call = slots_per_call(s, table.shape[-1])
+        sizes = block_sizes if block_sizes is not None else kernel_blocks(
+            kind, q_heads=kvh * hg, kv_heads=kvh, head_dim=dh, page_size=pool.shape[2], dtype=pool.dtype,
+            queries=per_call, pages_per_slot=table.shape[-1]).kernel_args()
         outs = []
         for i in range(d):  # D is 1 per device under shard_map
-            out = ragged_paged_attention(
-                q[i].reshape(s, kvh * hg, dh).astype(pool.dtype), pool[i], jnp.maximum(kv_len[i], 1),
-                table[i], jnp.arange(s + 1, dtype=jnp.int32), jnp.full((1,), s, jnp.int32), sm_scale=dh**-0.5,
-                **sizes)
-            outs.append(out.reshape(s, kvh, hg, dh).astype(jnp.float32))
+            parts = []
+            for a in range(0, s, per_call):  # slots a .. b - 1
+                b = min(s, a + per_call)
+                out = ragged_paged_attention(
+                    q[i, a:b].reshape(b - a, kvh * hg, dh).astype(pool.dtype), pool[i], jnp.maximum(kv_len[i, a:b], 1),
+                    table[i, a:b], jnp.arange(b - a + 1, dtype=jnp.int32), jnp.full((1,), b - a, jnp.int32),
+                    sm_scale=dh**-0.5, **sizes)
+                parts.append(out.reshape(b - a, kvh, hg, dh).astype(jnp.float32))
+            outs.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return jnp.stack(outs)
 
     return per_device(one_device, q, pool, table, kv_len, mesh=mesh, batch_axes=batch_axes, tensor_axis=tensor_axis)
 
 
-def target_block_sizes(device_kind: str, q_dtype, kv_dtype, q_heads: int, kv_heads: int, head_dim: int,
-                       page_size: int, queries: int, pages_per_seq: int) -> dict:
-    """The ragged paged attention kernel's tuned block sizes for a TPU of `device_kind` (e.g.
-    "TPU v5"), as the kernel picks them on that chip: its own lookup reads the attached device,
-    so compiling for a TPU topology on a CPU host (`jaxrl4llm plan`) passes them explicitly."""
-    q_per_blk, kv_per_blk = ragged_kernel.get_min_heads_per_blk(q_heads, 2 * kv_heads, q_dtype, kv_dtype)
-    key = tuned_block_sizes.simplify_key((q_dtype, kv_dtype, q_per_blk, kv_per_blk // 2, head_dim, page_size,
-                                          queries, pages_per_seq))
-    bkv, bq = tuned_block_sizes.TUNED_BLOCK_SIZES.get(" ".join(device_kind.split()[:2]), {}).get(key, (128, 32))
-    if device_kind.split()[:2] == ["TPU", "v4"]:
-        bkv, bq = 32, 32  # the kernel's untuned v4 default (fits its VMEM)
-    return dict(num_kv_pages_per_block=min(pages_per_seq, bkv), num_queries_per_block=min(queries, bq))
+def kernel_blocks(device_kind: str, **shape) -> RaggedBlocks:
+    """The ragged paged attention kernel's blocks on a TPU of `device_kind` (e.g. "TPU v5") at a
+    device's head shape (`tpu_blocks.ragged_blocks`: the kernel's own pick, cut to fit the chip's
+    scoped VMEM), passed to the kernel on a TPU and when `plan` compiles for one from a CPU host
+    (the kernel's own lookup reads the attached device); a ValueError saying why where none fits
+    (`kernels.choice` falls back to XLA's path there first)."""
+    blocks, why = ragged_blocks(device_kind, **shape)
+    if blocks is None:
+        raise ValueError(f"{why}; set rollout.decode_attention=xla")
+    return blocks

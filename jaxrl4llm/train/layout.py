@@ -319,14 +319,15 @@ def choose_row_form(*, rows: int, prompt_width: int, prompt_tokens: float, max_n
 
 # ---------------------------------------------------------------------------- the layout
 def attention_kernels(cfg: RunConfig, model_config: ModelConfig, trainer_devices: list, sampler_devices: list,
-                      cpu_kernels: bool) -> tuple[KernelChoice, KernelChoice]:
+                      cpu_kernels: bool, sampler_tensor: int = 1) -> tuple[KernelChoice, KernelChoice]:
     """(decode attention, training attention) of `cfg` (`rollout.decode_attention`, `model.attention_impl`)
-    for the model on the sampler's and the trainer's devices (`kernels.choice`); a request that cannot
-    run there is a ConfigError that says why."""
+    for the model on the sampler's and the trainer's devices (`kernels.choice`; the sampler splitting
+    the kv heads over `sampler_tensor` devices); a request that cannot run there is a ConfigError
+    that says why."""
     try:
         decode = decode_attention_choice(model_config, sampler_devices, cpu_kernels=cpu_kernels,
                                          requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
-                                         engine=cfg.rollout.engine)
+                                         engine=cfg.rollout.engine, tensor_parallel=sampler_tensor)
         train = train_attention_choice(model_config.attention_impl, trainer_devices[0].platform,
                                        model_config.numerics)
         if model_config.numerics == "exact":
@@ -382,7 +383,8 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
         model_config, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     decode = train = None
     if own_model:
-        decode, train = attention_kernels(cfg, model_config, mesh_devices(mesh), mesh_devices(dmesh), cpu_kernels)
+        decode, train = attention_kernels(cfg, model_config, mesh_devices(mesh), mesh_devices(dmesh), cpu_kernels,
+                                          sampler_tensor=dmesh.shape["tensor"])
         if decode.fallback:
             log(f"decode attention (rollout.decode_attention): {decode.reason}")
     return RunLayout(model=shape, lora=lora_settings(cfg) if own_model else None,
