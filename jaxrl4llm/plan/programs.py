@@ -386,13 +386,92 @@ def plan_layout(cfg: RunConfig, topology: str) -> RunLayout:
                       sampler_mesh=own_sampler)
 
 
+@dataclasses.dataclass
+class PlanInputs:
+    """What every stage of `plan_run` reads: the run's meshes and chip, the model, the rows' shapes,
+    and the abstract parameters and train state, each leaf with its sharding (`plan_inputs`)."""
+
+    cfg: RunConfig
+    topology: str
+    mesh: Mesh
+    own_sampler: Mesh | None  # asynchronous RL on chips of its own, or None
+    chip: ChipSpec
+    config: Any  # ModelConfig
+    layout: RunLayout | None  # None: an evaluation's sampler alone
+    prompt_len: int
+    graphdef: Any
+    train_params: Any  # the trainable parameters (LoRA: the adapters)
+    frozen: Any  # the frozen base (LoRA), or None
+    train_state: Any
+    sampler_params: Any  # what the sampler's weights program reads
+    log: Any = None
+
+    @property
+    def response_len(self) -> int:
+        return self.cfg.rollout.max_new_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.cfg.rollout.prompts_per_step * self.cfg.rollout.samples_per_prompt
+
+    @property
+    def params(self):
+        """What the forward takes: the whole model."""
+        return join_params(self.train_params, self.frozen)
+
+    @property
+    def state_bytes(self) -> int:
+        return per_chip_bytes(self.train_state)  # stays in HBM while the sampler runs
+
+    @property
+    def sampler_resident(self) -> int:
+        """What waits in a sampler chip's HBM while it decodes: the train state, or on chips of its own
+        the parameters' copy."""
+        return self.state_bytes if self.own_sampler is None else per_chip_bytes(self.sampler_params)
+
+    def price(self, program: ProgramPlan, compiled, *, dynamic_trips=(), devices=None) -> None:
+        if compiled is not None:
+            program.hlo, program.devices = compiled_hlo_text(compiled), devices or self.mesh.size
+            program.price(program_cost(program.hlo, num_devices=program.devices, dynamic_trips=dynamic_trips),
+                          self.chip)
+
+
+def plan_inputs(cfg: RunConfig, topology: str, *, chip: ChipSpec | None = None, sampler_only: bool = False,
+                log=None) -> PlanInputs:
+    """`cfg` on `topology`'s chips as abstract arrays: meshes, chip, layout (none for an evaluation's
+    sampler alone), the model's parameters and the run's own train state (train/programs.py's
+    optimizer: its state is what waits in HBM)."""
+    mesh, own_sampler = topology_meshes(topology, cfg)
+    config = plan_model_config(cfg)
+    lora = lora_settings(cfg)
+    graphdef, abstract = abstract_model(config, lora=lora)
+    # model.lora: the adapters train (and carry optimizer state), the base is frozen beside them
+    trainable, frozen_abstract = split_trainable(abstract) if lora is not None else (abstract, None)
+    p_shard = param_shardings(trainable, mesh)
+    f_shard = None if frozen_abstract is None else param_shardings(frozen_abstract, mesh)
+    train_params = _with_shardings(trainable, p_shard)
+    frozen = None if frozen_abstract is None else _with_shardings(frozen_abstract, f_shard)
+    optimizer, _ = optimizer_for(cfg)
+    state_sh = train_state_shardings(p_shard, optimizer, trainable, mesh, f_shard)
+    train_state = _with_shardings(jax.eval_shape(lambda p, f: init_train_state(p, optimizer, f), trainable,
+                                                 frozen_abstract), state_sh)
+    whole = join_params(trainable, frozen_abstract)
+    sampler_params = join_params(train_params, frozen) if own_sampler is None else \
+        _with_shardings(whole, param_shardings(whole, own_sampler))
+    return PlanInputs(cfg=cfg, topology=topology, mesh=mesh, own_sampler=own_sampler, chip=chip or chip_spec(topology),
+                      config=config, layout=None if sampler_only else plan_layout(cfg, topology),
+                      prompt_len=bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS), graphdef=graphdef,
+                      train_params=train_params, frozen=frozen, train_state=train_state, sampler_params=sampler_params,
+                      log=log)
+
+
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
              prompt_tokens: float | None = None, log=None, sampler_only: bool = False,
              chip: ChipSpec | None = None) -> RunPlan:
     """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
     config's `mesh.topology`; see the module docstring) and model one step's time with the
-    responses' lengths drawn from `lengths` (`plan.lengths`; default lognormal, mean a quarter of
-    the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
+    responses' lengths drawn from `lengths` (`train.response_lengths`; default lognormal, mean a
+    quarter of the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
     `log` gets a line per compiled program as it goes. `sampler_only`: the sampler's programs alone
     (`plan_eval`). `chip`: the chip to price and fit on (default `chip_spec(topology)`: its datasheet)."""
     topology = topology or cfg.mesh.topology
@@ -401,217 +480,219 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
                           "or set mesh.topology.")
     lengths = parse_lengths(lengths, cfg.rollout.max_new_tokens) if not isinstance(lengths, LengthDistribution) \
         else lengths  # parsed first: a bad --response-lengths fails before minutes of compiles
-    mesh, own_sampler = topology_meshes(topology, cfg)  # own_sampler: asynchronous RL on chips of its own
-    smesh = own_sampler or mesh
-    chip = chip or chip_spec(topology)
-    config = plan_model_config(cfg)
-    g_samples = cfg.rollout.samples_per_prompt
-    prompts = cfg.rollout.prompts_per_step
-    rows = prompts * g_samples
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    prompt_len = bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS)
-    # the run's layout as `train` resolves it (train/layout.py); an evaluation's sampler needs none
-    layout = None if sampler_only else plan_layout(cfg, topology)
-    lora = lora_settings(cfg)
-    response_len = cfg.rollout.max_new_tokens
-    seq = prompt_len + response_len - 1
-    recipe = cfg.recipe()
-    decode = None
+    ins = plan_inputs(cfg, topology, chip=chip, sampler_only=sampler_only, log=log)
+    programs, sampler, decode = plan_sampler(ins)
+    shape = (topology, dict(ins.mesh.shape), ins.chip, ins.config, ins.rows, ins.prompt_len, ins.response_len)
+    if sampler_only:
+        return with_lengths(RunPlan(*shape, programs, sampler, chips=ins.mesh.size, decode=decode), lengths,
+                            prompt_tokens)
+    trainer, extra = plan_trainer(ins)
+    programs += trainer
+    param_bytes = per_chip_bytes(ins.params)
+    for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
+        p.resident_bytes = {"sampler/decode": ins.sampler_resident, "update": 0}.get(p.name, ins.state_bytes - param_bytes)
+        if ins.own_sampler is not None and p.name == "sampler/weights":
+            p.resident_bytes = 0  # its argument is the parameters' copy itself
+    own = ins.own_sampler
+    if own is not None:  # asynchronous RL on chips of its own: what the step's overlap costs
+        copy = per_chip_bytes(ins.sampler_params)
+        sampler.update(own_chips=own.size, trainer_chips=ins.mesh.size, max_staleness=cfg.trainer.max_staleness,
+                       weight_copy_bytes=copy, weight_copy_seconds=copy / ins.chip.ici_bandwidth)
+    n, epochs = ins.config.num_params, cfg.trainer.ppo_epochs
+    plan = RunPlan(*shape, programs, sampler, extra["group"], chips=ins.mesh.size + (own.size if own is not None else 0),
+                   decode=decode, trainer_positions=extra["tokens"], packing=extra["packing"],
+                   attention_kernel=extra["kernel"], layout=ins.layout,
+                   trainer_hlo_flops={"logprob pass": 2 * n / ins.mesh.size, "update": 6 * n * epochs / ins.mesh.size})
+    return with_lengths(plan, lengths, prompt_tokens)
 
-    def price(program: ProgramPlan, compiled, *, dynamic_trips=(), devices=mesh.size) -> None:
-        if compiled is not None:
-            program.hlo, program.devices = compiled_hlo_text(compiled), devices
-            program.price(program_cost(program.hlo, num_devices=devices, dynamic_trips=dynamic_trips), chip)
 
-    graphdef, abstract = abstract_model(config, lora=lora)
-    # model.lora: the adapters train (and carry optimizer state), the base is frozen beside them
-    trainable, frozen_abstract = split_trainable(abstract) if lora is not None else (abstract, None)
-    p_shard = param_shardings(trainable, mesh)
-    f_shard = None if frozen_abstract is None else param_shardings(frozen_abstract, mesh)
-    train_params = _with_shardings(trainable, p_shard)
-    frozen = None if frozen_abstract is None else _with_shardings(frozen_abstract, f_shard)
-    params = join_params(train_params, frozen)  # what the forward takes: the whole model
-    param_bytes = per_chip_bytes(params)
-    trainable_bytes = per_chip_bytes(train_params)
-    programs = []
-    optimizer, _ = optimizer_for(cfg)  # the run's (train/programs.py): its state is what waits in HBM
-    state_sh = train_state_shardings(p_shard, optimizer, trainable, mesh, f_shard)
-    train_state = _with_shardings(jax.eval_shape(lambda p, f: init_train_state(p, optimizer, f), trainable,
-                                                 frozen_abstract), state_sh)
-    state_bytes = per_chip_bytes(train_state)  # stays in HBM while the sampler runs
-    whole = join_params(trainable, frozen_abstract)
-    sampler_params = params if own_sampler is None else _with_shardings(whole, param_shardings(whole, own_sampler))
-    # what waits in a sampler chip's HBM while it decodes: the train state, or on chips of its own the parameters' copy
-    sampler_resident = state_bytes if own_sampler is None else per_chip_bytes(sampler_params)
-
-    # -- sampler: on its own mesh (rollout.tensor_parallel), one chunk of prompts at a time
+def plan_sampler(ins: PlanInputs) -> tuple[list[ProgramPlan], dict, dict | None]:
+    """The sampler's programs on its own mesh (rollout.tensor_parallel), one chunk of prompts at a
+    time: (the weights and decode programs, the sampler's settings, what `with_lengths` needs to
+    price decode or None where a program did not compile)."""
+    cfg, config, chip = ins.cfg, ins.config, ins.chip
+    smesh = ins.own_sampler or ins.mesh
     dmesh = sampler_mesh_for(cfg, smesh, config) or smesh
-    # the decode attention the run's sampler runs (`kernels.choice`; the layout's, or for an evaluation's
-    # sampler alone the same rule): the C++ CPU kernels are custom calls XLA cannot cost, so plan prices XLA's path
-    decode_attention = layout.decode_attention if layout is not None else decode_attention_choice(
-        config, mesh_devices(dmesh), cpu_kernels=False, requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
-        engine=cfg.rollout.engine, tensor_parallel=dmesh.shape["tensor"])
-    sizing = decode_sizing(config, dmesh, samples=g_samples, prompt_len=prompt_len, max_new_tokens=response_len)
+    prompts = cfg.rollout.prompts_per_step
+    sizing = decode_sizing(config, dmesh, samples=cfg.rollout.samples_per_prompt, prompt_len=ins.prompt_len,
+                           max_new_tokens=ins.response_len)
     ddp, dtp, block, embed_dtype = (sizing[k] for k in ("data_parallel", "tensor_parallel", "block_size", "embed_dtype"))
     # the backend the run would pick (on CPU: the XLA path; the C++ kernels are custom calls XLA cannot cost)
-    backend = decode_backend(config, mesh=dmesh, use_kernels=False, block_size=block) if topology == "cpu" \
+    backend = decode_backend(config, mesh=dmesh, use_kernels=False, block_size=block) if ins.topology == "cpu" \
         else DecodeBackend(mesh=dmesh)
     if config.num_kv_heads % dtp:
         raise ConfigError(f"the decode mesh's tensor axis ({dtp}) does not divide the model's {config.num_kv_heads} "
                           f"KV heads; set rollout.tensor_parallel to a divisor of {config.num_kv_heads}.")
+    budget = chip.sizing_bytes - ins.sampler_resident
     chunk = cfg.rollout.prompts_per_chunk
     if chunk == "auto":
-        chunk = prompts_per_chunk(config, chip.sizing_bytes - sampler_resident, prompts=prompts, **sizing)
+        chunk = prompts_per_chunk(config, budget, prompts=prompts, **sizing)
     chunk = min(chunk or prompts, prompts)
-    num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=ddp)
-    build_weights = weights_jit(graphdef, sampler_params, config=config, backend=backend)
-    if lora is not None:
+    build_weights = weights_jit(ins.graphdef, ins.sampler_params, config=config, backend=backend)
+    if lora_settings(cfg) is not None:
         plain_graphdef(config)  # merge_lora's plain model, built outside the mesh (models.lora.plain_graphdef)
     with jax.set_mesh(smesh):
-        weights_abstract = jax.eval_shape(build_weights, sampler_params)
-    kv_rows = num_prompts * g_samples
-    plan_w, compiled_w = _compile("sampler/weights", lambda: build_weights.lower(sampler_params),
-        weights_program_memory(config, param_bytes=per_chip_bytes(sampler_params), tensor_parallel=dtp,
-                               embed_dtype=embed_dtype),
-        0.0, smesh, log)
-    programs.append(plan_w)
-    price(plan_w, compiled_w)
-    if compiled_w is not None:
-        weights = _with_shardings(weights_abstract, compiled_w.output_shardings)
-        rows_sharding = NamedSharding(dmesh, PartitionSpec(("data", "fsdp")))
-        tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
-        valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
-        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
-        eos = jax.ShapeDtypeStruct((1,), jnp.int32)
-        key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-        chunks = -(-prompts // chunk)
-        if cfg.rollout.engine == "continuous":  # every prompt in one call, `slots` rows at a time
-            num_prompts = bucket(prompts, BATCH_BUCKETS, multiple_of=ddp)
-            fitting_slots = slots_that_fit(config, chip.sizing_bytes - sampler_resident, prompts=num_prompts, **sizing)
-            slots = fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots)
-            attention = decode_attention.kernel  # the layout's: what the run's sampler runs
-            spec = engine_spec_for(config, backend, mesh=dmesh, num_prompts=num_prompts, num_samples=g_samples,
-                                   max_new_tokens=response_len, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                                   greedy=False, use_kernels=False, slots=slots, page_size=PAGE_SIZE,
-                                   burst=cfg.rollout.decode_burst, attention=attention)  # as `generate` builds it
-            slots = spec.slots
-            tok = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32, sharding=rows_sharding)
-            valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
-            budget = jax.ShapeDtypeStruct((num_prompts * g_samples,), jnp.int32, sharding=rows_sharding)
-            analytic = continuous_memory(config, prompts=num_prompts, slots=slots, samples=g_samples,
-                                         prompt_len=prompt_len, max_new_tokens=response_len, data_parallel=ddp,
-                                         tensor_parallel=dtp, embed_dtype=embed_dtype)
-            plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(
-                weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
-                scalar(jnp.int32), budget, spec=spec),
-                analytic, 0.0, dmesh, log)
-            chunk, chunks = prompts, 1
-            continuous_sampler = dict(slots=slots, fitting_slots=fitting_slots, attention=attention)  # fits or not
-            decode = dict(engine="continuous", slots=slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
-                          partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE,
-                          pages_per_chunk=PAGES_PER_CHUNK, attention=attention, num_prompts=num_prompts,
-                          q_heads=kernel_query_rows(config, dtp, attention == DecodeAttention.GPU_TRITON),
-                          kv_heads=config.num_kv_heads // dtp,
-                          cache_bytes=jnp.dtype(config.dtype).itemsize)
-        else:
-            analytic = decode_memory(config, prompts=num_prompts, **sizing)
-            plan_s, compiled_s = _compile("sampler/decode", lambda: sample_program.lower(
-                weights, tok, tok, valid, key, scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32), eos,
-                scalar(jnp.int32), config=config, num_samples=g_samples, max_new_tokens=response_len,
-                top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=block,
-                backend=backend, use_kernels=False), analytic, 0.0, dmesh, log)
-            decode = dict(engine="static", block=block, kv_rows=kv_rows, rows_per_chunk=min(chunk, prompts) * g_samples,
-                          num_prompts=num_prompts)
-        plan_s.runs = chunks
-        programs.append(plan_s)
-        if compiled_s is not None:  # priced by `with_lengths`: its loops run as long as the longest row
-            plan_s.hlo, plan_s.devices = compiled_hlo_text(compiled_s), dmesh.size
-        else:
-            decode = None
+        weights_abstract = jax.eval_shape(build_weights, ins.sampler_params)
+    plan_w, compiled_w = _compile("sampler/weights", lambda: build_weights.lower(ins.sampler_params),
+                                  weights_program_memory(config, param_bytes=per_chip_bytes(ins.sampler_params),
+                                                         tensor_parallel=dtp, embed_dtype=embed_dtype),
+                                  0.0, smesh, ins.log)
+    ins.price(plan_w, compiled_w)
     sampler = dict(engine=cfg.rollout.engine, tensor_parallel=dtp, data_parallel=ddp, prompts_per_chunk=chunk,
-                   chunks=-(-prompts // chunk),
-                   fitting_chunk=prompts_per_chunk(config, chip.sizing_bytes - sampler_resident, prompts=prompts, **sizing))
-    if cfg.rollout.engine == "continuous" and compiled_w is not None:
-        sampler.update(continuous_sampler)
-    if sampler_only:
-        plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler,
-                       chips=mesh.size, decode=decode)
-        return with_lengths(plan, lengths, prompt_tokens)
+                   chunks=-(-prompts // chunk), fitting_chunk=prompts_per_chunk(config, budget, prompts=prompts, **sizing))
+    if compiled_w is None:
+        return [plan_w], sampler, None
+    weights = _with_shardings(weights_abstract, compiled_w.output_shardings)
+    decode_program = plan_continuous_decode if cfg.rollout.engine == "continuous" else plan_static_decode
+    plan_s, compiled_s, decode, settings = decode_program(ins, weights, dmesh, backend, sizing, budget, chunk)
+    sampler.update(settings)
+    if compiled_s is not None:  # priced by `with_lengths`: its loops run as long as the longest row
+        plan_s.hlo, plan_s.devices = compiled_hlo_text(compiled_s), dmesh.size
+    return [plan_w, plan_s], sampler, decode if compiled_s is not None else None
 
-    # -- trainer programs
-    b_sh = batch_shardings(mesh)
+
+def decode_arguments(ins: PlanInputs, dmesh: Mesh, num_prompts: int) -> tuple:
+    """The decode programs' abstract arguments for `num_prompts` prompts: (tokens, mask, valid, key,
+    seed, temperature, top_p, eos, pad, budget) as `generate` passes them."""
+    rows_sharding = NamedSharding(dmesh, PartitionSpec(("data", "fsdp")))
+    tok = jax.ShapeDtypeStruct((num_prompts, ins.prompt_len), jnp.int32, sharding=rows_sharding)
+    valid = jax.ShapeDtypeStruct((num_prompts,), jnp.bool_, sharding=rows_sharding)
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+    budget = jax.ShapeDtypeStruct((num_prompts * ins.cfg.rollout.samples_per_prompt,), jnp.int32, sharding=rows_sharding)
+    return (tok, tok, valid, jax.eval_shape(lambda: jax.random.PRNGKey(0)), scalar(jnp.int32), scalar(jnp.float32),
+            scalar(jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32), scalar(jnp.int32), budget)
+
+
+def plan_continuous_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizing: dict, budget: float, chunk: int):
+    """The continuous engine's decode program: every prompt in one call, `slots` rows at a time, its
+    EngineSpec as `generate` builds it. Returns (plan, compiled, decode pricing, sampler settings)."""
+    cfg, config = ins.cfg, ins.config
+    g_samples, ddp, dtp = cfg.rollout.samples_per_prompt, sizing["data_parallel"], sizing["tensor_parallel"]
+    num_prompts = bucket(cfg.rollout.prompts_per_step, BATCH_BUCKETS, multiple_of=ddp)
+    fitting_slots = slots_that_fit(config, budget, prompts=num_prompts, **sizing)
+    attention = ins.layout.decode_attention.kernel if ins.layout is not None else decode_attention_choice(
+        config, mesh_devices(dmesh), cpu_kernels=False, requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
+        engine=cfg.rollout.engine, tensor_parallel=dmesh.shape["tensor"]).kernel  # the layout's, else its rule
+    spec = engine_spec_for(config, backend, mesh=dmesh, num_prompts=num_prompts, num_samples=g_samples,
+                           max_new_tokens=ins.response_len, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                           greedy=False, use_kernels=False, page_size=PAGE_SIZE, burst=cfg.rollout.decode_burst,
+                           slots=fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots),
+                           attention=attention)
+    analytic = continuous_memory(config, prompts=num_prompts, slots=spec.slots, samples=g_samples,
+                                 prompt_len=ins.prompt_len, max_new_tokens=ins.response_len, data_parallel=ddp,
+                                 tensor_parallel=dtp, embed_dtype=sizing["embed_dtype"])
+    args = decode_arguments(ins, dmesh, num_prompts)
+    plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(weights, *args, spec=spec),
+                                  analytic, 0.0, dmesh, ins.log)
+    decode = dict(engine="continuous", slots=spec.slots, shards=ddp, samples=g_samples, burst=cfg.rollout.decode_burst,
+                  partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE, pages_per_chunk=PAGES_PER_CHUNK,
+                  attention=attention, num_prompts=num_prompts,
+                  q_heads=kernel_query_rows(config, dtp, attention == DecodeAttention.GPU_TRITON),
+                  kv_heads=config.num_kv_heads // dtp, cache_bytes=jnp.dtype(config.dtype).itemsize)
+    settings = dict(prompts_per_chunk=cfg.rollout.prompts_per_step, chunks=1, slots=spec.slots,
+                    fitting_slots=fitting_slots, attention=attention)  # fits or not
+    return plan_s, compiled_s, decode, settings
+
+
+def plan_static_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizing: dict, budget: float, chunk: int):
+    """The static engine's decode program: `chunk` prompts a call, each run to the longest row.
+    Returns (plan, compiled, decode pricing, sampler settings)."""
+    cfg, g_samples, prompts = ins.cfg, ins.cfg.rollout.samples_per_prompt, ins.cfg.rollout.prompts_per_step
+    num_prompts = bucket(chunk, BATCH_BUCKETS, multiple_of=sizing["data_parallel"])
+    args = decode_arguments(ins, dmesh, num_prompts)[:-1]  # no per-row budgets
+    plan_s, compiled_s = _compile("sampler/decode", lambda: sample_program.lower(
+        weights, *args, config=ins.config, num_samples=g_samples, max_new_tokens=ins.response_len,
+        top_k=int(cfg.rollout.top_k), use_top_p=cfg.rollout.top_p < 1.0, greedy=False, block_size=sizing["block_size"],
+        backend=backend, use_kernels=False), decode_memory(ins.config, prompts=num_prompts, **sizing), 0.0, dmesh,
+        ins.log)
+    plan_s.runs = -(-prompts // chunk)
+    decode = dict(engine="static", block=sizing["block_size"], kv_rows=num_prompts * g_samples,
+                  rows_per_chunk=min(chunk, prompts) * g_samples, num_prompts=num_prompts)
+    return plan_s, compiled_s, decode, {}
+
+
+def trainer_arguments(ins: PlanInputs) -> tuple:
+    """The trainer programs' abstract batch (a TrainBatch of padded rows [rows, prompt + response - 1],
+    or the packing layout's PackedBatch) and its row width."""
+    rows, seq = ins.rows, ins.prompt_len + ins.response_len - 1
+    packing = ins.layout.update.packing
+    if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
+        return packed_abstract(packing, ins.mesh), packing.row_width
+    b_sh = batch_shardings(ins.mesh)
     shapes = dict(input_tokens=((rows, seq), jnp.int32), targets=((rows, seq), jnp.int32),
                   positions=((rows, seq), jnp.int32), attention_mask=((rows, seq), jnp.int32),
                   loss_mask=((rows, seq), jnp.float32), old_logp=((rows, seq), jnp.float32),
                   ref_logp=((rows, seq), jnp.float32), sampler_logp=((rows, seq), jnp.float32),
                   advantages=((rows,), jnp.float32), row_weights=((rows,), jnp.float32),
                   denominator_weights=((rows,), jnp.float32))
-    batch = TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()})
-    logprob_fn = make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
-    settings = layout.update
-    micro = settings.micro_batches
-    micro_rows = rows // cfg.trainer.mini_batches // micro
-    per_chip_rows = micro_rows / dp
-    group = settings.prompt_group  # each prompt's forward once per group
-    packing = settings.packing
-    if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
-        batch = packed_abstract(packing, mesh)
-        micro, micro_rows = packing.micro_batches, packing.rows
-        per_chip_rows = packing.rows_per_shard
-        seq = packing.row_width
-    # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
-    per_chip_positions = per_chip_rows * (seq if group is None else response_len - 1 + prompt_len / group)
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    chunk = min(cfg.model.logprob_chunk_size, response_len if packing is None else seq)  # head positions at once
-    residuals = config.num_layers * per_chip_positions * d * 4  # the scan's saved residual stream (remat)
-    saved = config.num_layers * per_chip_positions * 4 * saved_floats_per_token(  # what the remat policy keeps
-        config.remat_policy, hidden=d, intermediate=f, heads=config.num_heads, kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim, tensor=mesh.shape["tensor"])
-    layer_work = per_chip_positions * (6 * d + 3 * f // mesh.shape["tensor"]) * 4
-    head_work = per_chip_rows * chunk * v // mesh.shape["tensor"] * 4 * 3
-    heads = config.num_heads // mesh.shape["tensor"] if config.num_heads % mesh.shape["tensor"] == 0 else config.num_heads
-    query_block = min(seq, config.attention_query_chunk or seq)
-    attention_work = per_chip_rows * heads * query_block * seq * 4 * 3  # scores, softmax, its cotangent
-    batch_bytes = per_chip_bytes(batch)
-    tokens = per_chip_positions * dp * micro * cfg.trainer.mini_batches  # through the stack, per pass (at most)
-    kernel = attention_kernel_flops(config, mesh, layout.train_attention.kernel, per_chip_rows, seq, remat=config.remat,
-                                    epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
-    # the loop's own programs (train/programs.py), lowered on abstract arrays
-    trainer = trainer_programs(cfg, mesh, logprob_fn=logprob_fn, settings=settings, params=train_params, frozen=frozen,
-                               recipe=recipe)
-    plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(params, batch),
-                         {"parameters": param_bytes, "batch": batch_bytes,
-                          "activations": layer_work + head_work + attention_work + 2 * rows * seq * 4 // dp},
-                         2 * config.num_params * tokens / mesh.size, mesh, log)
+    return TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()}), seq
+
+
+def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
+    """The log-prob pass and the update: the loop's own programs (train/programs.py), lowered on
+    abstract arrays, with our analytic bytes beside XLA's. Returns (the two plans, {group, packing,
+    tokens: positions one pass runs through the stack, kernel: the attention kernel's FLOPs})."""
+    cfg, config, mesh, settings = ins.cfg, ins.config, ins.mesh, ins.layout.update
+    batch, seq = trainer_arguments(ins)
+    work = trainer_work(ins, seq)
+    param_bytes, trainable_bytes, batch_bytes = (per_chip_bytes(x) for x in (ins.params, ins.train_params, batch))
+    recipe = cfg.recipe()
+    kernel = attention_kernel_flops(config, mesh, ins.layout.train_attention.kernel, work["per_chip_rows"], seq,
+                                    remat=config.remat, epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
+    trainer = trainer_programs(cfg, mesh, logprob_fn=make_logprob_fn(ins.graphdef, cfg.rollout.temperature,
+                                                                     cfg.model.logprob_chunk_size),
+                               settings=settings, params=ins.train_params, frozen=ins.frozen, recipe=recipe)
+    plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(ins.params, batch),
+                                  {"parameters": param_bytes, "batch": batch_bytes,
+                                   "activations": work["layer"] + work["head"] + work["attention"]
+                                   + 2 * ins.rows * seq * 4 // work["data_parallel"]},
+                                  2 * config.num_params * work["tokens"] / mesh.size, mesh, ins.log)
     old_pass = cfg.trainer.old_logp_source == "recompute" and not settings.old_logp_from_update
     plan_l.runs = int(old_pass) + int(cfg.trainer.reference_model or recipe.kl_coef > 0)  # pi_old, pi_ref
-    plan_l.kernel_flops = kernel_flops_of(kernel, "logprob pass", micro)
-    price(plan_l, compiled_l)
-    programs.append(plan_l)
-    plan_u, compiled_u = _compile("update", lambda: trainer.update.lower(train_state, batch),
-                         {"parameters": param_bytes, "optimizer state": state_bytes - param_bytes,
-                          "gradients": 2 * trainable_bytes,  # a micro-batch's gradients and their accumulator
-                          "batch": batch_bytes,
-                          "activations": (residuals + saved if config.remat else 3 * residuals) + 2 * layer_work + head_work
-                          + 2 * attention_work},
-                         6 * config.num_params * tokens * cfg.trainer.ppo_epochs / mesh.size, mesh, log)
-    plan_u.kernel_flops = kernel_flops_of(kernel, "update", micro)
-    price(plan_u, compiled_u)
-    programs.append(plan_u)
-    for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
-        p.resident_bytes = {"sampler/decode": sampler_resident, "update": 0}.get(p.name, state_bytes - param_bytes)
-        if own_sampler is not None and p.name == "sampler/weights":
-            p.resident_bytes = 0  # its argument is the parameters' copy itself
-    if own_sampler is not None:  # asynchronous RL on chips of its own: what the step's overlap costs
-        sampler.update(own_chips=own_sampler.size, trainer_chips=mesh.size, max_staleness=cfg.trainer.max_staleness,
-                       weight_copy_bytes=per_chip_bytes(sampler_params),
-                       weight_copy_seconds=per_chip_bytes(sampler_params) / chip.ici_bandwidth)
-    plan = RunPlan(topology, dict(mesh.shape), chip, config, rows, prompt_len, response_len, programs, sampler, group,
-                   chips=mesh.size + (own_sampler.size if own_sampler is not None else 0), decode=decode, trainer_positions=tokens, packing=packing, attention_kernel=kernel,
-                   layout=layout,
-                   trainer_hlo_flops={"logprob pass": 2 * config.num_params / mesh.size,
-                                      "update": 6 * config.num_params * cfg.trainer.ppo_epochs / mesh.size})
-    return with_lengths(plan, lengths, prompt_tokens)
+    plan_l.kernel_flops = kernel_flops_of(kernel, "logprob pass", work["micro"])
+    ins.price(plan_l, compiled_l)
+    residuals, saved = work["residuals"], work["saved"]
+    plan_u, compiled_u = _compile("update", lambda: trainer.update.lower(ins.train_state, batch),
+                                  {"parameters": param_bytes, "optimizer state": ins.state_bytes - param_bytes,
+                                   "gradients": 2 * trainable_bytes,  # a micro-batch's gradients and their accumulator
+                                   "batch": batch_bytes,
+                                   "activations": (residuals + saved if config.remat else 3 * residuals)
+                                   + 2 * work["layer"] + work["head"] + 2 * work["attention"]},
+                                  6 * config.num_params * work["tokens"] * cfg.trainer.ppo_epochs / mesh.size, mesh,
+                                  ins.log)
+    plan_u.kernel_flops = kernel_flops_of(kernel, "update", work["micro"])
+    ins.price(plan_u, compiled_u)
+    return [plan_l, plan_u], dict(group=settings.prompt_group, packing=settings.packing, tokens=work["tokens"],
+                                  kernel=kernel)
+
+
+def trainer_work(ins: PlanInputs, seq: int) -> dict:
+    """Our analytic view of a trainer micro-batch on one chip, rows of width `seq`: per_chip_rows,
+    micro (micro-batches a mini-batch), tokens (positions one pass runs through the stack, all
+    chips), and the bytes of its residual stream (`residuals`), of what remat keeps (`saved`), of a
+    layer's, the head's and attention's working sets (`layer`, `head`, `attention`)."""
+    cfg, config, mesh, settings = ins.cfg, ins.config, ins.mesh, ins.layout.update
+    dp, tensor = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]
+    micro, packing, group = settings.micro_batches, settings.packing, settings.prompt_group
+    per_chip_rows = ins.rows // cfg.trainer.mini_batches // micro / dp
+    if packing is not None:
+        micro, per_chip_rows = packing.micro_batches, packing.rows_per_shard
+    # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
+    per_chip_positions = per_chip_rows * (seq if group is None else ins.response_len - 1 + ins.prompt_len / group)
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    chunk = min(cfg.model.logprob_chunk_size, ins.response_len if packing is None else seq)  # head positions at once
+    heads = config.num_heads // tensor if config.num_heads % tensor == 0 else config.num_heads
+    query_block = min(seq, config.attention_query_chunk or seq)
+    return dict(
+        per_chip_rows=per_chip_rows, micro=micro, data_parallel=dp,
+        tokens=per_chip_positions * dp * micro * cfg.trainer.mini_batches,  # through the stack, per pass (at most)
+        residuals=config.num_layers * per_chip_positions * d * 4,  # the scan's saved residual stream (remat)
+        saved=config.num_layers * per_chip_positions * 4 * saved_floats_per_token(  # what the remat policy keeps
+            config.remat_policy, hidden=d, intermediate=f, heads=config.num_heads, kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, tensor=tensor),
+        layer=per_chip_positions * (6 * d + 3 * f // tensor) * 4,
+        head=per_chip_rows * chunk * v // tensor * 4 * 3,
+        attention=per_chip_rows * heads * query_block * seq * 4 * 3)  # scores, softmax, its cotangent
 
 
 def plan_eval(cfg: RunConfig, topology: str | None = None, *, problems: int, lengths=None, prompt_tokens=None,
