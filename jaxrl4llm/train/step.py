@@ -262,7 +262,7 @@ def make_update_fn(
     keys_of = functools.partial(_micro_batch_keys, dropout_seed=dropout_seed, loss_seed=loss_seed,
                                 needs_key=recipe.needs_key)
     optimizer_step = functools.partial(_optimizer_step, optimizer=optimizer, schedule=schedule)
-    loss_parts = dict(logprob_fn=logprob_fn, recipe=recipe, loss_fn=loss_fn, settings=s)
+    loss_parts = {"logprob_fn": logprob_fn, "recipe": recipe, "loss_fn": loss_fn, "settings": s}
     if s.packing is not None:
         mini_step = functools.partial(_packed_mini_step, micro_step=functools.partial(_packed_micro_step, **loss_parts),
                                       keys_of=keys_of, optimizer_step=optimizer_step, needs_key=recipe.needs_key)
