@@ -247,10 +247,8 @@ def cmd_report(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxrl4llm", description="RL for LLM reasoning in JAX (GRPO, DAPO, Dr. GRPO, Lite PPO).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _train_parser(sub) -> None:
+    """The `train` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("train", help="run an RL experiment from YAML configs",
                        description="Sample, reward, update, evaluate and checkpoint, as the configs say. "
                        "Writes OUT/metrics.jsonl, OUT/tb (TensorBoard), OUT/checkpoints and OUT/hf_export.")
@@ -264,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "other changes are always accepted, and every change is listed")
     p.set_defaults(fn=cmd_train)
 
+
+def _eval_parser(sub) -> None:
+    """The `eval` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("eval", help="evaluate a model on data.eval_files (mean@n, pass@k, maj@k, length)",
                        description="Samples eval.samples responses per problem at eval.temperature, eval.top_p, "
                        "eval.top_k (unset: trainer.eval_samples, trainer.eval_temperature, rollout.top_p / top_k; "
@@ -276,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "extracted answer, gold answer and reward")
     p.set_defaults(fn=cmd_eval)
 
+
+def _sample_parser(sub) -> None:
+    """The `sample` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("sample", help="sample completions for prompts from a model",
                        description="Generates with the JAX sampler using the rollout.* settings of the config.")
     _add_config_args(p)
@@ -285,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(fn=cmd_sample)
 
+
+def _plot_parser(sub) -> None:
+    """The `plot` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("plot", help="draw training curves of one or more runs to a PNG",
                        description="Reads RUN_DIR/metrics.jsonl of each run and overlays their curves.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -292,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", nargs="*", default=None, help="metric names to plot (default: the study's panel)")
     p.set_defaults(fn=cmd_plot)
 
+
+def _convert_parser(sub) -> None:
+    """The `convert` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("convert", help="export a run's checkpoint to a Hugging Face folder",
                        description="Restores the orbax checkpoint of RUN_DIR (latest or --step) and writes config.json, "
                        "safetensors and the tokenizer to --out, loadable by transformers and vLLM.")
@@ -300,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.set_defaults(fn=cmd_convert)
 
+
+def _plan_parser(sub) -> None:
+    """The `plan` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("plan", help="compile a run's programs for a TPU/GPU topology; memory per chip and step time",
                        description="AOT-compiles the sampler, log-prob pass and update of the configured run with "
                        "XLA's TPU compiler (pip install -e .[tpu]), its CUDA compiler (pip install -e .[gpu]) or for "
@@ -335,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "packing, the sampler's settings; a run writes the same to its layout.json) and compile nothing")
     p.set_defaults(fn=cmd_plan)
 
+
+def _bin_difficulty_parser(sub) -> None:
+    """The `bin-difficulty` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("bin-difficulty", help="bin problems into easy/medium/hard by correct answers in k rollouts",
                        description="The study's binning: sample --rollouts responses per problem with the JAX sampler, "
                        "count correct answers, write easy/medium/hard JSONL files and a histogram.")
@@ -354,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_bin_difficulty)
 
+
+def _demo_parser(sub) -> None:
+    """The `demo` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("demo", help="Lite PPO on the built-in arithmetic task on the CPU (the README's first command)",
                        description="Builds the demo task and tokenizer, warm-starts a small model by SFT, runs Lite PPO, "
                        "and prints held-out accuracy before -> after and the curves PNG.")
@@ -365,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_demo)
 
+
+def _miniature_parser(sub) -> None:
+    """The `miniature` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("miniature", help="the miniature study's chain task, warm starts and pilot gates (issue #40)",
                        description="prepare: writes the chain task (OUT/data) and SFTs the base-like and aligned-like warm "
                        "starts (OUT/base_like, OUT/aligned_like; reused while their recipe matches). pilot: short runs of "
@@ -375,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="prepare: build the warm starts again even if their recipe matches")
     p.set_defaults(fn=cmd_miniature)
 
+
+def _sweep_parser(sub) -> None:
+    """The `sweep` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("sweep", help="run a grid of runs (recipes x data x models x seeds) from a YAML file",
                        description="Expands GRID.yaml into cells OUT_ROOT/<recipe>/<data>/<model>/seed<k>, validates every "
                        "cell's config, then runs the cells one after another, each a `jaxrl4llm train` process. Run it "
@@ -392,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print each cell's state and command and run nothing")
     p.set_defaults(fn=cmd_sweep)
 
+
+def _report_parser(sub) -> None:
+    """The `report` command's parser, added to `sub` (build_parser's subparsers)."""
     p = sub.add_parser("report", help="compare runs over seeds: curves with 95%% intervals, accuracy tables, t-tests",
                        description="Groups run folders into arms (a sweep's recipe/data/model labels, or equal configs "
                        "but the seed) and writes OUT/report.md and PNG curves: mean and 95% t-interval over seeds, "
@@ -404,6 +432,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", action="append", default=[], metavar="GRID.yaml",
                    help="judge the pre-registered predictions of this grid file (repeatable; docs/sweeps.md)")
     p.set_defaults(fn=cmd_report)
+
+
+# Each command's parser, in the order `jaxrl4llm --help` lists the commands.
+COMMAND_PARSERS = (
+    _train_parser,
+    _eval_parser,
+    _sample_parser,
+    _plot_parser,
+    _convert_parser,
+    _plan_parser,
+    _bin_difficulty_parser,
+    _demo_parser,
+    _miniature_parser,
+    _sweep_parser,
+    _report_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxrl4llm` parser: one subparser per command (COMMAND_PARSERS), each setting `fn`."""
+    parser = argparse.ArgumentParser(prog="jaxrl4llm", description="RL for LLM reasoning in JAX (GRPO, DAPO, Dr. GRPO, Lite PPO).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser in COMMAND_PARSERS:
+        add_parser(sub)
     return parser
 
 

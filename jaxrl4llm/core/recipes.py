@@ -28,7 +28,7 @@ from jaxrl4llm.core.entropy_control import COV_CONTROLS, clip_cov_mask, kl_cov_m
 from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
 from jaxrl4llm.core.mismatch import IS_CORRECTIONS, mismatch_correction
-from jaxrl4llm.core.surrogate import RATIO_LEVELS
+from jaxrl4llm.core.surrogate import RATIO_LEVELS, SurrogateOutput
 from jaxrl4llm.core.surrogate_registry import apply_surrogate, surrogate_problems
 
 ADV_ESTIMATORS = ("normalized", "rloo", "reinforce_pp")
@@ -367,6 +367,32 @@ def policy_loss(
       the token-weighted fraction of rows), "cov_selected_frac" (cov_control on: the fraction
       of counted tokens picked), and "num_tokens" to weight them.
     """
+    m, denominator_weights = _counted_tokens(recipe, logp, old_logp, mask, row_weights, denominator_weights,
+                                             sampler_logp)
+    surrogate, num, metrics = _surrogate_term(recipe, logp, old_logp, advantages, m)
+    per_token, cov_metrics = _covariance_control(recipe, surrogate.loss, logp, old_logp, advantages, m, key,
+                                                 surrogate.clipped, num)
+    per_token, is_metrics, dropped = _mismatch_weighting(recipe, per_token, old_logp, sampler_logp, advantages, m, num)
+    per_token, reg_metrics = _kl_and_entropy_terms(recipe, per_token, logp, ref_logp, entropy, m,
+                                                   denominator_weights, num)
+    if dropped is not None:
+        per_token = jnp.where(dropped, 0.0, per_token)  # masked tokens leave the KL and entropy terms too
+    terms = aggregate_loss(
+        per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights,
+        total_rows=total_rows, rows=rows,
+    )
+    return terms, {**metrics, **cov_metrics, **is_metrics, **reg_metrics}
+
+
+def _counted_tokens(
+    recipe: Recipe, logp: chex.Array, old_logp: chex.Array, mask: chex.Array, row_weights: chex.Array | None,
+    denominator_weights: chex.Array | None, sampler_logp: chex.Array | None,
+) -> tuple[chex.Array, chex.Array | None]:
+    """policy_loss's first stage: the arguments' checks, and the tokens the loss counts.
+
+    Returns (m, denominator_weights): m [B, T] float32 = mask [B, T] x row_weights [B] (when
+    given); denominator_weights [B] as given, else row_weights (None when both are None).
+    """
     chex.assert_equal_shape([logp, old_logp, mask])
     m = mask.astype(jnp.float32)
     if row_weights is not None:
@@ -384,40 +410,95 @@ def policy_loss(
             f"recipe {recipe.name!r} has is_correction={recipe.is_correction!r}: pass sampler_logp=[B, T] (the sampler's "
             "log-probs; old_logp must be the trainer's recomputed ones)."
         )
+    return m, denominator_weights
 
+
+def _surrogate_term(
+    recipe: Recipe, logp: chex.Array, old_logp: chex.Array, advantages: chex.Array, m: chex.Array,
+) -> tuple[SurrogateOutput, chex.Array, dict[str, chex.Array]]:
+    """policy_loss's surrogate stage: S(r_bt, A_b) of the surrogate recipe.surrogate names.
+
+    Args: logp, old_logp [B, T]; advantages [B] or [B, T]; m [B, T] the counted tokens' weights.
+    Returns (surrogate, num, metrics): the SurrogateOutput (loss [B, T], stats, clipped [B, T]);
+    num = max(sum(m), 1), the metrics' token count; metrics = the SurrogateStats fields and
+    "pg_loss", the surrogate's mean over the counted tokens.
+    """
     surrogate = apply_surrogate(recipe, logp, old_logp, advantages, m)
-    per_token = surrogate.loss
     num = jnp.maximum(jnp.sum(m), 1.0)
     metrics: dict[str, chex.Array] = dict(surrogate.stats._asdict())
-    metrics["pg_loss"] = jnp.sum(per_token * m) / num
-    picked = None
+    metrics["pg_loss"] = jnp.sum(surrogate.loss * m) / num
+    return surrogate, num, metrics
+
+
+def _covariance_control(
+    recipe: Recipe, per_token: chex.Array, logp: chex.Array, old_logp: chex.Array, advantages: chex.Array,
+    m: chex.Array, key: chex.PRNGKey | None, clipped: chex.Array, num: chex.Array,
+) -> tuple[chex.Array, dict[str, chex.Array]]:
+    """policy_loss's covariance stage (recipe.cov_control, core.entropy_control) on the per-token
+    loss [B, T]: Clip-Cov stops the surrogate's gradient on its picked tokens (a random pick by
+    `key`, among the tokens the surrogate did not clip, `clipped` [B, T]); KL-Cov adds
+    kl_cov_coef·|logp - old_logp| on its picked tokens. Off: per_token unchanged.
+
+    Returns (per_token [B, T], metrics): {"cov_selected_frac": the fraction of counted tokens
+    picked} when a control is on, else {}.
+    """
     if recipe.cov_control == "clip_cov":
         if key is None:
             raise ValueError(f"recipe {recipe.name!r} has cov_control='clip_cov': pass key= (a PRNG key; the pick of "
                              "tokens is a function of it).")
         picked = clip_cov_mask(logp, advantages, m, key, ratio=recipe.cov_ratio, low=recipe.clip_cov_low,
-                               high=recipe.clip_cov_high, exclude=surrogate.clipped)
+                               high=recipe.clip_cov_high, exclude=clipped)
         per_token = jnp.where(picked, jax.lax.stop_gradient(per_token), per_token)
     elif recipe.cov_control == "kl_cov":
         picked = kl_cov_mask(logp, advantages, m, ratio=recipe.cov_ratio)
         per_token = per_token + jnp.where(picked, recipe.kl_cov_coef * kl_cov_penalty(logp, old_logp), 0.0)
-    if picked is not None:
-        metrics["cov_selected_frac"] = jnp.sum(jnp.where(picked, m, 0.0)) / num
+    else:
+        return per_token, {}
+    return per_token, {"cov_selected_frac": jnp.sum(jnp.where(picked, m, 0.0)) / num}
+
+
+def _mismatch_weighting(
+    recipe: Recipe, per_token: chex.Array, old_logp: chex.Array, sampler_logp: chex.Array | None,
+    advantages: chex.Array, m: chex.Array, num: chex.Array,
+) -> tuple[chex.Array, dict[str, chex.Array], chex.Array | None]:
+    """policy_loss's sampler-trainer mismatch stage: the per-token loss [B, T] times the weight
+    w [B, T] of recipe.is_correction (or of the legacy recipe.tis_cap, "tis_token"), from
+    old_logp and sampler_logp [B, T] (core.mismatch). Off, or no sampler_logp with the legacy
+    tis_cap: per_token unchanged.
+
+    Returns (per_token [B, T], metrics, dropped): metrics "is_weight_mean" and
+    "is_truncated_frac" (tis_*) or "is_masked_frac" (the others), or {} when off; dropped [B, T]
+    bool, the tokens a masking correction (mis_*, icepop, seq_mask) removes, which lose their KL
+    and entropy terms too; None for tis_* and when off.
+    """
     kind = recipe.is_correction or ("tis_token" if recipe.tis_cap is not None else None)
-    dropped = None
-    if kind is not None and sampler_logp is not None:
-        w, touched = mismatch_correction(
-            kind, old_logp, sampler_logp, m, advantages=advantages, cap=recipe.tis_cap if recipe.is_correction is None else recipe.is_cap,
-            low=recipe.icepop_low, high=recipe.icepop_high, delta=recipe.seq_mask_delta,
-        )
-        per_token = per_token * w
-        metrics["is_weight_mean"] = jnp.sum(w * m) / num
-        frac_key = "is_truncated_frac" if kind.startswith("tis") else "is_masked_frac"
-        metrics[frac_key] = jnp.sum(jnp.where(touched, m, 0.0)) / num
-        if not kind.startswith("tis"):
-            dropped = touched  # masked tokens leave the KL and entropy terms too (applied below)
-    # a row outside every denominator (exclude_constant_groups) carries no KL or entropy term either:
-    # its terms would enter the numerator uncounted
+    if kind is None or sampler_logp is None:
+        return per_token, {}, None
+    w, touched = mismatch_correction(
+        kind, old_logp, sampler_logp, m, advantages=advantages, cap=recipe.tis_cap if recipe.is_correction is None else recipe.is_cap,
+        low=recipe.icepop_low, high=recipe.icepop_high, delta=recipe.seq_mask_delta,
+    )
+    per_token = per_token * w
+    metrics = {"is_weight_mean": jnp.sum(w * m) / num}
+    frac_key = "is_truncated_frac" if kind.startswith("tis") else "is_masked_frac"
+    metrics[frac_key] = jnp.sum(jnp.where(touched, m, 0.0)) / num
+    dropped = None if kind.startswith("tis") else touched
+    return per_token, metrics, dropped
+
+
+def _kl_and_entropy_terms(
+    recipe: Recipe, per_token: chex.Array, logp: chex.Array, ref_logp: chex.Array | None,
+    entropy: chex.Array | None, m: chex.Array, denominator_weights: chex.Array | None, num: chex.Array,
+) -> tuple[chex.Array, dict[str, chex.Array]]:
+    """policy_loss's regulariser stage: per_token [B, T] + kl_coef·KL(logp [B, T], ref_logp [B, T])
+    - entropy_coef·H (entropy [B, T]), each term only on the rows some denominator counts
+    (denominator_weights [B] > 0; an exclude_constant_groups row's terms would enter the
+    numerator uncounted).
+
+    Returns (per_token [B, T], metrics): "kl" when kl_coef > 0, "entropy" when entropy is given
+    (means over the counted tokens, without gradient).
+    """
+    metrics: dict[str, chex.Array] = {}
     in_den = 1.0 if denominator_weights is None else (denominator_weights > 0).astype(jnp.float32)[:, None]
     if recipe.kl_coef > 0:
         if ref_logp is None:
@@ -431,13 +512,7 @@ def policy_loss(
         if entropy is None:
             raise ValueError(f"recipe {recipe.name!r} has entropy_coef={recipe.entropy_coef} > 0: pass entropy=[B, T].")
         per_token = per_token - recipe.entropy_coef * entropy * in_den
-    if dropped is not None:
-        per_token = jnp.where(dropped, 0.0, per_token)
-    terms = aggregate_loss(
-        per_token, m, recipe.loss_agg_mode, norm_length=recipe.norm_length, row_weights=denominator_weights,
-        total_rows=total_rows, rows=rows,
-    )
-    return terms, metrics
+    return per_token, metrics
 
 
 def policy_loss_from_rewards(

@@ -121,11 +121,49 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     """
     model = merge(graphdef, state)  # Python objects over the same arrays: no copy
     config = model.config if isinstance(model, CausalLM) else None
+    vocab_size = _vocab_size(model, config)
+    num_prompts = len(prompts)
+    _check_sampling_options(num_prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, greedy=greedy,
+                            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop_strings=stop_strings,
+                            tokenizer=tokenizer, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                            stop_token_ids=stop_token_ids, vocab_size=vocab_size)
+    prompt_len = _prompt_bucket(prompts, model, config, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
+                                max_prompt_length=max_prompt_length, prompt_buckets=prompt_buckets)
+    _check_engine_options(config, engine=engine, prompts_per_chunk=prompts_per_chunk, slots=slots)
+    budget = _row_budgets(row_max_new_tokens, config, num_rows=num_prompts * num_samples, max_new_tokens=max_new_tokens)
+    continuous = engine == "continuous" and config is not None
+    dp = data_parallel_size(mesh)
+    chunk = num_prompts if continuous else min(prompts_per_chunk or num_prompts, num_prompts)
+    num_rows = bucket(chunk, batch_buckets, multiple_of=dp)
+    eos = end_token_ids(eos_token_ids, stop_token_ids)
+    traced = _traced_options(config, min_p=min_p, greedy=greedy, tokenizer=tokenizer, stop_strings=stop_strings)
+    run = _sampler_program(graphdef, state, config, mesh=mesh, continuous=continuous, num_rows=num_rows,
+                           num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
+                           greedy=greedy, cpu_kernels=cpu_kernels, kv_block_size=kv_block_size, slots=slots,
+                           kv_page_size=kv_page_size, decode_burst=decode_burst, paged_attention=paged_attention)
+    out = _sample_in_chunks(run, prompts, budget, chunk=chunk, num_rows=num_rows, num_samples=num_samples,
+                            prompt_len=prompt_len, pad_token_id=pad_token_id, mesh=mesh,
+                            row_budgets=continuous or row_max_new_tokens is not None, rng=rng,
+                            temperature=temperature, top_p=top_p, eos=eos, traced=traced)
+    return apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)
+
+
+def _vocab_size(model, config) -> int:
+    """The model's vocabulary size: its config's (our CausalLM) or its `vocab_size` attribute
+    (another NNX model); a model with neither is a TypeError."""
     vocab_size = config.vocab_size if config is not None else getattr(model, "vocab_size", None)
     if vocab_size is None:
         raise TypeError(f"generate() needs a jaxrl4llm CausalLM or an NNX model with a `vocab_size` attribute "
                         f"(docs/models.md, bring your own model); got {type(model).__name__}")
-    num_prompts = len(prompts)
+    return vocab_size
+
+
+def _check_sampling_options(num_prompts: int, *, num_samples: int, max_new_tokens: int, greedy: bool,
+                            temperature: float, top_p: float, top_k: int, min_p: float, stop_strings: Sequence[str],
+                            tokenizer, pad_token_id: int, eos_token_ids: Sequence[int],
+                            stop_token_ids: Sequence[int], vocab_size: int) -> None:
+    """generate()'s sizes, sampling distribution, stop strings and special token ids, checked
+    (a ValueError names the first that is wrong)."""
     if num_prompts == 0:
         raise ValueError("generate() needs at least one prompt, got an empty list")
     if num_samples < 1:
@@ -149,6 +187,11 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         if not 0 <= int(token) < vocab_size:
             raise ValueError(f"{name} contains {token}, outside the vocabulary [0, {vocab_size})")
 
+
+def _prompt_bucket(prompts: Sequence[Sequence[int]], model, config, *, vocab_size: int, max_new_tokens: int,
+                   max_prompt_length: int | None, prompt_buckets: Sequence[int]) -> int:
+    """The padded prompt length T: the bucket of the longest prompt. Checked: the prompts
+    against max_prompt_length and the vocabulary, T + max_new_tokens against the model's positions."""
     longest = max(len(p) for p in prompts)
     if max_prompt_length is not None and longest > max_prompt_length:
         index = next(i for i, p in enumerate(prompts) if len(p) == longest)
@@ -162,6 +205,11 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     for i, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= vocab_size:
             raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size})")
+    return prompt_len
+
+
+def _check_engine_options(config, *, engine: str, prompts_per_chunk: int | None, slots: int | None) -> None:
+    """generate()'s engine, chunking and slots, checked (and the model's numerics against the engine)."""
     if prompts_per_chunk is not None and prompts_per_chunk < 1:
         raise ValueError(f"prompts_per_chunk must be >= 1 (or None: all prompts at once), got {prompts_per_chunk}")
     if engine not in ("continuous", "static"):
@@ -169,62 +217,95 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     require_engine_for_numerics(config, engine)
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1 (rollout.slots; or None: all rows), got {slots}")
-    budget = np.full((num_prompts * num_samples,), max_new_tokens, np.int32)
+
+
+def _row_budgets(row_max_new_tokens: Sequence[int] | None, config, *, num_rows: int,
+                 max_new_tokens: int) -> np.ndarray:
+    """Each row's response budget, [N] int32 (N = num_rows = P*G): row_max_new_tokens, checked
+    (each in [1, max_new_tokens]; our CausalLM only), or max_new_tokens for every row."""
+    budget = np.full((num_rows,), max_new_tokens, np.int32)
     if row_max_new_tokens is not None:
         budget = np.asarray(row_max_new_tokens, np.int32)
-        if budget.shape != (num_prompts * num_samples,) or budget.min() < 1 or budget.max() > max_new_tokens:
-            raise ValueError(f"row_max_new_tokens must hold {num_prompts * num_samples} values (one per row) in "
+        if budget.shape != (num_rows,) or budget.min() < 1 or budget.max() > max_new_tokens:
+            raise ValueError(f"row_max_new_tokens must hold {num_rows} values (one per row) in "
                              f"[1, max_new_tokens={max_new_tokens}]")
     if config is None and row_max_new_tokens is not None:
         raise ValueError("row_max_new_tokens: per-row budgets need a jaxrl4llm CausalLM (the generic decoder has none)")
-    continuous = engine == "continuous" and config is not None
-    dp = data_parallel_size(mesh)
-    chunk = num_prompts if continuous else min(prompts_per_chunk or num_prompts, num_prompts)
-    num_rows = bucket(chunk, batch_buckets, multiple_of=dp)
-    eos = end_token_ids(eos_token_ids, stop_token_ids)
-    # min-p off (0, or greedy): no min_p argument, the program without it
+    return budget
+
+
+def _traced_options(config, *, min_p: float, greedy: bool, tokenizer, stop_strings: Sequence[str]) -> dict:
+    """The sampler program's optional traced keyword arguments: "min_p" (a float32 scalar; absent
+    when min-p is off, 0 or greedy: the program without it) and "stop_seqs" (the stop strings'
+    token spellings [K, W] int32, `stops.stop_token_sequences`, matched in the decode loop for an
+    early stop; the host cut in `apply_stop_strings` decides; our CausalLM only)."""
     traced = {} if min_p <= 0 or greedy else {"min_p": np.float32(min_p)}
-    # stop strings' token spellings, matched in the decode loop (an early stop; the host cut below decides)
     stop_seqs = stop_token_sequences(tokenizer, stop_strings) if config is not None else None
     if stop_seqs is not None:
         traced["stop_seqs"] = stop_seqs
+    return traced
+
+
+def _sampler_program(graphdef, state, config, *, mesh: Mesh | None, continuous: bool, num_rows: int,
+                     num_samples: int, max_new_tokens: int, top_k: int, top_p: float, greedy: bool,
+                     cpu_kernels: bool | None, kv_block_size: int | None, slots: int | None, kv_page_size: int,
+                     decode_burst: int, paged_attention: str | DecodeAttention | None):
+    """The compiled sampler that decodes one chunk: `run(tokens [n, T], mask [n, T], row_valid [n],
+    rng, first_row, temperature, top_p, eos, pad[, budgets [n*G]], **traced)` -> the Rollout's
+    arrays of n*G rows (n = num_rows prompts). The generic decoder for another NNX model
+    (`generic_decode.py`); for our CausalLM the weights program runs here, once for all chunks,
+    then the continuous engine (`continuous.py`) or the static one (`decode_loop.py`)."""
     sampling = dict(num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=int(top_k),
                     use_top_p=bool(top_p < 1.0), greedy=bool(greedy))
     if config is None:
         if cpu_kernels:
             raise ValueError("cpu_kernels=True: the CPU kernels run jaxrl4llm models only; pass cpu_kernels=None")
-        run = lambda *args, **kw: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling, **kw)
-    else:
-        use_kernels = use_cpu_kernels(cpu_kernels, mesh)
-        block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
-        backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
-        weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
-        if continuous:
-            spec = engine_spec_for(config, backend, mesh=mesh, num_prompts=num_rows, num_samples=num_samples,
-                                   max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
-                                   use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
-                                   requested_attention=paged_attention)
-            run = lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
-        else:
-            run = lambda *args, **kw: sample_program(weights, *args, config=config, block_size=block_size,
-                                                     backend=backend, use_kernels=use_kernels, **sampling, **kw)
+        return lambda *args, **kw: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling, **kw)
+    use_kernels = use_cpu_kernels(cpu_kernels, mesh)
+    block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
+    backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
+    weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
+    if continuous:
+        spec = engine_spec_for(config, backend, mesh=mesh, num_prompts=num_rows, num_samples=num_samples,
+                               max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
+                               use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
+                               requested_attention=paged_attention)
+        return lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
+    return lambda *args, **kw: sample_program(weights, *args, config=config, block_size=block_size,
+                                              backend=backend, use_kernels=use_kernels, **sampling, **kw)
+
+
+def _on_rows(a: np.ndarray, mesh: Mesh) -> jax.Array:
+    """a [n, ...] on the mesh, its rows split as the decode rules' "batch" axis says."""
+    return jax.device_put(a, NamedSharding(mesh, logical_to_spec(
+        ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
+
+
+def _sample_in_chunks(run, prompts: Sequence[Sequence[int]], budget: np.ndarray, *, chunk: int, num_rows: int,
+                      num_samples: int, prompt_len: int, pad_token_id: int, mesh: Mesh | None, row_budgets: bool,
+                      rng: jax.Array, temperature: float, top_p: float, eos: np.ndarray, traced: dict) -> tuple:
+    """`run` on the prompts `chunk` at a time -> the Rollout's arrays of N = P*G rows.
+
+    Each chunk's prompts are left-padded to [num_rows, prompt_len] (padding rows are invalid),
+    its row budgets (`budget` [N] int32) cut and padded to [num_rows*G] (passed only with
+    row_budgets), run, and its padding rows cut off; the chunks are concatenated on the rows.
+    rng, temperature, top_p, eos (`stops.end_token_ids`), traced: what `run` takes besides the
+    chunk's arrays (and its first row's index, which keys its rows' uniforms).
+    """
     outs = []
-    for start in range(0, num_prompts, chunk):
+    for start in range(0, len(prompts), chunk):
         part = prompts[start:start + chunk]
         padded = left_pad_prompts(part, pad_token_id=pad_token_id, length=prompt_len, num_rows=num_rows)
         arrays = (padded.tokens, padded.mask, padded.row_valid)
         if mesh is not None:
-            put = lambda a: jax.device_put(a, NamedSharding(mesh, logical_to_spec(
-                ("batch",) + (None,) * (a.ndim - 1), DECODE_RULES, shape=a.shape, mesh=mesh)))
-            arrays = tuple(put(a) for a in arrays)
+            arrays = tuple(_on_rows(a, mesh) for a in arrays)
         rows = budget[start * num_samples:(start + len(part)) * num_samples]
         rows = np.concatenate([rows, np.full((num_rows * num_samples - len(rows),), 1, np.int32)])
         if mesh is not None:
-            rows = put(rows)
-        extra = (rows,) if continuous or row_max_new_tokens is not None else ()
+            rows = _on_rows(rows, mesh)
+        extra = (rows,) if row_budgets else ()
         out = run(*arrays, rng, np.int32(start * num_samples), np.float32(temperature), np.float32(top_p), eos,
                   np.int32(pad_token_id), *extra, **traced)
         n = len(part) * num_samples
         outs.append(out if num_rows == len(part) else jax.tree.map(lambda a: a[:n], out))
-    out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)
-    return apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)
+    return outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)

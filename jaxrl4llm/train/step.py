@@ -251,145 +251,204 @@ def make_update_fn(
     micro-batch) for models with dropout (LoRA adapters); None: no rng argument.
     loss_seed: when recipe.needs_key (Clip-Cov), the loss gets key = fold(seed, 1, optimizer step,
     micro-batch): a run with the same seed picks the same tokens.
+
+    The stages: `_micro_step` / `_packed_micro_step` (one micro-batch's gradient),
+    `_mini_step` / `_packed_mini_step` (a mini-batch's micro-batches accumulated, then
+    `_optimizer_step`), `_mini_batches` (the batch's split), `_run_epochs` (ppo_epochs passes
+    over the mini-batches) and `_last_epoch_summary` (the metrics).
     """
     s = settings
     group = s.prompt_group or 1
-
-    def micro_step(params, frozen, mb: TrainBatch, key=None, loss_key=None):
-        fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
-        step_rows = mb.input_tokens.shape[0] * s.micro_batches  # the mini-batch's rows (static)
-
-        def num_fn(p):
-            terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
-                                                       loss_fn=loss_fn, loss_key=loss_key,
-                                                       old_logp_from_update=s.old_logp_from_update,
-                                                       scored_tokens=s.scored_tokens, prompt_group=s.prompt_group,
-                                                       total_rows=step_rows)
-            return terms.numerator, (terms, metrics, clipped)
-
-        grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
-        return grads, terms, metrics, clipped
-
-    def packed_micro_step(params, frozen, mb, key=None, loss_key=None):
-        """micro_step on one packed micro-batch (train/packing.py): the model on its [RR, S]
-        rows, the loss on their per-sequence view."""
-        lay = s.packing
-        fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
-
-        def num_fn(p):
-            logp, entropy = score_packed(fn, join_params(p, frozen), mb)
-            view, logp, entropy, rows = unpack_micro(mb, logp, entropy, lay.response_width)
-            terms, metrics, clipped = loss_terms_from_scores(
-                logp, entropy, view, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
-                old_logp_from_update=s.old_logp_from_update, total_rows=lay.sequences // lay.mini_batches, rows=rows)
-            return terms.numerator, (terms, metrics, scatter_slots(clipped, mb, mb.input_tokens.shape[1]))
-
-        grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
-        return grads, terms, metrics, clipped
-
-    def keys_of(step, index):
-        """(dropout key or None, loss key or None) of micro-batch `index` of optimizer step `step`."""
-        key = None
-        if dropout_seed is not None:
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), step), index)
-        loss_key = None
-        if recipe.needs_key:
-            loss_key = jax.random.fold_in(jax.random.fold_in(
-                jax.random.fold_in(jax.random.PRNGKey(loss_seed), 1), step), index)
-        return key, loss_key
-
-    def optimizer_step(state: TrainState, grads, num, den, metrics):
-        scale = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
-
-    def zero_metrics_of(step_fn, state, first_micro):
-        # Metrics structure from an abstract evaluation, so the loop carry is fixed.
-        probe_key = jax.random.PRNGKey(0) if recipe.needs_key else None
-        _, _, metrics_shape, _ = jax.eval_shape(step_fn, state.params, state.frozen, first_micro, None, probe_key)
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
-
-    def mini_step(state: TrainState, mini: TrainBatch):
-        micros = jax.tree.map(lambda x: _split(x, s.micro_batches, group), mini)
-        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-        zero_metrics = zero_metrics_of(micro_step, state, jax.tree.map(lambda x: x[0], micros))
-
-        def body(carry, xs):
-            mb, index = xs
-            g_acc, num, den, met = carry
-            g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, *keys_of(state.step, index))
-            g_acc = jax.tree.map(jnp.add, g_acc, g)
-            return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
-
-        zero = jnp.zeros((), jnp.float32)
-        (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics),
-                                                           (micros, jnp.arange(s.micro_batches)))
-        new_state, metrics = optimizer_step(state, grads, num, den, metrics)
-        return new_state, (metrics, _unsplit(clipped, group))
-
-    def packed_mini_step(state: TrainState, mini):
-        """mini_step over a packed mini-batch: a while loop over its `num_micro` micro-batches
-        (the rest of the [M, ...] buffers are empty and never run)."""
-        micros = mini._replace(num_micro=None)
-        at = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micros)
-        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-        zero_metrics = zero_metrics_of(packed_micro_step, state, jax.tree.map(lambda x: x[0], micros))
-
-        def body(carry):
-            index, g_acc, num, den, met, flags = carry
-            g, terms, metrics, clipped = packed_micro_step(state.params, state.frozen, at(index),
-                                                           *keys_of(state.step, index))
-            g_acc = jax.tree.map(jnp.add, g_acc, g)
-            flags = jax.lax.dynamic_update_index_in_dim(flags, clipped, index, 0)
-            return index + 1, g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics), flags
-
-        zero = jnp.zeros((), jnp.float32)
-        init = (jnp.zeros((), jnp.int32), zero_grads, zero, zero, zero_metrics, jnp.zeros(micros.input_tokens.shape, bool))
-        _, grads, num, den, metrics, clipped = jax.lax.while_loop(lambda c: c[0] < mini.num_micro, body, init)
-        new_state, metrics = optimizer_step(state, grads, num, den, metrics)
-        return new_state, (metrics, clipped)
+    keys_of = functools.partial(_micro_batch_keys, dropout_seed=dropout_seed, loss_seed=loss_seed,
+                                needs_key=recipe.needs_key)
+    optimizer_step = functools.partial(_optimizer_step, optimizer=optimizer, schedule=schedule)
+    loss_parts = {"logprob_fn": logprob_fn, "recipe": recipe, "loss_fn": loss_fn, "settings": s}
+    if s.packing is not None:
+        mini_step = functools.partial(_packed_mini_step, micro_step=functools.partial(_packed_micro_step, **loss_parts),
+                                      keys_of=keys_of, optimizer_step=optimizer_step, needs_key=recipe.needs_key)
+    else:
+        mini_step = functools.partial(_mini_step, micro_step=functools.partial(_micro_step, **loss_parts),
+                                      keys_of=keys_of, optimizer_step=optimizer_step, micro_batches=s.micro_batches,
+                                      group=group, needs_key=recipe.needs_key)
 
     def update(state: TrainState, batch):
         if s.packing is not None:
-            minis, step_fn = batch, packed_mini_step  # PackedBatch [n, M, ...]: one mini-batch per n
+            minis, rows = batch, None  # PackedBatch [n, M, ...]: one mini-batch per n
         else:
-            b = batch.input_tokens.shape[0]
-            if b % (s.mini_batches * s.micro_batches * group):
-                raise ValueError(
-                    f"batch of {b} rows is not divisible by mini_batches*micro_batches*prompt_group = "
-                    f"{s.mini_batches}*{s.micro_batches}*{group}; change trainer.mini_batches / "
-                    "trainer.micro_batch_size or rollout sizes (or trainer.share_prompt=false)."
-                )
-            # Mini-batch j holds the contiguous rows [j*B/n, (j+1)*B/n): whole groups stay together.
-            minis = jax.tree.map(lambda x: x.reshape(s.mini_batches, b // s.mini_batches, *x.shape[1:]), batch)
-            step_fn = mini_step
-
-        def epoch(state: TrainState, _):
-            state, (metrics, clipped) = jax.lax.scan(step_fn, state, minis)
-            return state, (metrics, clipped if s.packing is not None else clipped.reshape(b, -1))
-
-        state, (metrics, clipped) = jax.lax.scan(epoch, state, None, length=s.ppo_epochs)
-        last = jax.tree.map(lambda m: m[-1], metrics)  # last epoch, one entry per mini-batch
-        n = last["num_tokens"]
-        summary = {}
-        for k, v in last.items():
-            if k == "num_tokens":
-                summary[k] = jnp.sum(v)
-            elif k in _MIN_KEYS:
-                summary[k] = jnp.min(v)
-            elif k in _MAX_KEYS:
-                summary[k] = jnp.max(v)
-            elif k in ("grad_norm", "learning_rate", "loss"):
-                summary[k] = jnp.mean(v)
-            else:
-                summary[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1.0)
-        return state, summary, clipped[-1]
+            minis, rows = _mini_batches(batch, s.mini_batches, s.micro_batches, group), batch.input_tokens.shape[0]
+        state, metrics, clipped = _run_epochs(mini_step, state, minis, s.ppo_epochs, rows)
+        return state, _last_epoch_summary(metrics), clipped[-1]
 
     return update
+
+
+def _micro_step(params, frozen, mb: TrainBatch, key=None, loss_key=None, *, logprob_fn: LogprobFn, recipe: Recipe,
+                loss_fn, settings: UpdateSettings):
+    """One micro-batch `mb` (a TrainBatch of b rows, [b, L] arrays) -> (grads, terms, metrics,
+    clipped [b, L]): the gradient of its loss numerator with respect to the trainable `params`
+    (`frozen` joined in, never differentiated), its LossTerms, metrics and clip flags.
+    key: dropout key (`logprob_fn(..., rng=key)`) or None; loss_key: the loss's key or None."""
+    s = settings
+    fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
+    step_rows = mb.input_tokens.shape[0] * s.micro_batches  # the mini-batch's rows (static)
+
+    def num_fn(p):
+        terms, metrics, clipped = batch_loss_terms(join_params(p, frozen), mb, logprob_fn=fn, recipe=recipe,
+                                                   loss_fn=loss_fn, loss_key=loss_key,
+                                                   old_logp_from_update=s.old_logp_from_update,
+                                                   scored_tokens=s.scored_tokens, prompt_group=s.prompt_group,
+                                                   total_rows=step_rows)
+        return terms.numerator, (terms, metrics, clipped)
+
+    grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
+    return grads, terms, metrics, clipped
+
+
+def _packed_micro_step(params, frozen, mb, key=None, loss_key=None, *, logprob_fn: LogprobFn, recipe: Recipe,
+                       loss_fn, settings: UpdateSettings):
+    """_micro_step on one packed micro-batch (train/packing.py): the model on its [RR, S]
+    rows, the loss on their per-sequence view; clipped [RR, S] (the flags scattered back to the
+    packed slots)."""
+    s = settings
+    lay = s.packing
+    fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
+
+    def num_fn(p):
+        logp, entropy = score_packed(fn, join_params(p, frozen), mb)
+        view, logp, entropy, rows = unpack_micro(mb, logp, entropy, lay.response_width)
+        terms, metrics, clipped = loss_terms_from_scores(
+            logp, entropy, view, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
+            old_logp_from_update=s.old_logp_from_update, total_rows=lay.sequences // lay.mini_batches, rows=rows)
+        return terms.numerator, (terms, metrics, scatter_slots(clipped, mb, mb.input_tokens.shape[1]))
+
+    grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
+    return grads, terms, metrics, clipped
+
+
+def _micro_batch_keys(step, index, *, dropout_seed: int | None, loss_seed: int, needs_key: bool):
+    """(dropout key or None, loss key or None) of micro-batch `index` of optimizer step `step`."""
+    key = None
+    if dropout_seed is not None:
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), step), index)
+    loss_key = None
+    if needs_key:
+        loss_key = jax.random.fold_in(jax.random.fold_in(
+            jax.random.fold_in(jax.random.PRNGKey(loss_seed), 1), step), index)
+    return key, loss_key
+
+
+def _optimizer_step(state: TrainState, grads, num, den, metrics, *, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule):
+    """One optimizer step on a mini-batch's summed numerator gradients, divided once by its
+    global denominator `den` -> (state, metrics + loss, grad_norm, learning_rate)."""
+    scale = jnp.where(den > 0, 1.0 / jnp.maximum(den, 1e-30), 0.0)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
+
+
+def _zero_metrics(micro_step, state: TrainState, first_micro, needs_key: bool) -> dict:
+    """Zeros of the metrics micro_step returns (their structure from an abstract evaluation on
+    `first_micro`), so the accumulation loop's carry is fixed."""
+    probe_key = jax.random.PRNGKey(0) if needs_key else None
+    _, _, metrics_shape, _ = jax.eval_shape(micro_step, state.params, state.frozen, first_micro, None, probe_key)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape)
+
+
+def _mini_step(state: TrainState, mini: TrainBatch, *, micro_step, keys_of, optimizer_step, micro_batches: int,
+               group: int, needs_key: bool):
+    """One mini-batch (a TrainBatch of m rows, [m, L] arrays) -> (state, (metrics, clipped [m, L])):
+    its `micro_batches` strided slices (`_split`, whole groups of `group` rows) scanned through
+    micro_step, gradients, numerators, denominators and metrics accumulated, then one optimizer step."""
+    micros = jax.tree.map(lambda x: _split(x, micro_batches, group), mini)
+    zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+    zero_metrics = _zero_metrics(micro_step, state, jax.tree.map(lambda x: x[0], micros), needs_key)
+
+    def body(carry, xs):
+        mb, index = xs
+        g_acc, num, den, met = carry
+        g, terms, metrics, clipped = micro_step(state.params, state.frozen, mb, *keys_of(state.step, index))
+        g_acc = jax.tree.map(jnp.add, g_acc, g)
+        return (g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics)), clipped
+
+    zero = jnp.zeros((), jnp.float32)
+    (grads, num, den, metrics), clipped = jax.lax.scan(body, (zero_grads, zero, zero, zero_metrics),
+                                                       (micros, jnp.arange(micro_batches)))
+    new_state, metrics = optimizer_step(state, grads, num, den, metrics)
+    return new_state, (metrics, _unsplit(clipped, group))
+
+
+def _packed_mini_step(state: TrainState, mini, *, micro_step, keys_of, optimizer_step, needs_key: bool):
+    """_mini_step over a packed mini-batch ([M, RR, S] buffers): a while loop over its `num_micro`
+    micro-batches (the rest of the [M, ...] buffers are empty and never run); clipped [M, RR, S]."""
+    micros = mini._replace(num_micro=None)
+    at = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micros)
+    zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+    zero_metrics = _zero_metrics(micro_step, state, jax.tree.map(lambda x: x[0], micros), needs_key)
+
+    def body(carry):
+        index, g_acc, num, den, met, flags = carry
+        g, terms, metrics, clipped = micro_step(state.params, state.frozen, at(index), *keys_of(state.step, index))
+        g_acc = jax.tree.map(jnp.add, g_acc, g)
+        flags = jax.lax.dynamic_update_index_in_dim(flags, clipped, index, 0)
+        return index + 1, g_acc, num + terms.numerator, den + terms.denominator, _combine_metrics(met, metrics), flags
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (jnp.zeros((), jnp.int32), zero_grads, zero, zero, zero_metrics, jnp.zeros(micros.input_tokens.shape, bool))
+    _, grads, num, den, metrics, clipped = jax.lax.while_loop(lambda c: c[0] < mini.num_micro, body, init)
+    new_state, metrics = optimizer_step(state, grads, num, den, metrics)
+    return new_state, (metrics, clipped)
+
+
+def _mini_batches(batch: TrainBatch, mini_batches: int, micro_batches: int, group: int) -> TrainBatch:
+    """[B, ...] arrays -> [n, B/n, ...], n = mini_batches: mini-batch j holds the contiguous rows
+    [j*B/n, (j+1)*B/n), so whole groups stay together. A B that the mini-batches, micro-batches
+    and prompt groups do not divide is a ValueError."""
+    b = batch.input_tokens.shape[0]
+    if b % (mini_batches * micro_batches * group):
+        raise ValueError(
+            f"batch of {b} rows is not divisible by mini_batches*micro_batches*prompt_group = "
+            f"{mini_batches}*{micro_batches}*{group}; change trainer.mini_batches / "
+            "trainer.micro_batch_size or rollout sizes (or trainer.share_prompt=false)."
+        )
+    return jax.tree.map(lambda x: x.reshape(mini_batches, b // mini_batches, *x.shape[1:]), batch)
+
+
+def _run_epochs(mini_step, state: TrainState, minis, ppo_epochs: int, rows: int | None):
+    """`ppo_epochs` scans of mini_step over the mini-batches `minis` ([n, ...] leading axis) ->
+    (state, metrics [ppo_epochs, n] each, clipped [ppo_epochs, B, L]); rows = B reshapes the
+    padded mini-batches' flags [n, B/n, L] to [B, L]; None (packed) keeps them as they are."""
+
+    def epoch(state: TrainState, _):
+        state, (metrics, clipped) = jax.lax.scan(mini_step, state, minis)
+        return state, (metrics, clipped if rows is None else clipped.reshape(rows, -1))
+
+    state, (metrics, clipped) = jax.lax.scan(epoch, state, None, length=ppo_epochs)
+    return state, metrics, clipped
+
+
+def _last_epoch_summary(metrics: dict) -> dict:
+    """The update's metrics from the epochs' [ppo_epochs, n] per-mini-batch metrics: of the last
+    epoch, num_tokens summed, ratio extremes min/max, grad_norm, learning_rate and loss averaged
+    over the optimizer steps, the rest token-weighted means."""
+    last = jax.tree.map(lambda m: m[-1], metrics)  # last epoch, one entry per mini-batch
+    n = last["num_tokens"]
+    summary = {}
+    for k, v in last.items():
+        if k == "num_tokens":
+            summary[k] = jnp.sum(v)
+        elif k in _MIN_KEYS:
+            summary[k] = jnp.min(v)
+        elif k in _MAX_KEYS:
+            summary[k] = jnp.max(v)
+        elif k in ("grad_norm", "learning_rate", "loss"):
+            summary[k] = jnp.mean(v)
+        else:
+            summary[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1.0)
+    return summary
 
 
 def score_packed(logprob_fn: LogprobFn, params, micro):
