@@ -181,10 +181,11 @@ def decode_attention_choice(config, devices, *, cpu_kernels: bool, requested: st
         return KernelChoice(kernel, f"rollout.decode_attention={requested}: {why}")
     raise ValueError(f"paged_attention={requested!r} (rollout.decode_attention): 'auto', 'xla' anywhere, "
                      f"'kernel' on TPU (head_dim a multiple of 128, blocks that fit its scoped VMEM), on GPU (a "
-                     f"power-of-two head_dim >= 16 and kv_page_size, a bfloat16 or float16 model) or on CPU with the CPU kernels (one "
-                     f"device, a bfloat16 or float32 model). This call: {devices[0].platform}, head_dim "
-                     f"{config.head_dim}, kv_page_size {page_size}, {dtype.name}, CPU kernels "
-                     f"{'on' if cpu_kernels else 'off'}" + (f"; {why}" if kernel is None else f"; its kernel: {kernel.value}"))
+                     f"power-of-two head_dim >= 16 and kv_page_size, a bfloat16 or float16 model) or on CPU with "
+                     f"the CPU kernels (one device, a bfloat16 or float32 model). This call: {devices[0].platform}, "
+                     f"head_dim {config.head_dim}, kv_page_size {page_size}, {dtype.name}, CPU kernels "
+                     f"{'on' if cpu_kernels else 'off'}"
+                     + (f"; {why}" if kernel is None else f"; its kernel: {kernel.value}"))
 
 
 # ---------------------------------------------------------------------------- training attention
