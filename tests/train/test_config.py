@@ -165,7 +165,6 @@ def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(reques
 
     from jaxrl4llm.kernels import load_kernels
     from jaxrl4llm.kernels.choice import DecodeAttention
-    from jaxrl4llm.sampling import partial
     from jaxrl4llm.train import loop
     from jaxrl4llm.train.layout import run_layout
     from jaxrl4llm.train.policy import load_policy
@@ -174,14 +173,15 @@ def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(reques
 
     if requested == "kernel" and not load_kernels():
         pytest.skip("the CPU kernels do not build here: 'kernel' has no CPU kernel to run")
-    generate_module = importlib.import_module("jaxrl4llm.sampling.generate")
-    choice, seen = generate_module.decode_attention_choice, []
+    # generate and the partial engine both build their EngineSpec by continuous.engine_spec_for, which resolves it
+    engine_module = importlib.import_module("jaxrl4llm.sampling.continuous")
+    choice, seen = engine_module.decode_attention_choice, []
 
     def recording_choice(*args, requested, **kw):
         seen.append((requested, choice(*args, requested=requested, **kw).kernel))
         raise _Stop
 
-    monkeypatch.setattr(generate_module, "decode_attention_choice", recording_choice)
+    monkeypatch.setattr(engine_module, "decode_attention_choice", recording_choice)
     cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{"rollout.decode_attention": requested}))
     policy = load_policy(cfg, None)
     assert policy.decode_attention == requested
@@ -192,7 +192,6 @@ def test_rollout_decode_attention_reaches_generate_and_the_partial_engine(reques
     expected = {"xla": "xla", "kernel": "cpu_native", "auto": on_cpu}[requested]
     assert seen == [(requested, expected)]
 
-    monkeypatch.setattr(partial, "decode_attention_choice", recording_choice)
     with pytest.raises(_Stop):
         loop.partial_stream(policy, load_prompt_sets(cfg, policy.tokenizer)[0], cfg)
     assert seen[1] == (requested, expected)
