@@ -4,9 +4,10 @@ CPU code is the same on every x86-64 host.
 XLA:CPU compiles for the host it runs on: LLVM targets the host's instruction sets, so the width of
 a vector (and with it the order in which a mean is summed) follows the CPU. Capped at AVX2
 (`--xla_cpu_max_isa=AVX2`, x86-64-v3: the level every x86-64 CPU of the last decade reaches), the
-code XLA generates itself is the same on an AMD host without AVX-512 and an Intel host with
-AVX-512 FP16: `tests/core/test_policy_loss_pins.py`, pinned on the first, is bit for bit on the
-second (2026-12-06, jax 0.10.2).
+code XLA generates itself is the same on the AMD EPYC host (no AVX512-BF16) that
+`tests/core/test_policy_loss_pins.py` was pinned on, on an Intel host with AVX-512 FP16 and on an
+emulated AVX2-only EPYC-Rome (`qemu-x86_64 -cpu EPYC-Rome`): bit for bit on all three (2026-12-06,
+jax 0.10.2; jax 0.12 on the Intel host too).
 
 The cap does not reach matrix products. XLA hands a dot to YNNPACK (or, with that off, to Eigen),
 which pick their kernels and their blocking from the CPU they find at run time (vector width, cache

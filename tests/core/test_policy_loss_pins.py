@@ -2,7 +2,7 @@
 every shipped preset and the surrogate variants (GSPO, GSPO-token, dual clip, SAPO, CISPO's absolute
 cap, Clip-Cov, KL-Cov, TIS, MIS), on one fixed random batch, under jit, bit for bit.
 
-The pins were made on an AMD host without AVX-512. XLA:CPU compiles for the host's instruction sets
+The pins were made on an AMD EPYC host without AVX512-BF16. XLA:CPU compiles for the host's instruction sets
 and sums a mean in the order its vector width gives (natively, an AVX-512 host moves approx_kl and
 entropy by 1-2 ulps), so the outputs are computed in a process of their own with XLA capped at AVX2
 (`tests/host_identity.py`, `policy_loss_pins_main.py`): the same code, and the same bits, on every
