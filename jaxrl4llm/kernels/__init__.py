@@ -11,6 +11,8 @@ sampler runs its XLA formulation, which tests hold the kernels to.
     JAXRL4LLM_CPU_KERNELS=0   never use them      (=1: require them: a build failure is an error)
     JAXRL4LLM_KERNEL_CACHE    where the built library goes (default ~/.cache/jaxrl4llm/kernels)
     JAXRL4LLM_KERNEL_MARCH    x86-64 target instead of -march=native (e.g. x86-64-v3)
+    JAXRL4LLM_KERNEL_OPT      the compiler's optimisation level (default 3; 1 builds in half the
+                              time, the same results, slower kernels: for checks, not for runs)
     CXX                       the compiler (default c++)
 """
 

@@ -51,8 +51,13 @@ def compile_flags() -> list[str]:
 
     On x86-64, JAXRL4LLM_KERNEL_MARCH overrides `-march=native` (e.g. `x86-64-v3` for a library
     that also runs on AVX2-only CPUs; the tests use it to check the kernels' fallback paths).
+    JAXRL4LLM_KERNEL_OPT overrides the optimisation level 3 (0-3): the results are the same at
+    every level (ISO C++, no fast-math, no FMA contraction), -O1 builds in about half the time.
     """
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes"]
+    level = os.environ.get("JAXRL4LLM_KERNEL_OPT") or "3"
+    if level not in ("0", "1", "2", "3"):
+        raise KernelBuildError(f"JAXRL4LLM_KERNEL_OPT={level!r}: use 0, 1, 2 or 3 (the default)")
+    flags = [f"-O{level}", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags += [f"-march={os.environ.get('JAXRL4LLM_KERNEL_MARCH') or 'native'}", "-mprefer-vector-width=512"]
     return flags

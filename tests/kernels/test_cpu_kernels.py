@@ -305,7 +305,9 @@ print("fallbacks ok")
 def test_kernels_built_for_older_cpus_match_xla(march, tmp_path):
     """The paths this CPU does not take: a build for an AVX2-only or a baseline x86-64 CPU
     (no AVX-512, no AVX512-BF16) still equals the XLA ops; the sampler then keeps XLA's matmuls."""
-    env = {**os.environ, "JAXRL4LLM_KERNEL_MARCH": march, "JAXRL4LLM_KERNEL_CACHE": str(tmp_path),
+    # built at -O1 (half -O3's compile time; the same results: kernels/native.py compile_flags)
+    env = {**os.environ, "JAXRL4LLM_KERNEL_MARCH": march, "JAXRL4LLM_KERNEL_OPT": "1",
+           "JAXRL4LLM_KERNEL_CACHE": str(tmp_path),
            "JAXRL4LLM_CPU_KERNELS": "1", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", _FALLBACK_CHECK], env=env, cwd=root, capture_output=True,

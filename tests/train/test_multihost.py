@@ -147,11 +147,14 @@ def shell_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes(demo_assets, tmp_path, xla_cache):
+def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes_until_a_sigterm_stops_both(
+        demo_assets, tmp_path, xla_cache):
     """Process 0 (the coordinator: jax.distributed's service runs in it) killed after step 3, its
     step-2 checkpoint committed: process 1 exits within 30 s, without hanging, with a status
-    tpu_scripts/supervise.sh relaunches on (an abort, 134), naming the lost service; the relaunch
-    of both (--resume, its programs from the compile cache) continues from the step-2 checkpoint."""
+    tpu_scripts/supervise.sh relaunches on (an abort, 134), naming the lost service. The relaunch
+    of both (--resume, its programs from the compile cache) continues from the step-2 checkpoint;
+    then SIGTERM reaches only its process 1 (a maintenance event on one host): both processes
+    finish the step, agree (an all-gather of the flags), save that step's checkpoint and exit 75."""
     from jaxrl4llm.train.run_folder import checkpoint_steps
 
     light = {"light": True, "compile_cache": xla_cache}
@@ -176,11 +179,28 @@ def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes(demo_assets
     out = output(procs[1])
     assert shell_status(procs[1].returncode) not in SUPERVISOR_STOPS and waited < 30, (waited, out[-3000:])
     assert any(w in out.lower() for w in LOST_SERVICE), out[-3000:]
-    relaunched = launch(demo_assets, tmp_path / "run", tmp_path / "restored", processes=2, steps=3, resume=True,
-                        **light)
-    finish(relaunched)
-    summary, _ = load(tmp_path / "restored")
-    assert len(summary["history"]) == 1  # resumed from the step-2 checkpoint, ran step 3
+
+    relaunched = launch(demo_assets, tmp_path / "run", tmp_path / "relaunched", processes=2, steps=50, resume=True,
+                        hold=1.0, watch=True, **light)
+    try:
+        deadline = time.time() + 600
+        while "step 3 done" not in output(relaunched[1]) and time.time() < deadline and relaunched[1].poll() is None:
+            time.sleep(0.2)
+        assert relaunched[1].poll() is None and "step 3 done" in output(relaunched[1]), output(relaunched[1])[-3000:]
+        relaunched[1].send_signal(signal.SIGTERM)
+        for p in relaunched:
+            p.wait(timeout=120)
+    finally:
+        for p in relaunched:
+            if p.poll() is None:
+                p.kill()
+    logs = [output(p) for p in relaunched]
+    assert [p.returncode for p in relaunched] == [75, 75], logs[0][-3000:] + logs[1][-3000:]
+    done = [int(line.split()[1]) for line in logs[0].splitlines() if line.startswith("step ") and line.endswith(" done")]
+    assert done[0] == 3, done  # resumed from the step-2 checkpoint
+    steps = [json.load(open(f"{tmp_path / 'relaunched'}_{i}.json"))["preempted"] for i in range(2)]
+    assert steps[0] == steps[1] == done[-1] < 50
+    assert checkpoint_steps(tmp_path / "run")[-1] == steps[0]  # the step both stopped after, committed
 
 
 @pytest.mark.parametrize("lost, how", [(1, "SIGKILL"), (0, "SIGSTOP")], ids=["process-1-killed", "coordinator-frozen"])
@@ -217,27 +237,3 @@ def test_a_lost_peer_stops_the_survivor_within_the_heartbeat(tmp_path, lost, how
                 p.wait()
     assert shell_status(procs[survivor].returncode) not in SUPERVISOR_STOPS and waited < 25, (waited, text(survivor)[-3000:])
     assert any(w in text(survivor).lower() for w in LOST_SERVICE), text(survivor)[-3000:]
-
-
-def test_sigterm_to_one_process_stops_both_after_the_same_step(demo_assets, tmp_path, xla_cache):
-    """SIGTERM reaches only process 1 (a maintenance event on one host): both processes finish the
-    step, agree (an all-gather of the flags), save that step's checkpoint and exit 75."""
-    procs = launch(demo_assets, tmp_path / "run", tmp_path / "result", processes=2, steps=50, hold=1.0, watch=True,
-                   light=True, compile_cache=xla_cache)
-    try:
-        deadline = time.time() + 600
-        while "step 1 done" not in output(procs[1]) and time.time() < deadline and procs[1].poll() is None:
-            time.sleep(0.2)
-        assert procs[1].poll() is None and "step 1 done" in output(procs[1]), output(procs[1])[-3000:]
-        procs[1].send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [75, 75], output(procs[0])[-3000:] + output(procs[1])[-3000:]
-    steps = [json.load(open(f"{tmp_path / 'result'}_{i}.json"))["preempted"] for i in range(2)]
-    assert steps[0] == steps[1] < 50
-    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved[-1] == steps[0]  # the step both stopped after, committed (2 = the periodic one, if reached)
