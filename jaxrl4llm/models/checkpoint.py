@@ -132,10 +132,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
             name, _, shape = source(tm, i, e)
             if name not in files:
                 fix = "" if not tm.experts else (
-                    f"; a mixture-of-experts checkpoint holds one tensor per expert "
-                    f"(model.layers.{{i}}.mlp.experts.{{e}}.{{gate,up,down}}_proj.weight) or transformers 5's fused "
-                    f"model.layers.{{i}}.mlp.experts.gate_up_proj and .down_proj: re-save it with transformers' "
-                    f"save_pretrained")
+                    "; a mixture-of-experts checkpoint holds one tensor per expert "
+                    "(model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight) or transformers 5's fused "
+                    "model.layers.{i}.mlp.experts.gate_up_proj and .down_proj: re-save it with transformers' "
+                    "save_pretrained")
                 raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path!r} "
                                       f"(needed for {tm.ours} of a {config.architecture} model){fix}")
             found = tuple(handles[files[name]].get_slice(name).get_shape())

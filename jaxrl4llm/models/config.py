@@ -336,9 +336,9 @@ def _moe_fields(d: dict) -> dict:
     experts = d.get("num_experts", d.get("num_local_experts"))
     if experts is None:
         raise KeyError("num_experts")
-    return dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_intermediate_size=int(d["moe_intermediate_size"]),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
-                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)))
+    return {"num_experts": int(experts), "num_experts_per_tok": int(d["num_experts_per_tok"]),
+            "moe_intermediate_size": int(d["moe_intermediate_size"]),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+            "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.0))}

@@ -52,7 +52,7 @@ class TensorMap(NamedTuple):
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     """Every weight of `config`'s params with its HF name and layout transforms."""
     c = config
-    D, F, H, K, Dh, V = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
+    D, H, K, Dh, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
     ident = lambda w: w
     transpose = lambda w: np.ascontiguousarray(w.T)
 
