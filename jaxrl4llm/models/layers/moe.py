@@ -97,8 +97,7 @@ def _dense_capacity(x, expert_ids, gate_weights, experts: Experts, dtype):
     combine = _combine(expert_ids, gate_weights, experts.gate.shape[0])
     mm = lambda spec, a, b: jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
     h = jax.nn.silu(mm("nd,edi->eni", x, experts.gate)) * mm("nd,edi->eni", x, experts.up)
-    out = mm("eni,eid->end", h, experts.down)
-    return jnp.einsum("end,ne->nd", out, combine)
+    return mm("eni,eid->nd", h * combine.T[:, :, None], experts.down)  # weighted, then summed over e and i
 
 
 def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
