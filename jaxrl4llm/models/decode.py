@@ -212,7 +212,7 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
     """
     if config.num_experts:
         raise ConfigError(f"sampling a mixture-of-experts model ({config.architecture}) is not built yet: its "
-                          f"decode layout has no experts (docs/models.md, 'Mixture of experts')")
+                          f"decode layout has no experts (docs/models.md, \"Mixture of experts\")")
     dtype = jnp.dtype(config.dtype)
     flat = {key: v.get_value() for key, v in flat_state(state).items()}
     axes = {key: tuple(v.get_value()) for key, v in flat_state(logical_axes(state)).items()}
