@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.kernels.choice import EXPERT_FORMS
-from jaxrl4llm.models.layers.moe import Experts, expert_ffn, replay_route, router_probs, top_k_route
+from jaxrl4llm.models.layers.moe import (
+    Experts,
+    expert_ffn,
+    replay_route,
+    router_probs,
+    top_k_route,
+)
 
 
 def main() -> None:

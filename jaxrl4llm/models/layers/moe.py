@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for
-from jaxrl4llm.models.layers.linear import normal_init, param
+from jaxrl4llm.models.layers.linear import einsum, normal_init, param
 from jaxrl4llm.models.layers.segment_attention import compile_platform
 
 
@@ -69,20 +69,13 @@ def top_k_route(probs: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Arr
 
 
 # ---------------------------------------------------------------------------- experts
-def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
-    """silu(x G) * (x U) for one expert: x [M, D], G, U [D, I] -> [M, I] float32."""
-    mm = lambda w: jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-    return jax.nn.silu(mm(gate)) * mm(up)
-
-
 def _reference(x, expert_ids, gate_weights, experts: Experts, dtype):
     """y = sum_e c[:, e] * FFN_e(x), one expert at a time; c [N, E] the combine weights."""
     combine = _combine(expert_ids, gate_weights, experts.gate.shape[0])
     y = jnp.zeros(x.shape, jnp.float32)
     for e in range(experts.gate.shape[0]):
-        h = _swiglu(x, experts.gate[e], experts.up[e], dtype)
-        out = jnp.dot(h.astype(dtype), experts.down[e].astype(dtype), preferred_element_type=jnp.float32)
-        y = y + combine[:, e:e + 1] * out
+        h = jax.nn.silu(einsum("nd,di->ni", x, experts.gate[e], dtype)) * einsum("nd,di->ni", x, experts.up[e], dtype)
+        y = y + combine[:, e:e + 1] * einsum("ni,id->nd", h, experts.down[e], dtype)
     return y
 
 
@@ -95,9 +88,8 @@ def _combine(expert_ids, gate_weights, num_experts):
 def _dense_capacity(x, expert_ids, gate_weights, experts: Experts, dtype):
     """Every expert on every token, weighted by the combine matrix: [E, N, I] intermediates."""
     combine = _combine(expert_ids, gate_weights, experts.gate.shape[0])
-    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-    h = jax.nn.silu(mm("nd,edi->eni", x, experts.gate)) * mm("nd,edi->eni", x, experts.up)
-    return mm("eni,eid->nd", h * combine.T[:, :, None], experts.down)  # weighted, then summed over e and i
+    h = jax.nn.silu(einsum("nd,edi->eni", x, experts.gate, dtype)) * einsum("nd,edi->eni", x, experts.up, dtype)
+    return einsum("eni,eid->nd", h * combine.T[:, :, None], experts.down, dtype)  # weighted, summed over e and i
 
 
 def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
@@ -108,7 +100,8 @@ def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
     order = jnp.argsort(flat, stable=True)  # pairs by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], zeros allowed
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D], rows of expert 0 first
-    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), group_sizes,
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # as `linear.einsum`
+    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), group_sizes, precision=precision,
                                          preferred_element_type=jnp.float32)
     h = jax.nn.silu(mm(xs, experts.gate)) * mm(xs, experts.up)  # [N*k, I]
     out = mm(h, experts.down)  # [N*k, D]
@@ -126,7 +119,9 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gate_weights: jax.Array, exp
 
     Args: x [N, D]; expert_ids e [N, k] int (distinct per row); gate_weights w [N, k];
       experts: `Experts` [E, D, I], [E, D, I], [E, I, D]; form: an `ExpertForm` name (module
-      docstring); dtype: matmul inputs (float32 accumulation).
+      docstring); dtype: matmul inputs, float32 accumulation (`linear.einsum`'s precision: with
+      bfloat16, dense_capacity and reference run bf16 backward matmuls too; ragged_dot's backward is
+      JAX's autodiff of `ragged_dot`).
     Returns: y [N, D] float32.
     """
     return _FORMS[ExpertForm(form)](x, expert_ids, gate_weights, experts, jnp.dtype(dtype))
