@@ -341,4 +341,4 @@ def _moe_fields(d: dict) -> dict:
             "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
             "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
             "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
-            "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.0))}
+            "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001))}  # transformers' default

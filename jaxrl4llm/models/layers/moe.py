@@ -144,10 +144,6 @@ class MoE(nnx.Module):
         self.up_proj = param(normal_init(rngs, (e, d, i), c.param_dtype, std), ("expert", "embed", "expert_mlp"))
         self.down_proj = param(normal_init(rngs, (e, i, d), c.param_dtype, std), ("expert", "expert_mlp", "embed"))
 
-    def router_probs(self, h: jax.Array) -> jax.Array:
-        """h [..., D] -> softmax(h W_r) [..., E] float32."""
-        return router_probs(h.reshape(-1, h.shape[-1]), self.router[...]).reshape(*h.shape[:-1], -1)
-
     def __call__(self, h: jax.Array, routes: jax.Array | None = None, phase: str = "train"
                  ) -> tuple[jax.Array, jax.Array]:
         """(y [B, T, D] float32, expert ids [B, T, k] int32) of h [B, T, D]: the router's top k,
