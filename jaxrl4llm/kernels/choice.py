@@ -7,6 +7,8 @@
         cpu_native  `kernels.paged_attention`: the C++ kernel (one CPU device, the CPU kernels on)
     training attention (`segment_attention.segment_causal_attention`; `model.attention_impl`):
         xla | splash (TPU) | pallas_gpu (GPU)
+    mixture-of-experts feed-forward (`models.layers.moe.expert_ffn`; `model.expert_form`):
+        ragged_dot | dense_capacity | reference, by platform and phase (`expert_form_for`)
 
 `train.layout.run_layout` resolves both once for a run's devices (`RunLayout.decode_attention`,
 `RunLayout.train_attention`: a `KernelChoice`, the kernel and why; layout.json, `plan --show-layout`);
@@ -48,12 +50,24 @@ class TrainAttention(enum.StrEnum):
     EXACT = "exact"
 
 
+class ExpertForm(enum.StrEnum):
+    """How the experts of an MoE layer run (`models.layers.moe.expert_ffn`)."""
+
+    RAGGED_DOT = "ragged_dot"  # tokens sorted by expert, jax.lax.ragged_dot: k expert FFNs per token
+    DENSE_CAPACITY = "dense_capacity"  # every expert on every token, masked: E FFNs per token, weights read once
+    REFERENCE = "reference"  # a Python loop over experts (tests)
+
+
+EXPERT_FORMS = tuple(f.value for f in ExpertForm)  # model.expert_form (or "auto")
+EXPERT_PHASES = ("train", "prefill", "decode")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """A resolved kernel and the reason it runs; `fallback`: "auto" found no kernel that takes the
     model here and runs XLA's path (the reason says what the kernel could not take)."""
 
-    kernel: DecodeAttention | TrainAttention
+    kernel: DecodeAttention | TrainAttention | ExpertForm
     reason: str
     fallback: bool = False
 
@@ -209,3 +223,32 @@ def train_attention_choice(impl: str, platform: str, numerics: str = "default") 
         return KernelChoice(TrainAttention(impl), f"model.attention_impl={impl}")
     kernel = TRAIN_ATTENTION_BY_PLATFORM.get(platform, TrainAttention.XLA)
     return KernelChoice(kernel, f"auto: the {platform} default")
+
+
+# ---------------------------------------------------------------------------- mixture-of-experts feed-forward
+def expert_form_for(platform: str, phase: str) -> KernelChoice:
+    """The experts' form (`ExpertForm`) for a program on `platform` ("cpu", "tpu", "gpu", "cuda",
+    "rocm") in `phase` ("train": the training forward and scoring; "prefill"; "decode"), and why.
+
+    The FLOPs of N tokens, k of E experts each, relative to the k active experts: ragged_dot 1
+    where the platform has a grouped matmul; dense_capacity E/k (but each expert's weights read
+    once, what bounds a decode step of few rows).
+      decode: dense_capacity everywhere (a step of N rows is bandwidth-bound: it reads all E
+        experts once N*k >= E, and needs no sort and no ragged kernel).
+      train, prefill on TPU: ragged_dot (XLA:TPU compiles `chlo.ragged_dot` natively).
+      on GPU: ragged_dot (`chlo.ragged_dot`; XLA:GPU may rewrite it to a dense dot, unmeasured here).
+      on CPU: dense_capacity: XLA:CPU lowers ragged_dot to a dense expansion (lhs broadcast to
+        [E, N*k, D], E FFNs per routed row: E*k per token, k times dense_capacity's E).
+    """
+    if phase not in EXPERT_PHASES:
+        raise ValueError(f"phase={phase!r}; choose one of {', '.join(EXPERT_PHASES)}")
+    if phase == "decode":
+        return KernelChoice(ExpertForm.DENSE_CAPACITY, "decode: every expert's weights read once per step, "
+                            "no sort (bandwidth-bound at few rows)")
+    if platform == "tpu":
+        return KernelChoice(ExpertForm.RAGGED_DOT, f"{phase} on TPU: XLA compiles chlo.ragged_dot natively")
+    if platform in ("gpu", "cuda", "rocm"):
+        return KernelChoice(ExpertForm.RAGGED_DOT, f"{phase} on GPU: chlo.ragged_dot (XLA:GPU may rewrite it to a "
+                            f"dense dot; its speed is not measured yet)")
+    return KernelChoice(ExpertForm.DENSE_CAPACITY, f"{phase} on {platform}: XLA lowers ragged_dot to a dense "
+                        f"expansion over all experts (k times dense_capacity's FLOPs)")

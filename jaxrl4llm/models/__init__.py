@@ -1,4 +1,4 @@
-"""Flax NNX LLMs (Qwen2/2.5, Qwen3, Llama 3) with Hugging Face checkpoint I/O and LoRA.
+"""Flax NNX LLMs (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) with Hugging Face checkpoint I/O and LoRA.
 
     graphdef, state = load_pretrained(path)              # or init_model(config, rng), nnx.split(model)
     logits = forward(graphdef, state, tokens, positions=..., attention_mask=...)
@@ -14,6 +14,7 @@ from jaxrl4llm.models.causal_lm import CausalLM
 from jaxrl4llm.models.causal_lm import LlamaForCausalLM
 from jaxrl4llm.models.causal_lm import Qwen2ForCausalLM
 from jaxrl4llm.models.causal_lm import Qwen3ForCausalLM
+from jaxrl4llm.models.causal_lm import Qwen3MoeForCausalLM
 from jaxrl4llm.models.causal_lm import abstract_model
 from jaxrl4llm.models.causal_lm import forward
 from jaxrl4llm.models.causal_lm import hidden_states

@@ -1,4 +1,4 @@
-"""The decoder-only causal LM (Qwen2/2.5, Qwen3, Llama 3) as a Flax NNX module, and the pure
+"""The decoder-only causal LM (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) as a Flax NNX module, and the pure
 functions of its `(graphdef, state)` that every jitted program calls.
 
     x_0 = embed(tokens)
@@ -6,8 +6,13 @@ functions of its `(graphdef, state)` that every jitted program calls.
     logits = norm(x_L) W_head                    (W_head = embed^T when tied)
 
 The residual stream is float32; matmul inputs are `config.dtype` with float32 accumulation.
-Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm, Llama 3 "llama3" RoPE scaling; all three
-share this code (the module only holds the weights a family has).
+Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm, Llama 3 "llama3" RoPE scaling, Qwen3-MoE
+a router and experts in place of the MLP (`layers/moe.py`); all share this code (the module only
+holds the weights a family has).
+
+Routes: a mixture-of-experts model's forward can return the expert ids each layer chose,
+[B, T, L, k], and take them back (`routes`) to force its experts (router replay); the scan over
+layers carries them in and out. A dense model has none: routes None, the same programs.
 
 The functional boundary: `graphdef, state = nnx.split(model)` once (or `init_model`,
 `load_pretrained`); jitted programs take `state` (an `nnx.State` pytree: optax, orbax and the
@@ -101,15 +106,25 @@ class CausalLM(nnx.Module):
             param_dtype=c.param_dtype, rngs=rngs, lora=head_lora, std=std, name="lm_head", exact=exact)
 
     def hidden_states(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                      attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
-                      ) -> Float[Array, "B T D"]:
+                      attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+                      routes: Int[Array, "B T L K"] | None = None) -> Float[Array, "B T D"]:
+        """`hidden_states_and_routes` without the routes."""
+        return self.hidden_states_and_routes(tokens, positions, attention_mask, segment_ids, routes)[0]
+
+    def hidden_states_and_routes(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                                 attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+                                 routes: Int[Array, "B T L K"] | None = None
+                                 ) -> tuple[Float[Array, "B T D"], Int[Array, "B T L K"] | None]:
         """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real), by
         `segment_causal_attention` (`config.attention_impl`; never a [T, T] mask).
 
         segment_ids: packed rows (train/packing.py): several sequences in a row, token t attends
         to s <= t of its own segment only (ids 1, 2, ...; 0 = padding); positions restart in
         each segment. Under a mesh context (`jax.set_mesh`), the residual stream is constrained
-        at every layer boundary to rows split over (data, fsdp) (`sharding.constrain`)."""
+        at every layer boundary to rows split over (data, fsdp) (`sharding.constrain`).
+
+        routes: a mixture-of-experts model's expert ids [B, T, L, k] to force (None: each router's
+        top k). Returns (h, the ids the layers ran [B, T, L, k] int32; None for a dense model)."""
         c = self.config
         cos, sin = rope_tables(c, positions)
         # left-padded rows are segments too: 1 real, 0 padding (a pad token sees only pads)
@@ -117,12 +132,13 @@ class CausalLM(nnx.Module):
         attend = lambda q, k, v: (segment_causal_attention(q, k, v, ids, dtype=jnp.dtype(c.dtype),
                                                            impl=c.attention_impl, numerics=c.numerics), None)
 
-        def layer_fn(layer, x, key):
+        def layer_fn(layer, x, key, route):
             with lora_dropout(key):
-                x, _ = layer(x, cos, sin, attend)
-            return constrain(x, ACTIVATION_AXES)
+                x, _, ids = layer(x, cos, sin, attend, route)
+            return constrain(x, ACTIVATION_AXES), ids
 
-        return self.final_norm(self._scan_layers(layer_fn, constrain(self.embed_tokens(tokens), ACTIVATION_AXES)))
+        x, routes = self._scan_layers(layer_fn, constrain(self.embed_tokens(tokens), ACTIVATION_AXES), routes)
+        return self.final_norm(x), routes
 
     def hidden_states_shared_prompt(
         self, prompt_tokens: Int[Array, "N P"], prompt_positions: Int[Array, "N P"], prompt_mask: Int[Array, "N P"],
@@ -170,47 +186,55 @@ class CausalLM(nnx.Module):
         def attend_prompt(q, k, v):  # keeps the prompt's (rotated) keys and values for its rows
             return attention(q, k, v, prompt_attn, prompt_ranges), (k, v)
 
-        def layer_fn(layer, xs, key):
+        def layer_fn(layer, xs, key, _route):
             xp, xr = xs
             with lora_dropout(key):
-                xp, (kp, vp) = layer(xp, cos_p, sin_p, attend_prompt)
+                xp, (kp, vp), _ = layer(xp, cos_p, sin_p, attend_prompt)
             attend_rows = lambda q, k, v: (attention(
                 q, jnp.concatenate([share(kp), k], axis=1), jnp.concatenate([share(vp), v], axis=1), rows_attn,
                 rows_ranges), None)
             with lora_dropout(None if key is None else jax.random.fold_in(key, 1)):
-                xr, _ = layer(xr, cos_r, sin_r, attend_rows)
-            return constrain(xp, ACTIVATION_AXES), constrain(xr, ACTIVATION_AXES)
+                xr, _, _ = layer(xr, cos_r, sin_r, attend_rows)
+            return (constrain(xp, ACTIVATION_AXES), constrain(xr, ACTIVATION_AXES)), None
 
         embed = lambda x: constrain(self.embed_tokens(x), ACTIVATION_AXES)
-        xp, xr = self._scan_layers(layer_fn, (embed(prompt_tokens), embed(tokens)))
+        (xp, xr), _ = self._scan_layers(layer_fn, (embed(prompt_tokens), embed(tokens)))
         return self.final_norm(xp), self.final_norm(xr)
 
-    def _scan_layers(self, layer_fn, x):
-        """x after the L layers: lax.scan of layer_fn(layer, x, dropout key or None) over the
-        stacked layer state, rematerialised per `config.remat` / `remat_policy`; x is any pytree."""
+    def _scan_layers(self, layer_fn, x, routes=None):
+        """(x after the L layers, routes out): lax.scan of layer_fn(layer, x, dropout key or None,
+        route [B, T, k] or None) -> (x, ids [B, T, k] or None) over the stacked layer state,
+        rematerialised per `config.remat` / `remat_policy`; x is any pytree. routes [B, T, L, k]
+        in (None: none) and out ([B, T, L, k], None when layer_fn returns None ids)."""
         c = self.config
+        if routes is not None and not c.num_experts:
+            raise ValueError(f"routes (expert ids) given to a dense {c.architecture} model; only mixture-of-experts "
+                             f"models take them")
         layer_def, layer_state = nnx.split(self.layers)
         dropout_key = current_dropout_key()  # LoRA dropout (training forwards only): one key per layer
         keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
+        per_layer = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
 
         def body(x, xs):
-            one_layer, key = xs
-            return layer_fn(nnx.merge(layer_def, one_layer), x, key), None
+            one_layer, key, route = xs
+            return layer_fn(nnx.merge(layer_def, one_layer), x, key, route)
 
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=False, policy=checkpoint_policy(c.remat_policy))
-        x, _ = jax.lax.scan(body, x, (layer_state, keys))
-        return x
+        x, ids = jax.lax.scan(body, x, (layer_state, keys, per_layer))
+        return x, None if ids is None else jnp.moveaxis(ids, 0, 2)
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """LM head: h [B, T, D] -> logits [B, T, V] float32."""
         return self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
 
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                 attention_mask: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+                 attention_mask: Int[Array, "B T"], routes: Int[Array, "B T L K"] | None = None
+                 ) -> Float[Array, "B T V"]:
         """logits [B, T, V] float32. Left-padded rows equal each row run alone (positions from
-        `positions_from_mask`); rows at padding positions hold finite garbage."""
-        return self.logits(self.hidden_states(tokens, positions, attention_mask))
+        `positions_from_mask`); rows at padding positions hold finite garbage. routes: expert
+        ids to force (`hidden_states_and_routes`)."""
+        return self.logits(self.hidden_states(tokens, positions, attention_mask, routes=routes))
 
 
 class Qwen2ForCausalLM(CausalLM):
@@ -225,7 +249,12 @@ class LlamaForCausalLM(CausalLM):
     """Llama 3 / 3.1: "llama3" RoPE scaling."""
 
 
-FAMILY_CLASSES = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM}
+class Qwen3MoeForCausalLM(CausalLM):
+    """Qwen3-MoE: Qwen3's attention; every layer's MLP a softmax top-k router over SwiGLU experts."""
+
+
+FAMILY_CLASSES = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM,
+                  "qwen3_moe": Qwen3MoeForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
@@ -263,11 +292,20 @@ def init_model(config: ModelConfig, rng: jax.Array, *, lora: LoraSettings | None
     return graphdef, _init_state(config, rng, lora, std)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_routes"))
 def forward(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, positions: Int[Array, "B T"],
-            attention_mask: Int[Array, "B T"]) -> Float[Array, "B T V"]:
-    """logits = merge(graphdef, state)(tokens, positions, attention_mask): [B, T, V] float32."""
-    return merge(graphdef, state)(tokens, positions, attention_mask)
+            attention_mask: Int[Array, "B T"], routes: Int[Array, "B T L K"] | None = None,
+            return_routes: bool = False):
+    """logits = merge(graphdef, state)(tokens, positions, attention_mask): [B, T, V] float32.
+
+    A mixture-of-experts model: routes [B, T, L, k] forces its experts (router replay; None: each
+    router's top k); return_routes (static) returns (logits, the expert ids the layers ran
+    [B, T, L, k] int32)."""
+    model = merge(graphdef, state)
+    if not return_routes:
+        return model(tokens, positions, attention_mask, routes)
+    h, ran = model.hidden_states_and_routes(tokens, positions, attention_mask, routes=routes)
+    return model.logits(h), ran
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -281,8 +319,8 @@ def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, p
 def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
                  positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
                  chunk_size: int = 128, dropout_rng: jax.Array | None = None, first_scored: int = 0,
-                 prompt_group: int = 1, segment_ids: Int[Array, "B T"] | None = None
-                 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+                 prompt_group: int = 1, segment_ids: Int[Array, "B T"] | None = None,
+                 routes: Int[Array, "B T L K"] | None = None) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
 
     logp[b, t] = log_softmax(z)[targets[b, t]], entropy = logZ - E_p[z] (max-subtracted,
@@ -299,16 +337,20 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
       tokens (one prompt, its G responses): each prompt then runs once
       (`CausalLM.hidden_states_shared_prompt`), same values. Needs first_scored > 0.
     segment_ids: packed rows (`CausalLM.hidden_states`); only for models with hidden_states.
+    routes: a mixture-of-experts model's expert ids [B, T, L, k] to force (router replay;
+      `CausalLM.hidden_states_and_routes`); not with prompt_group > 1.
     """
     with lora_dropout(dropout_rng):
         return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size,
-                      first_scored, prompt_group, segment_ids)
+                      first_scored, prompt_group, segment_ids, routes)
 
 
 def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0,
-           prompt_group=1, segment_ids=None):
+           prompt_group=1, segment_ids=None, routes=None):
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     own = hasattr(model, "hidden_states") and hasattr(model, "logits")  # else: a module that returns logits
+    if routes is not None and (prompt_group > 1 or not own):
+        raise ValueError("routes (expert ids) are scored with prompt_group=1 on jaxrl4llm's CausalLM only")
     if prompt_group > 1:
         if not first_scored or not hasattr(model, "hidden_states_shared_prompt"):
             raise ValueError("prompt_group > 1 needs first_scored > 0 (the prompt's length - 1) and a model with "
@@ -325,7 +367,9 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
         if not own:
             raise ValueError("segment_ids (packed rows) need a model with hidden_states (jaxrl4llm's CausalLM); "
                              "set trainer.packing=false for this model.")
-        h = model.hidden_states(tokens, positions, attention_mask, segment_ids)[:, first_scored:]
+        h = model.hidden_states(tokens, positions, attention_mask, segment_ids, routes)[:, first_scored:]
+    elif routes is not None:
+        h = model.hidden_states(tokens, positions, attention_mask, routes=routes)[:, first_scored:]
     else:
         h = (model.hidden_states if own else model)(tokens, positions, attention_mask)[:, first_scored:]
     if own:

@@ -3,7 +3,9 @@
 `load_pretrained` memory-maps the safetensors files and builds every parameter directly with
 its target sharding (`jax.make_array_from_callback`): each device shard is filled from the
 HF tensors of the layers it holds, one layer at a time, so the full model never exists as a
-second host copy. `save_pretrained` writes HF names and layouts (torch metadata
+second host copy. A mixture-of-experts layer's experts are read one (layer, expert) HF tensor at a
+time (or a slice of transformers 5's fused tensors) into the stacked [L, E, ...] parameter, and
+written back one tensor per expert. `save_pretrained` writes HF names and layouts (torch metadata
 {"format": "pt"}) that `transformers.AutoModelForCausalLM.from_pretrained` and vLLM read.
 """
 
@@ -83,7 +85,7 @@ def _parse_size(size: int | str) -> int:
 def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="float32",
                     mesh: Mesh | None = None, rules=None, remat: bool = False,
                     remat_policy: str = "full", attention_impl: str = "auto", numerics: str = "default") -> CausalLM:
-    """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3) as an NNX model.
+    """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) as an NNX model.
 
     Args:
       path: folder with config.json and model.safetensors or model.safetensors.index.json.
@@ -118,20 +120,38 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in sorted(set(files.values()))}
 
-        def check(tm: TensorMap, name: str):
+        def source(tm: TensorMap, i: int, e: int) -> tuple[str, tuple[int, int] | None, tuple[int, ...]]:
+            """(the tensor holding layer i's (expert e's) HF tensor, its (expert, row start) in a
+            fused tensor or None, the shape that tensor must have)."""
+            name = tm.hf.format(i=i, e=e)
+            if name not in files and tm.fused is not None and tm.fused.hf.format(i=i) in files:
+                return tm.fused.hf.format(i=i), (e, tm.fused.start), tm.fused.shape
+            return name, None, tm.hf_shape
+
+        def check(tm: TensorMap, i: int, e: int):
+            name, _, shape = source(tm, i, e)
             if name not in files:
-                raise CheckpointError(
-                    f"tensor {name!r} is missing from the checkpoint in {path!r} "
-                    f"(needed for {tm.ours} of a {config.architecture} model)")
+                fix = "" if not tm.experts else (
+                    "; a mixture-of-experts checkpoint holds one tensor per expert "
+                    "(model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight) or transformers 5's fused "
+                    "model.layers.{i}.mlp.experts.gate_up_proj and .down_proj: re-save it with transformers' "
+                    "save_pretrained")
+                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path!r} "
+                                      f"(needed for {tm.ours} of a {config.architecture} model){fix}")
             found = tuple(handles[files[name]].get_slice(name).get_shape())
-            if found != tm.hf_shape:
+            if found != shape:
                 raise CheckpointError(
-                    f"{os.path.basename(files[name])}: tensor {name!r} has shape {found}, expected {tm.hf_shape} "
+                    f"{os.path.basename(files[name])}: tensor {name!r} has shape {found}, expected {shape} "
                     f"from config.json")
 
-        def read(tm: TensorMap, name: str) -> np.ndarray:
+        def read(tm: TensorMap, i: int = 0, e: int = 0) -> np.ndarray:
+            name, fused, _ = source(tm, i, e)
             with jax.default_device(cpu):
-                hf = np.asarray(handles[files[name]].get_tensor(name))
+                if fused is None:
+                    hf = np.asarray(handles[files[name]].get_tensor(name))
+                else:  # expert e's rows of the fused [E, rows, cols] tensor
+                    start = fused[1]
+                    hf = np.asarray(handles[files[name]].get_slice(name)[e:e + 1, start:start + tm.hf_shape[0]])[0]
             return tm.to_ours(hf).astype(target, copy=False)
 
         maps = {tm.ours: tm for tm in tensor_maps(config)}
@@ -140,16 +160,20 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
                                f"{sorted(set(maps) ^ set(expected))}")
         for tm in maps.values():  # validate everything before allocating anything
             for i in range(config.num_layers if tm.stacked else 1):
-                check(tm, tm.hf.format(i=i))
+                for e in range(max(tm.experts, 1)):
+                    check(tm, i, e)
 
         def build(key: str):
             tm = maps[key]
 
             def shard(index):
                 if not tm.stacked:
-                    return read(tm, tm.hf)[index]
+                    return read(tm)[index]
                 layers = range(config.num_layers)[index[0]]
-                return np.stack([read(tm, tm.hf.format(i=i))[index[1:]] for i in layers])
+                if tm.experts:  # [L, E, ...]: this shard's layers x experts, one HF tensor each
+                    experts = range(tm.experts)[index[1]]
+                    return np.stack([np.stack([read(tm, i, e)[index[2:]] for e in experts]) for i in layers])
+                return np.stack([read(tm, i)[index[1:]] for i in layers])
 
             return jax.make_array_from_callback(tuple(expected[key].shape), shardings[key].get_value(), shard)
 
@@ -192,7 +216,7 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_siz
     maps = tensor_maps(config)
     expected = flat_state(abstract_model(config)[1])
 
-    entries = []  # (hf name, TensorMap, layer or None, nbytes)
+    entries = []  # (hf name, TensorMap, (layer, expert) index into ours (() when not stacked), nbytes)
     for tm in maps:
         nbytes = math.prod(tm.hf_shape) * np_dtype.itemsize
         found = tuple(params[tm.ours].shape)
@@ -200,7 +224,9 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_siz
             raise CheckpointError(f"{tm.ours} has shape {found}, expected {tuple(expected[tm.ours].shape)} "
                                   f"from the config")
         for i in range(config.num_layers if tm.stacked else 1):
-            entries.append((tm.hf.format(i=i), tm, i if tm.stacked else None, nbytes))
+            for e in range(max(tm.experts, 1)):
+                at = ((i, e) if tm.experts else (i,)) if tm.stacked else ()
+                entries.append((tm.hf.format(i=i, e=e), tm, at, nbytes))
 
     shards: list[list] = [[]]
     size = 0
@@ -220,8 +246,8 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_siz
     weight_map = {}
     for file, shard in zip(names, shards):
         tensors = {}
-        for name, tm, layer, _ in shard:
-            value = hosted[tm.ours] if layer is None else hosted[tm.ours][layer]
+        for name, tm, at, _ in shard:
+            value = hosted[tm.ours][at]
             tensors[name] = np.ascontiguousarray(tm.to_hf(np.asarray(jax.device_get(value))).astype(np_dtype))
             weight_map[name] = file
         if writer:

@@ -1,7 +1,7 @@
-"""ModelConfig: the static description of a decoder-only LLM (Qwen2/2.5, Qwen3, Llama 3).
+"""ModelConfig: the static description of a decoder-only LLM (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE).
 
 A frozen, hashable dataclass: pass it as a `jax.jit` static argument. It converts to and
-from the Hugging Face `config.json` dictionary of the three supported families.
+from the Hugging Face `config.json` dictionary of the supported families.
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
-from jaxrl4llm.kernels.choice import ATTENTION_IMPLS, NUMERICS
+from jaxrl4llm.kernels.choice import ATTENTION_IMPLS, EXPERT_FORMS, NUMERICS
 from jaxrl4llm.models.remat import REMAT_POLICIES
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+MOE_ARCHITECTURES = ("qwen3_moe",)  # every layer's feed-forward is a router + experts (layers/moe.py)
 
 _HF_CLASS_NAMES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -77,6 +79,13 @@ class ModelConfig:
     numerics: "default" (each platform's fastest kernels) or "exact": batch-invariant kernels that
       give the sampler's log-probs and the trainer's the same bits (`kernels.exact`; one CPU
       device, no LoRA; docs/objectives.md, "Sampler-trainer agreement").
+    Mixture of experts (Qwen3-MoE; 0 / defaults for dense models; `models/layers/moe.py`):
+      num_experts (E, 0 = dense), num_experts_per_tok (k), moe_intermediate_size (I, each
+      expert's SwiGLU width), norm_topk_prob (renormalise the k gate weights to sum 1),
+      decoder_sparse_step and mlp_only_layers (HF's dense/MoE layer mix: only all-MoE stacks,
+      step 1 and no mlp-only layers, are supported), router_aux_loss_coef (HF's load-balancing
+      loss weight, kept for the checkpoint; nothing here adds that loss).
+      expert_form: "auto" (`kernels.choice.expert_form_for`) or one of EXPERT_FORMS, forced.
     """
 
     architecture: str = "qwen3"
@@ -105,6 +114,14 @@ class ModelConfig:
     attention_query_chunk: int | None = 1024
     attention_impl: str = "auto"
     numerics: str = "default"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
+    expert_form: str = "auto"
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):  # jnp.bfloat16 / np.dtype / "bfloat16" all name the same dtype
@@ -135,6 +152,32 @@ class ModelConfig:
             rope_type = self.rope_scaling_dict().get("rope_type", "default")
             if rope_type not in _SUPPORTED_ROPE_TYPES:
                 raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        self._check_experts()
+
+    def _check_experts(self):
+        """The mixture-of-experts fields: set for the MoE architectures, every layer MoE."""
+        moe = self.architecture in MOE_ARCHITECTURES
+        if not moe:
+            if self.num_experts:
+                raise ConfigError(f"num_experts={self.num_experts} on a dense {self.architecture} model; "
+                                  f"mixture-of-experts architectures: {', '.join(MOE_ARCHITECTURES)}")
+            return
+        e, k = self.num_experts, self.num_experts_per_tok
+        if e < 1 or k < 1 or self.moe_intermediate_size < 1:
+            raise ConfigError(f"{self.architecture} needs num_experts, num_experts_per_tok and moe_intermediate_size "
+                              f">= 1 (got {e}, {k}, {self.moe_intermediate_size})")
+        if k > e:
+            raise ConfigError(f"num_experts_per_tok={k} > num_experts={e}: set num_experts_per_tok <= num_experts")
+        if self.decoder_sparse_step != 1 or self.mlp_only_layers:
+            raise ConfigError(f"a stack that mixes dense and MoE layers (decoder_sparse_step="
+                              f"{self.decoder_sparse_step}, mlp_only_layers={list(self.mlp_only_layers)}) is not "
+                              f"supported; supported: every layer MoE (decoder_sparse_step=1, mlp_only_layers=[])")
+        if self.numerics == "exact":
+            raise ConfigError("model.numerics=exact has no mixture-of-experts kernels; use numerics=default")
+        if self.expert_form not in ("auto",) + EXPERT_FORMS:
+            raise ConfigError(f"expert_form={self.expert_form!r}; choose one of auto, {', '.join(EXPERT_FORMS)} "
+                              f"(kernels/choice.py)")
 
     def rope_scaling_dict(self) -> dict:
         """rope_scaling as a plain dict ({} when there is no scaling)."""
@@ -146,9 +189,23 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Total number of parameters (embedding counted once when tied)."""
+        """Total number of parameters (embedding counted once when tied; every expert and the
+        router of an MoE model)."""
+        return self._count_params(self.num_experts)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: `num_params` with k of the E experts per layer
+        (the router counted whole); = num_params for a dense model."""
+        return self._count_params(self.num_experts_per_tok)
+
+    def _count_params(self, experts: int) -> int:
         d, f, h, kvh, dh = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-        per_layer = d * h * dh * 2 + d * kvh * dh * 2 + 3 * d * f + 2 * d
+        per_layer = d * h * dh * 2 + d * kvh * dh * 2 + 2 * d
+        if self.num_experts:  # router [D, E] + `experts` SwiGLU experts of width I
+            per_layer += d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        else:
+            per_layer += 3 * d * f
         per_layer += (h + 2 * kvh) * dh if self.attention_bias else 0
         per_layer += d if self.o_proj_bias else 0
         per_layer += 2 * dh if self.qk_norm else 0
@@ -189,7 +246,8 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
+                intermediate_size=int(d.get("intermediate_size") or 0) if arch in MOE_ARCHITECTURES
+                else int(d["intermediate_size"]),
                 num_layers=int(d["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -200,12 +258,14 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=True if arch == "qwen2" else attention_bias,
                 o_proj_bias=False if arch == "qwen2" else attention_bias,
-                qk_norm=arch == "qwen3",
+                qk_norm=arch in ("qwen3", "qwen3_moe"),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
                 pad_token_id=d.get("pad_token_id"),
             )
+            if arch in MOE_ARCHITECTURES:
+                fields.update(_moe_fields(d))
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
         fields.update(overrides)
@@ -255,7 +315,12 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             d["mlp_bias"] = False
-        if self.architecture in ("qwen2", "qwen3"):
+        if self.num_experts:
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                     router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
+        if self.architecture in ("qwen2", "qwen3", "qwen3_moe"):
             d["use_sliding_window"] = False
             d["sliding_window"] = None
             d["max_window_layers"] = self.num_layers
@@ -264,3 +329,16 @@ class ModelConfig:
             if value is not None:
                 d[key] = list(value) if isinstance(value, tuple) else value
         return d
+
+
+def _moe_fields(d: dict) -> dict:
+    """The Qwen3-MoE fields of a config.json dict (`num_local_experts` is accepted for `num_experts`)."""
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(d["num_experts_per_tok"]),
+            "moe_intermediate_size": int(d["moe_intermediate_size"]),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+            "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001))}  # transformers' default

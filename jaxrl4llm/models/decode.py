@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.config import ConfigError, ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.linear import einsum
@@ -210,6 +210,9 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
     together. The embedding used for lookup keeps the state's precision. Every weight is
     constrained to the backend's decode sharding.
     """
+    if config.num_experts:
+        raise ConfigError(f"sampling a mixture-of-experts model ({config.architecture}) is not built yet: its "
+                          f"decode layout has no experts (docs/models.md, \"Mixture of experts\")")
     dtype = jnp.dtype(config.dtype)
     flat = {key: v.get_value() for key, v in flat_state(state).items()}
     axes = {key: tuple(v.get_value()) for key, v in flat_state(logical_axes(state)).items()}
@@ -378,7 +381,7 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
     x = backend.embed(weights["embed"], tokens)
     ks, vs = [], []
     for p in weights["layers"]:
-        x, (k, v) = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
+        x, (k, v), _ = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
         # each layer's output whole: without the barrier XLA sinks the head's slice x[:, -1] through
         # the residual adds, re-summing every layer's attention and MLP outputs at the last token,
         # and so keeps all of them ([P, T, D] float32, two a layer) alive to the end of the prefill
@@ -424,7 +427,7 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
                                  [b.v[i] for b in done_blocks], ck, cv, slot, dtype)
             return out[:, None], (ck, cv)
 
-        x, (ck, cv) = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
+        x, (ck, cv), _ = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
         new_k.append(ck)
         new_v.append(cv)
     return lm_head(weights, config, backend, x[:, 0]), KVBlock(new_k, new_v)

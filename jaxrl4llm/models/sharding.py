@@ -25,6 +25,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", None),  # experts [E, D, I]: whole on every chip along E, sharded like the MLP (FSDP on D)
+    ("expert_mlp", "tensor"),
     ("head_dim", None),
     ("layers", None),
     ("norm", None),

@@ -609,7 +609,7 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
     pool = []
     for layer_weights, layer_pool in zip(weights["layers"], state.pool):
         attend = functools.partial(_attend, engine, layer_pool, pages)
-        x, written = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
+        x, written, _ = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
         pool.append(written)
     logits = lm_head(weights, config, backend, x[:, 0]).reshape(shards, slots_per_shard, -1)
     rows = engine.buffer_row(slots.row)

@@ -26,3 +26,9 @@ def hf_checkpoint(request, tmp_path_factory):
 def qwen3_folder(tmp_path_factory):
     """Folder of the tiny qwen3 checkpoint."""
     return _saved("qwen3", tmp_path_factory)[2]
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_checkpoint(tmp_path_factory):
+    """(family, torch model, folder) of the tiny qwen3_moe checkpoint (norm_topk_prob=True)."""
+    return _saved("qwen3_moe", tmp_path_factory)

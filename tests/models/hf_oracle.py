@@ -18,6 +18,10 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=True)),
     # Llama 3.1: llama3 RoPE scaling, untied head.
     "llama": (transformers.LlamaConfig, dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
+    # Qwen3-MoE: Qwen3's attention, 8 experts, 2 per token, renormalised gate weights, untied head.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=24, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, norm_topk_prob=True,
+                                                    tie_word_embeddings=False)),
 }
 
 
@@ -30,9 +34,17 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cls(**kwargs)).float().eval()
+    pin_eager_experts(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def pin_eager_experts(model):
+    """A mixture-of-experts model runs transformers' per-expert loop (its oracle), not grouped_mm."""
+    if getattr(model.config, "num_experts", 0) and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
     return model
 
 

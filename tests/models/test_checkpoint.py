@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from flax import nnx
 from tests.models.hf_oracle import hf_logits_per_row, left_padded_batch, max_diff_vs_rows, tiny_hf_model
 from jaxrl4llm.models import (
     CausalLM,
+    abstract_model,
     CheckpointError,
     ConfigError,
     forward,
@@ -21,6 +23,9 @@ from jaxrl4llm.models import (
     positions_from_mask,
     save_pretrained,
 )
+from jaxrl4llm.models.layers.decoder import attention_block
+from jaxrl4llm.models.layers.rope import rope_tables
+from jaxrl4llm.models.layers.segment_attention import segment_causal_attention
 
 
 def _forward(model, tokens, mask):
@@ -149,3 +154,76 @@ def test_missing_tensor_is_named(broken):
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="'model.layers.1.self_attn.k_norm.weight' is missing"):
         load_pretrained(broken)
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+def _our_router_logits(model, tokens, mask) -> list[np.ndarray]:
+    """Each layer's router logits [B, T, E] of our model, its layers run one at a time."""
+    c = model.config
+    layer_def, layer_state = nnx.split(model.layers)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    cos, sin = rope_tables(c, positions_from_mask(mask))
+    segments = (mask > 0).astype(jnp.int32)
+    attend = lambda q, k, v: (segment_causal_attention(q, k, v, segments, dtype=jnp.float32, impl="xla"), None)
+    x, out = model.embed_tokens(tokens), []
+    for i in range(c.num_layers):
+        layer = nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], layer_state))
+        h = layer.post_attn_norm(attention_block(layer, x, cos, sin, attend)[0])
+        out.append(np.asarray(jnp.einsum("btd,de->bte", h, layer.mlp.router[...], precision="highest")))
+        x = layer(x, cos, sin, attend)[0]
+    return out
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_router_logits_and_experts_match_transformers(norm_topk_prob, tmp_path):
+    model = tiny_hf_model("qwen3_moe", seed=2, norm_topk_prob=norm_topk_prob)
+    model.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, dtype="float32")
+    assert ours.config.norm_topk_prob == norm_topk_prob and ours.config.num_experts == 8
+    tokens, mask = left_padded_batch()
+    graphdef, state = nnx.split(ours)
+    run = lambda g: forward(g, state, jnp.asarray(tokens), positions=positions_from_mask(jnp.asarray(mask)),
+                            attention_mask=jnp.asarray(mask), return_routes=True)
+    logits, routes = run(graphdef)
+    ragged_logits, ragged_routes = run(abstract_model(ours.config.replace(expert_form="ragged_dot"))[0])
+    refs = hf_logits_per_row(model, tokens, mask)
+    assert max_diff_vs_rows(logits, refs, mask) <= 1e-4
+    assert max_diff_vs_rows(ragged_logits, refs, mask) <= 1e-4
+    np.testing.assert_array_equal(ragged_routes, routes)
+    ours_router = _our_router_logits(ours, tokens, mask)
+    for b, n in enumerate(mask.sum(axis=1)):
+        with torch.no_grad():
+            out = model(torch.tensor(tokens[b, -n:], dtype=torch.long)[None], output_router_logits=True)
+        for layer, hf_logits in enumerate(out.router_logits):  # [n, E] each
+            np.testing.assert_allclose(ours_router[layer][b, -n:], hf_logits.numpy(), rtol=0, atol=1e-5)
+            hf_ids = torch.topk(torch.softmax(hf_logits, -1), 2, dim=-1).indices.numpy()
+            np.testing.assert_array_equal(np.asarray(routes)[b, -n:, layer], hf_ids, err_msg=f"row {b} layer {layer}")
+
+
+def test_moe_loads_transformers5_fused_expert_tensors(qwen3_moe_checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, _, folder = qwen3_moe_checkpoint
+    tensors = load_file(folder / "model.safetensors")
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp.experts."
+        take = lambda name, pre=pre: [tensors.pop(f"{pre}{e}.{name}_proj.weight") for e in range(8)]
+        gate, up, down = take("gate"), take("up"), take("down")
+        tensors[pre + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])  # [E, 2I, D]
+        tensors[pre + "down_proj"] = np.stack(down)  # [E, D, I]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    _assert_same_params(load_pretrained(tmp_path, dtype="float32"), load_pretrained(folder, dtype="float32"))
+
+
+def test_moe_missing_expert_tensor_names_it_and_the_fix(qwen3_moe_checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, _, folder = qwen3_moe_checkpoint
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.3.upproj.weight"] = tensors.pop("model.layers.1.mlp.experts.3.up_proj.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=r"^tensor 'model.layers.1.mlp.experts.3.up_proj.weight' is missing .*"
+                                              r"one tensor per expert .* re-save it with transformers' save_pretrained$"):
+        load_pretrained(tmp_path)

@@ -54,3 +54,62 @@ def test_transformers5_rope_parameters_and_family_rules():
 def test_unsupported_configs_raise_clearly(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict(dict(QWEN3_4B, **change))
+
+
+QWEN3_30B_A3B = {  # the fields of Qwen/Qwen3-30B-A3B-Base's config.json that matter
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+    "attention_bias": False, "max_position_embeddings": 40960, "hidden_act": "silu", "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False,
+    "use_sliding_window": False, "torch_dtype": "bfloat16",
+}
+
+
+def test_qwen3_30b_a3b_config_counts_total_and_active_parameters():
+    c = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", 128, 8,
+                                                                                                768)
+    assert c.qk_norm and c.norm_topk_prob and c.router_aux_loss_coef == 0.001 and c.mlp_only_layers == ()
+    assert c.num_params == 30_532_122_624  # 128 experts + router per layer
+    assert c.num_active_params == 3_353_032_704  # 8 of the 128 experts
+    dense = ModelConfig.from_hf_dict(QWEN3_4B)
+    assert dense.num_active_params == dense.num_params
+    hash(c)
+
+
+def test_qwen3_moe_round_trips_and_transformers_reads_it():
+    import transformers
+
+    c = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    d = c.to_hf_dict()
+    assert ModelConfig.from_hf_dict(d) == c
+    assert d["architectures"] == ["Qwen3MoeForCausalLM"]
+    hf = transformers.Qwen3MoeConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob) == (128, 8, 768, True)
+    alias = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}
+    assert ModelConfig.from_hf_dict(dict(alias, num_local_experts=128)) == c  # transformers 5 writes this name
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"decoder_sparse_step": 2}, (r"mixes dense and MoE layers \(decoder_sparse_step=2, mlp_only_layers=\[\]\) is "
+                                  r"not supported; supported: every layer MoE")),
+    ({"mlp_only_layers": [0, 47]}, r"mlp_only_layers=\[0, 47\]\) is not supported"),
+    ({"num_experts_per_tok": 129}, (r"^num_experts_per_tok=129 > num_experts=128: set num_experts_per_tok <= "
+                                    r"num_experts$")),
+    ({"num_experts": 0}, "needs num_experts"),
+])
+def test_unsupported_moe_configs_raise_clearly(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(dict(QWEN3_30B_A3B, **change))
+
+
+def test_moe_fields_refused_where_they_do_not_apply():
+    with pytest.raises(ConfigError, match="num_experts=8 on a dense qwen3 model"):
+        ModelConfig(num_experts=8)
+    moe = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    with pytest.raises(ConfigError, match="numerics=exact has no mixture-of-experts kernels"):
+        moe.replace(numerics="exact")
+    with pytest.raises(ConfigError, match="expert_form='grouped'; choose one of auto, ragged_dot"):
+        moe.replace(expert_form="grouped")

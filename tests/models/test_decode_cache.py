@@ -50,3 +50,14 @@ def test_embed_lookup_gathers_rows_without_a_float32_copy_of_the_table(dtype):
 
     hlo = jax.jit(loop).lower(table, jnp.ones((64,)), tokens).compile().as_text()
     assert ("f32[96,64]" in hlo) == (dtype == "float32")
+
+
+def test_decode_layout_refuses_a_mixture_of_experts_model():
+    from jaxrl4llm.models import ConfigError, ModelConfig, abstract_model
+    from jaxrl4llm.models.decode import decode_weights
+
+    moe = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=0, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8)
+    with pytest.raises(ConfigError, match="sampling a mixture-of-experts model .* is not built yet"):
+        decode_weights(abstract_model(moe)[1], moe)

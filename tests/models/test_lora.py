@@ -130,3 +130,15 @@ def test_lora_dropout_only_under_a_key_and_keyed(base):
         score_tokens(lora_def, (zero, frozen), tokens, tokens, positions=positions, attention_mask=mask,
                      dropout_rng=jax.random.key(0))[0],
         score_tokens(graphdef, frozen, tokens, tokens, positions=positions, attention_mask=mask)[0], atol=1e-6)
+
+
+def test_lora_on_the_experts_of_an_moe_model_is_refused():
+    from jaxrl4llm.models import ModelConfig, abstract_model
+
+    moe = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=0, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="LoRA on the experts .* not supported; adapt q_proj"):
+        abstract_model(moe, lora=LoraSettings(targets=("q_proj", "up_proj")))
+    _, state = abstract_model(moe, lora=LoraSettings(targets=("q_proj", "lm_head")))  # attention and head: fine
+    assert "lora" in state["layers"]["attn"]["q_proj"]

@@ -200,3 +200,72 @@ def test_shared_prompt_needs_whole_groups_and_a_prompt(model):
         score_tokens(graphdef, state, inputs, targets, first_scored=p - 1, prompt_group=4, **kwargs)
     with pytest.raises(ValueError, match="first_scored > 0"):
         score_tokens(graphdef, state, inputs, targets, prompt_group=3, **kwargs)
+
+
+# ---------------------------------------------------------------------------- mixture of experts: routes
+TINY_MOE = TINY.replace(architecture="qwen3_moe", intermediate_size=0, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return init_model(TINY_MOE, jax.random.key(1), std=0.1)
+
+
+def _router_grads(graphdef, state, tokens, mask, routes):
+    """d sum(logp * mask) / d state, with the experts forced to `routes` (None: the router's own)."""
+    positions = positions_from_mask(mask)
+
+    def loss(s):
+        logp, _ = score_tokens(graphdef, s, tokens, jnp.roll(tokens, -1, axis=1), positions=positions,
+                               attention_mask=mask, chunk_size=4, routes=routes)
+        return jnp.sum(logp * mask)
+
+    return jax.jit(jax.grad(loss))(state)
+
+
+def test_replaying_the_native_routes_gives_the_native_forward_and_gradients(moe_model):
+    graphdef, state = moe_model
+    tokens, mask = _left_padded_batch()
+    positions = positions_from_mask(mask)
+    logits, routes = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
+    assert routes.shape == (3, T, TINY_MOE.num_layers, 2) and routes.dtype == jnp.int32
+    assert np.all(np.sort(np.asarray(routes), -1)[..., 0] < np.sort(np.asarray(routes), -1)[..., 1])  # distinct
+    replayed, again = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, routes=routes,
+                              return_routes=True)
+    np.testing.assert_array_equal(replayed, logits)
+    np.testing.assert_array_equal(again, routes)
+    for a, b in zip(jax.tree.leaves(_router_grads(graphdef, state, tokens, mask, routes)),
+                    jax.tree.leaves(_router_grads(graphdef, state, tokens, mask, None))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_other_routes_change_the_output_and_train_the_router(moe_model):
+    graphdef, state = moe_model
+    tokens, mask = _left_padded_batch()
+    positions = positions_from_mask(mask)
+    native, routes = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
+    other = (routes + 1) % TINY_MOE.num_experts  # still k distinct experts per token, mostly outside the top k
+    forced, _ = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, routes=other,
+                        return_routes=True)
+    real = np.asarray(mask) > 0
+    assert np.abs(np.asarray(forced - native))[real].max() > 1e-3
+    grad = lambda r: _router_grads(graphdef, state, tokens, mask, r)["layers"]["mlp"]["router"].get_value()
+    forced_grad, native_grad = grad(other), grad(routes)  # [L, D, E]
+    for layer in range(TINY_MOE.num_layers):  # every router is trained through the replayed experts' weights
+        assert float(jnp.abs(forced_grad[layer]).max()) > 0
+        assert float(jnp.abs(forced_grad[layer] - native_grad[layer]).max()) > 1e-6
+
+
+def test_dense_models_never_run_the_moe_code(model, moe_model):
+    tokens, mask = _left_padded_batch()
+    lowered = lambda m: forward.lower(*m, tokens, positions=positions_from_mask(mask), attention_mask=mask).as_text()
+    dense, moe = lowered(model), lowered(moe_model)
+    assert "top_k" in moe  # the router's
+    assert "top_k" not in dense and "scatter" not in dense and "ragged" not in dense
+    graphdef, state = model
+    with pytest.raises(ValueError, match="only mixture-of-experts models take them"):
+        forward(graphdef, state, tokens, positions=positions_from_mask(mask), attention_mask=mask,
+                routes=jnp.zeros((3, T, 2, 2), jnp.int32))
+    assert forward(graphdef, state, tokens, positions=positions_from_mask(mask), attention_mask=mask,
+                   return_routes=True)[1] is None

@@ -2,6 +2,7 @@
 
     x'  = x + W_o attend(rope(qk_norm(q)), rope(qk_norm(k)), v),   (q, k, v) = norm_1(x) (W_q, W_k, W_v)
     x'' = x' + W_down (silu(norm_2(x') W_gate) * norm_2(x') W_up)
+    x'' = x' + moe(norm_2(x'))        a mixture-of-experts model's feed-forward (`layers/moe.py`)
 
 `decoder_layer` is that math over any object with the projection methods of `LayerWeights`:
 the training forward and the scoring pass run it over a `DecoderLayer` (one Linear per HF
@@ -21,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrl4llm.models.layers.attention import Attention
 from jaxrl4llm.models.layers.linear import LoraSettings
 from jaxrl4llm.models.layers.mlp import MLP, swiglu_gate
+from jaxrl4llm.models.layers.moe import MoE
 from jaxrl4llm.models.layers.norm import RMSNorm
 from jaxrl4llm.models.layers.rope import apply_rope
 
@@ -39,27 +41,45 @@ class LayerWeights(Protocol):
     def out(self, attn: jax.Array) -> jax.Array: ...  # [B, T, H, Dh] -> [B, T, D]
     def gate_up(self, h: jax.Array) -> tuple[jax.Array, jax.Array]: ...  # [B, T, D] -> 2x [B, T, F]
     def down(self, a: jax.Array) -> jax.Array: ...  # [B, T, F] -> [B, T, D]
+    # A mixture-of-experts layer also has `moe(h [B, T, D], routes [B, T, k] | None) -> (y, ids)`
+    # (`layers.moe.MoE.__call__`); a dense one has no `moe` or `moe` None.
 
 
-def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                  attend: AttendFn) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder layer (formula in the module docstring).
-
-    Args: x [B, T, D] float32 residual stream; cos, sin [B, T, Dh] rotary tables of the T
-      positions; attend: attention of the new queries (see AttendFn).
-    Returns: (x'' [B, T, D] float32, attend's aux).
-    """
+def attention_block(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                    attend: AttendFn) -> tuple[jax.Array, Any]:
+    """x' = x + W_o attend(...) (the module docstring's first line): (x' [B, T, D] float32, attend's aux)."""
     q, k, v = checkpoint_name(layer.qkv(layer.input_norm(x)), "qkv_proj")  # names: models/remat.py
     q, k = layer.qk_norm(q, k)
     exact = getattr(layer, "exact", False)  # model.numerics=exact (`rope.apply_rope`)
     attn, aux = attend(apply_rope(q, cos, sin, exact), apply_rope(k, cos, sin, exact), v)
-    x = x + layer.out(checkpoint_name(attn, "attention"))
-    g, u = checkpoint_name(layer.gate_up(layer.post_attn_norm(x)), "mlp_gate_up")
-    return x + layer.down(swiglu_gate(g, u)), aux
+    return x + layer.out(checkpoint_name(attn, "attention")), aux
+
+
+def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  attend: AttendFn, routes: jax.Array | None = None) -> tuple[jax.Array, Any, jax.Array | None]:
+    """One pre-norm decoder layer (formula in the module docstring).
+
+    Args: x [B, T, D] float32 residual stream; cos, sin [B, T, Dh] rotary tables of the T
+      positions; attend: attention of the new queries (see AttendFn); routes: expert ids
+      [B, T, k] the layer's experts are forced to (a mixture-of-experts layer only; None: its
+      router's top k).
+    Returns: (x'' [B, T, D] float32, attend's aux, expert ids [B, T, k] int32 or None when dense).
+    """
+    x, aux = attention_block(layer, x, cos, sin, attend)
+    h = layer.post_attn_norm(x)
+    moe = getattr(layer, "moe", None)
+    if moe is not None:
+        y, ids = moe(h, routes)
+        return x + y, aux, ids
+    if routes is not None:
+        raise ValueError("routes (expert ids) given to a dense layer; only mixture-of-experts models take them")
+    g, u = checkpoint_name(layer.gate_up(h), "mlp_gate_up")
+    return x + layer.down(swiglu_gate(g, u)), aux, None
 
 
 class DecoderLayer(nnx.Module):
-    """input_norm, attn (q/k/v/o projections, q/k norms), post_attn_norm, mlp (gate/up/down)."""
+    """input_norm, attn (q/k/v/o projections, q/k norms), post_attn_norm, mlp (gate/up/down; or
+    router and experts, `layers.moe.MoE`, when config.num_experts > 0)."""
 
     def __init__(self, config, *, rngs: nnx.Rngs, lora: LoraSettings | None = None):
         c = config
@@ -69,8 +89,14 @@ class DecoderLayer(nnx.Module):
         self.input_norm = norm()
         self.attn = Attention(c, rngs=rngs, lora=lora)
         self.post_attn_norm = norm()
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs,
-                       lora=lora, exact=exact)
+        if c.num_experts:
+            if lora is not None and set(lora.targets) & {"gate_proj", "up_proj", "down_proj"}:
+                raise ValueError("LoRA on the experts (gate_proj/up_proj/down_proj) of a mixture-of-experts model is "
+                                 "not supported; adapt q_proj, k_proj, v_proj, o_proj or lm_head")
+            self.mlp = MoE(c, rngs=rngs)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs,
+                           lora=lora, exact=exact)
 
     # LayerWeights
     def qkv(self, h):
@@ -88,5 +114,10 @@ class DecoderLayer(nnx.Module):
     def down(self, a):
         return self.mlp.down(a)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn) -> tuple[jax.Array, Any]:
-        return decoder_layer(self, x, cos, sin, attend)
+    @property
+    def moe(self) -> MoE | None:
+        return self.mlp if isinstance(self.mlp, MoE) else None
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
+                 routes: jax.Array | None = None) -> tuple[jax.Array, Any, jax.Array | None]:
+        return decoder_layer(self, x, cos, sin, attend, routes)

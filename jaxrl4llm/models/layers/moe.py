@@ -1,0 +1,162 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): a softmax top-k router over E SwiGLU experts.
+
+    p = softmax(x W_r)                      router, float32       (Shazeer et al. 2017, arXiv 1701.06538)
+    (w, e) = top_k(p, k);  w = w / sum(w)   the renormalisation only when norm_topk_prob (Qwen3-MoE)
+    y = sum_j w_j (silu(x G_{e_j}) * x U_{e_j}) D_{e_j}                   (SwiGLU experts, dropless)
+
+Replay (rollout routing replay, R3: Ma et al. 2025, arXiv 2510.11370): the expert ids e are given
+(e.g. the sampler's), and w is gathered from the full softmax p at those ids, so the router still
+gets a gradient.
+
+The experts run in one of three interchangeable forms (`expert_ffn`; which one where:
+`kernels.choice.expert_form_for`), equal in values and gradients:
+  ragged_dot      sort the N*k (token, expert) pairs by expert, three `jax.lax.ragged_dot`s, and
+                  undo the sort by a gather (never a scatter-add): k FFNs per token where the
+                  platform has a grouped matmul.
+  dense_capacity  every expert on every token, a batched einsum weighted by the [N, E] combine
+                  matrix (zero off the chosen experts): E FFNs per token, each expert's weights
+                  read once (decode). Dropless: no expert can receive more than N tokens.
+  reference       a Python loop over the experts (tests).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for
+from jaxrl4llm.models.layers.linear import einsum, normal_init, param
+from jaxrl4llm.models.layers.segment_attention import compile_platform
+
+
+class Experts(NamedTuple):
+    """The stacked SwiGLU experts: gate, up [E, D, I]; down [E, I, D]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+# ---------------------------------------------------------------------------- router
+def router_probs(x: jax.Array, router: jax.Array) -> jax.Array:
+    """p = softmax(x W_r) over the experts, in float32 at full precision.
+
+    Args: x [N, D]; router W_r [D, E]. Returns p [N, E] float32.
+    """
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), router.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def replay_route(probs: jax.Array, expert_ids: jax.Array, norm_topk_prob: bool) -> jax.Array:
+    """w[n, j] = p[n, e[n, j]] (/ sum_j p[n, e[n, j]] when norm_topk_prob), gathered from the FULL
+    softmax (never a top-k-masked one): the router gets a gradient at any given ids.
+
+    Args: probs [N, E] float32; expert_ids [N, k] int. Returns gate weights w [N, k] float32.
+    """
+    w = jnp.take_along_axis(probs, expert_ids.astype(jnp.int32), axis=-1)
+    return w / jnp.sum(w, axis=-1, keepdims=True) if norm_topk_prob else w
+
+
+def top_k_route(probs: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """(w, e): the k most probable experts e [N, k] int32 (descending; ties to the lower id) and
+    their gate weights w [N, k] float32 = `replay_route(probs, e, norm_topk_prob)`."""
+    _, ids = jax.lax.top_k(probs, k)
+    return replay_route(probs, ids, norm_topk_prob), ids.astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------- experts
+def _reference(x, expert_ids, gate_weights, experts: Experts, dtype):
+    """y = sum_e c[:, e] * FFN_e(x), one expert at a time; c [N, E] the combine weights."""
+    combine = _combine(expert_ids, gate_weights, experts.gate.shape[0])
+    y = jnp.zeros(x.shape, jnp.float32)
+    for e in range(experts.gate.shape[0]):
+        h = jax.nn.silu(einsum("nd,di->ni", x, experts.gate[e], dtype)) * einsum("nd,di->ni", x, experts.up[e], dtype)
+        y = y + combine[:, e:e + 1] * einsum("ni,id->nd", h, experts.down[e], dtype)
+    return y
+
+
+def _combine(expert_ids, gate_weights, num_experts):
+    """c[n, e] = sum_j w[n, j] [e[n, j] == e]: [N, E] float32, zero off the chosen experts."""
+    one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)  # [N, k, E]
+    return jnp.einsum("nke,nk->ne", one_hot, gate_weights.astype(jnp.float32))
+
+
+def _dense_capacity(x, expert_ids, gate_weights, experts: Experts, dtype):
+    """Every expert on every token, weighted by the combine matrix: [E, N, I] intermediates."""
+    combine = _combine(expert_ids, gate_weights, experts.gate.shape[0])
+    h = jax.nn.silu(einsum("nd,edi->eni", x, experts.gate, dtype)) * einsum("nd,edi->eni", x, experts.up, dtype)
+    return einsum("eni,eid->nd", h * combine.T[:, :, None], experts.down, dtype)  # weighted, summed over e and i
+
+
+def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
+    """Sort the N*k (token, expert) pairs by expert, grouped matmuls, unsort by a gather."""
+    n, k = expert_ids.shape
+    num_experts = experts.gate.shape[0]
+    flat = expert_ids.reshape(-1)  # [N*k]: pair p = n*k + j
+    order = jnp.argsort(flat, stable=True)  # pairs by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], zeros allowed
+    xs = jnp.take(x, order // k, axis=0)  # [N*k, D], rows of expert 0 first
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # as `linear.einsum`
+    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), group_sizes, precision=precision,
+                                         preferred_element_type=jnp.float32)
+    h = jax.nn.silu(mm(xs, experts.gate)) * mm(xs, experts.up)  # [N*k, I]
+    out = mm(h, experts.down)  # [N*k, D]
+    unsorted = jnp.take(out, jnp.argsort(order), axis=0).reshape(n, k, -1)  # the inverse permutation
+    return jnp.einsum("nkd,nk->nd", unsorted, gate_weights.astype(jnp.float32))
+
+
+_FORMS = {ExpertForm.RAGGED_DOT: _ragged_dot, ExpertForm.DENSE_CAPACITY: _dense_capacity,
+          ExpertForm.REFERENCE: _reference}
+
+
+def expert_ffn(x: jax.Array, expert_ids: jax.Array, gate_weights: jax.Array, experts: Experts,
+               form: str, dtype=jnp.float32) -> jax.Array:
+    """y[n] = sum_j w[n, j] FFN_{e[n, j]}(x[n]), FFN_e(x) = (silu(x G_e) * x U_e) D_e; dropless.
+
+    Args: x [N, D]; expert_ids e [N, k] int (distinct per row); gate_weights w [N, k];
+      experts: `Experts` [E, D, I], [E, D, I], [E, I, D]; form: an `ExpertForm` name (module
+      docstring); dtype: matmul inputs, float32 accumulation (`linear.einsum`'s precision: with
+      bfloat16, dense_capacity and reference run bf16 backward matmuls too; ragged_dot's backward is
+      JAX's autodiff of `ragged_dot`).
+    Returns: y [N, D] float32.
+    """
+    return _FORMS[ExpertForm(form)](x, expert_ids, gate_weights, experts, jnp.dtype(dtype))
+
+
+# ---------------------------------------------------------------------------- the module
+class MoE(nnx.Module):
+    """router [D, E] ("embed", None); experts gate_proj, up_proj [E, D, I] ("expert", "embed",
+    "expert_mlp"), down_proj [E, I, D] ("expert", "expert_mlp", "embed")."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, std: float = 0.02):
+        c = config
+        d, e, i = c.hidden_size, c.num_experts, c.moe_intermediate_size
+        self.k = c.num_experts_per_tok
+        self.norm_topk_prob = c.norm_topk_prob
+        self.dtype = jnp.dtype(c.dtype)
+        self.form = c.expert_form
+        self.router = param(normal_init(rngs, (d, e), c.param_dtype, std), ("embed", None))
+        self.gate_proj = param(normal_init(rngs, (e, d, i), c.param_dtype, std), ("expert", "embed", "expert_mlp"))
+        self.up_proj = param(normal_init(rngs, (e, d, i), c.param_dtype, std), ("expert", "embed", "expert_mlp"))
+        self.down_proj = param(normal_init(rngs, (e, i, d), c.param_dtype, std), ("expert", "expert_mlp", "embed"))
+
+    def __call__(self, h: jax.Array, routes: jax.Array | None = None, phase: str = "train"
+                 ) -> tuple[jax.Array, jax.Array]:
+        """(y [B, T, D] float32, expert ids [B, T, k] int32) of h [B, T, D]: the router's top k,
+        or `routes` [B, T, k] replayed (gate weights from the router's full softmax)."""
+        b, t, d = h.shape
+        x = h.reshape(b * t, d)
+        probs = router_probs(x, self.router[...])
+        if routes is None:
+            w, ids = top_k_route(probs, self.k, self.norm_topk_prob)
+        else:
+            ids = routes.reshape(b * t, self.k).astype(jnp.int32)
+            w = replay_route(probs, ids, self.norm_topk_prob)
+        form = expert_form_for(compile_platform(), phase).kernel if self.form == "auto" else self.form
+        experts = Experts(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        y = expert_ffn(x, ids, w, experts, form, self.dtype)
+        return y.reshape(b, t, d), ids.reshape(b, t, self.k)
