@@ -10,12 +10,12 @@ has it there; the next test is back in the session's. The plan tests go without:
 are compiled for TPU topologies with no chip, which XLA can write but not load back.
 
 Compile speed (`./scripts/test`): every test but those marked `xla_default_opt` runs with
-XLA_FLAGS=--xla_backend_optimization_level=0, LLVM's cheapest code generation for XLA:CPU's
-programs: the suite is mostly compiling tiny programs, and the level changes how XLA's float sums
-are vectorised, not what they compute (a float32 log-prob moves by about one ulp). The tests
-marked `xla_default_opt` pin float bits or claim bit-equality at the level users run, so
-scripts/test runs them in a second pytest process without the flag, and here they fail when the
-flag is set (`OPT_LEVEL_FLAG`).
+tests/subprocess_xla_flags.py's FAST_COMPILE in XLA_FLAGS (LLVM's cheapest code generation, and
+on jaxlib 0.10 XLA's elemental fusion emitter): the suite is mostly compiling tiny programs, and
+the flags change how XLA's float sums are vectorised, not what they compute (a float32 log-prob
+moves by about one ulp). The tests marked `xla_default_opt` pin float bits or claim bit-equality
+at the level users run, so scripts/test runs them in a second pytest process without the flags,
+and here they fail when a flag is set.
 
 The longest test files run first (HEAVY_FILES): `./scripts/test` hands whole files to its two
 workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file started
@@ -28,6 +28,8 @@ from pathlib import Path
 import jax
 import pytest
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+from tests.subprocess_xla_flags import FAST_COMPILE, has_fast_compile
 
 MIN_COMPILE_SECONDS = 0.2  # a program quicker to compile than this is not written
 WITHOUT = ("plan",)  # tests/<folder>/ whose programs are not cached
@@ -49,17 +51,14 @@ HEAVY_FILES = (
 )
 
 
-OPT_LEVEL_FLAG = "--xla_backend_optimization_level"  # scripts/test sets it to 0 for the unmarked tests
-
-
 def pytest_runtest_setup(item):
     """A test marked xla_default_opt fails, naming the fix, in a process whose XLA_FLAGS set the
     LLVM optimisation level: its pinned bits would not hold there."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if item.get_closest_marker("xla_default_opt") and OPT_LEVEL_FLAG in flags:
+    if item.get_closest_marker("xla_default_opt") and has_fast_compile(flags):
         pytest.fail(f"{item.nodeid} is marked xla_default_opt: it pins float bits or claims bit-equality at XLA's "
                     f"default LLVM optimisation level, and this process has XLA_FLAGS={flags!r}. Run it without "
-                    f"{OPT_LEVEL_FLAG} (./scripts/test runs the marked tests in a second process, "
+                    f"{FAST_COMPILE} (./scripts/test runs the marked tests in a second process, "
                     "`pytest -m xla_default_opt`).", pytrace=False)
 
 

@@ -25,10 +25,11 @@ import os
 import platform
 from pathlib import Path
 
+from tests.subprocess_xla_flags import without_fast_compile
+
 PORTABLE_XLA_FLAG = "--xla_cpu_max_isa=AVX2"  # XLA:CPU's code for x86-64-v3 on every host
 PORTABLE_MARCH = "x86-64-v3"  # the C++ kernels for the same level (kernels/native.py, JAXRL4LLM_KERNEL_MARCH)
 PORTABLE_CPU_FLAGS = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma")  # what x86-64-v3 needs of /proc/cpuinfo
-OPT_LEVEL_FLAG = "--xla_backend_optimization_level"  # scripts/test's fast-compile flag (tests/conftest.py)
 
 
 def cpuinfo_field(*names: str, cpuinfo: str | None = None) -> str | None:
@@ -115,10 +116,10 @@ def portable_isa_missing(machine: str | None = None, isa: str | None = None) -> 
 
 def portable_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """`environ` (default os.environ) for a process whose XLA:CPU code and C++ kernels target
-    x86-64-v3 on any host: PORTABLE_XLA_FLAG added to XLA_FLAGS (scripts/test's fast-compile flag
+    x86-64-v3 on any host: PORTABLE_XLA_FLAG added to XLA_FLAGS (scripts/test's fast-compile flags
     removed: pins hold at XLA's default level) and JAXRL4LLM_KERNEL_MARCH=PORTABLE_MARCH."""
     env = dict(os.environ if environ is None else environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith((OPT_LEVEL_FLAG, "--xla_cpu_max_isa"))]
+    flags = [f for f in without_fast_compile(env.get("XLA_FLAGS", "")).split() if not f.startswith("--xla_cpu_max_isa")]
     env["XLA_FLAGS"] = " ".join([*flags, PORTABLE_XLA_FLAG])
     env["JAXRL4LLM_KERNEL_MARCH"] = PORTABLE_MARCH
     return env
