@@ -2,13 +2,18 @@
 the log-prob pass that `plan` lowers and prices are the loop's own, so its figures cannot drift from
 what a run executes (the optimizer's schedule and constants, `algorithm.custom_loss`)."""
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import optax
 
 from jaxrl4llm.core import policy_loss
-from jaxrl4llm.plan.programs import plan_run
+from jaxrl4llm.plan.programs import plan_inputs, plan_trainer
 from jaxrl4llm.train.config import load_config
 from jaxrl4llm.train.demo import config_path
 from jaxrl4llm.train.loop import run_meshes, setup_run
@@ -16,6 +21,7 @@ from jaxrl4llm.train.programs import loss_fn_for, optimizer_for
 from tests.train.conftest import tiny_overrides
 from tests.train.custom_parts import negated_policy_loss
 
+ROOT = Path(__file__).resolve().parents[2]
 METADATA = re.compile(r"( loc\([^)]*\)|#loc\d*( = loc\(.*)?|\{mhlo\.[^}]*\}|, mhlo\.[a-z_]+ = [^,}]+)")
 
 
@@ -53,12 +59,25 @@ def test_plan_lowers_the_loops_update_and_logprob_pass(demo_assets, tmp_path):
     mesh, _ = run_meshes(cfg)
     run, _ = setup_run(cfg, mesh, lambda line: None)
     # plan reads the model's shape from the config (no checkpoint): the vocabulary the loop's tokenizer gave
-    plan = plan_run(demo_config(demo_assets, tmp_path, **{"trainer.packing": packing,
-                                                          "model.vocab_size": run.policy.config.vocab_size}), "cpu")
-    planned = {p.name: p.lowered for p in plan.programs}
-    assert run.settings == plan.layout.update, "plan resolved another layout than the loop"
+    # plan_run's trainer stage (plan_inputs -> plan_trainer); the sampler's programs are not the update's
+    ins = plan_inputs(demo_config(demo_assets, tmp_path, **{"trainer.packing": packing,
+                                                            "model.vocab_size": run.policy.config.vocab_size}), "cpu")
+    planned = {p.name: p.lowered for p in plan_trainer(ins)[0]}
+    assert run.settings == ins.layout.update, "plan resolved another layout than the loop"
     for name, program in (("update", run.programs.update), ("logprob pass", run.programs.logprob_pass)):
         args, kwargs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), planned[name].args_info)
         with jax.set_mesh(mesh):
             loop = program.lower(*args, **kwargs)
         assert hlo_text(loop) == hlo_text(planned[name]), f"plan's {name} is not the loop's"
+
+
+def test_plan_lowers_the_loops_programs_on_8_devices(demo_assets, tmp_path):
+    """The same on 8 simulated CPU devices (tests/train/programs_main.py, a subprocess): FSDP over 8
+    with packed rows, and data 2 x FSDP 4 with LoRA adapters and padded rows."""
+    assets = {k: str(v) for k, v in demo_assets.items()}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)  # programs_main sets its own (8 devices, fast compiles)
+    proc = subprocess.run([sys.executable, "-m", "tests.train.programs_main", json.dumps(assets), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OK 4 programs" in proc.stdout, proc.stdout
