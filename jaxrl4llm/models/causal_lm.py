@@ -302,8 +302,9 @@ def forward(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, positio
     router's top k); return_routes (static) returns (logits, the expert ids the layers ran
     [B, T, L, k] int32)."""
     model = merge(graphdef, state)
-    if not return_routes:
-        return model(tokens, positions, attention_mask, routes)
+    if not return_routes:  # a model of the user's (model.module) takes no routes
+        return model(tokens, positions, attention_mask) if routes is None else \
+            model(tokens, positions, attention_mask, routes)
     h, ran = model.hidden_states_and_routes(tokens, positions, attention_mask, routes=routes)
     return model.logits(h), ran
 

@@ -224,6 +224,7 @@ def _router_grads(graphdef, state, tokens, mask, routes):
     return jax.jit(jax.grad(loss))(state)
 
 
+@pytest.mark.xla_default_opt  # bit-equality of two programs (tests/conftest.py)
 def test_replaying_the_native_routes_gives_the_native_forward_and_gradients(moe_model):
     graphdef, state = moe_model
     tokens, mask = _left_padded_batch()

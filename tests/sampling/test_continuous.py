@@ -384,6 +384,7 @@ def test_decode_burst_runs_at_most_burst_steps_and_stops_a_row_at_its_budget(qwe
     np.testing.assert_array_equal(np.asarray(state.out.length[0, :3]), [2, 4, 4])
 
 
+@pytest.mark.xla_default_opt  # bit-equality of two programs (tests/conftest.py)
 def test_refill_retires_finished_slots_admits_waiting_rows_and_every_page_comes_back(qwen3):
     """Refills and bursts by hand over 2 prompts x 3 rows on 3 slots (budgets 2, 8, ...): the first
     refill prefills prompt 0 and admits its rows; after a burst, the next retires row 0's slot and
