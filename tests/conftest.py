@@ -33,21 +33,26 @@ from tests.subprocess_xla_flags import FAST_COMPILE, has_fast_compile
 
 MIN_COMPILE_SECONDS = 0.2  # a program quicker to compile than this is not written
 WITHOUT = ("plan",)  # tests/<folder>/ whose programs are not cached
-# The slowest files, slowest first (seconds on the 2-core CI machine, `--durations`, 2026-11-27):
-# collected ahead of the rest so that the two workers start them first (longest processing time
-# first: the suite ends with short files on both workers, not one worker on a long file).
+# The slowest files, slowest first (seconds of one worker, `--durations=0` of the fast-compile pass on the
+# 2-core CI machine with other work beside it, 2026-12-06): collected ahead of the rest so that the two
+# workers start them first (longest processing time first: the suite ends with short files on both
+# workers, not one worker on a long file).
 HEAVY_FILES = (
-    "train/test_multihost.py",  # 3 two-process runs + fault tests, ~420 s
-    "plan/test_plan.py",  # TPU compiles, ~330 s
-    "train/test_demo.py",  # the quick demo + 2 learning runs, ~230 s
-    "test_gpu_check.py",  # every phase's dry run, ~165 s
-    "train/test_sharded_step.py",  # 8-device update compiles, ~150 s
-    "train/test_loop.py",
-    "kernels/test_cpu_kernels.py",
-    "sampling/test_sharded.py",
-    "train/test_layout.py",
+    "train/test_demo.py",  # all `xla_default_opt` (the second pass's longest: the quick demo + 2 learning runs)
+    "plan/test_plan.py",  # TPU compiles, ~320 s
+    "train/test_multihost.py",  # 3 two-process runs + fault tests, ~220 s
+    "test_gpu_check.py",  # every phase's dry run, ~160 s
+    "test_notebooks.py",  # 5 notebooks, ~150 s
     "plan/test_meter.py",
+    "sampling/test_continuous.py",
+    "kernels/test_cpu_kernels.py",
+    "sampling/test_generate.py",
+    "plan/test_continuous_plan.py",
+    "train/test_layout.py",
     "train/test_async_rl.py",
+    "train/test_programs.py",
+    "models/test_transformer.py",
+    "train/test_loop.py",  # also the second pass's exact-numerics run
 )
 
 
