@@ -383,16 +383,18 @@ def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Arr
     Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
     Returns: (logits [P, V] float32 at slot T-1, PromptKV in cache_dtype and the backend's layout).
     """
-    logits, ks, vs = prefill_kv(weights, config, tokens, mask, backend=backend, cache_dtype=cache_dtype)
+    logits, ks, vs, _ = prefill_kv(weights, config, tokens, mask, backend=backend, cache_dtype=cache_dtype)
     stored = [backend.store_prompt(k, v, mask) for k, v in zip(ks, vs)]
     return logits, PromptKV([s[0] for s in stored], [s[1] for s in stored], stored[-1][2] if stored else mask)
 
 
 def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
-               backend: DecodeBackend = DecodeBackend(), cache_dtype=None) -> tuple[jax.Array, list, list]:
+               backend: DecodeBackend = DecodeBackend(), cache_dtype=None) -> tuple[jax.Array, list, list,
+                                                                                     jax.Array | None]:
     """`prefill` before the backend stores the cache: (logits [P, V] float32 at slot T-1, L keys and
-    L values [P, T, KVH, Dh] in cache_dtype, left-padded as the tokens). The paged engine
-    (`sampling.continuous`) scatters them into its page pool."""
+    L values [P, T, KVH, Dh] in cache_dtype, left-padded as the tokens, the expert ids the layers ran
+    [P, T, L, k] int32 (a mixture-of-experts model; None when dense)). The paged engine
+    (`sampling.continuous`) scatters the keys and values into its page pool."""
     cache_dtype = jnp.dtype(cache_dtype or config.dtype)
     dtype = jnp.dtype(config.dtype)
     positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -409,9 +411,9 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
         return dot_product_attention(q, k, v, allowed, dtype), (k, v)
 
     x = backend.embed(weights["embed"], tokens)
-    ks, vs = [], []
+    ks, vs, routes = [], [], []
     for p in weights["layers"]:
-        x, (k, v), _ = decoder_layer(FusedLayer(p, config, backend, "prefill"), x, cos, sin, attend)
+        x, (k, v), ids = decoder_layer(FusedLayer(p, config, backend, "prefill"), x, cos, sin, attend)
         # each layer's output whole: without the barrier XLA sinks the head's slice x[:, -1] through
         # the residual adds, re-summing every layer's attention and MLP outputs at the last token,
         # and so keeps all of them ([P, T, D] float32, two a layer) alive to the end of the prefill
@@ -419,7 +421,9 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
         x = jax.lax.optimization_barrier(x)
         ks.append(k)
         vs.append(v)
-    return lm_head(weights, config, backend, x[:, -1]), ks, vs
+        routes.append(ids)
+    routes = jnp.stack(routes, axis=2) if config.num_experts else None
+    return lm_head(weights, config, backend, x[:, -1]), ks, vs, routes
 
 
 def empty_block(config: ModelConfig, rows: int, block_size: int, *, backend: DecodeBackend = DecodeBackend(),

@@ -68,6 +68,12 @@ def top_k_route(probs: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Arr
     return replay_route(probs, ids, norm_topk_prob), ids.astype(jnp.int32)
 
 
+def route_dtype(num_experts: int):
+    """The narrowest integer dtype that holds an expert id of `num_experts`: what recorded routes
+    are stored in (uint8 up to 256 experts, uint16 up to 65536, else int32)."""
+    return jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.int32
+
+
 # ---------------------------------------------------------------------------- experts
 def _reference(x, expert_ids, gate_weights, experts: Experts, dtype):
     """y = sum_e c[:, e] * FFN_e(x), one expert at a time; c [N, E] the combine weights."""
