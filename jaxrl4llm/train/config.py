@@ -337,6 +337,11 @@ class TrainerConfig:
     # set, else min(16384, the padded mini-batch's share of a device).
     tokens_per_micro_batch: int | None = None
     old_logp_source: Literal["sampler", "recompute"] = "recompute"
+    # Router replay (R3, docs/training.md "Router replay"): rollout = a mixture-of-experts model's
+    # sampler records the experts each token ran (`generate(record_routes=True)`) and the
+    # old-log-prob and update passes force them (`score_tokens(routes=)`); the reference pass routes
+    # natively. Padded rows only (not with packing, shared-prompt rows or rollout.partial).
+    router_replay: Literal["off", "rollout"] = "off"
     reference_model: bool = False
     seed: int = 0
     out_dir: str = "runs/default"

@@ -203,6 +203,25 @@ def single_optimizer_step(cfg: RunConfig) -> bool:
     return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not lora_dropout(cfg)
 
 
+def replays_routes(cfg: RunConfig, model_config=None) -> bool:
+    """Whether the run replays the sampler's routes (`trainer.router_replay: rollout`), checked: a
+    mixture-of-experts model (when `model_config` is known) on padded rows, without partial
+    rollouts; a ConfigError names the setting to change. The row forms' rules read it here."""
+    t = cfg.trainer
+    if t.router_replay != "rollout":
+        return False
+    if model_config is not None and not getattr(model_config, "num_experts", 0):
+        raise ConfigError("trainer.router_replay=rollout replays a mixture-of-experts model's routes; this model is "
+                          "dense: set trainer.router_replay=off")
+    for setting, on in (("trainer.packing=true", t.packing is True), ("trainer.share_prompt=true", t.share_prompt is True),
+                        ("rollout.partial=true", cfg.rollout.partial)):
+        if on:
+            raise ConfigError(f"trainer.router_replay=rollout runs on padded rows of whole rollouts, not with {setting} "
+                              f"(routes are not packed, shared or carried across segments yet): set "
+                              f"{setting.split('=')[0]}=auto/false or trainer.router_replay=off")
+    return True
+
+
 def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, data_parallel: int = 1) -> int | None:
     """UpdateSettings.prompt_group of `trainer.share_prompt`: G = rollout.samples_per_prompt when
     each prompt's forward can run once for its G rows, else None (every row whole); with
@@ -211,7 +230,7 @@ def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, dat
     It applies when every data-parallel device (mesh.data x mesh.fsdp) holds whole groups of a
     micro-batch: a group split over devices would have each of them run the whole prompt."""
     share, G = cfg.trainer.share_prompt, cfg.rollout.samples_per_prompt
-    if share is False:
+    if share is False or replays_routes(cfg):
         return None
     rows = cfg.rollout.prompts_per_step * G // (cfg.trainer.mini_batches * micro_batches)
     if not own_model:
@@ -237,7 +256,7 @@ def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_
     trainer.packing=auto gives the layout packed rows would take (`run_layout` then weighs it
     against padded rows in `choose_row_form`)."""
     t = cfg.trainer
-    if not t.packing:
+    if not t.packing or replays_routes(cfg):
         return None
     if not own_model:
         if t.packing is True:
@@ -353,6 +372,7 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
     prices XLA's programs: False). `log` gets a line when the decode attention falls back from a
     kernel, saying why."""
     own_model = model_config is not None
+    replays_routes(cfg, model_config)  # trainer.router_replay's requirements, before the row form is chosen
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = micro_batches(cfg, rows, dp)
