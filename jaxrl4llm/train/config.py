@@ -87,6 +87,12 @@ class ModelConfigSection:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    # a random mixture-of-experts model (architecture: qwen3_moe): experts a layer, experts a token,
+    # an expert's width, and whether a token's k gate weights are renormalised (Qwen3-MoE's true)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
 
 @dataclasses.dataclass

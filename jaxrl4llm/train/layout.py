@@ -104,17 +104,19 @@ class RunLayout:
 def model_config_from_fields(cfg: RunConfig, *, vocab_size: int, eos_token_id=None, pad_token_id=None) -> ModelConfig:
     """The ModelConfig of a model built from the `model` section's size fields (a random model, or
     `plan` without a checkpoint): architecture, widths, `tie_word_embeddings`, `rope_theta`, and
-    position embeddings for at least the run's prompt + response budget."""
+    position embeddings for at least the run's prompt + response budget; a qwen3_moe model's experts
+    (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`)."""
     m = cfg.model
     return ModelConfig(
         architecture=m.architecture, vocab_size=vocab_size, hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture in ("qwen3", "qwen3_moe"),
         attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
         max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
         rope_theta=m.rope_theta, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
         remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id)
+        pad_token_id=pad_token_id, num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob and m.num_experts > 0)
 
 
 def lora_settings(cfg: RunConfig) -> LoraSettings | None:
