@@ -232,27 +232,28 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
         w = lambda path: flat["layers/" + path + "/kernel"][i].astype(dtype)
         q, k, v = w("attn/q_proj"), w("attn/k_proj"), w("attn/v_proj")
         d = q.shape[0]
+        dense = not config.num_experts
         if b.fused_projections:
             qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
             layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, MATMUL_AXES["qkv_t"]))
+            if dense:
+                gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
+                layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), MATMUL_AXES["gate_up_t"]))
         else:
             layer["q_t"] = b.prepare_weight(b.constrain(q.reshape(d, -1).T, MATMUL_AXES["q_t"]))
             layer["k_t"] = b.prepare_weight(b.constrain(k.reshape(d, -1).T, MATMUL_AXES["k_t"]))
             layer["v_t"] = b.prepare_weight(b.constrain(v.reshape(d, -1).T, MATMUL_AXES["v_t"]))
+            if dense:
+                gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T])  # [2, F, D]
+                layer["gate_up"] = b.constrain(gate_up, MATMUL_AXES["gate_up"])
         layer["o_t"] = b.prepare_weight(b.constrain(w("attn/o_proj").reshape(-1, d).T, MATMUL_AXES["o_t"]))
-        if config.num_experts:
+        if dense:
+            layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, MATMUL_AXES["down_t"]))
+        else:
             for name, path in _EXPERTS.items():
                 weight = flat["layers/" + path][i]
                 layer[name] = b.constrain(weight if name == "router" else weight.astype(dtype),
                                           axes["layers/" + path][1:])
-        elif b.fused_projections:
-            gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
-            layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), MATMUL_AXES["gate_up_t"]))
-            layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, MATMUL_AXES["down_t"]))
-        else:
-            gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T])  # [2, F, D]
-            layer["gate_up"] = b.constrain(gate_up, MATMUL_AXES["gate_up"])
-            layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, MATMUL_AXES["down_t"]))
         layers.append(layer)
     embed = flat["embed_tokens/embedding"]
     head = embed if config.tie_word_embeddings else flat["lm_head/kernel"].T
