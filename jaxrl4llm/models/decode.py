@@ -37,10 +37,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.models.config import ConfigError, ModelConfig
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
 from jaxrl4llm.models.layers.decoder import decoder_layer
 from jaxrl4llm.models.layers.linear import einsum
+from jaxrl4llm.models.layers.moe import Experts, moe_ffn
 from jaxrl4llm.models.layers.norm import rms_norm
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.sharding import DEFAULT_RULES, flat_state, logical_axes, logical_to_spec
@@ -183,6 +184,12 @@ _NORMS_AND_BIASES = {  # decode-layout name -> state path (under layers/)
     "o_bias": "attn/o_proj/bias",
 }
 
+# a mixture-of-experts layer's router (the state's dtype, as the training forward reads it) and
+# experts (cast to the compute dtype): decode-layout name -> state path (under layers/), in the
+# state's layout ([D, E]; [E, D, I], [E, D, I], [E, I, D]) and logical axes
+_EXPERTS = {"router": "mlp/router", "expert_gate": "mlp/gate_proj", "expert_up": "mlp/up_proj",
+            "expert_down": "mlp/down_proj"}
+
 
 # logical axes of the decode layout's matmul weights (output-major [out, in])
 MATMUL_AXES = {"qkv_t": ("kv_heads", "embed"), "q_t": ("heads", "embed"), "k_t": ("kv_heads", "embed"),
@@ -207,12 +214,12 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
         down_t    [D, F]
 
     Grouping by kv head (and interleaving gate/up) keeps the rows a tensor-parallel shard needs
-    together. The embedding used for lookup keeps the state's precision. Every weight is
+    together. A mixture-of-experts layer has, instead of gate_up and down_t, its router [D, E] (the
+    state's dtype) and experts expert_gate, expert_up [E, D, I], expert_down [E, I, D] as the state
+    lays them out (`layers.moe.moe_ffn` runs them in XLA ops on every backend, the C++ CPU kernels'
+    included). The embedding used for lookup keeps the state's precision. Every weight is
     constrained to the backend's decode sharding.
     """
-    if config.num_experts:
-        raise ConfigError(f"sampling a mixture-of-experts model ({config.architecture}) is not built yet: its "
-                          f"decode layout has no experts (docs/models.md, \"Mixture of experts\")")
     dtype = jnp.dtype(config.dtype)
     flat = {key: v.get_value() for key, v in flat_state(state).items()}
     axes = {key: tuple(v.get_value()) for key, v in flat_state(logical_axes(state)).items()}
@@ -225,19 +232,28 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
         w = lambda path: flat["layers/" + path + "/kernel"][i].astype(dtype)
         q, k, v = w("attn/q_proj"), w("attn/k_proj"), w("attn/v_proj")
         d = q.shape[0]
+        dense = not config.num_experts
         if b.fused_projections:
             qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
             layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, MATMUL_AXES["qkv_t"]))
-            gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
-            layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), MATMUL_AXES["gate_up_t"]))
+            if dense:
+                gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T], axis=1)  # [F, 2, D]
+                layer["gate_up_t"] = b.prepare_weight(b.constrain(gate_up.reshape(-1, d), MATMUL_AXES["gate_up_t"]))
         else:
             layer["q_t"] = b.prepare_weight(b.constrain(q.reshape(d, -1).T, MATMUL_AXES["q_t"]))
             layer["k_t"] = b.prepare_weight(b.constrain(k.reshape(d, -1).T, MATMUL_AXES["k_t"]))
             layer["v_t"] = b.prepare_weight(b.constrain(v.reshape(d, -1).T, MATMUL_AXES["v_t"]))
-            gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T])  # [2, F, D]
-            layer["gate_up"] = b.constrain(gate_up, MATMUL_AXES["gate_up"])
+            if dense:
+                gate_up = jnp.stack([w("mlp/gate_proj").T, w("mlp/up_proj").T])  # [2, F, D]
+                layer["gate_up"] = b.constrain(gate_up, MATMUL_AXES["gate_up"])
         layer["o_t"] = b.prepare_weight(b.constrain(w("attn/o_proj").reshape(-1, d).T, MATMUL_AXES["o_t"]))
-        layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, MATMUL_AXES["down_t"]))
+        if dense:
+            layer["down_t"] = b.prepare_weight(b.constrain(w("mlp/down_proj").T, MATMUL_AXES["down_t"]))
+        else:
+            for name, path in _EXPERTS.items():
+                weight = flat["layers/" + path][i]
+                layer[name] = b.constrain(weight if name == "router" else weight.astype(dtype),
+                                          axes["layers/" + path][1:])
         layers.append(layer)
     embed = flat["embed_tokens/embedding"]
     head = embed if config.tie_word_embeddings else flat["lm_head/kernel"].T
@@ -264,7 +280,9 @@ def decode_weight_shardings(state, config: ModelConfig, backend: DecodeBackend):
                                                                             mesh=backend.mesh))
 
     def layer_axes(name: str) -> tuple:
-        return MATMUL_AXES[name] if name in MATMUL_AXES else axes["layers/" + _NORMS_AND_BIASES[name]][1:]
+        if name in MATMUL_AXES:
+            return MATMUL_AXES[name]
+        return axes["layers/" + (_EXPERTS.get(name) or _NORMS_AND_BIASES[name])][1:]
 
     return {
         "embed": named(shapes["embed"], axes["embed_tokens/embedding"]),
@@ -275,10 +293,12 @@ def decode_weight_shardings(state, config: ModelConfig, backend: DecodeBackend):
 
 
 class FusedLayer:
-    """`layers.decoder.LayerWeights` over one layer of `decode_weights` (fused or separate projections)."""
+    """`layers.decoder.LayerWeights` over one layer of `decode_weights` (fused or separate projections).
+    phase: "prefill" or "decode", the program a mixture-of-experts layer's expert form is chosen for
+    (`kernels.choice.expert_form_for`)."""
 
-    def __init__(self, weights: dict, config: ModelConfig, backend: DecodeBackend):
-        self.w, self.c, self.backend = weights, config, backend
+    def __init__(self, weights: dict, config: ModelConfig, backend: DecodeBackend, phase: str = "decode"):
+        self.w, self.c, self.backend, self.phase = weights, config, backend, phase
         self.dtype = jnp.dtype(config.dtype)
         self.exact = config.numerics == "exact"  # the norms' fixed-order sums (`kernels.exact`)
 
@@ -334,6 +354,17 @@ class FusedLayer:
         b, t = a.shape[:2]
         return self.backend.split_matmul(a.reshape(b * t, -1), self.w["down_t"], self.dtype).reshape(b, t, -1)
 
+    @property
+    def moe(self):
+        """A mixture-of-experts layer's feed-forward (`decoder.LayerWeights`), None for a dense layer."""
+        return self._moe if "router" in self.w else None
+
+    def _moe(self, h, routes=None):
+        c, w = self.c, self.w
+        experts = Experts(w["expert_gate"], w["expert_up"], w["expert_down"])
+        return moe_ffn(h, w["router"], experts, k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                       form=c.expert_form, dtype=self.dtype, routes=routes, phase=self.phase)
+
 
 def lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):
     """The decoder's head on the last hidden states: logits = rms_norm(h) W_head.
@@ -353,16 +384,18 @@ def prefill(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Arr
     Args: weights from `decode_weights`; tokens [P, T] int32 left-padded; mask [P, T] (1 = real).
     Returns: (logits [P, V] float32 at slot T-1, PromptKV in cache_dtype and the backend's layout).
     """
-    logits, ks, vs = prefill_kv(weights, config, tokens, mask, backend=backend, cache_dtype=cache_dtype)
+    logits, ks, vs, _ = prefill_kv(weights, config, tokens, mask, backend=backend, cache_dtype=cache_dtype)
     stored = [backend.store_prompt(k, v, mask) for k, v in zip(ks, vs)]
     return logits, PromptKV([s[0] for s in stored], [s[1] for s in stored], stored[-1][2] if stored else mask)
 
 
 def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.Array, *,
-               backend: DecodeBackend = DecodeBackend(), cache_dtype=None) -> tuple[jax.Array, list, list]:
+               backend: DecodeBackend = DecodeBackend(), cache_dtype=None) -> tuple[jax.Array, list, list,
+                                                                                     jax.Array | None]:
     """`prefill` before the backend stores the cache: (logits [P, V] float32 at slot T-1, L keys and
-    L values [P, T, KVH, Dh] in cache_dtype, left-padded as the tokens). The paged engine
-    (`sampling.continuous`) scatters them into its page pool."""
+    L values [P, T, KVH, Dh] in cache_dtype, left-padded as the tokens, the expert ids the layers ran
+    [P, T, L, k] int32 (a mixture-of-experts model; None when dense)). The paged engine
+    (`sampling.continuous`) scatters the keys and values into its page pool."""
     cache_dtype = jnp.dtype(cache_dtype or config.dtype)
     dtype = jnp.dtype(config.dtype)
     positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -379,9 +412,9 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
         return dot_product_attention(q, k, v, allowed, dtype), (k, v)
 
     x = backend.embed(weights["embed"], tokens)
-    ks, vs = [], []
+    ks, vs, routes = [], [], []
     for p in weights["layers"]:
-        x, (k, v), _ = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
+        x, (k, v), ids = decoder_layer(FusedLayer(p, config, backend, "prefill"), x, cos, sin, attend)
         # each layer's output whole: without the barrier XLA sinks the head's slice x[:, -1] through
         # the residual adds, re-summing every layer's attention and MLP outputs at the last token,
         # and so keeps all of them ([P, T, D] float32, two a layer) alive to the end of the prefill
@@ -389,7 +422,9 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
         x = jax.lax.optimization_barrier(x)
         ks.append(k)
         vs.append(v)
-    return lm_head(weights, config, backend, x[:, -1]), ks, vs
+        routes.append(ids)
+    routes = jnp.stack(routes, axis=2) if config.num_experts else None
+    return lm_head(weights, config, backend, x[:, -1]), ks, vs, routes
 
 
 def empty_block(config: ModelConfig, rows: int, block_size: int, *, backend: DecodeBackend = DecodeBackend(),

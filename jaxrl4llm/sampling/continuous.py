@@ -38,6 +38,7 @@ from jaxrl4llm.kernels.paged_attention import paged_attention as cpu_paged_atten
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend, FusedLayer, lm_head, prefill_kv
 from jaxrl4llm.models.layers.decoder import decoder_layer
+from jaxrl4llm.models.layers.moe import route_dtype
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.sampling.decode_backends import CpuBackend
 from jaxrl4llm.sampling.decode_loop import ProgramOutput
@@ -79,7 +80,9 @@ class EngineSpec:
     refills; prefill_prompts: A, prompts of a shard prefilled in one batch (`prefill_batch`; None:
     the prompts that fill a shard's slots); attention: the decode step's paged attention, a
     `kernels.choice.DecodeAttention` resolved by `kernels.choice.decode_attention_choice` (the run's
-    layout, or `generate`): xla, tpu_ragged, gpu_triton or cpu_native.
+    layout, or `generate`): xla, tpu_ragged, gpu_triton or cpu_native. record_routes: a
+    mixture-of-experts model's prefill and decode steps also write the expert ids of every prompt
+    and fed token (`Outputs.routes`, `Outputs.prompt_routes`; off: the programs carry neither).
     """
 
     config: ModelConfig
@@ -97,6 +100,7 @@ class EngineSpec:
     burst: int = BURST
     prefill_prompts: int | None = None
     attention: DecodeAttention = DecodeAttention.XLA
+    record_routes: bool = False
 
 
 def engine_slots(slots: int | None, *, num_prompts: int, samples: int, shards: int) -> int:
@@ -110,7 +114,7 @@ def engine_slots(slots: int | None, *, num_prompts: int, samples: int, shards: i
 def engine_spec_for(config: ModelConfig, backend: DecodeBackend, *, mesh, num_prompts: int, num_samples: int,
                     max_new_tokens: int, top_k: int, top_p: float, greedy: bool, use_kernels: bool, slots: int | None,
                     page_size: int, burst: int, attention: DecodeAttention | None = None,
-                    requested_attention: str | None = None) -> EngineSpec:
+                    requested_attention: str | None = None, record_routes: bool = False) -> EngineSpec:
     """The EngineSpec of `num_prompts` prompts (a multiple of the mesh's D data-parallel shards) of
     `num_samples` rows each, built alike by `generate`, the partial-rollout engine and `plan`: S =
     `engine_slots(slots, ...)`; `attention` the run's layout's kernel, or None: resolved here by
@@ -124,7 +128,8 @@ def engine_spec_for(config: ModelConfig, backend: DecodeBackend, *, mesh, num_pr
                       top_k=int(top_k), use_top_p=bool(top_p < 1.0), greedy=bool(greedy), use_kernels=use_kernels,
                       num_shards=shards, slots=engine_slots(slots, num_prompts=num_prompts, samples=num_samples,
                                                             shards=shards),
-                      page_size=int(page_size), burst=int(burst), attention=attention)
+                      page_size=int(page_size), burst=int(burst), attention=attention,
+                      record_routes=bool(record_routes))
 
 
 class ShardSizes(NamedTuple):
@@ -247,7 +252,10 @@ class Entries(NamedTuple):
 class Outputs(NamedTuple):
     """Per shard and buffer row: tokens, logprobs, logprobs_untruncated [D, H*N_d, R]; length, eos_seen,
     segment (the segment that prefilled the row's prompt and drew its first token; -1 before),
-    split (its first token sampled by the next segment's weights; R if none) [D, H*N_d]."""
+    split (its first token sampled by the next segment's weights; R if none) [D, H*N_d]. With
+    `EngineSpec.record_routes` (else None): routes [D, H*N_d, R, L, k], the expert ids of the token
+    fed at each response index; prompt_routes [D, H*P_d, T, L, k], of each buffer prompt's tokens
+    (0 on its padding); both `moe.route_dtype`."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -256,6 +264,8 @@ class Outputs(NamedTuple):
     eos_seen: jax.Array
     segment: jax.Array
     split: jax.Array
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
 
 
 class Queue(NamedTuple):
@@ -389,7 +399,7 @@ def prefill(engine: Engine, weights, sampling: Sampling, state: EngineState, fir
     valid = nth_new < count[:, None]  # [D, A]
     prompt = (first_prompt[:, None] + nth_new) % engine.buffer_prompts  # buffer prompts
     tokens, mask = _take(state.queue.tokens, prompt), _take(state.queue.mask, prompt)  # [D, A, T]
-    logits, keys, values = prefill_kv(weights, config,
+    logits, keys, values, routes = prefill_kv(weights, config,
                                       engine.constrain_rows(tokens.reshape(shards * prompts_per_round, prompt_len)),
                                       engine.constrain_rows(mask.reshape(shards * prompts_per_round, prompt_len)),
                                       backend=backend, cache_dtype=cache_dtype)
@@ -422,6 +432,11 @@ def prefill(engine: Engine, weights, sampling: Sampling, state: EngineState, fir
     entries = Entries(_put(entries.pages, entry, page_ids), _put(entries.length, entry, length),
                       _put(entries.refs, entry, jnp.full(entry.shape, samples, jnp.int32)),
                       _put(entries.of_prompt, jnp.where(valid, prompt, -1), entry))
+    if spec.record_routes:  # routes [D*A, T, L, k] of the prompts' tokens, 0 on their padding
+        routes = jnp.where(mask.reshape(-1, prompt_len)[..., None, None] > 0, routes, 0)
+        out = out._replace(prompt_routes=_put(out.prompt_routes, jnp.where(valid, prompt, -1),
+                                              routes.reshape((shards, prompts_per_round) + routes.shape[1:]),
+                                              unique=True))
     # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
     rows = jnp.where(valid[..., None], prompt[..., None] * samples + jnp.arange(samples), -1)
     rows = rows.reshape(shards, prompts_per_round * samples)
@@ -606,16 +621,20 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
 
     cos, sin = rope_tables(config, engine.constrain_rows((prompt_len + fed).reshape(shards * slots_per_shard, 1)))
     x = backend.embed(weights["embed"], engine.constrain_rows(slots.token.reshape(shards * slots_per_shard, 1)))
-    pool = []
+    pool, routes = [], []
     for layer_weights, layer_pool in zip(weights["layers"], state.pool):
         attend = functools.partial(_attend, engine, layer_pool, pages)
-        x, written, _ = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
+        x, written, ids = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
         pool.append(written)
+        routes.append(ids)
     logits = lm_head(weights, config, backend, x[:, 0]).reshape(shards, slots_per_shard, -1)
     rows = engine.buffer_row(slots.row)
     drawn = draw(engine, sampling, state.queue, logits, jnp.maximum(rows, 0), slots.length)
     out, is_eos = _record(state.out, rows, slots.length, drawn, slots.live, sampling.eos_ids, sampling.pad_id,
                           sampling.stop_seqs)
+    if spec.record_routes:  # the fed token's expert ids [D*S, 1, k] a layer -> its row at response index `fed`
+        routes = jnp.stack(routes, axis=2).reshape((shards, slots_per_shard) + (len(routes), -1))
+        out = out._replace(routes=_put2(out.routes, jnp.where(slots.live, rows, -1), fed, routes, unique=True))
     length = slots.length + slots.live.astype(jnp.int32)
     done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
     slots = slots._replace(length=length, token=jnp.where(slots.live, drawn.tokens, slots.token),
@@ -646,7 +665,7 @@ def empty_state(engine: Engine, queue: Queue, end, pad_id) -> EngineState:
     pool_shape = (shards, engine.pool_pages, spec.page_size, 2 * config.num_kv_heads, config.head_dim)
     bits = isinstance(backend, CpuBackend)
     empty_layer = lambda: backend.constrain(empty_pool(pool_shape, jnp.dtype(config.dtype), bits=bits), POOL_AXES)
-    return EngineState(
+    state = EngineState(
         slots=Slots(row=zeros((shards, slots), jnp.int32, -1), entry=zeros((shards, slots), jnp.int32),
                     length=zeros((shards, slots), jnp.int32), token=zeros((shards, slots), jnp.int32),
                     live=zeros((shards, slots), bool), held=zeros((shards, slots), bool),
@@ -667,6 +686,13 @@ def empty_state(engine: Engine, queue: Queue, end, pad_id) -> EngineState:
         segment=jnp.zeros((), jnp.int32),
         done=jnp.zeros((), jnp.int32),
     )
+    if spec.record_routes:
+        routes_shape = (config.num_layers, config.num_experts_per_tok)
+        dtype = route_dtype(config.num_experts)
+        state = state._replace(out=state.out._replace(
+            routes=zeros((shards, rows, max_new_tokens) + routes_shape, dtype),
+            prompt_routes=zeros((shards, prompts, queue.tokens.shape[2]) + routes_shape, dtype)))
+    return state
 
 
 def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
@@ -688,6 +714,8 @@ def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
         logprobs_untruncated=unshard(take(out.logprobs_untruncated, rows)),
         lengths=length,
         truncated=~unshard(take(out.eos_seen, rows)),
+        routes=None if out.routes is None else unshard(take(out.routes, rows)),
+        prompt_routes=None if out.prompt_routes is None else unshard(take(out.prompt_routes, prompts)),
     )
 
 
@@ -739,6 +767,9 @@ def partial_init(pad_id, *, spec: EngineSpec, num_prompts: int, prompt_len: int)
     """An empty engine for partial rollouts: two halves of `num_prompts` prompts of width `prompt_len`
     (rollout t in half t % 2), no rows enqueued."""
     samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
+    if spec.record_routes:
+        raise ValueError("record_routes: partial rollouts do not record routes yet; sample with generate "
+                         "(rollout.partial=false)")
     engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=2)
     zeros = lambda shape, dtype: engine.constrain_rows(jnp.zeros(shape, dtype))
     prompts, rows = engine.buffer_prompts, engine.buffer_rows

@@ -59,6 +59,8 @@ class ProgramOutput(NamedTuple):
     logprobs_untruncated: jax.Array
     lengths: jax.Array
     truncated: jax.Array
+    routes: jax.Array | None = None  # the continuous engine's recorded routes (`rollout.Rollout`)
+    prompt_routes: jax.Array | None = None
 
 
 def block_size_for(max_new_tokens: int, kv_width: int, *, max_blocks: int = 4, min_block: int = 32,

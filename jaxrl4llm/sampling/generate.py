@@ -68,7 +68,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
              slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
              row_max_new_tokens: Sequence[int] | None = None,
              paged_attention: str | DecodeAttention | None = None, min_p: float = 0.0,
-             stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None) -> Rollout:
+             stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None,
+             record_routes: bool = False) -> Rollout:
     """Sample `num_samples` responses per prompt: y_t ~ softmax(min-p/top-k/top-p(logits / temperature)).
 
     Args:
@@ -117,6 +118,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
         `kernels.choice.decode_attention_choice` (the trainer's `rollout.decode_attention`).
       row_max_new_tokens: optional N = P*G per-row budgets (each in [1, max_new_tokens]): row n
         stops after that many tokens (truncated unless it ends with an EOS).
+      record_routes: a mixture-of-experts model, continuous engine: the Rollout carries the expert
+        ids of every prompt and fed response token (`Rollout.routes`, `Rollout.prompt_routes`).
     Returns: Rollout (arrays on device) with N = P*G rows, R = max_new_tokens columns.
     """
     model = merge(graphdef, state)  # Python objects over the same arrays: no copy
@@ -129,7 +132,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
                             stop_token_ids=stop_token_ids, vocab_size=vocab_size)
     prompt_len = _prompt_bucket(prompts, model, config, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
                                 max_prompt_length=max_prompt_length, prompt_buckets=prompt_buckets)
-    _check_engine_options(config, engine=engine, prompts_per_chunk=prompts_per_chunk, slots=slots)
+    _check_engine_options(config, engine=engine, prompts_per_chunk=prompts_per_chunk, slots=slots,
+                          record_routes=record_routes)
     budget = _row_budgets(row_max_new_tokens, config, num_rows=num_prompts * num_samples, max_new_tokens=max_new_tokens)
     continuous = engine == "continuous" and config is not None
     dp = data_parallel_size(mesh)
@@ -140,7 +144,8 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     run = _sampler_program(graphdef, state, config, mesh=mesh, continuous=continuous, num_rows=num_rows,
                            num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
                            greedy=greedy, cpu_kernels=cpu_kernels, kv_block_size=kv_block_size, slots=slots,
-                           kv_page_size=kv_page_size, decode_burst=decode_burst, paged_attention=paged_attention)
+                           kv_page_size=kv_page_size, decode_burst=decode_burst, paged_attention=paged_attention,
+                           record_routes=record_routes)
     out = _sample_in_chunks(run, prompts, budget, chunk=chunk, num_rows=num_rows, num_samples=num_samples,
                             prompt_len=prompt_len, pad_token_id=pad_token_id, mesh=mesh,
                             row_budgets=continuous or row_max_new_tokens is not None, rng=rng,
@@ -208,8 +213,10 @@ def _prompt_bucket(prompts: Sequence[Sequence[int]], model, config, *, vocab_siz
     return prompt_len
 
 
-def _check_engine_options(config, *, engine: str, prompts_per_chunk: int | None, slots: int | None) -> None:
-    """generate()'s engine, chunking and slots, checked (and the model's numerics against the engine)."""
+def _check_engine_options(config, *, engine: str, prompts_per_chunk: int | None, slots: int | None,
+                          record_routes: bool = False) -> None:
+    """generate()'s engine, chunking, slots and route recording, checked (and the model's numerics
+    against the engine)."""
     if prompts_per_chunk is not None and prompts_per_chunk < 1:
         raise ValueError(f"prompts_per_chunk must be >= 1 (or None: all prompts at once), got {prompts_per_chunk}")
     if engine not in ("continuous", "static"):
@@ -217,6 +224,9 @@ def _check_engine_options(config, *, engine: str, prompts_per_chunk: int | None,
     require_engine_for_numerics(config, engine)
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1 (rollout.slots; or None: all rows), got {slots}")
+    if record_routes and not (engine == "continuous" and config is not None and config.num_experts):
+        raise ValueError("record_routes: routes are recorded for a mixture-of-experts model (model.num_experts > 0) "
+                         "by the continuous engine (engine='continuous')")
 
 
 def _row_budgets(row_max_new_tokens: Sequence[int] | None, config, *, num_rows: int,
@@ -249,7 +259,7 @@ def _traced_options(config, *, min_p: float, greedy: bool, tokenizer, stop_strin
 def _sampler_program(graphdef, state, config, *, mesh: Mesh | None, continuous: bool, num_rows: int,
                      num_samples: int, max_new_tokens: int, top_k: int, top_p: float, greedy: bool,
                      cpu_kernels: bool | None, kv_block_size: int | None, slots: int | None, kv_page_size: int,
-                     decode_burst: int, paged_attention: str | DecodeAttention | None):
+                     decode_burst: int, paged_attention: str | DecodeAttention | None, record_routes: bool = False):
     """The compiled sampler that decodes one chunk: `run(tokens [n, T], mask [n, T], row_valid [n],
     rng, first_row, temperature, top_p, eos, pad[, budgets [n*G]], **traced)` -> the Rollout's
     arrays of n*G rows (n = num_rows prompts). The generic decoder for another NNX model
@@ -269,7 +279,7 @@ def _sampler_program(graphdef, state, config, *, mesh: Mesh | None, continuous: 
         spec = engine_spec_for(config, backend, mesh=mesh, num_prompts=num_rows, num_samples=num_samples,
                                max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
                                use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
-                               requested_attention=paged_attention)
+                               requested_attention=paged_attention, record_routes=record_routes)
         return lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
     return lambda *args, **kw: sample_program(weights, *args, config=config, block_size=block_size,
                                               backend=backend, use_kernels=use_kernels, **sampling, **kw)
@@ -307,5 +317,8 @@ def _sample_in_chunks(run, prompts: Sequence[Sequence[int]], budget: np.ndarray,
         out = run(*arrays, rng, np.int32(start * num_samples), np.float32(temperature), np.float32(top_p), eos,
                   np.int32(pad_token_id), *extra, **traced)
         n = len(part) * num_samples
-        outs.append(out if num_rows == len(part) else jax.tree.map(lambda a: a[:n], out))
+        if num_rows != len(part):  # padding rows cut off (prompt_routes: one per prompt)
+            cut = None if out.prompt_routes is None else out.prompt_routes[:len(part)]
+            out = jax.tree.map(lambda a: a[:n], out._replace(prompt_routes=None))._replace(prompt_routes=cut)
+        outs.append(out)
     return outs[0] if len(outs) == 1 else jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)

@@ -30,6 +30,13 @@ class Rollout(NamedTuple):
         what a teacher-forced forward with the same temperature recomputes; 0 where masked.
     lengths [N] int32: number of response tokens (EOS included).
     truncated [N] bool: no EOS within max_new_tokens.
+    routes [N, R, L, k] (a mixture-of-experts model sampled with record_routes; else None): the
+        expert ids each layer ran for the token fed at response position t (token t; the last
+        token of a row is never fed: its route, and those after it, are 0). dtype
+        `models.layers.moe.route_dtype(num_experts)` (uint8 up to 256 experts).
+    prompt_routes [num_prompts, P, L, k] (with routes): the expert ids of each prompt's tokens,
+        left-padded as prompt_tokens (0 on padding); row n's prompt is prompt_routes[n // G]
+        (a prompt is prefilled once for its G rows).
     """
 
     prompt_tokens: jax.Array
@@ -40,6 +47,8 @@ class Rollout(NamedTuple):
     logprobs_untruncated: jax.Array
     lengths: jax.Array
     truncated: jax.Array
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:

@@ -5,6 +5,7 @@
     positions = max(cumsum(mask) - 1, 0)        (the positions the sampler used)
     inputs = tokens[:, :-1], targets = tokens[:, 1:]                   [N, L = P + R - 1]
     loss_mask[:, P - 1 + j] = response_mask[:, j]
+    routes    = concat(prompt_routes[n // G], routes[n])[:-1]   (a rollout with recorded routes)
 
 On several processes every array here is a global array spread over all hosts: each stage is
 one jitted program (`merge_groups`, `batch_program`), never a run of eager ops, so every process
@@ -29,9 +30,21 @@ def _shift_response(x, prompt_len: int):
     return jnp.concatenate([jnp.zeros((x.shape[0], prompt_len - 1), x.dtype), x], axis=1)
 
 
+def rollout_routes(rollout: Rollout):
+    """The expert ids of every fed token, aligned with the TrainBatch's input_tokens: [N, P + R - 1,
+    layers, k] (the prompt's, shared by its G rows, then the response's), or None when the rollout
+    carries no routes. prompt_routes holds one entry per prompt ([N / G, ...]) or per row ([N, ...])."""
+    if rollout.routes is None:
+        return None
+    n = rollout.routes.shape[0]
+    prompt = jnp.repeat(rollout.prompt_routes, n // rollout.prompt_routes.shape[0], axis=0)
+    return jnp.concatenate([prompt, rollout.routes.astype(prompt.dtype)], axis=1)[:, :-1]
+
+
 def rollout_to_batch(rollout: Rollout, adv: AdvantageBatch, *, sampler_logp=None) -> TrainBatch:
     """Builds the TrainBatch of a rollout; old_logp/ref_logp start as the sampler's untruncated
-    log-probs (replace them with recomputed ones via `TrainBatch._replace`).
+    log-probs (replace them with recomputed ones via `TrainBatch._replace`); routes: the rollout's
+    (`rollout_routes`), None when it has none.
 
     Args:
       rollout: the sampler's Rollout (N rows).
@@ -58,15 +71,21 @@ def rollout_to_batch(rollout: Rollout, adv: AdvantageBatch, *, sampler_logp=None
         advantages=adv.advantages,
         row_weights=adv.row_weights,
         denominator_weights=adv.denominator_weights,
+        routes=rollout_routes(rollout),
     )
 
 
 def _left_pad(rollout: Rollout, width: int, pad_id: int) -> Rollout:
-    """Prompts [N, P] -> [N, width] (more padding on the left; the responses are unchanged)."""
+    """Prompts [N, P] -> [N, width] (more padding on the left; the responses are unchanged); prompt
+    routes, if any, one per row (0 on the padding)."""
+    n = rollout.prompt_tokens.shape[0]
+    if rollout.prompt_routes is not None:
+        routes = jnp.repeat(rollout.prompt_routes, n // rollout.prompt_routes.shape[0], axis=0)
+        pad = jnp.zeros((n, width - routes.shape[1]) + routes.shape[2:], routes.dtype)
+        rollout = rollout._replace(prompt_routes=jnp.concatenate([pad, routes], 1))
     extra = width - rollout.prompt_tokens.shape[1]
     if extra == 0:
         return rollout
-    n = rollout.prompt_tokens.shape[0]
     return rollout._replace(
         prompt_tokens=jnp.concatenate([jnp.full((n, extra), pad_id, rollout.prompt_tokens.dtype), rollout.prompt_tokens], 1),
         prompt_mask=jnp.concatenate([jnp.zeros((n, extra), rollout.prompt_mask.dtype), rollout.prompt_mask], 1),

@@ -87,6 +87,12 @@ class ModelConfigSection:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    # a random mixture-of-experts model (architecture: qwen3_moe): experts a layer, experts a token,
+    # an expert's width, and whether a token's k gate weights are renormalised (Qwen3-MoE's true)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
 
 @dataclasses.dataclass
@@ -337,6 +343,11 @@ class TrainerConfig:
     # set, else min(16384, the padded mini-batch's share of a device).
     tokens_per_micro_batch: int | None = None
     old_logp_source: Literal["sampler", "recompute"] = "recompute"
+    # Router replay (R3, docs/training.md "Router replay"): rollout = a mixture-of-experts model's
+    # sampler records the experts each token ran (`generate(record_routes=True)`) and the
+    # old-log-prob and update passes force them (`score_tokens(routes=)`); the reference pass routes
+    # natively. Padded rows only (not with packing, shared-prompt rows or rollout.partial).
+    router_replay: Literal["off", "rollout"] = "off"
     reference_model: bool = False
     seed: int = 0
     out_dir: str = "runs/default"

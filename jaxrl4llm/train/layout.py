@@ -104,17 +104,19 @@ class RunLayout:
 def model_config_from_fields(cfg: RunConfig, *, vocab_size: int, eos_token_id=None, pad_token_id=None) -> ModelConfig:
     """The ModelConfig of a model built from the `model` section's size fields (a random model, or
     `plan` without a checkpoint): architecture, widths, `tie_word_embeddings`, `rope_theta`, and
-    position embeddings for at least the run's prompt + response budget."""
+    position embeddings for at least the run's prompt + response budget; a qwen3_moe model's experts
+    (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`)."""
     m = cfg.model
     return ModelConfig(
         architecture=m.architecture, vocab_size=vocab_size, hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture == "qwen3",
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=m.architecture in ("qwen3", "qwen3_moe"),
         attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
         max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
         rope_theta=m.rope_theta, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
         remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id)
+        pad_token_id=pad_token_id, num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob and m.num_experts > 0)
 
 
 def lora_settings(cfg: RunConfig) -> LoraSettings | None:
@@ -203,6 +205,25 @@ def single_optimizer_step(cfg: RunConfig) -> bool:
     return cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1 and not lora_dropout(cfg)
 
 
+def replays_routes(cfg: RunConfig, model_config=None) -> bool:
+    """Whether the run replays the sampler's routes (`trainer.router_replay: rollout`), checked: a
+    mixture-of-experts model (when `model_config` is known) on padded rows, without partial
+    rollouts; a ConfigError names the setting to change. The row forms' rules read it here."""
+    t = cfg.trainer
+    if t.router_replay != "rollout":
+        return False
+    if model_config is not None and not getattr(model_config, "num_experts", 0):
+        raise ConfigError("trainer.router_replay=rollout replays a mixture-of-experts model's routes; this model is "
+                          "dense: set trainer.router_replay=off")
+    for setting, on in (("trainer.packing=true", t.packing is True), ("trainer.share_prompt=true", t.share_prompt is True),
+                        ("rollout.partial=true", cfg.rollout.partial)):
+        if on:
+            raise ConfigError(f"trainer.router_replay=rollout runs on padded rows of whole rollouts, not with {setting} "
+                              f"(routes are not packed, shared or carried across segments yet): set "
+                              f"{setting.split('=')[0]}=auto/false or trainer.router_replay=off")
+    return True
+
+
 def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, data_parallel: int = 1) -> int | None:
     """UpdateSettings.prompt_group of `trainer.share_prompt`: G = rollout.samples_per_prompt when
     each prompt's forward can run once for its G rows, else None (every row whole); with
@@ -211,7 +232,7 @@ def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, dat
     It applies when every data-parallel device (mesh.data x mesh.fsdp) holds whole groups of a
     micro-batch: a group split over devices would have each of them run the whole prompt."""
     share, G = cfg.trainer.share_prompt, cfg.rollout.samples_per_prompt
-    if share is False:
+    if share is False or replays_routes(cfg):
         return None
     rows = cfg.rollout.prompts_per_step * G // (cfg.trainer.mini_batches * micro_batches)
     if not own_model:
@@ -237,7 +258,7 @@ def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_
     trainer.packing=auto gives the layout packed rows would take (`run_layout` then weighs it
     against padded rows in `choose_row_form`)."""
     t = cfg.trainer
-    if not t.packing:
+    if not t.packing or replays_routes(cfg):
         return None
     if not own_model:
         if t.packing is True:
@@ -353,6 +374,7 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
     prices XLA's programs: False). `log` gets a line when the decode attention falls back from a
     kernel, saying why."""
     own_model = model_config is not None
+    replays_routes(cfg, model_config)  # trainer.router_replay's requirements, before the row form is chosen
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = micro_batches(cfg, rows, dp)

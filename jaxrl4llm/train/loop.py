@@ -149,7 +149,8 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         t0 = time.perf_counter()
         rollout = policy.generate([prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                  rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len)
+                                  rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len,
+                                  record_routes=cfg.trainer.router_replay == "rollout")
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
         if on_params_read is not None and draws == max_draws:
@@ -408,8 +409,8 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     if run.cfg.trainer.old_logp_source == "recompute" and not run.settings.old_logp_from_update:
         old_logp, _ = run.logprob_pass(join_params(state.params, state.frozen), batch)
         batch = batch._replace(old_logp=old_logp * batch.loss_mask)
-    if run.ref_params is not None:
-        ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch)
+    if run.ref_params is not None:  # the reference routes natively (no replay of the sampler's routes)
+        ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch._replace(routes=None))
         batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
     return batch, adv
 

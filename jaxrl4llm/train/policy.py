@@ -82,11 +82,12 @@ class Policy:
         return make_logprob_fn(self.graphdef, self.temperature, self.chunk_size)
 
     def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False,
-                 prompt_len: int | None = None, slots: int | None = None):
+                 prompt_len: int | None = None, slots: int | None = None, record_routes: bool = False):
         """`sampling.generate` with this policy; `prompt_len`: pad the prompts to this length's bucket
         (at least the longest prompt's) whatever this call's longest is, so calls share one program;
         `slots`: the continuous engine's slots when `rollout.slots: auto` finds no memory budget
-        (default: all rows). Rows are cut at their first stop string (`sampling.stops`)."""
+        (default: all rows); `record_routes`: the rollout carries a mixture-of-experts model's routes
+        (`trainer.router_replay: rollout`). Rows are cut at their first stop string (`sampling.stops`)."""
         longest = max(max(map(len, prompts)), prompt_len or 0)
         rollout = generate(
             self.graphdef, self.state, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
@@ -97,7 +98,7 @@ class Policy:
             engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
             decode_burst=self.decode_burst, paged_attention=self.decode_attention,
-            min_p=self.min_p, stop_token_ids=self.stop_token_ids,
+            min_p=self.min_p, stop_token_ids=self.stop_token_ids, record_routes=record_routes,
         )
         return self.cut_at_stop_strings(rollout)
 
@@ -179,16 +180,18 @@ class Policy:
 
 def make_logprob_fn(graphdef, temperature: float, chunk_size: int):
     """The train step's logprob_fn for an NNX model: (state, inputs, targets, positions,
-    attention_mask, rng=None, last=None, group=1, segment_ids=None) -> (logp, entropy) at `temperature`
-    (0 = greedy: scored at 1); `last` = n scores only the last n positions (the others are 0);
-    `group` = G (with `last`): rows n*G .. n*G+G-1 share the prompt before those n positions, run
-    once; `segment_ids`: packed rows (train/packing.py)."""
-    def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None, last=None, group=1, segment_ids=None):
+    attention_mask, rng=None, last=None, group=1, segment_ids=None, routes=None) -> (logp, entropy) at
+    `temperature` (0 = greedy: scored at 1); `last` = n scores only the last n positions (the others
+    are 0); `group` = G (with `last`): rows n*G .. n*G+G-1 share the prompt before those n positions,
+    run once; `segment_ids`: packed rows (train/packing.py); `routes` [B, T, layers, k]: a
+    mixture-of-experts model's experts forced to these ids (router replay)."""
+    def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None, last=None, group=1, segment_ids=None,
+                   routes=None):
         first = 0 if last is None else max(inputs.shape[1] - last, 0)
         return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
                             temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
                             dropout_rng=rng, first_scored=first, prompt_group=group if first else 1,
-                            segment_ids=segment_ids)
+                            segment_ids=segment_ids, routes=routes)
     return logprob_fn
 
 

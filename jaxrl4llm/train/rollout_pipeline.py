@@ -166,7 +166,8 @@ def pending_to_host(pending: list[PendingRollout], fetch) -> tuple[dict, list[di
     arrays, meta = {}, []
     for i, p in enumerate(pending):
         for name in _ROLLOUT_FIELDS:
-            arrays[f"{i}/{name}"] = fetch(getattr(p.rollout, name))
+            if getattr(p.rollout, name) is not None:  # routes: only when recorded
+                arrays[f"{i}/{name}"] = fetch(getattr(p.rollout, name))
         arrays[f"{i}/rewards"] = np.asarray(p.rewards)
         for j, values in enumerate(p.components.values()):
             arrays[f"{i}/component_{j}"] = np.asarray(values)
@@ -183,7 +184,8 @@ def pending_from_host(arrays: dict, meta: list[dict], place) -> list[PendingRoll
     sampler's mesh)."""
     out = []
     for i, m in enumerate(meta):
-        rollout = Rollout(*(place(np.asarray(arrays[f"{i}/{name}"])) for name in _ROLLOUT_FIELDS))
+        rollout = Rollout(*(place(np.asarray(arrays[f"{i}/{name}"])) if f"{i}/{name}" in arrays else None
+                            for name in _ROLLOUT_FIELDS))
         versions = RowVersions(*(np.asarray(arrays[f"{i}/versions_{name}"]) for name in RowVersions._fields)) \
             if m.get("partial") else None
         components = {name: np.asarray(arrays[f"{i}/component_{j}"]) for j, name in enumerate(m.get("components", []))}

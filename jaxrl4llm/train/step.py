@@ -202,8 +202,10 @@ def score_batch(logprob_fn: LogprobFn, params, batch: TrainBatch, scored_tokens:
                 prompt_group: int | None = None):
     """logprob_fn on a batch's arrays -> (logp, entropy) [B, L]; with scored_tokens = n only the
     last n positions are scored (`last=n`; the others are 0); with prompt_group = G each group of
-    G rows runs its shared prompt once (`group=G`)."""
+    G rows runs its shared prompt once (`group=G`); a batch with routes replays them (`routes=`)."""
     extra = {} if scored_tokens is None else {"last": scored_tokens}
+    if batch.routes is not None:
+        extra["routes"] = batch.routes
     if prompt_group and prompt_group > 1:
         if scored_tokens is None:
             raise ValueError("prompt_group needs scored_tokens (where each row's prompt ends).")

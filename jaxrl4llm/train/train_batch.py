@@ -18,6 +18,9 @@ class TrainBatch(NamedTuple):
     loss_mask [B, L] float32: 1 where the target is a counted response token.
     old_logp, ref_logp, sampler_logp [B, L] float32: behaviour, reference, sampler log-probs.
     advantages, row_weights, denominator_weights [B] float32: from core.compute_advantages.
+    routes [B, L, layers, k] (router replay, `trainer.router_replay: rollout`; else None): the
+        expert ids the sampler ran for the token fed at each position (input_tokens[:, i]'s),
+        replayed by the log-prob and update passes (`models.score_tokens(routes=)`).
     """
 
     input_tokens: chex.Array
@@ -31,3 +34,4 @@ class TrainBatch(NamedTuple):
     advantages: chex.Array
     row_weights: chex.Array
     denominator_weights: chex.Array
+    routes: chex.Array | None = None

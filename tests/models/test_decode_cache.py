@@ -52,12 +52,24 @@ def test_embed_lookup_gathers_rows_without_a_float32_copy_of_the_table(dtype):
     assert ("f32[96,64]" in hlo) == (dtype == "float32")
 
 
-def test_decode_layout_refuses_a_mixture_of_experts_model():
-    from jaxrl4llm.models import ConfigError, ModelConfig, abstract_model
-    from jaxrl4llm.models.decode import decode_weights
+@pytest.mark.parametrize("backend", [DecodeBackend(), CPU], ids=["xla", "cpu_fused"])
+def test_decode_layout_of_a_mixture_of_experts_model_prefills_as_the_forward(backend):
+    """The decode layout carries the router and experts; its prefill (expert form chosen for the
+    prefill phase) gives the training forward's last-token logits, on both weight layouts."""
+    from jaxrl4llm.models import ModelConfig, forward
+    from jaxrl4llm.models.causal_lm import init_model
+    from jaxrl4llm.models.decode import decode_weights, prefill
 
-    moe = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=0, num_layers=1,
+    moe = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=0, num_layers=2,
                       num_heads=2, num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=8)
-    with pytest.raises(ConfigError, match="sampling a mixture-of-experts model .* is not built yet"):
-        decode_weights(abstract_model(moe)[1], moe)
+                      moe_intermediate_size=8, dtype="float32")
+    graphdef, state = init_model(moe, jax.random.key(0), std=0.4)  # routes differ from token to token
+    layer = jax.eval_shape(lambda s: decode_weights(s, moe, backend), state)["layers"][0]
+    assert layer["expert_gate"].shape == (4, 16, 8) and "gate_up_t" not in layer
+    tokens = jnp.array([[0, 0, 5, 9, 3, 61], [7, 1, 2, 3, 4, 5]], jnp.int32)
+    mask = jnp.array([[0, 0, 1, 1, 1, 1], [1] * 6], jnp.int32)
+    logits, _ = jax.jit(lambda s: prefill(decode_weights(s, moe, backend), moe, tokens, mask, backend=backend))(state)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    expected, routes = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
+    assert len(np.unique(np.asarray(routes).reshape(-1, 2), axis=0)) > 2
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected[:, -1]), rtol=1e-5, atol=1e-5)

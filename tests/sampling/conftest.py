@@ -19,6 +19,10 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied head
     "qwen3": (transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=False)),  # q/k norm
     "llama": (transformers.LlamaConfig, dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
+    # Qwen3-MoE: Qwen3's attention, 8 experts, 2 per token, renormalised gate weights
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=24, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, norm_topk_prob=True,
+                                                    tie_word_embeddings=False)),
 }
 PROMPT_LENGTHS = (9, 4, 1, 6)
 
@@ -31,6 +35,8 @@ def tiny_hf_model(family: str, seed: int = 0):
                  bos_token_id=None, eos_token_id=None, pad_token_id=PAD, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    if family == "qwen3_moe":  # transformers' per-expert loop (its oracle), not grouped_mm
+        model.set_experts_implementation("eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.05 if "norm" in name else 0.15) + (1.0 if "norm" in name else 0.0))

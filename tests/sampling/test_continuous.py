@@ -304,7 +304,7 @@ def test_prefill_writes_the_prompts_kv_into_fresh_pages_and_draws_the_first_toke
     assert np.all(pages[2:] == 0)
     _, config, _, _ = qwen3
     padded = left_pad_prompts(prompts[:1], pad_token_id=PAD, length=T_STAGES, num_rows=1)
-    _, keys, values = prefill_kv(weights, config, jnp.asarray(padded.tokens), jnp.asarray(padded.mask),
+    _, keys, values, _ = prefill_kv(weights, config, jnp.asarray(padded.tokens), jnp.asarray(padded.mask),
                                  backend=engine.spec.backend)
     for layer_pool, layer_keys, layer_values in zip(state.pool, keys, values):
         for i in range(7):  # prompt token i: padded position T - 7 + i, page i // 4, offset i % 4
@@ -416,3 +416,45 @@ def test_refill_retires_finished_slots_admits_waiting_rows_and_every_page_comes_
     got = rows_of_half(engine, state, 0)
     for name in ("response_tokens", "lengths", "logprobs"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+
+
+def test_recorded_routes_are_the_forwards_expert_ids_of_every_prompt_and_fed_token(tmp_path_factory, key):
+    """A tiny Qwen3-MoE, greedy, 3 prompts x 2 rows on 4 slots (rows admitted as others finish),
+    pages of 4 tokens, per-row budgets: the prompt routes and the response routes (token t's at t,
+    for the tokens fed back) are the forward's expert ids over prompt + response, 0 elsewhere;
+    recording leaves the rollout as it was."""
+    from tests.sampling.conftest import load_family
+
+    _, config, graphdef, state = load_family("qwen3_moe", tmp_path_factory)
+    prompts = random_prompts(3, lengths=(6, 2, 9))
+    budgets = [7, 3, 1, 7, 5, 6]
+    run = lambda record: generate(graphdef, state, prompts, num_samples=2, max_new_tokens=7, greedy=True,
+                                  eos_token_ids=[], pad_token_id=PAD, rng=key, slots=4, kv_page_size=4,
+                                  decode_burst=3, row_max_new_tokens=budgets, record_routes=record)
+    plain, rollout = run(False), run(True)
+    assert plain.routes is None and plain.prompt_routes is None
+    assert_same_rows(rollout, plain)
+    routes, prompt_routes = np.asarray(rollout.routes), np.asarray(rollout.prompt_routes)
+    assert routes.shape == (6, 7, config.num_layers, 2) and routes.dtype == np.uint8
+    width = rollout.prompt_tokens.shape[1]  # the prompt bucket
+    assert prompt_routes.shape == (3, width, config.num_layers, 2) and prompt_routes.dtype == np.uint8
+
+    tokens = jnp.concatenate([rollout.prompt_tokens, rollout.response_tokens], axis=1)
+    mask = jnp.concatenate([rollout.prompt_mask, rollout.response_mask], axis=1).astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    _, expected = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
+    expected = np.asarray(expected)
+    prompt_mask, lengths = np.asarray(rollout.prompt_mask) > 0, np.asarray(rollout.lengths)
+    np.testing.assert_array_equal(lengths, budgets)
+    for n in range(6):
+        real = prompt_mask[n]
+        np.testing.assert_array_equal(prompt_routes[n // 2][real], expected[n, :width][real],
+                                      err_msg=f"prompt of row {n}")
+        assert np.all(prompt_routes[n // 2][~real] == 0)
+        fed = lengths[n] - 1  # the last token is never fed
+        np.testing.assert_array_equal(routes[n, :fed], expected[n, width:width + fed], err_msg=f"row {n}")
+        assert np.all(routes[n, fed:] == 0)
+    assert len(np.unique(expected.reshape(-1, 2), axis=0)) > 4  # the routes differ from token to token
+    with pytest.raises(ValueError, match="record_routes: routes are recorded .* by the continuous engine"):
+        generate(graphdef, state, prompts, num_samples=2, max_new_tokens=7, eos_token_ids=[], pad_token_id=PAD,
+                 rng=key, engine="static", record_routes=True)

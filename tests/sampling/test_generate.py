@@ -39,7 +39,8 @@ def teacher_forced_logprobs(graphdef, state, rollout, temperature=1.0):
     return jnp.take_along_axis(logp, rollout.response_tokens[..., None], axis=-1)[..., 0], logits[:, p - 1:-1]
 
 
-@pytest.mark.parametrize("family,max_new_tokens,block", [("qwen2", 24, None), ("qwen3", 33, 16), ("llama", 24, None)])
+@pytest.mark.parametrize("family,max_new_tokens,block", [("qwen2", 24, None), ("qwen3", 33, 16), ("llama", 24, None),
+                                                        ("qwen3_moe", 20, None)])
 def test_greedy_matches_transformers_token_for_token(family, max_new_tokens, block, tmp_path_factory, key):
     model, _, graphdef, state = load_family(family, tmp_path_factory)
     prompts = random_prompts(1)

@@ -53,3 +53,35 @@ def test_packed_trainer_rows_score_as_the_padded_ones(bf16_rollout):
     stats = agreement_stats(flat(logp), flat(packed.sampler_logp), flat(packed.loss_mask))
     assert int(stats["tokens"]) == int(np.asarray(batch.loss_mask).sum())
     assert float(stats["out_1"]) == 0.0 and float(stats["max_abs"]) < 1e-4, stats
+
+
+def test_the_log_prob_pass_replays_the_samplers_routes():
+    """trainer.router_replay=rollout: a batch built from a rollout with recorded routes scores as
+    score_tokens(routes=) with the forward's routes of the sampled sequences (what the sampler ran),
+    under changed weights too, where native routing would pick other experts."""
+    from jaxrl4llm.models import forward, score_tokens
+
+    config = ModelConfig(architecture="qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=0, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=16, dtype="float32")
+    graphdef, state = init_model(config, jax.random.PRNGKey(0), std=0.3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 128, size=n).tolist() for n in (5, 3)]
+    rollout = generate(graphdef, state, prompts, num_samples=2, max_new_tokens=8, temperature=1.0, eos_token_ids=[1],
+                       pad_token_id=0, rng=jax.random.PRNGKey(1), record_routes=True)
+    batch = rollout_to_batch(rollout, compute_advantages(jnp.zeros(4, jnp.float32), 2, LITE_PPO))
+    tokens = jnp.concatenate([rollout.prompt_tokens, rollout.response_tokens], axis=1)
+    mask = jnp.concatenate([rollout.prompt_mask, rollout.response_mask], axis=1).astype(jnp.int32)
+    _, ran = forward(graphdef, state, tokens, positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0),
+                     attention_mask=mask, return_routes=True)
+    _, updated = init_model(config, jax.random.PRNGKey(2), std=0.3)  # other weights (the same compiled init)
+    logp, _ = jax.jit(make_logprob_pass(make_logprob_fn(graphdef, 1.0, 128), 1))(updated, batch)
+    score = lambda routes: score_tokens(graphdef, updated, batch.input_tokens, batch.targets,
+                                        positions=batch.positions, attention_mask=batch.attention_mask,
+                                        routes=routes)[0]
+    counted = np.asarray(batch.loss_mask) > 0
+    assert counted.sum() > 10
+    np.testing.assert_allclose(np.asarray(logp)[counted], np.asarray(score(ran[:, :-1]))[counted], rtol=1e-5,
+                               atol=1e-5)
+    native = np.asarray(score(None))[counted]
+    assert np.abs(native - np.asarray(logp)[counted]).max() > 1e-3  # replay is not native routing here

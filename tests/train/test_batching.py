@@ -50,3 +50,28 @@ def test_merge_groups_takes_the_picked_groups_in_order_and_pads_prompts_left():
     np.testing.assert_array_equal(np.asarray(merged.prompt_mask)[2], [0, 0, 0, 1])
     np.testing.assert_array_equal(np.asarray(merged.prompt_tokens)[0], [102] * 4)
     assert merge_groups([(a, 0), (a, 1)], group_size=2, pad_id=-1) is a  # one draw in order: no copy
+
+
+def test_routes_are_aligned_with_the_input_tokens_and_merged_groups_keep_them():
+    """Router replay: position i of the batch feeds token i of prompt + response, so it carries
+    that token's route: the prompt's (one per prompt, shared by its G rows), then the response's."""
+    n, g, layers, k = 4, 2, 1, 2
+    rollout = _draw(2, 0)._replace(
+        prompt_routes=np.arange(2 * 2 * layers * k, dtype=np.uint8).reshape(2, 2, layers, k),  # 2 prompts
+        routes=(100 + np.arange(n * 3 * layers * k)).astype(np.uint8).reshape(n, 3, layers, k))
+    adv = compute_advantages(np.array([1.0, 0.0, 1.0, 1.0], np.float32), g, LITE_PPO)
+    routes = np.asarray(rollout_to_batch(rollout, adv).routes)
+    assert routes.shape == (n, 2 + 3 - 1, layers, k) and routes.dtype == np.uint8
+    for row in range(n):
+        np.testing.assert_array_equal(routes[row, :2], rollout.prompt_routes[row // g])
+        np.testing.assert_array_equal(routes[row, 2:], rollout.routes[row, :2])  # the last token feeds nothing
+    assert rollout_to_batch(_draw(2, 0), adv).routes is None
+
+    wide = _draw(4, 100)._replace(prompt_routes=np.full((2, 4, layers, k), 7, np.uint8),
+                                  routes=np.full((n, 3, layers, k), 9, np.uint8))
+    merged = merge_groups([(wide, 1), (rollout, 0)], group_size=g, pad_id=-1)
+    merged_routes = np.asarray(rollout_to_batch(merged, adv).routes)
+    np.testing.assert_array_equal(merged_routes[:2, :4], 7)
+    np.testing.assert_array_equal(merged_routes[2:, :2], 0)  # the narrower prompt's new left padding
+    np.testing.assert_array_equal(merged_routes[2:, 2:4], np.repeat(rollout.prompt_routes[:1], 2, axis=0))
+    np.testing.assert_array_equal(merged_routes[2:, 4:], rollout.routes[:2, :2])

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from jaxrl4llm.train.config import load_config
-from jaxrl4llm.train.layout import model_config_from_fields, single_optimizer_step
+from jaxrl4llm.train.layout import model_config_from_fields, packing_layout, replays_routes, shared_prompt_group, \
+    single_optimizer_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,3 +126,26 @@ def test_a_run_with_packing_auto_logs_its_row_form_and_writes_it_to_layout_json(
     layout = json.loads((tmp_path / "run" / "layout.json").read_text())
     assert layout["row_form"] in ("padded", "shared_prompt", "packed") and layout["row_form_reason"]
     assert any(line.startswith(f"row form: {layout['row_form'].replace('_', '-')} (trainer.packing=auto") for line in lines)
+
+
+def test_router_replay_runs_on_padded_rows_of_a_mixture_of_experts_model():
+    """trainer.router_replay=rollout: padded rows (auto packing and prompt sharing step aside), a
+    ConfigError naming the setting for a dense model, packing=true, share_prompt=true, partial rollouts."""
+    from jaxrl4llm.models import ModelConfig
+    from jaxrl4llm.train.config import ConfigError
+
+    moe = ModelConfig(architecture="qwen3_moe", intermediate_size=0, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16)
+    replay = ["trainer.router_replay=rollout"]
+    assert not replays_routes(load_config(None, []), moe)
+    cfg = load_config(None, replay)
+    assert replays_routes(cfg, moe)
+    assert packing_layout(cfg, True, 1, 32, print) is None and shared_prompt_group(cfg, True, 1) is None
+    for extra, named in ((["model.architecture=qwen3"], "this model is dense"),
+                         (["trainer.packing=true"], "not with trainer.packing=true"),
+                         (["trainer.share_prompt=true"], "not with trainer.share_prompt=true"),
+                         (["rollout.partial=true", "trainer.max_staleness=1"], "not with rollout.partial=true")):
+        with pytest.raises(ConfigError, match=named):
+            replays_routes(load_config(None, replay + extra), ModelConfig() if "dense" in named else moe)
+    with pytest.raises(ConfigError, match="choose one of 'off', 'rollout'"):
+        load_config(None, ["trainer.router_replay=native"])

@@ -68,6 +68,12 @@ def top_k_route(probs: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Arr
     return replay_route(probs, ids, norm_topk_prob), ids.astype(jnp.int32)
 
 
+def route_dtype(num_experts: int):
+    """The narrowest integer dtype that holds an expert id of `num_experts`: what recorded routes
+    are stored in (uint8 up to 256 experts, uint16 up to 65536, else int32)."""
+    return jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.int32
+
+
 # ---------------------------------------------------------------------------- experts
 def _reference(x, expert_ids, gate_weights, experts: Experts, dtype):
     """y = sum_e c[:, e] * FFN_e(x), one expert at a time; c [N, E] the combine weights."""
@@ -127,6 +133,27 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gate_weights: jax.Array, exp
     return _FORMS[ExpertForm(form)](x, expert_ids, gate_weights, experts, jnp.dtype(dtype))
 
 
+def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_topk_prob: bool, form: str,
+            dtype, routes: jax.Array | None = None, phase: str = "train") -> tuple[jax.Array, jax.Array]:
+    """The layer's feed-forward: (y [B, T, D] float32, expert ids [B, T, k] int32) of h [B, T, D]:
+    the router's top k, or `routes` [B, T, k] replayed (gate weights from the router's full softmax).
+
+    router [D, E]; form: an `ExpertForm` name or "auto" (`kernels.choice.expert_form_for` for the
+    compiling platform and `phase`: "train", "prefill" or "decode"). The training forward (`MoE`) and
+    the sampler's decode layout (`models.decode.FusedLayer`) both run this."""
+    b, t, d = h.shape
+    x = h.reshape(b * t, d)
+    probs = router_probs(x, router)
+    if routes is None:
+        w, ids = top_k_route(probs, k, norm_topk_prob)
+    else:
+        ids = routes.reshape(b * t, k).astype(jnp.int32)
+        w = replay_route(probs, ids, norm_topk_prob)
+    form = expert_form_for(compile_platform(), phase).kernel if form == "auto" else form
+    y = expert_ffn(x, ids, w, experts, form, dtype)
+    return y.reshape(b, t, d), ids.reshape(b, t, k)
+
+
 # ---------------------------------------------------------------------------- the module
 class MoE(nnx.Module):
     """router [D, E] ("embed", None); experts gate_proj, up_proj [E, D, I] ("expert", "embed",
@@ -146,17 +173,7 @@ class MoE(nnx.Module):
 
     def __call__(self, h: jax.Array, routes: jax.Array | None = None, phase: str = "train"
                  ) -> tuple[jax.Array, jax.Array]:
-        """(y [B, T, D] float32, expert ids [B, T, k] int32) of h [B, T, D]: the router's top k,
-        or `routes` [B, T, k] replayed (gate weights from the router's full softmax)."""
-        b, t, d = h.shape
-        x = h.reshape(b * t, d)
-        probs = router_probs(x, self.router[...])
-        if routes is None:
-            w, ids = top_k_route(probs, self.k, self.norm_topk_prob)
-        else:
-            ids = routes.reshape(b * t, self.k).astype(jnp.int32)
-            w = replay_route(probs, ids, self.norm_topk_prob)
-        form = expert_form_for(compile_platform(), phase).kernel if self.form == "auto" else self.form
+        """`moe_ffn` over this layer's weights."""
         experts = Experts(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-        y = expert_ffn(x, ids, w, experts, form, self.dtype)
-        return y.reshape(b, t, d), ids.reshape(b, t, self.k)
+        return moe_ffn(h, self.router[...], experts, k=self.k, norm_topk_prob=self.norm_topk_prob, form=self.form,
+                       dtype=self.dtype, routes=routes, phase=phase)
