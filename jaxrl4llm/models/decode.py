@@ -225,14 +225,13 @@ def decode_weights(state, config: ModelConfig, backend: DecodeBackend = DecodeBa
     axes = {key: tuple(v.get_value()) for key, v in flat_state(logical_axes(state)).items()}
     kvh, hg, dh = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
     b = backend
-    layers = []
+    layers, dense = [], not config.num_experts
     for i in range(config.num_layers):
         layer = {name: b.constrain(flat["layers/" + path][i], axes["layers/" + path][1:])
                  for name, path in _NORMS_AND_BIASES.items() if "layers/" + path in flat}
         w = lambda path: flat["layers/" + path + "/kernel"][i].astype(dtype)
         q, k, v = w("attn/q_proj"), w("attn/k_proj"), w("attn/v_proj")
         d = q.shape[0]
-        dense = not config.num_experts
         if b.fused_projections:
             qkv = jnp.concatenate([q.reshape(d, kvh, hg, dh), k[:, :, None], v[:, :, None]], axis=2)
             layer["qkv_t"] = b.prepare_weight(b.constrain(qkv.reshape(d, -1).T, MATMUL_AXES["qkv_t"]))
