@@ -4,7 +4,9 @@
 # (the default) with its test extras too (~3 GB). A venv keeps what it has: the demo after the
 # tests installs nothing, the tests after the demo add their extras. Re-installs when
 # pyproject.toml changed since the last install or when the tests find a demo-only venv.
-# pip's output goes to .venv/install.log; on a failure its tail is printed.
+# pip's output goes to .venv/install.log; on a failure its tail is printed. --no-compile: pip
+# writes no bytecode for the ~20,000 modules it installs (torch, jax, transformers: ~80 s of a fresh
+# test venv's ~150 s on 2 cores); Python writes it on first import, for the modules a run imports.
 # VENV=<folder> and PYTHON=<interpreter> pick another venv and the interpreter that creates it
 # (.ci/run: VENV=.venv312 PYTHON=$(scripts/find_python.sh 3.12)); defaults: .venv, python3.
 set -euo pipefail
@@ -60,11 +62,11 @@ if [ "$have_hash" != "$hash" ] || { [ "$want" = test ] && [ "$have" != test ]; }
     echo "installing jaxrl4llm and its test extras into $VENV (log: $log)"
     # torch is a test-time oracle only; pinning it keeps pip on the local CPU wheel where there is one
     # (Python 3.11 here; for 3.12 pip takes PyPI's CUDA build, ~3 GB with its nvidia wheels).
-    run_logged "$VENV/bin/python" -m pip install "torch==2.13.0"
-    run_logged "$VENV/bin/python" -m pip install -e ".[test]"
+    run_logged "$VENV/bin/python" -m pip install --no-compile "torch==2.13.0"
+    run_logged "$VENV/bin/python" -m pip install --no-compile -e ".[test]"
   else
     echo "installing jaxrl4llm into $VENV (log: $log)"
-    run_logged "$VENV/bin/python" -m pip install -e .
+    run_logged "$VENV/bin/python" -m pip install --no-compile -e .
   fi
   echo "$hash $want" > "$stamp"
 fi
