@@ -97,7 +97,7 @@ def one_device_mesh():
 def update_batch(run, state, rollout):
     """The update's batch of `rollout` with random 0/1 rewards, as the loop builds it."""
     rewards = np.random.default_rng(0).integers(0, 2, int(rollout.lengths.shape[0])).astype(np.float32)
-    return build_batch(run, state, rollout, rewards)[0]
+    return build_batch(run, state, rollout, rewards, 0)[0]
 
 
 def runs_logprob_pass(run) -> bool:

@@ -23,6 +23,8 @@ Entropy:      Clip-Cov / KL-Cov (arXiv 2505.22617): token_covariance, clip_cov_m
 Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES, prompt_weights
 KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
 Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
+Routing:      a mixture of experts' routes compared (router replay's metrics): route_disagreement,
+              expert_load, load_imbalance
 Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL, PRESETS,
               compute_advantages, policy_loss, policy_loss_from_rewards
 """
@@ -74,6 +76,9 @@ from jaxrl4llm.core.recipes import Recipe
 from jaxrl4llm.core.recipes import compute_advantages
 from jaxrl4llm.core.recipes import policy_loss
 from jaxrl4llm.core.recipes import policy_loss_from_rewards
+from jaxrl4llm.core.routing import expert_load
+from jaxrl4llm.core.routing import load_imbalance
+from jaxrl4llm.core.routing import route_disagreement
 from jaxrl4llm.core.surrogate import SurrogateOutput
 from jaxrl4llm.core.surrogate import SurrogateStats
 from jaxrl4llm.core.surrogate import broadcast_advantages
@@ -103,4 +108,5 @@ __all__ = [
     "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
     "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "scale_rewards", "sapo_surrogate", "token_logprobs",
     "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",
+    "expert_load", "load_imbalance", "route_disagreement",
 ]

@@ -23,6 +23,7 @@ from jaxrl4llm.models.causal_lm import merge
 from jaxrl4llm.models.causal_lm import model_class
 from jaxrl4llm.models.causal_lm import positions_from_mask
 from jaxrl4llm.models.causal_lm import score_tokens
+from jaxrl4llm.models.causal_lm import score_tokens_with_routes
 from jaxrl4llm.models.layers.linear import LORA_TARGETS
 from jaxrl4llm.models.layers.linear import LoraSettings
 from jaxrl4llm.models.lora import add_lora

@@ -348,7 +348,6 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
 
 def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0,
            prompt_group=1, segment_ids=None, routes=None):
-    inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     own = hasattr(model, "hidden_states") and hasattr(model, "logits")  # else: a module that returns logits
     if routes is not None and (prompt_group > 1 or not own):
         raise ValueError("routes (expert ids) are scored with prompt_group=1 on jaxrl4llm's CausalLM only")
@@ -373,6 +372,13 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
         h = model.hidden_states(tokens, positions, attention_mask, routes=routes)[:, first_scored:]
     else:
         h = (model.hidden_states if own else model)(tokens, positions, attention_mask)[:, first_scored:]
+    return _score_head(model, h, targets, temperature, chunk_size, first_scored, own)
+
+
+def _score_head(model, h, targets, temperature, chunk_size, first_scored=0, own=True):
+    """(logp, entropy) [B, T] of hidden states h [B, T - first_scored, D] (logits: `model.logits`,
+    or h itself for a module that returns logits), 0 before `first_scored`."""
+    inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
     if own:
         head = lambda hc: constrain(model.logits(hc), LOGITS_AXES) * inv_temperature
     else:
@@ -385,3 +391,18 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
         return logp, entropy
     pad = lambda x: jnp.pad(x, ((0, 0), (first_scored, 0)))
     return pad(logp), pad(entropy)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "first_scored"))
+def score_tokens_with_routes(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"],
+                             *, positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
+                             chunk_size: int = 128, first_scored: int = 0
+                             ) -> tuple[Float[Array, "B T"], Int[Array, "B T L K"]]:
+    """(log p(targets) [B, T], routes [B, T, L, k] int32) of a mixture-of-experts model routing
+    natively: `score_tokens`' log-probs (no replay) and the experts each layer's router chose for each
+    position (top k of its softmax). What router replay's metrics compare with the sampler's routes
+    and log-probs (`core.routing`)."""
+    model = merge(graphdef, state)
+    h, routes = model.hidden_states_and_routes(tokens, positions, attention_mask)
+    logp, _ = _score_head(model, h[:, first_scored:], targets, temperature, chunk_size, first_scored)
+    return logp, routes

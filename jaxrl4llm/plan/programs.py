@@ -41,6 +41,7 @@ from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend
 from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
+from jaxrl4llm.models.layers.moe import route_dtype
 from jaxrl4llm.models.layers.segment_attention import DEFAULT_BLOCKS, kernel_attention_flops
 from jaxrl4llm.models.lora import plain_graphdef
 from jaxrl4llm.models.remat import saved_floats_per_token
@@ -59,7 +60,7 @@ from jaxrl4llm.sampling.gpu_paged_attention import dot_rows as gpu_kernel_dot_ro
 from jaxrl4llm.sampling.memory import (SIZING_SHARE, continuous_memory, decode_memory, decode_sizing, prompts_per_chunk,
                                        slots_that_fit, weights_program_memory)
 from jaxrl4llm.train.config import ConfigError, RunConfig
-from jaxrl4llm.train.layout import (RunLayout, lora_settings, mesh_dims, model_config_from_fields,
+from jaxrl4llm.train.layout import (RunLayout, lora_settings, mesh_dims, model_config_from_fields, replays_routes,
                                     run_layout, sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.packing import expected_micro_batches, packed_abstract
 from jaxrl4llm.train.policy import make_logprob_fn
@@ -366,7 +367,7 @@ class RunPlan:
         """6 N (real prompt + response tokens of the step's rows) / (step seconds x chips x peak):
         the work a padding-free trainer must do, over what the step takes."""
         tokens = self.rows * (self.prompt_tokens + self.mean_response)
-        return 6 * self.model.num_params * tokens / (self.step_seconds * self.chips * self.chip.peak_flops) \
+        return 6 * self.model.num_active_params * tokens / (self.step_seconds * self.chips * self.chip.peak_flops) \
             if self.step_seconds else 0.0
 
     @property
@@ -498,7 +499,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         copy = per_chip_bytes(ins.sampler_params)
         sampler.update(own_chips=own.size, trainer_chips=ins.mesh.size, max_staleness=cfg.trainer.max_staleness,
                        weight_copy_bytes=copy, weight_copy_seconds=copy / ins.chip.ici_bandwidth)
-    n, epochs = ins.config.num_params, cfg.trainer.ppo_epochs
+    n, epochs = ins.config.num_active_params, cfg.trainer.ppo_epochs
     plan = RunPlan(*shape, programs, sampler, extra["group"], chips=ins.mesh.size + (own.size if own is not None else 0),
                    decode=decode, trainer_positions=extra["tokens"], packing=extra["packing"],
                    attention_kernel=extra["kernel"], layout=ins.layout,
@@ -569,7 +570,8 @@ def plan_continuous_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizin
     cfg, config = ins.cfg, ins.config
     g_samples, ddp, dtp = cfg.rollout.samples_per_prompt, sizing["data_parallel"], sizing["tensor_parallel"]
     num_prompts = bucket(cfg.rollout.prompts_per_step, BATCH_BUCKETS, multiple_of=ddp)
-    fitting_slots = slots_that_fit(config, budget, prompts=num_prompts, **sizing)
+    routes = replays_routes(cfg)
+    fitting_slots = slots_that_fit(config, budget, prompts=num_prompts, record_routes=routes, **sizing)
     attention = ins.layout.decode_attention.kernel if ins.layout is not None else decode_attention_choice(
         config, mesh_devices(dmesh), cpu_kernels=False, requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
         engine=cfg.rollout.engine, tensor_parallel=dmesh.shape["tensor"]).kernel  # the layout's, else its rule
@@ -577,10 +579,10 @@ def plan_continuous_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizin
                            max_new_tokens=ins.response_len, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                            greedy=False, use_kernels=False, page_size=PAGE_SIZE, burst=cfg.rollout.decode_burst,
                            slots=fitting_slots if cfg.rollout.slots == "auto" else int(cfg.rollout.slots),
-                           attention=attention)
+                           attention=attention, record_routes=routes)
     analytic = continuous_memory(config, prompts=num_prompts, slots=spec.slots, samples=g_samples,
                                  prompt_len=ins.prompt_len, max_new_tokens=ins.response_len, data_parallel=ddp,
-                                 tensor_parallel=dtp, embed_dtype=sizing["embed_dtype"])
+                                 tensor_parallel=dtp, embed_dtype=sizing["embed_dtype"], record_routes=routes)
     args = decode_arguments(ins, dmesh, num_prompts)
     plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(weights, *args, spec=spec),
                                   analytic, 0.0, dmesh, ins.log)
@@ -625,6 +627,9 @@ def trainer_arguments(ins: PlanInputs) -> tuple:
                   ref_logp=((rows, seq), jnp.float32), sampler_logp=((rows, seq), jnp.float32),
                   advantages=((rows,), jnp.float32), row_weights=((rows,), jnp.float32),
                   denominator_weights=((rows,), jnp.float32))
+    if replays_routes(ins.cfg):  # the sampler's expert ids of every position, replayed (train/batching.py)
+        c = ins.config
+        shapes["routes"] = ((rows, seq, c.num_layers, c.num_experts_per_tok), route_dtype(c.num_experts))
     return TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()}), seq
 
 
@@ -646,7 +651,7 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
                                   {"parameters": param_bytes, "batch": batch_bytes,
                                    "activations": work["layer"] + work["head"] + work["attention"]
                                    + 2 * ins.rows * seq * 4 // work["data_parallel"]},
-                                  2 * config.num_params * work["tokens"] / mesh.size, mesh, ins.log)
+                                  2 * config.num_active_params * work["tokens"] / mesh.size, mesh, ins.log)
     old_pass = cfg.trainer.old_logp_source == "recompute" and not settings.old_logp_from_update
     plan_l.runs = int(old_pass) + int(cfg.trainer.reference_model or recipe.kl_coef > 0)  # pi_old, pi_ref
     plan_l.kernel_flops = kernel_flops_of(kernel, "logprob pass", work["micro"])
@@ -658,7 +663,7 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
                                    "batch": batch_bytes,
                                    "activations": (residuals + saved if config.remat else 3 * residuals)
                                    + 2 * work["layer"] + work["head"] + 2 * work["attention"]},
-                                  6 * config.num_params * work["tokens"] * cfg.trainer.ppo_epochs / mesh.size, mesh,
+                                  6 * config.num_active_params * work["tokens"] * cfg.trainer.ppo_epochs / mesh.size, mesh,
                                   ins.log)
     plan_u.kernel_flops = kernel_flops_of(kernel, "update", work["micro"])
     ins.price(plan_u, compiled_u)
@@ -774,7 +779,7 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     prompt_tokens = float(min(prompt_tokens, plan.prompt_len))
     mean_response = float(np.mean(lengths.sample(4096, plan.response_len, np.random.default_rng(0))))
     programs = [dataclasses.replace(p) for p in plan.programs]
-    n = plan.model.num_params
+    n = plan.model.num_active_params  # the FLOPs a token costs: a mixture of experts runs k of its E experts
     # of the positions a trainer pass runs, the real ones: a row's prompt (once per group when shared) and response
     real = plan.rows * (prompt_tokens / (plan.prompt_group or 1) + mean_response - 1)
     positions = plan.trainer_positions
@@ -944,7 +949,8 @@ def _seconds(x: float) -> str:
 
 def format_plan(plan: RunPlan) -> str:
     c = plan.model
-    lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params on {plan.topology} "
+    active = f" ({c.num_active_params / 1e9:.2f}B active a token)" if c.num_experts else ""
+    lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params{active} on {plan.topology} "
              f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
              f"{plan.prompt_len} prompt + {plan.response_len} response tokens",
              f"chip: {plan.chip.peak_flops / 1e12:.1f} TFLOP/s bf16, {plan.chip.hbm_bandwidth / 1e9:.0f} GB/s memory "
@@ -1086,7 +1092,8 @@ def plan_to_dict(plan: RunPlan) -> dict:
     return {
         "topology": plan.topology, "mesh": plan.mesh, "hbm_bytes_per_chip": plan.chip.hbm, "fits": plan.fits,
         "chip": plan.chip._asdict(),
-        "model_params": plan.model.num_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
+        "model_params": plan.model.num_params,
+        "model_active_params": plan.model.num_active_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
         "response_len": plan.response_len, "sampler": plan.sampler, "side_seconds": plan.side_seconds,
         "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,

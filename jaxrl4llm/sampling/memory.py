@@ -26,6 +26,7 @@ import math
 import jax.numpy as jnp
 
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.layers.moe import route_bytes
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import PAGE_SIZE, shard_sizes
 from jaxrl4llm.sampling.decode_loop import block_size_for
@@ -122,7 +123,7 @@ def prompts_per_chunk(config: ModelConfig, budget_bytes: float, *, prompts: int,
 
 def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples: int, prompt_len: int,
                       max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
-                      page_size: int | None = None) -> dict:
+                      page_size: int | None = None, record_routes: bool = False) -> dict:
     """Per-chip bytes of the continuous sampler (`sampling.continuous`) by category.
 
     page pool      2 L (1 + S_d ceil((page-1 + R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
@@ -133,6 +134,11 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
                    residual, its norm and the two outputs; while the pool is held)
     per-row tables N R (4 uniforms + 12 tokens and two log-probs) / dp             (every row's outputs)
     score row      S_d H (pages of a slot) page 4 / tp                              (one layer's, float32)
+    routes         (N R + P T) L k b / dp    (`record_routes`: a mixture-of-experts model's expert ids of
+                   every response and prompt token, b bytes an id: `models.layers.moe.route_bytes`)
+
+A mixture-of-experts layer's prefill holds k expert intermediates a token (3 k I for F: the ragged
+form's sorted copies of the token's k (token, expert) pairs).
 
     XLA's TPU compile holds the pool once (Qwen3-8B's rollout shard on v5p, 64 slots, tp 4: 22.4
     GiB of temporaries for a 20.3 GiB pool, ours/XLA 0.97 in all; 39.4 GiB before). The extra came
@@ -149,26 +155,30 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
     width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
     rows = math.ceil(prompts / data_parallel) * samples
     pool = width * sizes.pool_pages * page // tensor_parallel
-    per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * c.intermediate_size // tensor_parallel \
-        + 4 * c.hidden_size
-    return {
+    ffn = c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else c.intermediate_size
+    per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * ffn // tensor_parallel + 4 * c.hidden_size
+    memory = {
         "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),
         "page pool": pool,
         "prefill": at_once * prompt_len * per_token * 4,
         "per-row tables": rows * max_new_tokens * 16,
         "score row": per_shard * c.num_heads * (tp_pages + rp_pages) * page * 4 // tensor_parallel,
     }
+    if record_routes:
+        prompts_here = math.ceil(prompts / data_parallel)
+        memory["routes"] = (rows * max_new_tokens + prompts_here * prompt_len) * route_bytes(config)
+    return memory
 
 
 def slots_that_fit(config: ModelConfig, budget_bytes: float, *, prompts: int, samples: int, prompt_len: int,
                    max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
-                   **unused) -> int:
+                   record_routes: bool = False, **unused) -> int:
     """`rollout.slots: auto`: the most slots (all rows at most, a multiple of data_parallel, at least
     one per shard) whose `continuous_memory` fits `budget_bytes` per chip."""
     def fits(per_shard: int) -> bool:
         used = continuous_memory(config, prompts=prompts, slots=per_shard * data_parallel, samples=samples,
                                  prompt_len=prompt_len, max_new_tokens=max_new_tokens, data_parallel=data_parallel,
-                                 tensor_parallel=tensor_parallel, embed_dtype=embed_dtype)
+                                 tensor_parallel=tensor_parallel, embed_dtype=embed_dtype, record_routes=record_routes)
         return sum(used.values()) <= budget_bytes
 
     lo, hi = 1, math.ceil(prompts / data_parallel) * samples

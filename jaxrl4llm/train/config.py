@@ -93,6 +93,9 @@ class ModelConfigSection:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # a mixture-of-experts model's routers stay as loaded: no update, no weight decay (NeMo-RL's GRPO
+    # default); the experts and everything else train
+    freeze_router: bool = False
 
 
 @dataclasses.dataclass
@@ -348,6 +351,11 @@ class TrainerConfig:
     # old-log-prob and update passes force them (`score_tokens(routes=)`); the reference pass routes
     # natively. Padded rows only (not with packing, shared-prompt rows or rollout.partial).
     router_replay: Literal["off", "rollout"] = "off"
+    # With router replay, every this many steps a forward pass with the trainer's own routes measures
+    # what replay closes (`train.step.make_routing_pass`): route_disagreement (the share of (token,
+    # layer) pairs whose experts differ from the sampler's), expert_load_max_over_mean and
+    # sampler_trainer_logp_gap_native. 0: never (no extra pass).
+    router_metrics_every: int = 1
     reference_model: bool = False
     seed: int = 0
     out_dir: str = "runs/default"
@@ -632,6 +640,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.max_staleness": (lambda v: v >= 0, ">= 0 (0 = synchronous)"),
     "eval.samples": _POSITIVE, "eval.temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "eval.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "eval.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "trainer.router_metrics_every": (lambda v: v >= 0, ">= 0 (0: no routing metrics pass)"),
     "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),

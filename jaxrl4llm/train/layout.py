@@ -207,14 +207,18 @@ def single_optimizer_step(cfg: RunConfig) -> bool:
 
 def replays_routes(cfg: RunConfig, model_config=None) -> bool:
     """Whether the run replays the sampler's routes (`trainer.router_replay: rollout`), checked: a
-    mixture-of-experts model (when `model_config` is known) on padded rows, without partial
-    rollouts; a ConfigError names the setting to change. The row forms' rules read it here."""
+    mixture-of-experts model (when `model_config` is known), the continuous engine (the one that
+    records them), padded rows, no partial rollouts; a ConfigError names the setting to change. The
+    row forms' rules, the loop's sampler and `plan` read it here."""
     t = cfg.trainer
     if t.router_replay != "rollout":
         return False
     if model_config is not None and not getattr(model_config, "num_experts", 0):
         raise ConfigError("trainer.router_replay=rollout replays a mixture-of-experts model's routes; this model is "
                           "dense: set trainer.router_replay=off")
+    if cfg.rollout.engine != "continuous":
+        raise ConfigError(f"trainer.router_replay=rollout replays the routes the continuous sampler records; "
+                          f"rollout.engine={cfg.rollout.engine} records none: set rollout.engine=continuous")
     for setting, on in (("trainer.packing=true", t.packing is True), ("trainer.share_prompt=true", t.share_prompt is True),
                         ("rollout.partial=true", cfg.rollout.partial)):
         if on:
@@ -375,6 +379,9 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
     kernel, saying why."""
     own_model = model_config is not None
     replays_routes(cfg, model_config)  # trainer.router_replay's requirements, before the row form is chosen
+    if cfg.model.freeze_router and model_config is not None and not model_config.num_experts:
+        raise ConfigError("model.freeze_router freezes a mixture-of-experts model's routers; this model is dense: "
+                          "set model.freeze_router=false")
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = micro_batches(cfg, rows, dp)

@@ -37,8 +37,8 @@ from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import (MetricsWriter, all_same_groups, check_loggers, length_cv, most_clipped_tokens,
                                      open_loggers, truncated_kinds, write_lengths)
-from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, run_layout, sampler_mesh_for,
-                                    split_for_sampler)
+from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, replays_routes, run_layout,
+                                    sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
 from jaxrl4llm.train.preemption import Preempted, resume_from_checkpoint, stop_requested
 from jaxrl4llm.train.programs import TrainerPrograms, loss_fn_for, trainer_programs
@@ -150,7 +150,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         rollout = policy.generate([prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                   rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len,
-                                  record_routes=cfg.trainer.router_replay == "rollout")
+                                  record_routes=replays_routes(cfg))
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
         if on_params_read is not None and draws == max_draws:
@@ -286,6 +286,7 @@ class Run:
     sampler_params: Any = None  # the trainable parameters' shardings on sampler_mesh (fsdp over its devices)
     sampler_frozen: Any = None  # the frozen base (LoRA) on sampler_mesh, moved there once
     programs: TrainerPrograms | None = None  # the jitted trainer programs (train/programs.py) that `update` / `logprob_pass` run
+    routing_pass: Callable | None = None  # (params, batch) -> router replay's metrics (`routing_metrics`), or None
 
 
 def sampler_policy(run: Run, state) -> Policy:
@@ -304,19 +305,20 @@ def trainer_rows(run: Run, rollout):
     return jax.tree.map(lambda x: jax.device_put(x, run.batch_shardings[0]), rollout)
 
 
-def update_while_sampling(run: Run, state, rollout, rewards, sample_next: Callable | None):
+def update_while_sampling(run: Run, state, rollout, rewards, sample_next: Callable | None, step: int):
     """An asynchronous step's update of `state` on (rollout, rewards), overlapped with
     sample_next(policy, on_params_read) drawing a later step's rollout from the same `state`:
     on the sampler's own devices the update is dispatched first (the sampler reads a copy of the
     parameters); on shared devices once the sampler has read the parameters for the last time, so
-    the rewards score while it runs. Returns (dispatch time, (batch, adv, state, metrics, clipped))."""
+    the rewards score while it runs. Returns (dispatch time, (batch, adv, state, metrics, clipped,
+    router replay's metrics))."""
     updated = {}
 
     def dispatch():  # asynchronous dispatch: returns before the update has run
         if not updated:
             updated["t"] = time.perf_counter()
-            batch, adv = build_batch(run, state, rollout, rewards)
-            updated["out"] = (batch, adv, *run.update(state, batch))
+            batch, adv, routing = build_batch(run, state, rollout, rewards, step)
+            updated["out"] = (batch, adv, *run.update(state, batch), routing)
 
     if sample_next is not None:
         policy = sampler_policy(run, state)  # own devices: a copy, taken before the update donates the state
@@ -361,8 +363,11 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
     if layout.decode_attention is not None:  # the sampler runs the layout's kernel (kernels.choice: decided once)
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings = layout.update
+    route_metrics = replays_routes(cfg) and cfg.trainer.router_metrics_every > 0
     programs = trainer_programs(cfg, mesh, logprob_fn=policy.logprob_fn, settings=settings, params=policy.params,
-                                frozen=policy.frozen, recipe=recipe)
+                                frozen=policy.frozen, recipe=recipe,
+                                routing_fn=policy.routing_fn if route_metrics else None,
+                                num_experts=policy.config.num_experts if route_metrics else 0)
     state = programs.init_state(policy.params, policy.frozen)
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
@@ -370,6 +375,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         reward_fn=reward_fn,
         # under the mesh context the model constrains its activations (rows over data x fsdp)
         update=_in_mesh(programs.update, mesh), logprob_pass=_in_mesh(programs.logprob_pass, mesh),
+        routing_pass=None if programs.routing_pass is None else _in_mesh(programs.routing_pass, mesh),
         make_batch=batch_program(lambda r, t, l: compute_advantages(
             scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l),
             programs.batch_shardings, sampled_logp=recipe.sampler_logp_kind == "sampled"),
@@ -398,10 +404,11 @@ def pack_step(run: Run, rollout, batch):
     return run.pack(batch, plan)
 
 
-def build_batch(run: Run, state, rollout, rewards: np.ndarray):
+def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
     """Advantages of the rows and the train batch, with the current policy's log-probs as
     old_logp (`trainer.old_logp_source: recompute`; a single-step update scores them itself:
-    UpdateSettings.old_logp_from_update) and the reference's when needed."""
+    UpdateSettings.old_logp_from_update) and the reference's when needed; and router replay's
+    metrics of the current policy on the batch (`routing_metrics`: {} on other steps and runs)."""
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch lands on the trainer's
     batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32))
     if run.pack is not None:
@@ -412,7 +419,16 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray):
     if run.ref_params is not None:  # the reference routes natively (no replay of the sampler's routes)
         ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch._replace(routes=None))
         batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
-    return batch, adv
+    return batch, adv, routing_metrics(run, state, batch, step)
+
+
+def routing_metrics(run: Run, state, batch, step: int) -> dict:
+    """Router replay's metrics (`train.step.make_routing_pass`: the current policy's own routes and
+    log-probs against the sampler's) every `trainer.router_metrics_every` steps; {} otherwise."""
+    every = run.cfg.trainer.router_metrics_every
+    if run.routing_pass is None or not every or step % every:
+        return {}
+    return run.routing_pass(join_params(state.params, state.frozen), batch)
 
 
 @jax.jit
@@ -641,7 +657,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
                 run.policy.with_state(state), run.train_set, stream, cfg, jax.random.fold_in(run.base_key, step),
                 run.reward_fn, run.recipe)
             t_update = time.perf_counter()
-            batch, adv = build_batch(run, state, rollout, rewards)
+            batch, adv, routing = build_batch(run, state, rollout, rewards, step)
             state, metrics, clipped = run.update(state, batch)
             staleness, versions = {}, step
         else:  # asynchronous (train/rollout_pipeline.py): train on a rollout sampled k versions ago, sample the next
@@ -652,13 +668,13 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             components = current.components
             sample_next = (lambda policy, dispatch: pending.append(draw(step + ahead, policy, dispatch))) \
                 if ahead and step + ahead < cfg.trainer.steps else None
-            t_update, (batch, adv, state, metrics, clipped) = update_while_sampling(run, state, rollout, rewards,
-                                                                                    sample_next)
+            t_update, (batch, adv, state, metrics, clipped, routing) = update_while_sampling(
+                run, state, rollout, rewards, sample_next, step)
             lengths = hosts.fetch(rollout.lengths)  # [N]: the host needs no [N, R] mask
             staleness = staleness_metrics(*(current.versions.token_versions(lengths) if current.versions is not None
                                             else (np.full(rollout.num_rows, current.version), lengths)), step, k)
             versions = current.version if current.versions is None else current.versions.first
-        record = step_record(run, rollout, rewards, adv, batch, metrics, clipped, step)
+        record = step_record(run, rollout, rewards, adv, batch, {**metrics, **routing}, clipped, step)
         t_end = time.perf_counter()
         record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,
                       tokens_per_second=(record["response_length"] * rollout.num_rows + record.pop("prompt_tokens"))

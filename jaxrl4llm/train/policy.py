@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, merge,
-                              param_shardings, save_pretrained, score_tokens)
+                              param_shardings, save_pretrained, score_tokens, score_tokens_with_routes)
 from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
 from jaxrl4llm.sampling import decode_responses, generate
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
@@ -81,6 +81,14 @@ class Policy:
         `rng` keys LoRA dropout (the update passes it, scoring passes none)."""
         return make_logprob_fn(self.graphdef, self.temperature, self.chunk_size)
 
+    @property
+    def routing_fn(self):
+        """A mixture-of-experts model's native routing pass at the rollout temperature
+        (`make_routing_fn`); None for a dense model or a model of the user's."""
+        if self.config is None or not self.config.num_experts:
+            return None
+        return make_routing_fn(self.graphdef, self.temperature, self.chunk_size)
+
     def generate(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, greedy=False,
                  prompt_len: int | None = None, slots: int | None = None, record_routes: bool = False):
         """`sampling.generate` with this policy; `prompt_len`: pad the prompts to this length's bucket
@@ -95,7 +103,8 @@ class Policy:
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
             greedy=greedy or temperature <= 0, cpu_kernels=self.cpu_kernels,
             prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
-            engine=self.engine, slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens) or slots,
+            engine=self.engine,
+            slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens, record_routes) or slots,
             prompts_per_chunk=self.chunk_for(len(prompts), num_samples, longest, max_new_tokens),
             decode_burst=self.decode_burst, paged_attention=self.decode_attention,
             min_p=self.min_p, stop_token_ids=self.stop_token_ids, record_routes=record_routes,
@@ -122,9 +131,11 @@ class Policy:
             return None  # the same on every process: one platform
         return hosts.smallest(SIZING_SHARE * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
-    def slots_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
+    def slots_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int,
+                  record_routes: bool = False) -> int | None:
         """Slots of the continuous sampler: `slots`, or with "auto" the most whose memory
-        (`sampling.memory.continuous_memory`) fits the budget; None (all rows) without one."""
+        (`sampling.memory.continuous_memory`, with the recorded routes when `record_routes`) fits the
+        budget; None (all rows) without one."""
         if self.engine != "continuous":
             return None
         if self.slots != "auto":
@@ -134,7 +145,7 @@ class Policy:
             return None
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
-        return slots_that_fit(self.config, budget, prompts=num_prompts, **sizing)
+        return slots_that_fit(self.config, budget, prompts=num_prompts, record_routes=record_routes, **sizing)
 
     def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose
@@ -193,6 +204,19 @@ def make_logprob_fn(graphdef, temperature: float, chunk_size: int):
                             dropout_rng=rng, first_scored=first, prompt_group=group if first else 1,
                             segment_ids=segment_ids, routes=routes)
     return logprob_fn
+
+
+def make_routing_fn(graphdef, temperature: float, chunk_size: int):
+    """A mixture-of-experts model's native routing pass for router replay's metrics
+    (`train.step.make_routing_pass`): (state, inputs, targets, positions, attention_mask, last=None)
+    -> (logp [B, T] with no routes replayed, the routes its routers chose [B, T, layers, k]), at
+    `temperature` as `make_logprob_fn`."""
+    def routing_fn(state, inputs, targets, positions, attention_mask, last=None):
+        first = 0 if last is None else max(inputs.shape[1] - last, 0)
+        return score_tokens_with_routes(graphdef, state, inputs, targets, positions=positions,
+                                        attention_mask=attention_mask, temperature=temperature if temperature > 0 else 1.0,
+                                        chunk_size=chunk_size, first_scored=first)
+    return routing_fn
 
 
 def _eos_ids(tokenizer, model_config) -> tuple[int, ...]:

@@ -26,19 +26,34 @@ from jaxrl4llm.train.config import RunConfig
 from jaxrl4llm.train.layout import lora_dropout
 from jaxrl4llm.train.packing import pack, packed_shardings
 from jaxrl4llm.train.step import (UpdateSettings, batch_shardings, init_train_state, make_logprob_pass, join_params,
-                                  make_optimizer, make_update_fn, train_state_shardings)
+                                  make_optimizer, make_routing_pass, make_update_fn, train_state_shardings)
 from jaxrl4llm.train.user_code import import_object
 
 
 def optimizer_for(cfg: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """`cfg.optim` as the run's optax chain and its learning-rate schedule, over every optimizer step
-    of the run (steps x ppo_epochs x mini_batches)."""
+    of the run (steps x ppo_epochs x mini_batches); with `model.freeze_router` the routers' leaves
+    get no update (`make_optimizer(frozen=)`)."""
     optim = cfg.optim
     return make_optimizer(
         lr=optim.lr, schedule=optim.schedule, warmup_steps=optim.warmup_steps,
         total_steps=cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.mini_batches,
         min_lr_ratio=optim.min_lr_ratio, weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-        max_grad_norm=optim.max_grad_norm)
+        max_grad_norm=optim.max_grad_norm, frozen=router_frozen if cfg.model.freeze_router else None)
+
+
+def router_frozen(params):
+    """True at a mixture-of-experts layer's router leaves (`router_labels`), False elsewhere."""
+    return jax.tree.map(lambda label: label == "frozen", router_labels(params))
+
+
+def router_labels(params):
+    """"frozen" for a mixture-of-experts layer's router leaves (a path through `router`), "trained"
+    for every other leaf of `params`."""
+    def label(path, _):
+        names = {str(getattr(key, "key", getattr(key, "name", key))) for key in path}
+        return "frozen" if "router" in names else "trained"
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def loss_fn_for(cfg: RunConfig) -> Callable:
@@ -63,16 +78,19 @@ class TrainerPrograms:
     logprob_pass: Any  # jitted (join_params(params, frozen), batch) -> (logp, entropy) [rows, T] each
     pack: Any  # jitted (TrainBatch, PackPlan) -> PackedBatch on update_shardings, or None (padded rows)
     init_state: Any  # jitted (params, frozen) -> TrainState on state_shardings
+    routing_pass: Any = None  # jitted (join_params(params, frozen), batch) -> router replay's metrics, or None
 
 
 def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: UpdateSettings, params, frozen=None,
-                     recipe=None) -> TrainerPrograms:
+                     recipe=None, routing_fn: Callable | None = None, num_experts: int = 0) -> TrainerPrograms:
     """The update, the log-prob pass, the packer and the state's initialiser of `cfg` on `mesh`.
 
     logprob_fn: the model's scoring function (`train.policy.make_logprob_fn`). settings: the
     layout's `UpdateSettings`. params / frozen: the trainable parameters and the frozen base (LoRA;
     None without), concrete or `jax.ShapeDtypeStruct`s, each leaf with its sharding. recipe: the
-    algorithm (default `cfg.recipe()`)."""
+    algorithm (default `cfg.recipe()`). routing_fn: a mixture-of-experts model's native routing pass
+    (`train.policy.make_routing_fn`; its `num_experts`) for router replay's metrics
+    (`train.step.make_routing_pass`); None: no routing pass."""
     recipe = recipe if recipe is not None else cfg.recipe()
     optimizer, schedule = optimizer_for(cfg)
     loss_fn = loss_fn_for(cfg)
@@ -92,4 +110,7 @@ def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: Up
         optimizer=optimizer, schedule=schedule, loss_fn=loss_fn, state_shardings=state_shardings,
         batch_shardings=batch_in, update_shardings=update_in, update=update, logprob_pass=logprob_pass,
         pack=jax.jit(pack, out_shardings=update_in) if settings.packing else None,
-        init_state=jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings))
+        init_state=jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings),
+        routing_pass=None if routing_fn is None else jax.jit(
+            make_routing_pass(routing_fn, settings.micro_batches, num_experts, settings.scored_tokens),
+            in_shardings=(join_params(sharding_of(params), sharding_of(frozen)), batch_in)))

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, apply_surrogate, policy_loss
 from jaxrl4llm.core.aggregation import ROW_SUM_MODES
+from jaxrl4llm.core.routing import expert_load, load_imbalance, route_disagreement
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 from jaxrl4llm.train.packing import scatter_slots, unpack_micro
 from jaxrl4llm.train.train_batch import TrainBatch
@@ -84,8 +85,13 @@ class UpdateSettings:
 def make_optimizer(
     *, lr: float, schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0,
     weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+    frozen: Callable | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """optax chain: global-norm clipping -> AdamW with linear warm-up then constant or cosine decay."""
+    """optax chain: global-norm clipping -> AdamW with linear warm-up then constant or cosine decay.
+
+    frozen: params -> a pytree of bools, True at leaves that stay as they are: their gradients are
+    zeroed before clipping (so the norm counts the others) and weight decay skips them, so Adam's
+    update of them is 0 / (0 + eps) = 0 exactly."""
     if schedule == "constant":
         sched = optax.join_schedules(
             [optax.linear_schedule(0.0 if warmup_steps else lr, lr, max(warmup_steps, 1)), optax.constant_schedule(lr)],
@@ -97,8 +103,10 @@ def make_optimizer(
         )
     else:
         raise ValueError(f"Unknown schedule {schedule!r}; valid: constant, cosine.")
-    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    parts = [] if frozen is None else [optax.masked(optax.set_to_zero(), frozen)]
+    parts += [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    decayed = None if frozen is None else (lambda params: jax.tree.map(lambda f: not f, frozen(params)))
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decayed))
     return optax.chain(*parts), sched
 
 
@@ -501,3 +509,36 @@ def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: 
         return run(params, batch) if isinstance(batch, TrainBatch) else run_packed(params, batch)
 
     return dispatch
+
+
+def make_routing_pass(routing_fn: Callable, micro_batches: int, num_experts: int, scored_tokens: int | None = None):
+    """(params, batch) -> router replay's metrics of a TrainBatch carrying the sampler's routes, micro-batch
+    by micro-batch: the trainer's own routes and log-probs with no replay (`routing_fn`: (params, inputs,
+    targets, positions, attention_mask, last=None) -> (logp [B, T], routes [B, T, L, k]);
+    `train.policy.make_routing_fn`) against the sampler's (`core.routing`):
+
+        route_disagreement            share of real (token, layer) pairs whose k experts differ as sets
+        expert_load_max_over_mean     max / mean of the experts' shares of the choices, mean over layers
+        sampler_trainer_logp_gap_native   mean |logp_native - sampler_logp| over the counted tokens (the
+                                      gap replay closes: `sampler_trainer_logp_gap` is the replayed one)
+    """
+    extra = {} if scored_tokens is None else {"last": scored_tokens}
+
+    def one(params, mb: TrainBatch):
+        logp, routes = routing_fn(params, mb.input_tokens, mb.targets, mb.positions, mb.attention_mask, **extra)
+        real = mb.attention_mask.astype(jnp.float32)
+        counted = mb.loss_mask * mb.row_weights[:, None]
+        pairs = jnp.sum(real) * routes.shape[2]
+        return {"differ": route_disagreement(routes, mb.routes, real) * pairs, "pairs": pairs,
+                "load": expert_load(routes, real, num_experts) * jnp.sum(real),
+                "gap": jnp.sum(jnp.abs(logp - mb.sampler_logp) * counted), "counted": jnp.sum(counted)}
+
+    def run(params, batch: TrainBatch) -> dict:
+        parts = jax.tree.map(lambda x: _split(x, micro_batches), batch)
+        sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(lambda mb: one(params, mb), parts))
+        load = sums["load"] / jnp.maximum(jnp.sum(sums["load"], axis=-1, keepdims=True), 1e-30)
+        return {"route_disagreement": sums["differ"] / jnp.maximum(sums["pairs"], 1.0),
+                "expert_load_max_over_mean": load_imbalance(load),
+                "sampler_trainer_logp_gap_native": sums["gap"] / jnp.maximum(sums["counted"], 1.0)}
+
+    return run

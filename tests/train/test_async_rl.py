@@ -84,7 +84,7 @@ def _by_hand(cfg, k):
                 rollouts[t] = sample_groups(policy, run.train_set, stream, cfg, jax.random.fold_in(run.base_key, t),
                                             run.reward_fn, run.recipe)[:2]
         rollout, (rewards, _) = rollouts.pop(step)
-        batch, _ = build_batch(run, state, rollout, rewards)
+        batch, _, _ = build_batch(run, state, rollout, rewards, 0)
         state, _, _ = run.update(state, batch)
         versions.append(jax.tree.map(jnp.copy, state.params))
     return state.params

@@ -9,7 +9,8 @@ import pytest
 from jaxrl4llm.cli import main as cli_main
 from jaxrl4llm.core import PRESETS
 from jaxrl4llm.train.config import ConfigError, load_config
-from jaxrl4llm.train.loop import prepare_out_dir, train
+from jaxrl4llm.train.loop import prepare_out_dir, run_meshes, setup_run, train
+from jaxrl4llm.train.programs import router_labels
 from jaxrl4llm.train.run_folder import MARKER, mark_run_folder
 
 from tests.train.conftest import tiny_overrides
@@ -223,14 +224,25 @@ def test_a_training_run_in_exact_numerics_has_no_sampler_trainer_gap(demo_assets
 def test_router_replay_trains_a_tiny_mixture_of_experts_model(demo_assets, tmp_path):
     """trainer.router_replay=rollout end to end on a random Qwen3-MoE of the size fields: the sampler
     records routes, the update replays them (its own forward gives old_logp: one optimizer step),
-    the reference (GRPO's KL) routes natively; finite numbers. The recompute pass's replay:
-    tests/train/test_agreement.py."""
+    the reference (GRPO's KL) routes natively; finite numbers, router replay's metrics, and frozen
+    routers (model.freeze_router). The recompute pass's replay: tests/train/test_agreement.py."""
     cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{
         "model.architecture": "qwen3_moe", "model.num_experts": 4,
         "model.num_experts_per_tok": 2, "model.moe_intermediate_size": 16, "trainer.router_replay": "rollout",
-        "algorithm.preset": "grpo", "trainer.steps": 1}))
+        "model.freeze_router": True, "algorithm.preset": "grpo", "trainer.steps": 1}))
     summary = train(cfg, log=lambda s: None)
     record = summary["history"][-1]
     assert all(np.isfinite(record[k]) for k in ("loss", "grad_norm", "kl", "sampler_trainer_logp_gap"))
     assert record["sampler_trainer_logp_gap"] < 1e-4  # float32: the trainer scores what the sampler ran
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(summary["state"].params))
+    # router replay's metrics (trainer.router_metrics_every=1): the policy that sampled, routing natively
+    assert 0.0 <= record["route_disagreement"] < 0.05
+    assert 1.0 <= record["expert_load_max_over_mean"] <= 4.0
+    assert 0.0 <= record["sampler_trainer_logp_gap_native"] < 1e-2
+    # model.freeze_router: the routers are the initial ones, bit for bit; the rest trained
+    _, initial = setup_run(cfg, run_meshes(cfg)[0], lambda s: None)
+    labels = jax.tree.leaves(router_labels(initial.params))
+    pairs = list(zip(labels, jax.tree.leaves(initial.params), jax.tree.leaves(summary["state"].params)))
+    assert labels.count("frozen") == 1  # the layers' stacked routers [L, D, E]
+    assert all(np.array_equal(a, b) for label, a, b in pairs if label == "frozen")
+    assert any(not np.array_equal(a, b) for label, a, b in pairs if label == "trained")

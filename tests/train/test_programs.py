@@ -10,14 +10,17 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 
 from jaxrl4llm.core import policy_loss
 from jaxrl4llm.plan.programs import plan_inputs, plan_trainer
 from jaxrl4llm.train.config import load_config
 from jaxrl4llm.train.demo import config_path
 from jaxrl4llm.train.loop import run_meshes, setup_run
-from jaxrl4llm.train.programs import loss_fn_for, optimizer_for
+from jaxrl4llm.train.programs import loss_fn_for, optimizer_for, router_labels
 from tests.train.conftest import tiny_overrides
 from tests.train.custom_parts import negated_policy_loss
 
@@ -49,21 +52,60 @@ def test_the_optimizer_and_the_loss_are_the_configs(demo_assets, tmp_path):
     assert loss_fn_for(demo_config(demo_assets, tmp_path, **{"algorithm.custom_loss": "null"})) is policy_loss
 
 
-def test_plan_lowers_the_loops_update_and_logprob_pass(demo_assets, tmp_path):
-    """On one CPU device, packed rows (the quick demo's pinned row form): the StableHLO `plan`
-    compiled for the update and the log-prob pass equals the loop's programs lowered on the same
-    arguments (metadata stripped). data.max_prompt_tokens is the demo prompts' bucket, so the
-    loop's layout (its prompts' width) is plan's (the bucket of the longest prompt a run can meet)."""
-    packing = True
-    cfg = demo_config(demo_assets, tmp_path, **{"trainer.packing": packing})
+def test_a_frozen_router_gets_no_update_and_no_weight_decay(demo_assets, tmp_path):
+    """model.freeze_router: the optimizer leaves a router leaf as it was (weight decay included) while the
+    others move; clipping counts the trained leaves' gradients alone."""
+    cfg = demo_config(demo_assets, tmp_path, **{"model.freeze_router": True, "optim.weight_decay": 0.1,
+                                                "optim.max_grad_norm": 1.0, "optim.warmup_steps": 0,
+                                                "optim.schedule": "constant"})
+    optimizer, _ = optimizer_for(cfg)
+    params = {"layers": {"mlp": {"router": jnp.ones((2, 3)), "gate_proj": jnp.ones((2, 3))}}}
+    grads = {"layers": {"mlp": {"router": jnp.full((2, 3), 100.0), "gate_proj": jnp.full((2, 3), 0.1)}}}
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    assert not np.any(np.asarray(updates["layers"]["mlp"]["router"]))
+    plain, _ = optimizer_for(demo_config(demo_assets, tmp_path, **{"optim.weight_decay": 0.1, "optim.max_grad_norm": 1.0,
+                                                                   "optim.warmup_steps": 0, "optim.schedule": "constant"}))
+    alone = {"layers": {"mlp": {"gate_proj": params["layers"]["mlp"]["gate_proj"]}}}
+    want, _ = plain.update({"layers": {"mlp": {"gate_proj": grads["layers"]["mlp"]["gate_proj"]}}}, plain.init(alone),
+                           alone)
+    np.testing.assert_array_equal(updates["layers"]["mlp"]["gate_proj"], want["layers"]["mlp"]["gate_proj"])
+    assert router_labels(params) == {"layers": {"mlp": {"router": "frozen", "gate_proj": "trained"}}}
+
+
+# a mixture of experts whose update replays the sampler's routes (padded rows of whole rollouts)
+MOE_REPLAY = {"model.architecture": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 2,
+              "model.moe_intermediate_size": 16, "trainer.router_replay": "rollout", "trainer.packing": "auto"}
+
+
+@pytest.mark.parametrize("rows", ["packed", "moe replay"])
+def test_plan_lowers_the_loops_update_and_logprob_pass(demo_assets, tmp_path, rows):
+    """On one CPU device, packed rows (the quick demo's pinned row form), and a mixture of experts
+    replaying routes: the StableHLO `plan` compiled for the update and the log-prob pass equals the
+    loop's programs lowered on the same arguments (metadata stripped); plan's batch carries the
+    routes [rows, positions, layers, k] the loop's does, and its FLOPs count the active parameters.
+    data.max_prompt_tokens is the demo prompts' bucket, so the loop's layout (its prompts' width) is
+    plan's (the bucket of the longest prompt a run can meet)."""
+    extra = {"trainer.packing": True} if rows == "packed" else MOE_REPLAY
+    cfg = demo_config(demo_assets, tmp_path, **extra)
     mesh, _ = run_meshes(cfg)
     run, _ = setup_run(cfg, mesh, lambda line: None)
     # plan reads the model's shape from the config (no checkpoint): the vocabulary the loop's tokenizer gave
     # plan_run's trainer stage (plan_inputs -> plan_trainer); the sampler's programs are not the update's
-    ins = plan_inputs(demo_config(demo_assets, tmp_path, **{"trainer.packing": packing,
-                                                            "model.vocab_size": run.policy.config.vocab_size}), "cpu")
-    planned = {p.name: p.lowered for p in plan_trainer(ins)[0]}
+    ins = plan_inputs(demo_config(demo_assets, tmp_path, **extra, **{"model.vocab_size": run.policy.config.vocab_size}),
+                      "cpu")
+    plans = plan_trainer(ins)[0]
+    planned = {p.name: p.lowered for p in plans}
     assert run.settings == ins.layout.update, "plan resolved another layout than the loop"
+    batch = planned["update"].args_info[0][1]
+    if rows == "moe replay":
+        c = ins.config
+        assert batch.routes.shape == batch.input_tokens.shape + (c.num_layers, c.num_experts_per_tok)
+        assert batch.routes.dtype == np.uint8
+        update = next(p for p in plans if p.name == "update")
+        assert c.num_active_params < c.num_params
+        positions = batch.input_tokens.shape[0] * batch.input_tokens.shape[1]
+        assert update.model_flops == pytest.approx(6 * c.num_active_params * cfg.trainer.ppo_epochs * positions
+                                                   / mesh.size)
     for name, program in (("update", run.programs.update), ("logprob pass", run.programs.logprob_pass)):
         args, kwargs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), planned[name].args_info)
         with jax.set_mesh(mesh):

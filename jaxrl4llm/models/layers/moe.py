@@ -74,6 +74,14 @@ def route_dtype(num_experts: int):
     return jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.int32
 
 
+def route_bytes(config) -> int:
+    """Bytes of one token's recorded routes: L layers x k expert ids of `route_dtype` (0 for a dense
+    model). Qwen3-30B-A3B: 48 x 8 x 1 = 384."""
+    if not config.num_experts:
+        return 0
+    return config.num_layers * config.num_experts_per_tok * jnp.dtype(route_dtype(config.num_experts)).itemsize
+
+
 # ---------------------------------------------------------------------------- experts
 def _reference(x, expert_ids, gate_weights, experts: Experts, dtype):
     """y = sum_e c[:, e] * FFN_e(x), one expert at a time; c [N, E] the combine weights."""
