@@ -28,9 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 METADATA = re.compile(r"( loc\([^)]*\)|#loc\d*( = loc\(.*)?|\{mhlo\.[^}]*\}|, mhlo\.[a-z_]+ = [^,}]+)")
 
 
+FUNCTION_NUMBER = re.compile(r"(@[A-Za-z_][\w.]*?)_\d+\b")  # @dynamic_update_index_in_dim_118: tracing order
+
+
 def hlo_text(lowered) -> str:
-    """A lowered program's StableHLO without source locations and naming metadata."""
-    return "\n".join(line for line in (METADATA.sub("", l).rstrip() for l in lowered.as_text().splitlines())
+    """A lowered program's StableHLO without source locations, naming metadata and the numbers
+    tracing gave its private functions (they count what the process traced before)."""
+    return "\n".join(line for line in (FUNCTION_NUMBER.sub(r"\1", METADATA.sub("", l)).rstrip()
+                                        for l in lowered.as_text().splitlines())
                      if line and not line.startswith("#loc"))
 
 
