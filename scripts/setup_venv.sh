@@ -4,11 +4,10 @@
 # (the default) with its test extras too (~3 GB). A venv keeps what it has: the demo after the
 # tests installs nothing, the tests after the demo add their extras. Re-installs when
 # pyproject.toml changed since the last install or when the tests find a demo-only venv.
-# pip's output goes to .venv/install.log; on a failure its tail is printed. Bytecode: pip installs
-# with --no-compile and `compileall -j 0` then compiles the venv's ~20,000 modules on every core (pip
-# compiles them one by one: ~80 s of a fresh test venv's ~150 s on 2 cores). Compiled at install,
-# never at import: with PYTHONDONTWRITEBYTECODE set, every process would compile jax, torch and
-# transformers again.
+# pip's output goes to .venv/install.log; on a failure its tail is printed. --no-compile: pip writes
+# no bytecode for the ~20,000 modules it installs (~80 s of a fresh test venv's ~150 s on 2 cores);
+# Python writes it at first import for the few hundred a run imports (scripts/test and .ci/run clear
+# PYTHONDONTWRITEBYTECODE, so the first process's bytecode serves the others).
 # VENV=<folder> and PYTHON=<interpreter> pick another venv and the interpreter that creates it
 # (.ci/run: VENV=.venv312 PYTHON=$(scripts/find_python.sh 3.12)); defaults: .venv, python3.
 set -euo pipefail
@@ -70,8 +69,5 @@ if [ "$have_hash" != "$hash" ] || { [ "$want" = test ] && [ "$have" != test ]; }
     echo "installing jaxrl4llm into $VENV (log: $log)"
     run_logged "$VENV/bin/python" -m pip install --no-compile -e .
   fi
-  site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  # a file that is not this Python's syntax (torch ships a 3.12-only one) stays uncompiled, as pip leaves it
-  "$VENV/bin/python" -m compileall -q -j 0 "$site" >>"$log" 2>&1 || true
   echo "$hash $want" > "$stamp"
 fi

@@ -1,6 +1,7 @@
 """Run in a subprocess with 8 simulated CPU devices: sharded generate() == single-device generate(),
 for the static and the continuous engine (data-parallel shards with their own slots and pages,
-tensor-parallel weights and KV heads), partial rollouts through one engine; the vocab-split top-k == lax.top_k."""
+tensor-parallel weights and KV heads), partial rollouts through one engine, a mixture of experts with its
+recorded routes; the vocab-split top-k == lax.top_k."""
 
 import os
 
@@ -58,8 +59,33 @@ def main():
     np.testing.assert_array_equal(np.asarray(got.response_tokens), np.asarray(single.response_tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
     continuous_rows(graphdef, state, sharded_state, mesh, config)
+    moe_rows(mesh)
     split_vocab_top_k_is_lax_top_k()
     print("OK")
+
+
+def moe_rows(mesh):
+    """A mixture of experts on the sampler's 4 x 1 x 2 mesh (the experts' widths split 2 ways), the
+    continuous engine recording routes: the single-device static engine's rows, and the routes a
+    single-device continuous engine records."""
+    moe = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=0, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", max_position_embeddings=128,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    graphdef, state = init_model(moe, jax.random.key(2), std=0.3)
+    sharded_state = jax.device_put(state, param_shardings(state, mesh))
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13] * 6]
+    kwargs = dict(num_samples=2, max_new_tokens=10, eos_token_ids=[1], pad_token_id=0, rng=jax.random.key(7),
+                  temperature=0.9, top_k=10, top_p=0.9)
+    single = generate(graphdef, state, prompts, engine="static", **kwargs)
+    alone = generate(graphdef, state, prompts, engine="continuous", slots=8, kv_page_size=4, record_routes=True,
+                     **kwargs)
+    got = generate(graphdef, sharded_state, prompts, mesh=decode_mesh(mesh, 2, num_kv_heads=moe.num_kv_heads),
+                   engine="continuous", slots=8, kv_page_size=4, record_routes=True, **kwargs)
+    for name in ("response_tokens", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(single, name)), name)
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single.logprobs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.routes), np.asarray(alone.routes))
+    np.testing.assert_array_equal(np.asarray(got.prompt_routes), np.asarray(alone.prompt_routes))
 
 
 def split_vocab_top_k_is_lax_top_k():
