@@ -362,7 +362,8 @@ class FusedLayer:
         c, w = self.c, self.w
         experts = Experts(w["expert_gate"], w["expert_up"], w["expert_down"])
         return moe_ffn(h, w["router"], experts, k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-                       form=c.expert_form, dtype=self.dtype, routes=routes, phase=self.phase)
+                       form=c.expert_form, dtype=self.dtype, routes=routes, phase=self.phase,
+                       mesh=self.backend.mesh)
 
 
 def lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):

@@ -145,13 +145,15 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gate_weights: jax.Array, exp
 
 
 def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_topk_prob: bool, form: str,
-            dtype, routes: jax.Array | None = None, phase: str = "train") -> tuple[jax.Array, jax.Array]:
+            dtype, routes: jax.Array | None = None, phase: str = "train", mesh=None) -> tuple[jax.Array, jax.Array]:
     """The layer's feed-forward: (y [B, T, D] float32, expert ids [B, T, k] int32) of h [B, T, D]:
     the router's top k, or `routes` [B, T, k] replayed (gate weights from the router's full softmax).
 
     router [D, E]; form: an `ExpertForm` name or "auto" (`kernels.choice.expert_form_for` for the
     compiling platform and `phase`: "train", "prefill" or "decode"). The training forward (`MoE`) and
-    the sampler's decode layout (`models.decode.FusedLayer`) both run this."""
+    the sampler's decode layout (`models.decode.FusedLayer`) both run this. mesh: the mesh h's rows
+    are split over (default: the current `jax.set_mesh` context's); outside decode, each of its batch
+    shards routes its own rows (`_per_batch_shard`)."""
     form = expert_form_for(compile_platform(), phase).kernel if form == "auto" else form
 
     def rows(h, routes, router, experts):
@@ -166,27 +168,39 @@ def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_t
         y = expert_ffn(x, ids, w, experts, form, dtype)
         return y.reshape(b, t, d), ids.reshape(b, t, k)
 
-    split = _row_split(h) if phase == "train" else None
-    if split is None:
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    split = None if phase == "decode" or mesh.empty else _row_split(h, mesh)
+    if split is None:  # one device, or a decode step (no sort: GSPMD splits its einsums)
         return rows(h, routes, router, experts)
-    # each batch shard routes its own rows: the sort by expert, the grouped matmuls and the unsort stay
-    # on the shard (over rows split across chips, GSPMD gathers every chip's tokens for the global sort:
-    # Qwen3-30B-A3B's scoring pass on v5p:4x4x4 asked 217 GiB a chip); the weights enter whole, as FSDP
-    # gathers a layer's weights for its matmuls
-    replicated = PartitionSpec()
-    weights = jax.tree.map(lambda _: replicated, (router, experts))
+    return _per_batch_shard(rows, h, routes, router, experts, mesh, split)
+
+
+def _per_batch_shard(rows, h, routes, router, experts: Experts, mesh, split: PartitionSpec):
+    """`rows` run by each batch shard on its own rows (`jax.shard_map` over the batch axes): the sort
+    by expert, the grouped matmuls and the unsort stay on the shard. Over rows split across chips,
+    GSPMD gathers every chip's tokens for one global sort (Qwen3-30B-A3B's scoring pass on v5p:4x4x4
+    asked 227 GiB a chip). The router enters whole; each expert enters with its width split over
+    the tensor axis where the mesh has one (`expert_mlp`), the partial outputs summed by one psum;
+    the model dim enters whole, as FSDP gathers a layer's weights for its matmuls."""
+    tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and experts.gate.shape[2] % mesh.shape["tensor"] == 0 \
+        else None
+    specs = Experts(PartitionSpec(None, None, tensor), PartitionSpec(None, None, tensor),
+                    PartitionSpec(None, tensor, None))
+
+    def local(h, routes, router, experts):
+        y, ids = rows(h, routes, router, experts)
+        return (jax.lax.psum(y, tensor) if tensor else y), ids
+
     if routes is None:
-        local = lambda h, router, experts: rows(h, None, router, experts)
-        return jax.shard_map(local, in_specs=(split, *weights), out_specs=(split, split))(h, router, experts)
-    return jax.shard_map(rows, in_specs=(split, split, *weights), out_specs=(split, split))(h, routes, router, experts)
+        return jax.shard_map(lambda h, router, experts: local(h, None, router, experts), mesh=mesh,
+                             in_specs=(split, PartitionSpec(), specs), out_specs=(split, split))(h, router, experts)
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, split, PartitionSpec(), specs),
+                         out_specs=(split, split))(h, routes, router, experts)
 
 
-def _row_split(h: jax.Array) -> PartitionSpec | None:
-    """The spec that splits h [B, T, D]'s rows over the current mesh's batch axes (the sharding
-    rules' "batch"; `jax.set_mesh`), or None: no mesh, or no batch axis of size > 1 divides B."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
+def _row_split(h: jax.Array, mesh) -> PartitionSpec | None:
+    """The spec that splits h [B, T, D]'s rows over `mesh`'s batch axes (the sharding rules'
+    "batch"), or None where no batch axis of size > 1 divides B."""
     spec = logical_to_spec(("batch", None, None), shape=h.shape, mesh=mesh)
     axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0] or ())
     return spec if math.prod(mesh.shape[a] for a in axes) > 1 else None
