@@ -187,12 +187,14 @@ def cmd_plan(args) -> int:
                               "or set mesh.topology.")
         print(json.dumps(plan_layout(cfg, topology).to_dict(), indent=2))
         return 0
-    log(f"plan: compiling 4 programs for {topology} (seconds for a small model; a few "
+    which = {None: "4 programs", "trainer": "the log-prob pass and the update",
+             "sampler": "the sampler's programs"}[args.only]
+    log(f"plan: compiling {which} for {topology} (seconds for a small model; a few "
         f"minutes each for a Qwen3-8B update or sampler on a TPU pod topology)")
     chip = chip_spec(topology, peak=args.peak, peak_flops=args.peak_flops, hbm_bandwidth=args.hbm_bandwidth,
                      memory_fraction=args.memory_fraction) if topology else None  # None: plan_run says what is missing
     plan = plan_run(cfg, args.topology, lengths=args.response_lengths, prompt_tokens=args.prompt_tokens, log=log,
-                    chip=chip)
+                    chip=chip, trainer_only=args.only == "trainer", sampler_only=args.only == "sampler")
     out = plan_to_dict(plan) if args.json else format_plan(plan)
     fits = plan.fits
     if args.eval_problems:
@@ -342,6 +344,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="the share of a chip's memory a process gets (default JAX's: on a GPU "
                         "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75; 1 on TPU and CPU); the fit check takes 90%% of it")
+    p.add_argument("--only", default=None, choices=("trainer", "sampler"),
+                   help="compile one side's programs alone: trainer (the log-prob pass and the update) or sampler "
+                        "(its weights and decode programs); a quicker answer when a change touches one side, the "
+                        "step time then that side's")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--show-layout", action="store_true",
                    help="print the run's layout on the topology (train/layout.py: the model, meshes, micro-batches, "

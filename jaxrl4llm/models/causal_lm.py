@@ -126,6 +126,12 @@ class CausalLM(nnx.Module):
         routes: a mixture-of-experts model's expert ids [B, T, L, k] to force (None: each router's
         top k). Returns (h, the ids the layers ran [B, T, L, k] int32; None for a dense model)."""
         c = self.config
+        if routes is not None and c.num_experts and \
+                tuple(routes.shape) != tuple(tokens.shape) + (c.num_layers, c.num_experts_per_tok):
+            raise ValueError(f"routes of shape {tuple(routes.shape)} for tokens {tuple(tokens.shape)}: this model's "
+                             f"routes are [batch, positions, layers, k] = {tuple(tokens.shape) + (c.num_layers, c.num_experts_per_tok)} "
+                             f"({c.num_layers} layers, num_experts_per_tok={c.num_experts_per_tok}); record them with "
+                             f"the same model config (generate(record_routes=True)), one entry per input token")
         cos, sin = rope_tables(c, positions)
         # left-padded rows are segments too: 1 real, 0 padding (a pad token sees only pads)
         ids = (attention_mask > 0).astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)

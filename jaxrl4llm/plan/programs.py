@@ -332,6 +332,7 @@ class RunPlan:
     attention_kernel: dict | None = None  # a Pallas attention kernel's FLOPs per micro-batch (`kernel_flops`)
     trainer_hlo_flops: dict = dataclasses.field(default_factory=dict, repr=False)  # 2N/6N per position, by program
     layout: Any = None  # the run's layout (train.layout.RunLayout) the trainer programs were compiled for
+    only: str = ""  # "trainer" / "sampler": one side's programs alone (`plan --only`), the step time that side's
 
     @property
     def fits(self) -> bool:
@@ -468,25 +469,29 @@ def plan_inputs(cfg: RunConfig, topology: str, *, chip: ChipSpec | None = None, 
 
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
              prompt_tokens: float | None = None, log=None, sampler_only: bool = False,
-             chip: ChipSpec | None = None) -> RunPlan:
+             trainer_only: bool = False, chip: ChipSpec | None = None) -> RunPlan:
     """Compile the sampler, log-prob pass and update of `cfg` for `topology` (default: the
     config's `mesh.topology`; see the module docstring) and model one step's time with the
     responses' lengths drawn from `lengths` (`train.response_lengths`; default lognormal, mean a
     quarter of the budget) and `prompt_tokens` real prompt tokens a row (default: the prompts' bucket).
     `log` gets a line per compiled program as it goes. `sampler_only`: the sampler's programs alone
-    (`plan_eval`). `chip`: the chip to price and fit on (default `chip_spec(topology)`: its datasheet)."""
+    (`plan_eval`, `plan --only sampler`); `trainer_only`: the log-prob pass and the update alone (`plan --only
+    trainer`: a trainer setting's fit in a fraction of the time, the rollout not priced). `chip`: the chip to price and fit on (default `chip_spec(topology)`: its datasheet)."""
     topology = topology or cfg.mesh.topology
     if not topology:
         raise ConfigError("plan needs a topology: pass --topology (e.g. v5p:4x4x4, h100:8, or cpu for this machine) "
                           "or set mesh.topology.")
     lengths = parse_lengths(lengths, cfg.rollout.max_new_tokens) if not isinstance(lengths, LengthDistribution) \
         else lengths  # parsed first: a bad --response-lengths fails before minutes of compiles
+    if sampler_only and trainer_only:
+        raise ConfigError("plan: sampler_only and trainer_only leave no program to compile; pass at most one "
+                          "(plan --only sampler | trainer).")
     ins = plan_inputs(cfg, topology, chip=chip, sampler_only=sampler_only, log=log)
-    programs, sampler, decode = plan_sampler(ins)
+    programs, sampler, decode = ([], {}, None) if trainer_only else plan_sampler(ins)
     shape = (topology, dict(ins.mesh.shape), ins.chip, ins.config, ins.rows, ins.prompt_len, ins.response_len)
     if sampler_only:
-        return with_lengths(RunPlan(*shape, programs, sampler, chips=ins.mesh.size, decode=decode), lengths,
-                            prompt_tokens)
+        return with_lengths(RunPlan(*shape, programs, sampler, chips=ins.mesh.size, decode=decode, only="sampler"),
+                            lengths, prompt_tokens)
     trainer, extra = plan_trainer(ins)
     programs += trainer
     param_bytes = per_chip_bytes(ins.params)
@@ -494,7 +499,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
         p.resident_bytes = {"sampler/decode": ins.sampler_resident, "update": 0}.get(p.name, ins.state_bytes - param_bytes)
         if ins.own_sampler is not None and p.name == "sampler/weights":
             p.resident_bytes = 0  # its argument is the parameters' copy itself
-    own = ins.own_sampler
+    own = None if trainer_only else ins.own_sampler
     if own is not None:  # asynchronous RL on chips of its own: what the step's overlap costs
         copy = per_chip_bytes(ins.sampler_params)
         sampler.update(own_chips=own.size, trainer_chips=ins.mesh.size, max_staleness=cfg.trainer.max_staleness,
@@ -502,7 +507,7 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     n, epochs = ins.config.num_active_params, cfg.trainer.ppo_epochs
     plan = RunPlan(*shape, programs, sampler, extra["group"], chips=ins.mesh.size + (own.size if own is not None else 0),
                    decode=decode, trainer_positions=extra["tokens"], packing=extra["packing"],
-                   attention_kernel=extra["kernel"], layout=ins.layout,
+                   attention_kernel=extra["kernel"], layout=ins.layout, only="trainer" if trainer_only else "",
                    trainer_hlo_flops={"logprob pass": 2 * n / ins.mesh.size, "update": 6 * n * epochs / ins.mesh.size})
     return with_lengths(plan, lengths, prompt_tokens)
 
@@ -618,8 +623,11 @@ def trainer_arguments(ins: PlanInputs) -> tuple:
     or the packing layout's PackedBatch) and its row width."""
     rows, seq = ins.rows, ins.prompt_len + ins.response_len - 1
     packing = ins.layout.update.packing
+    c = ins.config
+    # router replay: the sampler's expert ids of every position, replayed (train/batching.py)
+    routes = (c.num_layers, c.num_experts_per_tok, route_dtype(c.num_experts)) if replays_routes(ins.cfg) else None
     if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
-        return packed_abstract(packing, ins.mesh), packing.row_width
+        return packed_abstract(packing, ins.mesh, routes), packing.row_width
     b_sh = batch_shardings(ins.mesh)
     shapes = dict(input_tokens=((rows, seq), jnp.int32), targets=((rows, seq), jnp.int32),
                   positions=((rows, seq), jnp.int32), attention_mask=((rows, seq), jnp.int32),
@@ -627,9 +635,8 @@ def trainer_arguments(ins: PlanInputs) -> tuple:
                   ref_logp=((rows, seq), jnp.float32), sampler_logp=((rows, seq), jnp.float32),
                   advantages=((rows,), jnp.float32), row_weights=((rows,), jnp.float32),
                   denominator_weights=((rows,), jnp.float32))
-    if replays_routes(ins.cfg):  # the sampler's expert ids of every position, replayed (train/batching.py)
-        c = ins.config
-        shapes["routes"] = ((rows, seq, c.num_layers, c.num_experts_per_tok), route_dtype(c.num_experts))
+    if routes is not None:
+        shapes["routes"] = ((rows, seq) + routes[:2], routes[2])
     return TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()}), seq
 
 
@@ -1002,7 +1009,7 @@ def format_plan(plan: RunPlan) -> str:
         lines.append(f"trainer: packed rows (trainer.packing): micro-batches of {lay.rows_per_shard} rows x {lay.row_width} "
                      f"positions a chip (trainer.tokens_per_micro_batch), {plan.trainer_positions / max(lay.mini_batches, 1) / lay.positions:.1f} "
                      f"of at most {lay.micro_batches} filled a mini-batch at these lengths")
-    else:
+    elif plan.only != "sampler":
         lines.append(f"trainer: each prompt's forward runs once for its {plan.prompt_group} rows (trainer.share_prompt)"
                      if plan.prompt_group else "trainer: padded rows, every row runs its own prompt (trainer.packing "
                      "off; trainer.share_prompt off or not applicable: micro-batches must give every data-parallel "
@@ -1038,6 +1045,10 @@ def format_plan(plan: RunPlan) -> str:
     lines.append(f"step: {_seconds(plan.step_seconds)}, {plan.generated_tokens_per_second_per_chip:,.0f} generated "
                  f"tokens/s/chip, useful-token MFU {100 * plan.useful_mfu:.1f}%, {100 * plan.padding_fraction:.0f}% of "
                  f"the step's time on padding and finished rows")
+    if plan.only:
+        other = {"trainer": "the sampler's", "sampler": "the log-prob pass's and the update's"}[plan.only]
+        lines.append(f"  (--only {plan.only}: the {plan.only}'s programs alone; {other} are not compiled, fitted "
+                     f"or in this step time)")
     lines.append(f"compiles: a run compiles these {len(plan.programs)} programs once (data.prompt_bucket=dataset; =step: "
                  f"once per prompt bucket met), plus a sampler program per eval set; trainer.compile_cache keeps "
                  f"them on disk for a resume")
@@ -1095,6 +1106,7 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "model_params": plan.model.num_params,
         "model_active_params": plan.model.num_active_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
         "response_len": plan.response_len, "sampler": plan.sampler, "side_seconds": plan.side_seconds,
+        "only": plan.only or None,
         "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
         "decode": {k: (dict((a, float(b)) for a, b in v.items()) if k == "work" else v)

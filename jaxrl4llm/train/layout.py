@@ -208,7 +208,7 @@ def single_optimizer_step(cfg: RunConfig) -> bool:
 def replays_routes(cfg: RunConfig, model_config=None) -> bool:
     """Whether the run replays the sampler's routes (`trainer.router_replay: rollout`), checked: a
     mixture-of-experts model (when `model_config` is known), the continuous engine (the one that
-    records them), padded rows, no partial rollouts; a ConfigError names the setting to change. The
+    records them), padded or packed rows, no partial rollouts; a ConfigError names the setting to change. The
     row forms' rules, the loop's sampler and `plan` read it here."""
     t = cfg.trainer
     if t.router_replay != "rollout":
@@ -219,11 +219,10 @@ def replays_routes(cfg: RunConfig, model_config=None) -> bool:
     if cfg.rollout.engine != "continuous":
         raise ConfigError(f"trainer.router_replay=rollout replays the routes the continuous sampler records; "
                           f"rollout.engine={cfg.rollout.engine} records none: set rollout.engine=continuous")
-    for setting, on in (("trainer.packing=true", t.packing is True), ("trainer.share_prompt=true", t.share_prompt is True),
-                        ("rollout.partial=true", cfg.rollout.partial)):
+    for setting, on in (("trainer.share_prompt=true", t.share_prompt is True), ("rollout.partial=true", cfg.rollout.partial)):
         if on:
-            raise ConfigError(f"trainer.router_replay=rollout runs on padded rows of whole rollouts, not with {setting} "
-                              f"(routes are not packed, shared or carried across segments yet): set "
+            raise ConfigError(f"trainer.router_replay=rollout runs on padded or packed rows of whole rollouts, not with "
+                              f"{setting} (routes are not shared or carried across segments yet): set "
                               f"{setting.split('=')[0]}=auto/false or trainer.router_replay=off")
     return True
 
@@ -262,7 +261,7 @@ def packing_layout(cfg: RunConfig, own_model: bool, data_parallel: int, longest_
     trainer.packing=auto gives the layout packed rows would take (`run_layout` then weighs it
     against padded rows in `choose_row_form`)."""
     t = cfg.trainer
-    if not t.packing or replays_routes(cfg):
+    if not t.packing:
         return None
     if not own_model:
         if t.packing is True:

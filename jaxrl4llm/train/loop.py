@@ -411,6 +411,7 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
     metrics of the current policy on the batch (`routing_metrics`: {} on other steps and runs)."""
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch lands on the trainer's
     batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32))
+    padded = batch  # router replay's metrics read the padded rows (the routing pass scores whole rows)
     if run.pack is not None:
         batch = pack_step(run, rollout, batch)
     if run.cfg.trainer.old_logp_source == "recompute" and not run.settings.old_logp_from_update:
@@ -419,7 +420,7 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
     if run.ref_params is not None:  # the reference routes natively (no replay of the sampler's routes)
         ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch._replace(routes=None))
         batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
-    return batch, adv, routing_metrics(run, state, batch, step)
+    return batch, adv, routing_metrics(run, state, padded, step)
 
 
 def routing_metrics(run: Run, state, batch, step: int) -> dict:

@@ -28,6 +28,7 @@ Rows are dealt to devices by fill so that every device gets a near-equal share o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import chex
@@ -56,6 +57,8 @@ class PackedBatch(NamedTuple):
       slot_first int32 (the packed column of the sequence's first scored position), slot_valid
       float32 (1 = a sequence, 0 = empty slot); advantages, row_weights, denominator_weights float32.
     num_micro [n] int32: micro-batches of mini-batch j that hold sequences (the rest are empty).
+    routes [n, M, RR, S, layers, k] (router replay; else None): the sampler's expert ids of each
+      packed position's input token, as TrainBatch.routes (0 on padding).
     """
 
     input_tokens: chex.Array
@@ -73,6 +76,7 @@ class PackedBatch(NamedTuple):
     row_weights: chex.Array
     denominator_weights: chex.Array
     num_micro: chex.Array
+    routes: chex.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,25 +140,31 @@ class PackPlan(NamedTuple):
 def first_fit_decreasing(lengths: np.ndarray, capacity: int, max_items: int) -> list[list[int]]:
     """Bins of item indices, longest item first into the first bin it fits (tokens <= capacity,
     items <= max_items), a new bin when none does. Every length must be <= capacity.
-    (Python ints and lists: a run's layout packs a few thousand sampled mini-batches at startup,
-    `expected_micro_batches`, where numpy's per-call cost dominated.)"""
+
+    Only the bins that can still take an item are scanned: one drops out when it holds max_items or
+    its room is under the smallest item (every later item is at least that long), which gives the
+    same bins as scanning them all. Python ints and lists: a run's layout packs a few thousand
+    sampled mini-batches at startup (`expected_micro_batches`), where numpy's per-call cost dominated."""
     sizes = np.asarray(lengths).tolist()
+    order = sorted(range(len(sizes)), key=lambda j: -sizes[j])  # stable, as np.argsort(kind="stable")
+    smallest = sizes[order[-1]] if order else 0
     bins: list[list[int]] = []
     free: list[int] = []
-    counts: list[int] = []
-    for i in sorted(range(len(sizes)), key=lambda j: -sizes[j]):  # stable, as np.argsort(kind="stable")
+    open_bins: list[int] = []  # the bins that may take another item, in the order they were opened
+    for i in order:
         size = sizes[i]
-        for k in range(len(bins)):
-            if free[k] >= size and counts[k] < max_items:
+        for place, k in enumerate(open_bins):
+            if free[k] >= size:
                 break
         else:  # a new bin
-            k = len(bins)
+            k, place = len(bins), len(open_bins)
             bins.append([])
             free.append(capacity)
-            counts.append(0)
+            open_bins.append(k)
         bins[k].append(i)
         free[k] -= size
-        counts[k] += 1
+        if len(bins[k]) == max_items or free[k] < smallest:
+            del open_bins[place]
     return bins
 
 
@@ -249,6 +259,10 @@ def pack(batch: TrainBatch, plan: PackPlan) -> PackedBatch:
     slots = lambda x: jnp.where(used, x[jnp.maximum(plan.slot_sequence, 0)], 0).astype(x.dtype)
     if batch.advantages.ndim == 2:
         raise ValueError("token-level advantages [B, L] are not packed yet; set trainer.packing=false.")
+    routes = None
+    if batch.routes is not None:  # [B, L, layers, k] -> [n, M, RR, S, layers, k], 0 where no position maps
+        flat = batch.routes.reshape((-1,) + batch.routes.shape[2:])
+        routes = jnp.where(valid[..., None, None], flat[flat_index], 0).astype(batch.routes.dtype)
     return PackedBatch(
         input_tokens=tokens(batch.input_tokens), targets=tokens(batch.targets), positions=tokens(batch.positions),
         segment_ids=jnp.asarray(plan.segment_ids), loss_mask=tokens(batch.loss_mask), old_logp=tokens(batch.old_logp),
@@ -256,16 +270,17 @@ def pack(batch: TrainBatch, plan: PackPlan) -> PackedBatch:
         token_row_weights=jnp.where(valid, batch.row_weights[rows_of], 0.0).astype(jnp.float32),
         slot_first=jnp.asarray(plan.slot_first), slot_valid=used.astype(jnp.float32),
         advantages=slots(batch.advantages), row_weights=slots(batch.row_weights),
-        denominator_weights=slots(batch.denominator_weights), num_micro=jnp.asarray(plan.num_micro),
+        denominator_weights=slots(batch.denominator_weights), num_micro=jnp.asarray(plan.num_micro), routes=routes,
     )
 
 
 def packed_shardings(mesh, rules=None) -> PackedBatch:
-    """PackedBatch of shardings: the row axis (2) split as the rules' "batch" axis, num_micro
-    replicated."""
+    """PackedBatch of shardings: the row axis (2) split as the rules' "batch" axis (routes too, when a
+    batch carries them), num_micro replicated."""
     batch_axes = logical_to_spec(("batch",), rules or DEFAULT_RULES)[0]
     rows = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
-    return PackedBatch(*([rows] * (len(PackedBatch._fields) - 1)), num_micro=NamedSharding(mesh, PartitionSpec()))
+    fields = {name: rows for name in PackedBatch._fields}
+    return PackedBatch(**dict(fields, num_micro=NamedSharding(mesh, PartitionSpec())))
 
 
 def _gather_slots(x: chex.Array, columns: chex.Array) -> chex.Array:
@@ -326,20 +341,26 @@ def to_padded(packed_values: np.ndarray, plan: PackPlan, rows: int, width: int) 
     return out.reshape(rows, width)
 
 
-def packed_abstract(layout: PackLayout, mesh) -> PackedBatch:
+def packed_abstract(layout: PackLayout, mesh, routes: tuple | None = None) -> PackedBatch:
     """PackedBatch of ShapeDtypeStructs (with `packed_shardings`) of the layout's largest step:
-    what `jaxrl4llm plan` compiles the packed update and log-prob pass for."""
+    what `jaxrl4llm plan` compiles the packed update and log-prob pass for. routes: (layers, k, dtype)
+    of router replay's routes, or None (no routes)."""
     shardings = packed_shardings(mesh)
     tokens = (layout.mini_batches, layout.micro_batches, layout.rows, layout.row_width)
     slots = tokens[:3] + (layout.sequences_per_row,)
     shapes = dict(num_micro=(layout.mini_batches,), advantages=slots, row_weights=slots, denominator_weights=slots,
                   slot_first=slots, slot_valid=slots)
     ints = ("input_tokens", "targets", "positions", "segment_ids", "slot_first", "num_micro")
-    return PackedBatch(**{name: jax.ShapeDtypeStruct(shapes.get(name, tokens), jnp.int32 if name in ints else jnp.float32,
-                                                     sharding=getattr(shardings, name))
-                          for name in PackedBatch._fields})
+    fields = {name: jax.ShapeDtypeStruct(shapes.get(name, tokens), jnp.int32 if name in ints else jnp.float32,
+                                         sharding=getattr(shardings, name))
+              for name in PackedBatch._fields if name != "routes"}
+    if routes is not None:
+        layers, k, dtype = routes
+        fields["routes"] = jax.ShapeDtypeStruct(tokens + (layers, k), dtype, sharding=shardings.routes)
+    return PackedBatch(**fields)
 
 
+@functools.lru_cache(maxsize=256)  # pure: `plan` and the loop's layout ask it again for the same run
 def expected_micro_batches(layout: PackLayout, lengths, prompt_tokens: float, *, draws: int = 4,
                            seed: int = 0) -> float:
     """The mean number of micro-batches a mini-batch of the layout fills when its responses'

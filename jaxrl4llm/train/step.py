@@ -462,11 +462,12 @@ def _last_epoch_summary(metrics: dict) -> dict:
 
 
 def score_packed(logprob_fn: LogprobFn, params, micro):
-    """logprob_fn on one packed micro-batch's rows [RR, S] (segment ids keep its sequences apart)
-    -> (logp, entropy) [RR, S]."""
+    """logprob_fn on one packed micro-batch's rows [RR, S] (segment ids keep its sequences apart; its
+    routes, if any, replayed) -> (logp, entropy) [RR, S]."""
     attention_mask = (micro.segment_ids > 0).astype(jnp.int32)
+    extra = {} if micro.routes is None else {"routes": micro.routes}
     return logprob_fn(params, micro.input_tokens, micro.targets, micro.positions, attention_mask,
-                      segment_ids=micro.segment_ids)
+                      segment_ids=micro.segment_ids, **extra)
 
 
 def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: int | None = None,

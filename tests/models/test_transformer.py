@@ -1,5 +1,7 @@
 """forward / hidden_states / score_tokens agree with each other (the NNX model's functional API)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,6 +258,18 @@ def test_other_routes_change_the_output_and_train_the_router(moe_model):
     for layer in range(TINY_MOE.num_layers):  # every router is trained through the replayed experts' weights
         assert float(jnp.abs(forced_grad[layer]).max()) > 0
         assert float(jnp.abs(forced_grad[layer] - native_grad[layer]).max()) > 1e-6
+
+
+def test_routes_of_the_wrong_shape_are_refused_naming_the_expected_one(moe_model):
+    graphdef, state = moe_model
+    tokens, mask = _left_padded_batch()
+    positions = positions_from_mask(mask)
+    _, routes = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
+    c = TINY_MOE
+    want = f"= {tuple(tokens.shape) + (c.num_layers, c.num_experts_per_tok)}"
+    for bad in (routes[:, :-1], routes[:, :, :1], routes[..., :1]):  # a position short, a layer short, k short
+        with pytest.raises(ValueError, match=re.escape(want)):
+            forward(graphdef, state, tokens, positions=positions, attention_mask=mask, routes=bad)
 
 
 def test_dense_models_never_run_the_moe_code(model, moe_model):

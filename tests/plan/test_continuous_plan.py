@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.plan.decode_work import ContinuousWork, continuous_decode_work, static_decode_work
-from jaxrl4llm.plan.programs import format_plan, plan_eval, plan_to_dict, with_lengths
+from jaxrl4llm.plan.programs import format_plan, plan_eval, plan_run, plan_to_dict, with_lengths
 from jaxrl4llm.train.config import load_config
 from jaxrl4llm.train.response_lengths import parse_lengths
 
@@ -166,3 +166,23 @@ def test_the_decode_program_holds_the_page_pool_once():
     assert plan.sampler["slots"] == 128 and pool > 2**28
     assert pool <= decode.temp_bytes <= 1.1 * rest  # the pool in HBM, once
     assert 0.85 < decode.analytic_total / decode.total_bytes < 1.15
+
+
+def test_a_mixture_of_experts_decode_step_gathers_no_expert_weights():
+    """Qwen3-MoE on the 2-way tensor-parallel sampler, recording routes: each chip holds half of every
+    expert's width, so a decode step sums the experts' partial outputs (all-reduces within the tensor
+    pair) and never gathers an expert's weights: its only all-gather is the top-k's integer
+    candidates. The recorded routes are in the sampler's memory."""
+    moe = ["model.architecture=qwen3_moe", "model.num_experts=8",
+           "model.num_experts_per_tok=2", "model.moe_intermediate_size=256", "trainer.router_replay=rollout"]
+    cfg = load_config(None, TINY + moe + ["rollout.engine=continuous", "model.head_dim=128",
+                                          "rollout.tensor_parallel=2", "rollout.top_k=10", "rollout.slots=16"])
+    plan = plan_run(cfg, "v5e:2x2", sampler_only=True)
+    coll = plan.decode["step_collectives"]
+    gathers = [k for k in coll["kinds"] if k["op"] == "all-gather"]
+    assert [k["dtype"] for k in gathers] == ["s32"], coll["kinds"]  # the top-k's candidates, no float weights
+    reduces = [k for k in coll["kinds"] if k["op"] == "all-reduce"]
+    assert sum(k["count"] for k in reduces) >= 2 * plan.model.num_layers  # attention and experts, a layer each
+    assert {k["group"] for k in coll["kinds"]} == {2}  # within the tensor pair
+    decode = next(p for p in plan.programs if p.name == "sampler/decode")
+    assert decode.fits and decode.analytic["routes"] > 0

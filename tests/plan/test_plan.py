@@ -53,11 +53,13 @@ def test_analytic_arguments_equal_xla_arguments(plan):
 
 
 def test_a_run_that_does_not_fit_exits_1_and_says_what_to_change(capsys):
-    # 16 rows a chip of 32k-token sequences: attention scores far beyond a 16 GiB v5e chip
-    code = cli_main(["plan", "--topology", "v5e:2x2", "--json", *TINY, "rollout.prompts_per_step=128",
-                     "rollout.max_new_tokens=32768", "trainer.micro_batch_size=64"])
+    # 16 rows a chip of 32k-token sequences: attention scores far beyond a 16 GiB v5e chip. The trainer's
+    # programs alone (--only trainer): the sampler's are not what this run is short of
+    code = cli_main(["plan", "--topology", "v5e:2x2", "--json", "--only", "trainer", *TINY,
+                     "rollout.prompts_per_step=128", "rollout.max_new_tokens=32768", "trainer.micro_batch_size=64"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and not out["fits"]
+    assert out["only"] == "trainer" and [p["name"] for p in out["programs"]] == ["logprob pass", "update"]
     update = next(p for p in out["programs"] if p["name"] == "update")
     assert not update["fits"] and update["needed_bytes"] > 16 * 2**30
     assert any(a.startswith("update: needs") and "trainer.micro_batch_size" in a for a in out["advice"])
@@ -117,6 +119,8 @@ def test_decode_tensor_parallel_splits_the_decode_weights():
     assert plans[2].sampler["tensor_parallel"] == 2 and plans[2].sampler["data_parallel"] == 2
     assert decode[2].argument_bytes == pytest.approx(decode[0].argument_bytes / 2, rel=0.1)
     assert decode[2].analytic["decode weights"] == pytest.approx(decode[2].argument_bytes, rel=0.1)
+    text = format_plan(plans[2])  # `plan --only sampler`'s report: no trainer line, the step says what it leaves out
+    assert "--only sampler" in text and "\ntrainer:" not in text and "sampler: the static engine" in text
     with pytest.raises(ConfigError, match="rollout.tensor_parallel=3"):
         plan_run(load_config(None, TINY + ["rollout.tensor_parallel=3"]), "v5e:2x2", sampler_only=True)
 

@@ -119,6 +119,26 @@ def test_first_fit_decreasing_keeps_every_bin_within_capacity(lengths, max_items
     assert sum(len(b) < max_items and 2 * (12 - f) <= 12 for b, f in zip(bins, free)) <= 1
 
 
+def scanned_first_fit_decreasing(lengths, capacity, max_items):
+    """First fit decreasing by scanning the bins in order: what `first_fit_decreasing`'s tree finds."""
+    bins, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        k = next((k for k in range(len(bins)) if free[k] >= lengths[i] and len(bins[k]) < max_items), len(bins))
+        if k == len(bins):
+            bins.append([])
+            free.append(capacity)
+        bins[k].append(i)
+        free[k] -= lengths[i]
+    return bins
+
+
+@given(st.lists(st.integers(0, 40), max_size=300), st.integers(1, 9))
+@settings(max_examples=60, deadline=None)
+def test_first_fit_decreasing_equals_scanning_the_bins(lengths, max_items):
+    assert first_fit_decreasing(np.asarray(lengths, np.int64), 40, max_items) == \
+        scanned_first_fit_decreasing(lengths, 40, max_items)
+
+
 @given(st.data(), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([None, 12, 24, 40]))
 @settings(max_examples=40, deadline=None)
 def test_micro_batch_counts_are_the_plan_s_without_its_arrays(data, mini_batches, shards, tokens):
