@@ -63,7 +63,7 @@ from jaxrl4llm.train.config import ConfigError, RunConfig
 from jaxrl4llm.train.layout import (RunLayout, lora_settings, mesh_dims, model_config_from_fields, replays_routes,
                                     run_layout, sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.packing import expected_micro_batches, packed_abstract
-from jaxrl4llm.train.policy import make_logprob_fn
+from jaxrl4llm.train.policy import make_logprob_fn, make_routing_fn
 from jaxrl4llm.train.programs import optimizer_for, trainer_programs
 from jaxrl4llm.train.response_lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
@@ -621,13 +621,24 @@ def plan_static_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizing: d
 def trainer_arguments(ins: PlanInputs) -> tuple:
     """The trainer programs' abstract batch (a TrainBatch of padded rows [rows, prompt + response - 1],
     or the packing layout's PackedBatch) and its row width."""
-    rows, seq = ins.rows, ins.prompt_len + ins.response_len - 1
     packing = ins.layout.update.packing
-    c = ins.config
-    # router replay: the sampler's expert ids of every position, replayed (train/batching.py)
-    routes = (c.num_layers, c.num_experts_per_tok, route_dtype(c.num_experts)) if replays_routes(ins.cfg) else None
     if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
-        return packed_abstract(packing, ins.mesh, routes), packing.row_width
+        return packed_abstract(packing, ins.mesh, replayed_routes(ins)), packing.row_width
+    return padded_batch(ins), ins.prompt_len + ins.response_len - 1
+
+
+def replayed_routes(ins: PlanInputs) -> tuple | None:
+    """(layers, k, dtype) of the routes a batch carries for router replay (the sampler's expert ids of
+    every position, train/batching.py), or None (no replay)."""
+    c = ins.config
+    return (c.num_layers, c.num_experts_per_tok, route_dtype(c.num_experts)) if replays_routes(ins.cfg) else None
+
+
+def padded_batch(ins: PlanInputs) -> TrainBatch:
+    """The step's TrainBatch of padded rows [rows, prompt + response - 1] as abstract arrays on the
+    trainer's mesh: what the loop's `make_batch` places (and, packed or not, the routing pass scores)."""
+    rows, seq = ins.rows, ins.prompt_len + ins.response_len - 1
+    routes = replayed_routes(ins)
     b_sh = batch_shardings(ins.mesh)
     shapes = dict(input_tokens=((rows, seq), jnp.int32), targets=((rows, seq), jnp.int32),
                   positions=((rows, seq), jnp.int32), attention_mask=((rows, seq), jnp.int32),
@@ -637,7 +648,7 @@ def trainer_arguments(ins: PlanInputs) -> tuple:
                   denominator_weights=((rows,), jnp.float32))
     if routes is not None:
         shapes["routes"] = ((rows, seq) + routes[:2], routes[2])
-    return TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()}), seq
+    return TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()})
 
 
 def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
@@ -651,9 +662,12 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
     recipe = cfg.recipe()
     kernel = attention_kernel_flops(config, mesh, ins.layout.train_attention.kernel, work["per_chip_rows"], seq,
                                     remat=config.remat, epochs=cfg.trainer.ppo_epochs, minis=cfg.trainer.mini_batches)
+    routing_fn = make_routing_fn(ins.graphdef, cfg.rollout.temperature, cfg.model.logprob_chunk_size) \
+        if config.num_experts else None
     trainer = trainer_programs(cfg, mesh, logprob_fn=make_logprob_fn(ins.graphdef, cfg.rollout.temperature,
                                                                      cfg.model.logprob_chunk_size),
-                               settings=settings, params=ins.train_params, frozen=ins.frozen, recipe=recipe)
+                               settings=settings, params=ins.train_params, frozen=ins.frozen, recipe=recipe,
+                               routing_fn=routing_fn, num_experts=config.num_experts)
     plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(ins.params, batch),
                                   {"parameters": param_bytes, "batch": batch_bytes,
                                    "activations": work["layer"] + work["head"] + work["attention"]
@@ -674,7 +688,17 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
                                   ins.log)
     plan_u.kernel_flops = kernel_flops_of(kernel, "update", work["micro"])
     ins.price(plan_u, compiled_u)
-    return [plan_l, plan_u], dict(group=settings.prompt_group, packing=settings.packing, tokens=work["tokens"],
+    plans = [plan_l, plan_u]
+    if trainer.routing_pass is not None:  # router replay's metrics: a native forward of the padded rows
+        padded = padded_batch(ins)
+        positions = ins.rows * (ins.prompt_len + ins.response_len - 1)
+        plan_r, compiled_r = _compile("routing pass", lambda: trainer.routing_pass.lower(ins.params, padded),
+                                      {"parameters": param_bytes, "batch": per_chip_bytes(padded)},
+                                      2 * config.num_active_params * positions / mesh.size, mesh, ins.log)
+        plan_r.runs = 1 / cfg.trainer.router_metrics_every  # every router_metrics_every steps
+        ins.price(plan_r, compiled_r)
+        plans.append(plan_r)
+    return plans, dict(group=settings.prompt_group, packing=settings.packing, tokens=work["tokens"],
                                   kernel=kernel)
 
 
@@ -936,6 +960,8 @@ def advice(plan: RunPlan) -> list[str]:
             "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
                       "trainer.micro_batch_size (activations), or keep model.remat=true",
             "logprob pass": "lower trainer.micro_batch_size or model.logprob_chunk_size",
+            "routing pass": "lower trainer.micro_batch_size or model.logprob_chunk_size, or set "
+                            "trainer.router_metrics_every=0 (no router replay metrics)",
             "sampler/decode": (f"set rollout.slots={plan.sampler.get('fitting_slots')} (the most slots that fit "
                                f"{100 * SIZING_SHARE:.0f}% of the memory JAX takes, by our count; or auto), or raise rollout.tensor_parallel (splits the decode "
                                f"weights and KV heads)") if plan.sampler.get("engine") == "continuous" else

@@ -363,11 +363,9 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
     if layout.decode_attention is not None:  # the sampler runs the layout's kernel (kernels.choice: decided once)
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings = layout.update
-    route_metrics = replays_routes(cfg) and cfg.trainer.router_metrics_every > 0
     programs = trainer_programs(cfg, mesh, logprob_fn=policy.logprob_fn, settings=settings, params=policy.params,
-                                frozen=policy.frozen, recipe=recipe,
-                                routing_fn=policy.routing_fn if route_metrics else None,
-                                num_experts=policy.config.num_experts if route_metrics else 0)
+                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn,
+                                num_experts=policy.config.num_experts if policy.config is not None else 0)
     state = programs.init_state(policy.params, policy.frozen)
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(

@@ -23,7 +23,7 @@ import optax
 
 from jaxrl4llm.core import policy_loss
 from jaxrl4llm.train.config import RunConfig
-from jaxrl4llm.train.layout import lora_dropout
+from jaxrl4llm.train.layout import lora_dropout, replays_routes
 from jaxrl4llm.train.packing import pack, packed_shardings
 from jaxrl4llm.train.step import (UpdateSettings, batch_shardings, init_train_state, make_logprob_pass, join_params,
                                   make_optimizer, make_routing_pass, make_update_fn, train_state_shardings)
@@ -64,6 +64,12 @@ def loss_fn_for(cfg: RunConfig) -> Callable:
     return policy_loss
 
 
+def routing_metrics_on(cfg: RunConfig) -> bool:
+    """Whether the run measures router replay's metrics (`trainer.router_metrics_every` > 0 on a run
+    that replays routes): the loop runs the routing pass, `plan` prices it."""
+    return replays_routes(cfg) and cfg.trainer.router_metrics_every > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerPrograms:
     """The trainer's jitted programs and the shardings they keep (`trainer_programs`)."""
@@ -89,8 +95,9 @@ def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: Up
     layout's `UpdateSettings`. params / frozen: the trainable parameters and the frozen base (LoRA;
     None without), concrete or `jax.ShapeDtypeStruct`s, each leaf with its sharding. recipe: the
     algorithm (default `cfg.recipe()`). routing_fn: a mixture-of-experts model's native routing pass
-    (`train.policy.make_routing_fn`; its `num_experts`) for router replay's metrics
-    (`train.step.make_routing_pass`); None: no routing pass."""
+    (`train.policy.make_routing_fn`; its `num_experts`), or None (a dense model): router replay's
+    metrics (`train.step.make_routing_pass`) are built from it when the run replays routes and
+    `trainer.router_metrics_every` > 0 (`routing_metrics_on`)."""
     recipe = recipe if recipe is not None else cfg.recipe()
     optimizer, schedule = optimizer_for(cfg)
     loss_fn = loss_fn_for(cfg)
@@ -111,6 +118,6 @@ def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: Up
         batch_shardings=batch_in, update_shardings=update_in, update=update, logprob_pass=logprob_pass,
         pack=jax.jit(pack, out_shardings=update_in) if settings.packing else None,
         init_state=jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings),
-        routing_pass=None if routing_fn is None else jax.jit(
+        routing_pass=None if routing_fn is None or not routing_metrics_on(cfg) else jax.jit(
             make_routing_pass(routing_fn, settings.micro_batches, num_experts, settings.scored_tokens),
             in_shardings=(join_params(sharding_of(params), sharding_of(frozen)), batch_in)))

@@ -87,7 +87,8 @@ def test_plan_lowers_the_loops_update_and_logprob_pass(demo_assets, tmp_path, ro
     """On one CPU device, packed rows (the quick demo's pinned row form), and a mixture of experts
     replaying routes: the StableHLO `plan` compiled for the update and the log-prob pass equals the
     loop's programs lowered on the same arguments (metadata stripped); plan's batch carries the
-    routes [rows, positions, layers, k] the loop's does, and its FLOPs count the active parameters.
+    routes [rows, positions, layers, k] the loop's does, its FLOPs count the active parameters, and it
+    prices the routing pass of router replay's metrics, the loop's own.
     data.max_prompt_tokens is the demo prompts' bucket, so the loop's layout (its prompts' width) is
     plan's (the bucket of the longest prompt a run can meet)."""
     extra = {"trainer.packing": True} if rows == "packed" else MOE_REPLAY
@@ -111,7 +112,12 @@ def test_plan_lowers_the_loops_update_and_logprob_pass(demo_assets, tmp_path, ro
         positions = batch.input_tokens.shape[0] * batch.input_tokens.shape[1]
         assert update.model_flops == pytest.approx(6 * c.num_active_params * cfg.trainer.ppo_epochs * positions
                                                    / mesh.size)
-    for name, program in (("update", run.programs.update), ("logprob pass", run.programs.logprob_pass)):
+    programs = [("update", run.programs.update), ("logprob pass", run.programs.logprob_pass)]
+    if rows == "moe replay":  # router replay's metrics: the native routing pass, priced by plan as the loop runs it
+        assert [p.name for p in plans] == ["logprob pass", "update", "routing pass"]
+        assert next(p for p in plans if p.name == "routing pass").runs == 1 / cfg.trainer.router_metrics_every
+        programs.append(("routing pass", run.programs.routing_pass))
+    for name, program in programs:
         args, kwargs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), planned[name].args_info)
         with jax.set_mesh(mesh):
             loop = program.lower(*args, **kwargs)
