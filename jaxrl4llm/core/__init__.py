@@ -22,6 +22,9 @@ Entropy:      Clip-Cov / KL-Cov (arXiv 2505.22617): token_covariance, clip_cov_m
               kl_cov_penalty, top_k_mask, COV_CONTROLS
 Aggregation:  aggregate_loss -> LossTerms(numerator, denominator), AGGREGATION_MODES, prompt_weights
 KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
+Distillation: on-policy distillation from a teacher's log-probs at the sampled tokens:
+              teacher_log_ratio, distill_advantages (advantage mode), distill_loss (loss mode,
+              DISTILL_LOSS_KINDS and the KL direction each follows), teacher_kl_metrics
 Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
 Routing:      a mixture of experts' routes compared (router replay's metrics): route_disagreement,
               expert_load, load_imbalance
@@ -37,6 +40,11 @@ from jaxrl4llm.core.aggregation import AGGREGATION_MODES
 from jaxrl4llm.core.aggregation import LossTerms
 from jaxrl4llm.core.aggregation import aggregate_loss
 from jaxrl4llm.core.aggregation import prompt_weights
+from jaxrl4llm.core.distill import DISTILL_LOSS_KINDS
+from jaxrl4llm.core.distill import distill_advantages
+from jaxrl4llm.core.distill import distill_loss
+from jaxrl4llm.core.distill import teacher_kl_metrics
+from jaxrl4llm.core.distill import teacher_log_ratio
 from jaxrl4llm.core.entropy_control import COV_CONTROLS
 from jaxrl4llm.core.entropy_control import clip_cov_mask
 from jaxrl4llm.core.entropy_control import kl_cov_mask
@@ -109,4 +117,5 @@ __all__ = [
     "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "scale_rewards", "sapo_surrogate", "token_logprobs",
     "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",
     "expert_load", "load_imbalance", "route_disagreement",
+    "DISTILL_LOSS_KINDS", "distill_advantages", "distill_loss", "teacher_kl_metrics", "teacher_log_ratio",
 ]

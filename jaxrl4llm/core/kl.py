@@ -41,13 +41,17 @@ def kl_penalty(
       clamp: if given, the estimate is clipped to [-clamp, clamp].
 
     Returns:
-      [B, T] float32 per-token estimates (mask them before aggregation).
+      [B, T] float32 per-token estimates (mask them before aggregation); float64 for float64
+      inputs under jax_enable_x64.
     """
     chex.assert_equal_shape([logp, ref_logp])
     if kind not in KL_KINDS:
         raise ValueError(f"Unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_KINDS)}.")
     kind = _ALIASES.get(kind, kind)
-    d = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+    # float32 for bf16/f16/f32 inputs; float64 only for float64 inputs under jax_enable_x64 (the
+    # exact-gradient tests of core/distill.py), where a float32 cast would hide 1e-12 identities.
+    dtype = jnp.promote_types(jnp.result_type(logp, ref_logp), jnp.float32)
+    d = ref_logp.astype(dtype) - logp.astype(dtype)
     if kind == "k1":
         kl = -d
     elif kind == "k2":

@@ -39,6 +39,9 @@ Papers:
              log(pi_sampler / pi_old) exceeds delta leave the loss).
   [EntropyMech] Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
              Language Models", arXiv 2505.22617 (Clip-Cov, KL-Cov).
+  [OPD]      Thinking Machines 2025, "On-Policy Distillation" (tinker-cookbook
+             distillation/train_on_policy.py: advantages += -coef·mask·(log pi - log pi_T),
+             optionally its discounted future sum); GKD, Agarwal et al. 2024, arXiv 2306.13649.
   [verl]     volcengine/verl core_algos.py (log-ratio clamp to +-20, dual clip "clip_ratio_c",
              low_var_kl clamp to +-10, agg_loss modes).
 """
@@ -679,3 +682,74 @@ def kl_cov_mask(logp, advantages, mask, *, ratio):
     """[EntropyMech] KL-Cov: the k counted tokens of largest covariance."""
     cov = token_covariance(logp, advantages, mask)
     return pick_top(cov, _f64(mask) > 0, selection_count(mask, ratio))
+
+
+# --------------------------------------------------------------------------------------
+# On-policy distillation [OPD]
+# --------------------------------------------------------------------------------------
+
+
+def distill_advantages(row_advantages, student_logp, teacher_logp, mask, *, coef, discount=0.0, clip=None):
+    """[OPD] A_t = A_row + sum over counted t' >= t of discount^(t'-t) * c_t', with
+    c_t = -coef * (log pi - log pi_T) clipped to [-clip, clip] per token; 0 where uncounted."""
+    s, t, m = _f64(student_logp), _f64(teacher_logp), _f64(mask)
+    rows, steps = m.shape
+    out = np.zeros((rows, steps))
+    for b in range(rows):
+        term = np.zeros(steps)
+        for i in range(steps):
+            if m[b, i] > 0:
+                c = -coef * (s[b, i] - t[b, i])
+                if clip is not None:
+                    c = min(max(c, -clip), clip)
+                term[i] = c
+        for i in range(steps):
+            if m[b, i] <= 0:
+                continue
+            total = term[i]
+            if discount > 0:
+                for j in range(i + 1, steps):
+                    if m[b, j] > 0:
+                        total += discount ** (j - i) * term[j]
+            row = 0.0 if row_advantages is None else float(row_advantages[b])
+            out[b, i] = row + total
+    return out
+
+
+def teacher_kl_metrics(student_logp, teacher_logp, mask, num_bins=10):
+    """[OPD] teacher_kl: mean of log pi - log pi_T over all counted tokens (0 if none); by position:
+    the j-th counted token (j = 0..n-1) of a row with n counted tokens is in bin floor(num_bins*j/n);
+    the mean per bin over the batch (0 for an empty bin) and the token count per bin."""
+    s, t, m = _f64(student_logp), _f64(teacher_logp), _f64(mask)
+    total, count = 0.0, 0
+    bin_sum, bin_count = np.zeros(num_bins), np.zeros(num_bins)
+    for b in range(m.shape[0]):
+        positions = [i for i in range(m.shape[1]) if m[b, i] > 0]
+        n = len(positions)
+        for j, i in enumerate(positions):
+            d = s[b, i] - t[b, i]
+            total += d
+            count += 1
+            k = (num_bins * j) // n
+            bin_sum[k] += d
+            bin_count[k] += 1
+    by_position = np.array([bin_sum[k] / bin_count[k] if bin_count[k] else 0.0 for k in range(num_bins)])
+    return {"teacher_kl": total / count if count else 0.0, "teacher_kl_by_position": by_position,
+            "teacher_tokens_by_position": bin_count}
+
+
+def softmax(logits):
+    z = _f64(logits)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def reverse_kl_logit_grad(logits, q):
+    """d/dz KL(p || q) with p = softmax(z): p_j (log p_j - log q_j - KL(p || q))."""
+    p, q = softmax(logits), _f64(q)
+    return p * (np.log(p) - np.log(q) - exact_kl(p, q))
+
+
+def forward_kl_logit_grad(logits, q):
+    """d/dz KL(q || p) with p = softmax(z): d/dz (-sum_i q_i log p_i) = p - q."""
+    return softmax(logits) - _f64(q)
