@@ -7,7 +7,7 @@ The layers, bottom to top (a package is a subpackage or a top-level module of ja
 
     __init__ storage core kernels   the version, paths and filesystems, the loss math on arrays, the numerics kernels
     models                          the LLMs: weights, forward, decode step
-    sampling data rewards           the rollout engine; datasets and prompts; the verifier
+    sampling data rewards tools     the rollout engine; datasets and prompts; the verifier; the tools a policy calls
     train                           the trainer
     plan study                      the planner and the studies, which read what train runs
     cli                             the command line
@@ -38,7 +38,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxrl4llm"
 LAYERS = (
     ("__init__", "storage", "core", "kernels"),
     ("models",),
-    ("sampling", "data", "rewards"),
+    ("sampling", "data", "rewards", "tools"),
     ("train",),
     ("plan", "study"),
     ("cli",),
@@ -213,7 +213,7 @@ def test_imports_against_the_layers_are_found(tmp_path):
         "kernels/backend.py": "from jaxrl4llm.models.decode import DecodeBackend, KVBlock\n",
         "models/__init__.py": "", "models/decode.py": "from jaxrl4llm.kernels import exact\n",
         "sampling/__init__.py": "", "data/__init__.py": "from jaxrl4llm.rewards import extract\n",
-        "rewards/__init__.py": "from jaxrl4llm import data\n", "study/__init__.py": "",
+        "rewards/__init__.py": "from jaxrl4llm import data\n", "study/__init__.py": "", "tools/__init__.py": "",
         "train/__init__.py": "", "train/loop.py": "import jaxrl4llm.storage\nfrom . import layout\n",
         "train/layout.py": "def f():\n    from jaxrl4llm.plan import lengths\n",
         "plan/__init__.py": "", "plan/lengths.py": "from ..train.loop import train\n",

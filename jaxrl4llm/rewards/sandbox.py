@@ -15,37 +15,96 @@ a simplification that never ends). ``SandboxPool`` runs such calls in separate p
   the caller, so it works outside the main thread.
 
 The function and its arguments must be picklable (module-level functions).
+
+The machinery is public for other worker pools (``jaxrl4llm.tools.python_executor``):
+``WorkerProcess`` starts one worker (a command, an environment, an optional launcher such as
+``unshare``), ``serve`` is a worker's call loop, and ``run_calls`` spreads calls over workers
+under the deadline and reports how each ended (``CallOutcome``). A pool whose workers run
+untrusted code (``trusted_replies=False``) decodes their replies as JSON, never with pickle, and
+reads them without blocking, so that a worker cannot stall the caller with half a reply.
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 _WORKER_MEMORY_BYTES = 3 * 1024**3
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The folder that holds the ``jaxrl4llm`` package: a worker's ``PYTHONPATH`` needs it."""
 
 
-class _SoftTimeout(BaseException):
-    """Raised inside a worker by SIGALRM when its call runs out of time."""
+class SoftTimeout(BaseException):
+    """Raised inside a worker by SIGALRM when its call runs out of time (a BaseException, so
+    that ``except Exception`` in the called code does not swallow it)."""
 
 
-def _on_alarm(signum, frame):  # pragma: no cover - runs in the worker
-    raise _SoftTimeout()
+def raise_soft_timeout(signum, frame):  # pragma: no cover - runs in the worker
+    """Signal handler of a worker's time alarms: raises ``SoftTimeout``."""
+    raise SoftTimeout()
+
+
+def send_reply(conn: Connection, message: Any, trusted: bool) -> None:
+    """Send a worker's reply: pickled for a pool that trusts its workers (``Connection.send``), else
+    as ASCII JSON (any string encodes, lone surrogates too)."""
+    if trusted:
+        conn.send(message)
+    else:
+        conn.send_bytes(json.dumps(message).encode("ascii"))
+
+
+def serve(conn: Connection, ready_info: Any = None, *, trusted_replies: bool = True) -> None:  # pragma: no cover
+    """A worker's call loop: announce ``(None, "ready", ready_info)``, then receive
+    ``(token, fn, args, soft_timeout)`` until ``None`` or a closed connection and reply
+    ``(token, "ok", result)``, ``(token, "timeout", None)`` (the alarm fired) or
+    ``(token, "error", "Type: message")``.
+
+    A process that the called code forked returns here too: it exits at once instead of
+    replying, so only the worker itself answers.
+    """
+    signal.signal(signal.SIGALRM, raise_soft_timeout)
+    serving_pid = os.getpid()
+    send_reply(conn, (None, "ready", ready_info), trusted_replies)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        token, fn, args, soft_timeout = msg
+        try:
+            signal.setitimer(signal.ITIMER_REAL, soft_timeout)
+            reply = (token, "ok", fn(*args))
+        except SoftTimeout:
+            reply = (token, "timeout", None)
+        except BaseException as exc:  # noqa: BLE001 - report every failure to the caller
+            reply = (token, "error", f"{type(exc).__name__}: {str(exc)[:200]}")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if os.getpid() != serving_pid:
+            os._exit(0)
+        try:
+            send_reply(conn, reply, trusted_replies)
+        except (OSError, ValueError, TypeError):
+            return
 
 
 def _worker_main(conn, memory_bytes: int | None, warmup: Callable[[], Any] | None,
                  preload: Sequence[str] = ()) -> None:  # pragma: no cover
-    """Worker loop: receive (fn, args, soft_timeout), send ("ok", result) or ("error", text)."""
+    """Set up a verifier worker (memory cap, warm-up, imports), then serve calls."""
     if memory_bytes:
         try:
             import resource
@@ -53,7 +112,6 @@ def _worker_main(conn, memory_bytes: int | None, warmup: Callable[[], Any] | Non
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
         except (ImportError, ValueError, OSError):
             pass
-    signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if warmup is not None:
         try:
@@ -65,31 +123,7 @@ def _worker_main(conn, memory_bytes: int | None, warmup: Callable[[], Any] | Non
             _import_by_path(path)
         except Exception:  # noqa: BLE001 - the call reports the import error itself
             pass
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        fn, args, soft_timeout = msg
-        try:
-            signal.setitimer(signal.ITIMER_REAL, soft_timeout)
-            reply = ("ok", fn(*args))
-        except _SoftTimeout:
-            reply = ("timeout", None)
-        except BaseException as exc:  # noqa: BLE001 - report every failure to the caller
-            reply = ("error", f"{type(exc).__name__}: {str(exc)[:200]}")
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        try:
-            conn.send(reply)
-        except (OSError, ValueError):
-            return
-
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    serve(conn, os.getpid())
 
 
 def _worker_entry() -> None:  # pragma: no cover - runs in the worker
@@ -103,32 +137,66 @@ def _worker_entry() -> None:  # pragma: no cover - runs in the worker
     _worker_main(Connection(fd), memory or None, warmup, [p for p in sys.argv[4].split(",") if p])
 
 
-class _Worker:
-    """One worker: a fresh ``python`` subprocess talking over a socket pair.
+class WorkerProcess:
+    """One worker: ``[*launcher, python, -c, entry, <socket fd>, *args]``, talking over a socket pair.
 
     A plain subprocess (not ``multiprocessing.Process``) never re-imports the caller's
-    ``__main__`` and never forks a process that may already run JAX threads.
+    ``__main__`` and never forks a process that may already run JAX threads. ``entry`` is the
+    Python code the worker runs; it finds its end of the socket pair as ``sys.argv[1]`` and
+    ends in ``serve``. ``env`` None inherits the caller's environment. ``trusted_replies``
+    False: replies are JSON of at most ``max_reply_bytes`` bytes (a worker that runs untrusted
+    code must not get to unpickle objects in the caller).
+
+    The scheduler's view of it: ``ready`` (it announced itself), ``info`` (what it announced),
+    ``task`` (the index of its running call or None), ``token``, ``started``, ``deadline`` and
+    ``calls`` (calls given to it so far).
     """
 
-    def __init__(self, memory_bytes, warmup, pythonpath: Sequence[str] = (), preload: Sequence[str] = ()):
+    def __init__(self, entry: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
+                 launcher: Sequence[str] = (), trusted_replies: bool = True, max_reply_bytes: int = 2**31 - 1,
+                 new_session: bool = False, cwd: str | None = None):
         parent_sock, child_sock = socket.socketpair()
-        warmup_name = f"{warmup.__module__}:{warmup.__qualname__}" if warmup is not None else ""
-        env = dict(os.environ)
-        paths = [_PACKAGE_ROOT, *pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-        env["PYTHONPATH"] = os.pathsep.join(paths)
-        code = "from jaxrl4llm.rewards.sandbox import _worker_entry; _worker_entry()"
         self.process = subprocess.Popen(
-            [sys.executable, "-c", code, str(child_sock.fileno()), str(memory_bytes or 0), warmup_name, ",".join(preload)],
+            [*launcher, sys.executable, "-c", entry, str(child_sock.fileno()), *args],
             pass_fds=(child_sock.fileno(),),
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=None if env is None else dict(env),
             close_fds=True,
+            start_new_session=new_session,
+            cwd=cwd,
         )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
+        self.trusted_replies, self.max_reply_bytes = trusted_replies, max_reply_bytes
         self.ready = False
+        self.info: Any = None
         self.task: int | None = None
-        self.deadline = 0.0
+        self.token = ""
+        self.started = self.deadline = 0.0
+        self.calls = 0
+        self._received = b""
+
+    def receive(self) -> list:
+        """The complete replies that have arrived, decoded. A trusted worker's reply is read whole
+        (``Connection.recv``); an untrusted one's bytes are read once, so that a worker that sends
+        part of a reply cannot block the caller, and decoded as JSON when complete. Raises EOFError
+        when the worker closed its end, ValueError on an oversized or undecodable reply."""
+        if self.trusted_replies:
+            return [self.conn.recv()]
+        chunk = os.read(self.conn.fileno(), 1 << 16)
+        if not chunk:
+            raise EOFError("the worker closed its connection")
+        self._received += chunk
+        replies = []
+        while len(self._received) >= 4:
+            (size,) = struct.unpack("!i", self._received[:4])
+            if size < 0 or size > self.max_reply_bytes:
+                raise ValueError(f"a reply of {size} bytes (at most {self.max_reply_bytes})")
+            if len(self._received) < 4 + size:
+                break
+            payload, self._received = self._received[4:4 + size], self._received[4 + size:]
+            replies.append(json.loads(payload))
+        return replies
 
     def kill(self) -> None:
         try:
@@ -140,6 +208,154 @@ class _Worker:
         except Exception:  # noqa: BLE001
             pass
         self.conn.close()
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Ask the worker to exit (``None``), wait up to ``grace`` seconds, then kill it."""
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+
+class CallOutcome(NamedTuple):
+    """How one call of ``run_calls`` ended: ``status`` "ok" (``value`` is what the function
+    returned), "error" (``value`` is "Type: message" of what it raised), "timeout" (stopped by
+    the worker's alarm, or killed at the deadline) or "died" (the worker exited mid-call, or sent
+    a malformed reply); ``seconds`` from the call's start on a worker to its end."""
+
+    status: str
+    value: Any
+    seconds: float
+
+
+def run_calls(workers: list[WorkerProcess], calls: Sequence[tuple[Callable, tuple]], *, timeout: float,
+              replace: Callable[[WorkerProcess], None],
+              retire: Callable[[WorkerProcess, CallOutcome], bool] | None = None,
+              start_failure_hint: str = "") -> list[CallOutcome]:
+    """Run each ``(fn, args)`` of ``calls`` on ``workers`` in parallel; outcomes in input order.
+
+    A call that does not finish within ``timeout`` seconds of its start on a worker ends as
+    "timeout"; its worker is killed and ``replace(worker)`` (which must put a new worker in the
+    dead one's place in ``workers``) is called, as it is for a worker that died. After a call
+    that ended on a live worker, ``retire(worker, outcome)`` True replaces that worker too. A
+    worker that exits before announcing itself raises RuntimeError (with ``start_failure_hint``).
+    """
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    outcomes: list[CallOutcome | None] = [None] * len(calls)
+    pending = deque(range(len(calls)))
+    soft = max(timeout * 0.85, timeout - 0.5)
+    while pending or any(w.task is not None for w in workers):
+        _start_calls(workers, calls, pending, soft, timeout, replace)
+        _receive_replies(workers, outcomes, replace, retire, start_failure_hint)
+        _stop_overdue_calls(workers, outcomes, replace)
+    return outcomes
+
+
+def wait_until_ready(workers: list[WorkerProcess], *, timeout: float, replace: Callable[[WorkerProcess], None],
+                     start_failure_hint: str = "") -> None:
+    """Block until every worker has announced itself (TimeoutError after ``timeout`` seconds); a
+    worker that exits first raises RuntimeError, as in ``run_calls``."""
+    deadline = time.monotonic() + timeout
+    while not all(w.ready for w in workers):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"sandbox workers not ready after {timeout:g} s")
+        _receive_replies(workers, [], replace, None, start_failure_hint, max_wait=left)
+
+
+def _start_calls(workers, calls, pending, soft: float, timeout: float, replace) -> None:
+    """Give each idle, ready worker the next pending call."""
+    for w in list(workers):
+        if not (w.ready and w.task is None and pending):
+            continue
+        i = pending.popleft()
+        fn, args = calls[i]
+        token = os.urandom(8).hex()  # a reply must name the call it answers
+        try:
+            w.conn.send((token, fn, tuple(args), soft))
+        except (OSError, ValueError):
+            pending.appendleft(i)
+            replace(w)
+            continue
+        now = time.monotonic()
+        w.task, w.token, w.started, w.deadline = i, token, now, now + timeout
+        w.calls += 1
+
+
+def _receive_replies(workers, outcomes, replace, retire, start_failure_hint: str, max_wait: float = 60.0) -> None:
+    """Wait for replies (or start-up announcements) until the nearest deadline, and record them."""
+    busy = [w for w in workers if w.task is not None]
+    starting = [w for w in workers if not w.ready]
+    if not busy and not starting:
+        return
+    now = time.monotonic()
+    wait_for = min((w.deadline for w in busy), default=now + max_wait) - now
+    by_conn = {w.conn: w for w in busy + starting}
+    for conn in wait(list(by_conn), timeout=max(wait_for, 0.0)):
+        w = by_conn[conn]
+        try:
+            replies = w.receive()
+        except Exception:  # noqa: BLE001 - a closed connection, or a reply that does not decode
+            _worker_failed(w, workers, outcomes, replace, start_failure_hint)
+            continue
+        for reply in replies:
+            _record_reply(w, reply, outcomes, replace, retire)
+
+
+def _worker_failed(w, workers, outcomes, replace, start_failure_hint: str) -> None:
+    """A worker closed its connection or sent garbage: its call (if any) ends as "died"."""
+    if not w.ready:
+        code = w.process.poll()
+        replace(w)
+        raise RuntimeError(f"sandbox worker exited during start-up (exit code {code}); {start_failure_hint}")
+    if w.task is not None:
+        outcomes[w.task] = CallOutcome("died", "the worker process died", time.monotonic() - w.started)
+        w.task = None
+    replace(w)
+
+
+def _record_reply(w, reply, outcomes, replace, retire) -> None:
+    """One decoded reply of worker ``w``: its announcement, or the result of its running call."""
+    try:
+        token, status, value = reply
+    except (TypeError, ValueError):
+        return
+    if status == "ready" and not w.ready:
+        w.ready, w.info = True, value
+        return
+    if w.task is None or token != w.token or status not in ("ok", "error", "timeout"):
+        return  # a stray message: not the answer to the call the worker was given
+    outcome = CallOutcome(status, value, time.monotonic() - w.started)
+    outcomes[w.task] = outcome
+    w.task = None
+    if retire is not None and retire(w, outcome):
+        replace(w)
+
+
+def _stop_overdue_calls(workers, outcomes, replace) -> None:
+    """Kill and replace every worker whose call is past its deadline."""
+    now = time.monotonic()
+    for w in list(workers):
+        if w.task is not None and now >= w.deadline:
+            outcomes[w.task] = CallOutcome("timeout", None, now - w.started)
+            w.task = None
+            replace(w)
+
+
+def _verifier_worker(memory_bytes, warmup, pythonpath: Sequence[str] = (), preload: Sequence[str] = ()) -> WorkerProcess:
+    """A ``SandboxPool`` worker: the caller's environment plus this package on ``PYTHONPATH``."""
+    warmup_name = f"{warmup.__module__}:{warmup.__qualname__}" if warmup is not None else ""
+    env = dict(os.environ)
+    paths = [PACKAGE_ROOT, *pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    code = "from jaxrl4llm.rewards.sandbox import _worker_entry; _worker_entry()"
+    return WorkerProcess(code, [str(memory_bytes or 0), warmup_name, ",".join(preload)], env=env)
 
 
 class SandboxPool:
@@ -167,8 +383,8 @@ class SandboxPool:
         self.restarts = 0
         self._closed = False
 
-    def _spawn(self) -> _Worker:
-        return _Worker(self._memory, self._warmup, self._pythonpath, self._preload)
+    def _spawn(self) -> WorkerProcess:
+        return _verifier_worker(self._memory, self._warmup, self._pythonpath, self._preload)
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple], *, timeout: float, default: Any = None,
             errors: list | None = None) -> list:
@@ -181,69 +397,21 @@ class SandboxPool:
         """
         if self._closed:
             raise RuntimeError("SandboxPool is closed; create a new one")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        results = [default] * len(calls)
-        why = [f"timed out after {timeout:g} s"] * len(calls)  # what a call that never reports hit
-        pending = deque(range(len(calls)))
-        soft = max(timeout * 0.85, timeout - 0.5)
         with self._lock:
-            while pending or any(w.task is not None for w in self._workers):
-                now = time.monotonic()
-                for w in self._workers:
-                    if w.ready and w.task is None and pending:
-                        i = pending.popleft()
-                        try:
-                            w.conn.send((fn, tuple(calls[i]), soft))
-                        except (OSError, ValueError):
-                            pending.appendleft(i)
-                            self._replace(w)
-                            continue
-                        w.task, w.deadline = i, now + timeout
-                busy = [w for w in self._workers if w.task is not None]
-                starting = [w for w in self._workers if not w.ready]
-                if not busy and not starting:
-                    continue
-                wait_for = min((w.deadline for w in busy), default=now + 60.0) - now
-                ready = wait([w.conn for w in busy + starting], timeout=max(wait_for, 0.0))
-                by_conn = {w.conn: w for w in self._workers}
-                for conn in ready:
-                    w = by_conn.get(conn)
-                    if w is None:
-                        continue
-                    try:
-                        status, value = conn.recv()
-                    except (EOFError, OSError):
-                        if not w.ready:
-                            code = w.process.poll()
-                            self._replace(w)
-                            raise RuntimeError(
-                                f"sandbox worker exited during start-up (exit code {code}); run "
-                                "`python -c 'import jaxrl4llm.rewards.symbolic'` to see the import error"
-                            )
-                        if w.task is not None:
-                            why[w.task] = "the worker process died (a crash in C code, or out of memory)"
-                        w.task = None  # the worker died mid-call (e.g. a crash in C code)
-                        self._replace(w)
-                        continue
-                    if status == "ready":
-                        w.ready = True
-                        continue
-                    if status == "ok" and w.task is not None:
-                        results[w.task], why[w.task] = value, None
-                    elif status == "error" and w.task is not None:
-                        why[w.task] = value
-                    w.task = None
-                now = time.monotonic()
-                for w in list(self._workers):
-                    if w.task is not None and now >= w.deadline:
-                        w.task = None
-                        self._replace(w)
+            outcomes = run_calls(
+                self._workers, [(fn, tuple(args)) for args in calls], timeout=timeout, replace=self._replace,
+                start_failure_hint="run `python -c 'import jaxrl4llm.rewards.symbolic'` to see the import error")
+        results, why = [], []
+        for outcome in outcomes:
+            results.append(outcome.value if outcome.status == "ok" else default)
+            why.append(None if outcome.status == "ok" else outcome.value if outcome.status == "error"
+                       else "the worker process died (a crash in C code, or out of memory)"
+                       if outcome.status == "died" else f"timed out after {timeout:g} s")
         if errors is not None:
             errors.extend(why)
         return results
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: WorkerProcess) -> None:
         worker.kill()
         self.restarts += 1
         self._workers[self._workers.index(worker)] = self._spawn()
@@ -259,11 +427,7 @@ class SandboxPool:
             except (OSError, ValueError):
                 pass
         for w in self._workers:
-            try:
-                w.process.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
-            w.kill()
+            w.stop()
 
     def __enter__(self) -> "SandboxPool":
         return self
