@@ -980,19 +980,10 @@ def _seconds(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def format_plan(plan: RunPlan) -> str:
-    c = plan.model
-    active = f" ({c.num_active_params / 1e9:.2f}B active a token)" if c.num_experts else ""
-    lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params{active} on {plan.topology} "
-             f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
-             f"{plan.prompt_len} prompt + {plan.response_len} response tokens",
-             f"chip: {plan.chip.peak_flops / 1e12:.1f} TFLOP/s bf16, {plan.chip.hbm_bandwidth / 1e9:.0f} GB/s memory "
-             f"({plan.chip.peak_source}; --peak measured prices at what this host measures), programs fit under "
-             f"{memory_limit_text(plan.chip)}"]
-    if plan.lengths is not None:
-        lines.append(f"responses: {plan.lengths.describe(plan.response_len)}: {plan.mean_response:.0f} tokens a row "
-                     f"on average (--response-lengths); prompts: {plan.prompt_tokens:.0f} real tokens a row "
-                     f"(--prompt-tokens)")
+def _sampler_lines(plan: RunPlan) -> list[str]:
+    """format_plan's lines on the sampler: its engine and mesh, its schedule at the lengths, the
+    asynchronous split, a decode step's collectives."""
+    lines: list[str] = []
     sm = plan.sampler
     d = plan.decode or {}
     if sm and sm.get("engine") == "continuous":
@@ -1030,6 +1021,23 @@ def format_plan(plan: RunPlan) -> str:
         parts = ", ".join(f"{key} x{c:.0f} ({b / 1e6:.2f} MB)" for key, (c, b) in sorted(kinds.items(), key=lambda x: -x[1][1]))
         lines.append(f"decode step collectives (one step, per chip): {coll['count']:.0f} ops, {coll['bytes'] / 1e6:.2f} MB "
                      f"sent: {parts}")
+    return lines
+
+
+def format_plan(plan: RunPlan) -> str:
+    c = plan.model
+    active = f" ({c.num_active_params / 1e9:.2f}B active a token)" if c.num_experts else ""
+    lines = [f"plan: {c.architecture} {c.num_params / 1e9:.2f}B params{active} on {plan.topology} "
+             f"(mesh {plan.mesh}, {_gib(plan.chip.hbm)} GiB HBM per chip); {plan.rows} rows x "
+             f"{plan.prompt_len} prompt + {plan.response_len} response tokens",
+             f"chip: {plan.chip.peak_flops / 1e12:.1f} TFLOP/s bf16, {plan.chip.hbm_bandwidth / 1e9:.0f} GB/s memory "
+             f"({plan.chip.peak_source}; --peak measured prices at what this host measures), programs fit under "
+             f"{memory_limit_text(plan.chip)}"]
+    if plan.lengths is not None:
+        lines.append(f"responses: {plan.lengths.describe(plan.response_len)}: {plan.mean_response:.0f} tokens a row "
+                     f"on average (--response-lengths); prompts: {plan.prompt_tokens:.0f} real tokens a row "
+                     f"(--prompt-tokens)")
+    lines += _sampler_lines(plan)
     lay = plan.packing
     if lay is not None:
         lines.append(f"trainer: packed rows (trainer.packing): micro-batches of {lay.rows_per_shard} rows x {lay.row_width} "

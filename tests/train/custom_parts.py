@@ -11,6 +11,13 @@ def contains_one_reward(response: str, gold: str) -> float:
     return float("1" in response)
 
 
+def digit_share_reward(response: str, gold: str) -> float:
+    """The share of the response's characters (stripped) that are digits, in [0, 1]: a dense signal a
+    random policy climbs within a few steps (learning smoke tests)."""
+    text = response.strip()
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
 def always_correct_reward(response: str, gold: str) -> float:
     """Every response is right (a pass rate of 1 for every prompt)."""
     return 1.0
