@@ -1,6 +1,8 @@
 """`scripts/gpu_check --dry-run`: every phase of the first GPU run (benchmarks/gpu_check.py) runs on
 this CPU at toy sizes and reports "ok" with finite figures, into the four files a GPU session brings
-back. The one test runs the whole dry run (a few minutes: each phase compiles its own programs)."""
+back. The one test runs the whole dry run but the demo phase (a few minutes: each phase compiles its
+own programs); the demo phase's own code is tested on a stand-in demo (`jaxrl4llm demo --quick`
+itself runs in tests/train/test_demo.py)."""
 
 import importlib.util
 import json
@@ -47,13 +49,14 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
     # every phase compiles its own programs: unoptimised by LLVM (tests/subprocess_xla_flags.py), they compile
     # sooner; the dry run checks that each phase runs and reports, against no pinned figure
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, XLA_FLAGS=FAST_COMPILE)
-    done = subprocess.run([str(REPO / "scripts" / "gpu_check"), "--dry-run", str(out)], env=env, capture_output=True,
-                          text=True, timeout=1200)
+    phases = [q.name for q in gc.PHASES if not q.optional and q.name not in ("setup", "demo")]
+    done = subprocess.run([str(REPO / "scripts" / "gpu_check"), "--dry-run", "--phases", ",".join(phases), str(out)],
+                          env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(gc.OUT_FILES)  # what a GPU session can bring back
     report = json.loads((out / "gpu_check.json").read_text())
-    phases = [q.name for q in gc.PHASES if q.name != "step" and not q.optional] + [f"step:{m}" for m in gc.MODELS["dry"]]
-    assert sorted(report["phases"]) == sorted(phases)
+    ran = [q for q in phases if q != "step"] + ["setup"] + [f"step:{m}" for m in gc.MODELS["dry"]]
+    assert sorted(report["phases"]) == sorted(ran)
     for name, record in report["phases"].items():
         assert record["status"] == "ok", (name, record.get("error"))
     # every figure finite (None stands for a non-finite one), but a CPU's interconnect: none
@@ -69,6 +72,28 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
         assert comparison[model]["step (3 programs)"]["measured_over_predicted"] > 0
     table = (out / "gpu_check.md").read_text()
     assert "| kernels | ok |" in table and "measured / predicted" in table
+
+
+def test_demo_phase_reports_the_held_out_accuracy_before_and_after(tmp_path, monkeypatch):
+    """The demo phase on a stand-in `run_demo`: the dry run asks for the quick demo with an evaluation
+    before and after; its figures are the two accuracies and the seconds; a demo that did not evaluate
+    fails the phase."""
+    import jaxrl4llm.train.demo as demo
+
+    gc = _gpu_check()
+    asked = {}
+
+    def run_demo(**kwargs):
+        asked.update(kwargs)
+        return {"eval_before": {"accuracy": 0.25}, "eval_after": {"accuracy": 0.5}, "total_seconds": 3.0}
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    assert gc.phase_demo("dry", tmp_path, lambda line: None) == {"quick": True, "accuracy_before": 0.25,
+                                                                  "accuracy_after": 0.5, "seconds": 3.0}
+    assert asked["quick"] and "trainer.steps=1" in asked["overrides"] and asked["sft_steps"] == 5
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: {"eval_before": {}, "total_seconds": 1.0})
+    with pytest.raises(gc.PhaseFailed, match="held-out accuracy"):
+        gc.phase_demo("dry", tmp_path, lambda line: None)
 
 
 def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, capsys):

@@ -195,12 +195,12 @@ def test_kernel_launches_price_a_gpu_program_and_can_bind_it():
 
 @pytest.fixture(scope="module")
 def plans():
-    """The tiny run with padded trainer rows (2 layers, 4 prompts) and one with 8 layers and 8
-    prompts (twice the micro-batches)."""
+    """The tiny run with padded trainer rows (2 layers, 4 prompts) and the trainer of one with 8 layers
+    and 8 prompts (twice the micro-batches; its sampler is not compared)."""
     padded = TINY + ["trainer.packing=false"]  # [P + R - 1] positions a row: the meter's scaling is exact there
     small = plan_run(load_config(None, padded), "v5e:2x2", lengths="fixed")
     big = plan_run(load_config(None, padded + ["model.num_layers=8", "rollout.prompts_per_step=8"]), "v5e:2x2",
-                   lengths="fixed")
+                   lengths="fixed", trainer_only=True)
     return small, big
 
 

@@ -53,10 +53,10 @@ def test_analytic_arguments_equal_xla_arguments(plan):
 
 
 def test_a_run_that_does_not_fit_exits_1_and_says_what_to_change(capsys):
-    # 16 rows a chip of 32k-token sequences: attention scores far beyond a 16 GiB v5e chip. The trainer's
-    # programs alone (--only trainer): the sampler's are not what this run is short of
+    # 64 rows a chip of 8k-token sequences: activations far beyond a 16 GiB v5e chip (22.7 GiB). The
+    # trainer's programs alone (--only trainer): the sampler's are not what this run is short of
     code = cli_main(["plan", "--topology", "v5e:2x2", "--json", "--only", "trainer", *TINY,
-                     "rollout.prompts_per_step=128", "rollout.max_new_tokens=32768", "trainer.micro_batch_size=64"])
+                     "rollout.prompts_per_step=128", "rollout.max_new_tokens=8192", "trainer.micro_batch_size=256"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and not out["fits"]
     assert out["only"] == "trainer" and [p["name"] for p in out["programs"]] == ["logprob pass", "update"]
