@@ -142,7 +142,7 @@ def main() -> None:
           "| ---: | ---: | ---: | ---: | ---: |")
     for r in replay_figures(a):
         print(f"| {r['seed']} | {100 * r['route_disagreement']:.2f}% | {r['gap_replayed']:.2e} | {r['gap_native']:.2e} | "
-              f"{r["gap_replayed"] / r["gap_native"]:.4f} |")
+              f"{r['gap_replayed'] / r['gap_native']:.4f} |")
 
 
 if __name__ == "__main__":
