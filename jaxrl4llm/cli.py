@@ -187,7 +187,7 @@ def cmd_plan(args) -> int:
                               "or set mesh.topology.")
         print(json.dumps(plan_layout(cfg, topology).to_dict(), indent=2))
         return 0
-    which = {None: "4 programs", "trainer": "the log-prob pass and the update",
+    which = {None: "the sampler's and the trainer's programs", "trainer": "the trainer's programs",
              "sampler": "the sampler's programs"}[args.only]
     log(f"plan: compiling {which} for {topology} (seconds for a small model; a few "
         f"minutes each for a Qwen3-8B update or sampler on a TPU pod topology)")
