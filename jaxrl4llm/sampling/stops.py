@@ -18,6 +18,9 @@ finds the same token. A spelling outside that set (another tokenisation, a strin
 the cap) is caught by the host alone: that row decodes on to EOS or its budget, and its tokens
 after the match are dropped, before scoring and training, as before.
 
+A tool format's trigger strings are spelled the same way (`trigger_token_sequences`): a row that
+spells one is handed to the host for its tool call instead of ending (`tools.protocol`).
+
     stop sequences:  stops[s] [L] right-aligned, -1 = any token; row n ends after token t when
                      for some s, y_{t-L+1..t} == stops[s] wherever stops[s] >= 0   (`ends_with_stop_sequence`)
 """
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.sampling.rollout import Rollout
+from jaxrl4llm.tools.protocol import ToolFormat, trigger_strings
 
 
 def end_token_ids(eos_token_ids: Sequence[int], stop_token_ids: Sequence[int] = ()) -> np.ndarray:
@@ -50,13 +54,17 @@ STOP_CONTEXTS = ("x", " ", "\n", "a ", ".", "1")
 
 
 def stop_token_sequences(tokenizer, stop_strings: Sequence[str], *, max_sequences: int = MAX_STOP_SEQUENCES,
-                         max_tokens: int = MAX_STOP_SEQUENCE_TOKENS) -> np.ndarray | None:
+                         max_tokens: int = MAX_STOP_SEQUENCE_TOKENS,
+                         skip_special_tokens: bool = True) -> np.ndarray | None:
     """The token spellings of `stop_strings` the decode loop matches, [S, L] int32, each right-aligned
     (-1 on its left: any token), L = the longest kept. For each string: encode(s), and for each
     c in STOP_CONTEXTS encode(c + s) minus encode(c)'s tokens (when it starts with them); kept when
     1 <= its length <= max_tokens and its decoded text holds s (so the host cut confirms the stop),
     deduplicated in that order, the first max_sequences. None (no in-loop stop: the programs without
     it) when no spelling is kept, stop_strings is empty or the tokenizer has no `encode`.
+    skip_special_tokens: how a spelling's text is decoded for that check: True as the host match of
+    stop strings decodes (`apply_stop_strings`); False for strings that are special tokens (a tool
+    trigger such as Llama 3.1's `<|eom_id|>`, which a decode that skips special tokens drops).
     """
     if not stop_strings or not hasattr(tokenizer, "encode"):
         return None
@@ -69,13 +77,23 @@ def stop_token_sequences(tokenizer, stop_strings: Sequence[str], *, max_sequence
             if whole[:len(head)] == head:
                 spellings.append(whole[len(head):])
         for ids in spellings:
-            if 1 <= len(ids) <= max_tokens and s in tokenizer.decode(ids, skip_special_tokens=True):
+            if 1 <= len(ids) <= max_tokens and s in tokenizer.decode(ids, skip_special_tokens=skip_special_tokens):
                 found.setdefault(tuple(ids))
     kept = list(found)[:max_sequences]
     if not kept:
         return None
     width = max(len(ids) for ids in kept)
     return np.asarray([[-1] * (width - len(ids)) + list(ids) for ids in kept], np.int32)
+
+
+def trigger_token_sequences(fmt: ToolFormat, tokenizer) -> np.ndarray | None:
+    """The token spellings of a tool format's triggers (`tools.protocol.trigger_strings`), [S, L] int32
+    right-aligned as `stop_token_sequences` builds them, their text decoded with special tokens
+    kept; None when the tokenizer spells none within MAX_STOP_SEQUENCE_TOKENS tokens. A row whose
+    last tokens spell one is handed to the host for its tool call, where a stop string ends it
+    (the host confirms the trigger on the turn's text: `tools.protocol.parse_call`). ToRL and
+    Qwen-Agent pass the fence trigger to vLLM as a stop string (``stop=["```output"]``)."""
+    return stop_token_sequences(tokenizer, trigger_strings(fmt), skip_special_tokens=False)
 
 
 def last_tokens(tokens: jax.Array, end: jax.Array, width: int) -> jax.Array:
