@@ -20,6 +20,9 @@ case "$want" in
   *) echo "usage: $0 [demo|test]" >&2; exit 2 ;;
 esac
 log=$VENV/install.log
+# An editable install writes jaxrl4llm.egg-info in this folder: two venvs set up at once (.ci/run's)
+# take turns for that step (flock), and install everything else side by side.
+editable_lock=.setup_venv.lock
 
 run_logged() {
   if ! "$@" >>"$log" 2>&1; then
@@ -64,10 +67,10 @@ if [ "$have_hash" != "$hash" ] || { [ "$want" = test ] && [ "$have" != test ]; }
     # torch is a test-time oracle only; pinning it keeps pip on the local CPU wheel where there is one
     # (Python 3.11 here; for 3.12 pip takes PyPI's CUDA build, ~3 GB with its nvidia wheels).
     run_logged "$VENV/bin/python" -m pip install --no-compile "torch==2.13.0"
-    run_logged "$VENV/bin/python" -m pip install --no-compile -e ".[test]"
+    run_logged flock "$editable_lock" "$VENV/bin/python" -m pip install --no-compile -e ".[test]"
   else
     echo "installing jaxrl4llm into $VENV (log: $log)"
-    run_logged "$VENV/bin/python" -m pip install --no-compile -e .
+    run_logged flock "$editable_lock" "$VENV/bin/python" -m pip install --no-compile -e .
   fi
   echo "$hash $want" > "$stamp"
 fi
