@@ -124,3 +124,50 @@ def test_rows_with_tool_calls_equal_the_oracle_that_regenerates_after_each_call(
     assert mask[2, lengths[2] - 1] == 1 and bool(rollout.truncated[2])  # the budget ends inside an observation
     # the stand-in's output spells the trigger: forced, it parked nothing (the oracle checks model tokens only)
     assert any(FORMAT.trigger in CharTokenizer().decode(tokens[n][mask[n] == 1]) for n in range(len(PROMPTS)))
+
+
+def test_a_parked_slot_keeps_its_pages_while_the_others_decode_and_every_page_comes_back():
+    """3 rows on 2 slots, segments of 2 steps by hand: once a slot parks, two more segments leave its
+    length and pages as they were (none of them free) while the other slot decodes on; resumed with
+    an observation, every row finishes and every page is free again."""
+    graphdef, state = tiny_model()
+    backend = decode_backend(CONFIG, mesh=None, use_kernels=False, block_size=32)
+    weights = weights_program(graphdef, state, config=CONFIG, backend=backend)
+    prompts = PROMPTS[:3]
+    spec = engine_spec_for(CONFIG, backend, mesh=None, num_prompts=4, num_samples=1, max_new_tokens=R, top_k=0,
+                           top_p=1.0, greedy=True, use_kernels=False, slots=2, page_size=4, burst=2)
+    padded = left_pad_prompts(prompts, pad_token_id=0, length=16, num_rows=4)
+    budgets = np.asarray([R, R, R, 1], np.int32)
+    triggers = trigger_token_sequences(FORMAT, CharTokenizer())
+    engine = tool_init(padded.tokens, padded.mask, padded.row_valid, jax.random.key(0), np.int32(0), np.int32(0),
+                       budgets, triggers, np.int32(1), spec=spec)
+    segment = lambda engine: tool_segment(weights, engine, np.float32(1.0), np.float32(1.0),
+                                          np.zeros((0,), np.int32), np.int32(0), np.int32(2), spec=spec)
+    for _ in range(20):
+        engine, view = segment(engine)
+        if view.parked.any():
+            break
+    (d,), (s,) = np.nonzero(np.asarray(view.parked))
+    other = 1 - s
+    pool_pages = engine.free.stack.shape[1]
+    length, pages = int(view.length[d, s]), np.asarray(engine.slots.pages[d, s])
+    used = pages[:-(-((len(prompts[view.row[d, s]]) % 4) + length - 1) // 4)]
+    other_length = int(view.length[d, other])
+    for _ in range(2):
+        engine, view = segment(engine)
+        free = np.asarray(engine.free.stack[d, :int(engine.free.top[d])])
+        assert int(view.length[d, s]) == length and bool(view.parked[d, s])
+        np.testing.assert_array_equal(np.asarray(engine.slots.pages[d, s]), pages)
+        assert not set(used.tolist()) & set(free.tolist())
+    assert int(view.length[d, other]) > other_length  # the other slot decoded on
+    observation = np.broadcast_to(np.asarray(CharTokenizer().encode("<1>"), np.int32), (1, 2, 3))
+    for _ in range(40):  # every parked slot resumed with "<1>" until the rows end
+        resume = np.asarray(view.parked)
+        engine = tool_resume(engine, resume, observation, resume.astype(np.int32) * 3, np.zeros((1, 2), bool))
+        engine, view = segment(engine)
+        if not view.busy and not view.parked.any():
+            break
+    assert not view.busy and int(view.steps) > 0
+    assert int(engine.free.top[0]) == pool_pages - 1
+    assert sorted(np.asarray(engine.free.stack[0, :pool_pages - 1]).tolist()) == list(range(1, pool_pages))
+    assert np.asarray(engine.tools.mask[0, :3]).sum(axis=1).tolist() == [3, 3, 3]  # one call a row (max_turns 1)
