@@ -156,6 +156,9 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
     return apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)
 
 
+MAX_TRIGGER_TOKENS = 16  # the longest token spelling of a tool trigger the decode loop matches
+
+
 def generate_with_tools(graphdef, state, prompts: Sequence[Sequence[int]], *, tools: ToolsSpec, executor, tokenizer,
                         num_samples: int, max_new_tokens: int, eos_token_ids: Sequence[int], pad_token_id: int,
                         rng: jax.Array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
@@ -190,7 +193,7 @@ def generate_with_tools(graphdef, state, prompts: Sequence[Sequence[int]], *, to
                             stop_token_ids=stop_token_ids, vocab_size=config.vocab_size)
     _check_engine_options(config, engine="continuous", prompts_per_chunk=None, slots=slots)
     fmt = fmt or tool_format(tools.format)
-    triggers = trigger_token_sequences(fmt, tokenizer)
+    triggers = trigger_token_sequences(fmt, tokenizer, max_tokens=MAX_TRIGGER_TOKENS)
     if triggers is None:
         raise ValueError(f"tools.format={fmt.name!r}: the tokenizer spells its trigger {fmt.trigger!r} in more tokens "
                          f"than the decode loop matches; pick the format the model was trained on")
