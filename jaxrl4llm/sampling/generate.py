@@ -197,8 +197,7 @@ def generate_with_tools(graphdef, state, prompts: Sequence[Sequence[int]], *, to
     if triggers is None:
         raise ValueError(f"tools.format={fmt.name!r}: the tokenizer spells its trigger {fmt.trigger!r} in more tokens "
                          f"than the decode loop matches; pick the format the model was trained on")
-    one_token = {int(t[-1]) for t in triggers if (t[:-1] < 0).all()}
-    eos = end_token_ids([t for t in eos_token_ids if int(t) not in one_token], stop_token_ids)
+    eos = end_token_ids(eos_without_triggers(eos_token_ids, triggers), stop_token_ids)
     prompt_len = _prompt_bucket(prompts, model, config, vocab_size=config.vocab_size, max_new_tokens=max_new_tokens,
                                 max_prompt_length=max_prompt_length, prompt_buckets=prompt_buckets)
     budget = _row_budgets(row_max_new_tokens, config, num_rows=num_prompts * num_samples, max_new_tokens=max_new_tokens)
@@ -227,6 +226,14 @@ def generate_with_tools(graphdef, state, prompts: Sequence[Sequence[int]], *, to
     stats.calls = stats.calls[:n]
     rollout = apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)
     return rollout._replace(tool_mask=tool_mask * rollout.response_mask), stats
+
+
+def eos_without_triggers(eos_token_ids: Sequence[int], triggers: np.ndarray) -> list[int]:
+    """The EOS ids that end a row when tools are on: eos_token_ids less the one-token triggers
+    (rows of triggers [K, L], `stops.trigger_token_sequences`, with a single id): Llama 3.1 lists
+    <|eom_id|>, its tool call's end, among its EOS ids; the row hands its call over there instead."""
+    one_token = {int(t[-1]) for t in np.asarray(triggers) if (t[:-1] < 0).all()}
+    return [int(t) for t in eos_token_ids if int(t) not in one_token]
 
 
 def _vocab_size(model, config) -> int:

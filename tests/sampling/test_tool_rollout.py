@@ -15,8 +15,10 @@ from jaxrl4llm.sampling import generate, generate_with_tools
 from jaxrl4llm.sampling.buckets import left_pad_prompts
 from jaxrl4llm.sampling.continuous import engine_spec_for, tool_init, tool_resume, tool_segment
 from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
+from jaxrl4llm.sampling.generate import eos_without_triggers
 from jaxrl4llm.sampling.stops import trigger_token_sequences
-from jaxrl4llm.tools.protocol import ToolFormat, ToolsSpec, observation_text, observation_tokens, parse_call
+from jaxrl4llm.tools.protocol import (ToolFormat, ToolsSpec, observation_text, observation_tokens, parse_call,
+                                      tool_format)
 from jaxrl4llm.tools.python_executor import ToolResult
 
 CONFIG = ModelConfig(architecture="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -171,3 +173,20 @@ def test_a_parked_slot_keeps_its_pages_while_the_others_decode_and_every_page_co
     assert int(engine.free.top[0]) == pool_pages - 1
     assert sorted(np.asarray(engine.free.stack[0, :pool_pages - 1]).tolist()) == list(range(1, pool_pages))
     assert np.asarray(engine.tools.mask[0, :3]).sum(axis=1).tolist() == [3, 3, 3]  # one call a row (max_turns 1)
+
+
+def test_a_one_token_trigger_among_the_eos_ids_no_longer_ends_a_row():
+    """Llama 3.1's <|eom_id|> is an EOS id and llama3_chat's trigger: with tools it parks the row."""
+    class Llama3Ids:  # <|eom_id|> = 128008, <|eot_id|> = 128009, <|end_of_text|> = 128001
+        special = {"<|eom_id|>": 128008}
+
+        def encode(self, text, add_special_tokens=False):
+            return [self.special[text]] if text in self.special else [ord(c) for c in text]
+
+        def decode(self, ids, skip_special_tokens=True):
+            names = {v: k for k, v in self.special.items()}
+            return "".join(names.get(i, "" if i > 255 else chr(i)) for i in ids)
+
+    triggers = trigger_token_sequences(tool_format("llama3_chat"), Llama3Ids())
+    assert eos_without_triggers([128001, 128008, 128009], triggers) == [128001, 128009]
+    assert eos_without_triggers([5, 7], trigger_token_sequences(FORMAT, CharTokenizer())) == [5, 7]
