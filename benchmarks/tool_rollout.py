@@ -2,7 +2,7 @@
 
     python benchmarks/tool_rollout.py [--size demo] [--prompts 8] [--samples 8] [--max-new-tokens 256]
         [--lengths lognormal:mean=160,sigma=0.5] [--slots 32] [--tool-ms 20] [--observation 16]
-        [--max-turns 4] [--segment-steps 64] [--repeats 2]
+        [--max-turns 4] [--segment-steps 32] [--repeats 3]
 
 A random Qwen3 of `--size` (benchmarks/sampler.py SIZES) samples P x G rows whose lengths are drawn
 from `--lengths` and forced through `row_max_new_tokens` with no EOS, so every arm decodes exactly
@@ -14,13 +14,15 @@ the same number of tokens (tool tokens count against a row's budget):
   plain arm's rows; a random model writes no code), a stand-in tool that sleeps `--tool-ms` per
   batch of calls and returns `--observation` tokens, `--max-turns` calls a row at most.
 Tokens are read as characters (id i is chr(256 + i)). It prints tokens/s of each arm (the best of
-`--repeats` timed runs after a warm-up run that compiles), the ratio to plain, calls per row,
-tool seconds and the share of them hidden behind decoding, and the parked-slot share.
+`--repeats` timed runs, the arms interleaved, after a run that compiles), the time against plain,
+calls per row, decode steps (a load-free measure of the parked slots' cost), tool seconds and the
+share of them hidden behind decoding, and the parked-slot share.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -71,8 +73,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tool-ms", type=float, default=20.0)
     parser.add_argument("--observation", type=int, default=16, help="tokens a call returns")
     parser.add_argument("--max-turns", type=int, default=4)
-    parser.add_argument("--segment-steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--segment-steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     args = parser.parse_args(argv)
 
@@ -89,42 +91,44 @@ def main(argv=None) -> None:
     common = dict(num_samples=args.samples, max_new_tokens=args.max_new_tokens, eos_token_ids=[], pad_token_id=0,
                   rng=jax.random.key(1), slots=args.slots, row_max_new_tokens=lengths, **SAMPLED)
 
-    def timed(fn):
-        fn()  # compile
-        best, out = float("inf"), None
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            out = fn()
-            jax.block_until_ready(out[0].response_tokens)
-            best = min(best, time.perf_counter() - start)
-        return best, out
-
-    plain_s, (plain,) = timed(lambda: (generate(graphdef, state, prompts, **common),))
+    tokenizer = CharTokenizer()
+    plain = generate(graphdef, state, prompts, **common)  # compiles; its most sampled token is the trigger
     tokens = np.asarray(plain.response_tokens)
     counts = Counter(int(t) for n in range(rows) for t in tokens[n, 1:lengths[n]])
     trigger = counts.most_common(1)[0][0]
-    tokenizer = CharTokenizer()
     spec = ToolsSpec(format="llama3_chat", max_turns=args.max_turns, max_tool_tokens=args.observation + 2,
                      max_output_chars=args.observation)
-    arms = {"segments": ToolFormat("llama3_chat", trigger=tokenizer.decode(range(vocab - 16, vocab)),
-                                   call_opening="", observation_opening="", observation_closing=""),
-            "tools": ToolFormat("llama3_chat", trigger=tokenizer.decode([trigger]), call_opening="",
-                                observation_opening=tokenizer.decode([1]), observation_closing=tokenizer.decode([2]))}
+    formats = {"segments": ToolFormat("llama3_chat", trigger=tokenizer.decode(range(vocab - 16, vocab)),
+                                      call_opening="", observation_opening="", observation_closing=""),
+               "tools": ToolFormat("llama3_chat", trigger=tokenizer.decode([trigger]), call_opening="",
+                                   observation_opening=tokenizer.decode([1]), observation_closing=tokenizer.decode([2]))}
+    arms = {"plain": lambda: (generate(graphdef, state, prompts, **common), None)}
+    for name, fmt in formats.items():
+        arms[name] = functools.partial(generate_with_tools, graphdef, state, prompts, tools=spec, tokenizer=tokenizer,
+                                       fmt=fmt, segment_steps=args.segment_steps, **common)
+    results, best = {}, {name: float("inf") for name in arms}
+    for repeat in range(args.repeats + 1):  # the arms interleaved (the machine's load drifts); run 0 compiles
+        for name, arm in arms.items():
+            start = time.perf_counter()
+            out = arm() if name == "plain" else arm(executor=SleepingTool(args.tool_ms / 1000, args.observation))
+            jax.block_until_ready(out[0].response_tokens)
+            if repeat:
+                best[name] = min(best[name], time.perf_counter() - start)
+            results[name] = out
     print(f"{args.size} ({args.dtype}), {args.prompts} prompts x {args.samples} samples, {args.slots} slots, "
-          f"{total} tokens (lengths {args.lengths}, R={args.max_new_tokens}), {jax.devices()[0].platform}")
-    print(f"plain     {total / plain_s:10.0f} tokens/s  ({plain_s:.3f} s)")
-    for name, fmt in arms.items():
-        tool = SleepingTool(args.tool_ms / 1000, args.observation)
-        run = lambda: generate_with_tools(graphdef, state, prompts, tools=spec, executor=tool, tokenizer=tokenizer,
-                                          fmt=fmt, segment_steps=args.segment_steps, **common)
-        seconds, (rollout, stats) = timed(run)
+          f"{total} tokens (lengths {args.lengths}, R={args.max_new_tokens}), {jax.devices()[0].platform}, "
+          f"tool {args.tool_ms:g} ms a batch, {args.observation} tokens a call, segments of {args.segment_steps} steps, "
+          f"best of {args.repeats}")
+    for name, (rollout, stats) in results.items():
         assert int(np.asarray(rollout.lengths).sum()) == total, "the arms decoded different token counts"
-        m = stats.metrics()
-        forced = int(np.asarray(rollout.tool_mask).sum())
-        print(f"{name:9s} {total / seconds:10.0f} tokens/s  ({seconds:.3f} s, {seconds / plain_s - 1:+.1%} time vs "
-              f"plain)  calls/row {m['tools/calls_per_row']:.2f}  tool tokens {forced / total:.1%}  "
-              f"segments {stats.segments}  tool {stats.tool_seconds:.3f} s, hidden {m['tools/hidden_share']:.0%}, "
-              f"host waited {stats.wait_seconds:.3f} s  parked share {stats.parked_share:.1%}")
+        line = f"{name:9s} {total / best[name]:10.0f} tokens/s  ({best[name]:.3f} s, {best[name] / best['plain'] - 1:+.1%})"
+        if stats is not None:
+            m = stats.metrics()
+            line += (f"  calls/row {m['tools/calls_per_row']:.2f}  tool tokens "
+                     f"{float(np.asarray(rollout.tool_mask).sum()) / total:.1%}  decode steps {stats.decode_steps}  "
+                     f"segments {stats.segments}  tool {stats.tool_seconds:.3f} s, hidden {m['tools/hidden_share']:.0%}"
+                     f", host waited {stats.wait_seconds:.3f} s  parked share {stats.parked_share:.1%}")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ import numpy as np
 
 from jaxrl4llm.tools.protocol import ToolCall, ToolFormat, ToolsSpec, observation_text, observation_tokens, parse_call
 
-SEGMENT_STEPS = 64  # decode steps a tool segment runs before the host looks at parked rows
+SEGMENT_STEPS = 32  # decode steps a tool segment runs before the host looks at parked rows
+MIN_SEGMENT_STEPS = 4  # the shortest segment while calls run
 
 
 @dataclasses.dataclass
@@ -45,8 +46,9 @@ class ToolStats:
     the code is none). statuses: calls by outcome (the executor's ok / error / timeout / oom / crash,
     the parser's no_code / unclosed_block / invalid_call). tool_seconds: wall time the executor
     ran; hidden_seconds: of it, the time a segment decoded meanwhile. wait_seconds: the host waited
-    for calls with nothing to decode. parked_share: parked slot-steps / slot-steps. segments: host
-    round trips. tool_tokens: forced tokens fed."""
+    for calls with nothing to decode. parked_share: parked
+    slot-steps / slot-steps. segments: host round trips. tool_tokens: forced tokens fed.
+    decode_steps: decode steps the engine ran. batches: executor batches (a segment's new calls)."""
 
     calls: np.ndarray
     statuses: dict
@@ -56,6 +58,8 @@ class ToolStats:
     parked_share: float = 0.0
     segments: int = 0
     tool_tokens: int = 0
+    decode_steps: int = 0
+    batches: int = 0
 
     def metrics(self) -> dict[str, float]:
         """Scalars for the training log: tools/calls_per_row, tools/error_rate (calls that did not
@@ -100,6 +104,11 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
               segment_steps: int = SEGMENT_STEPS):
     """Drive a `continuous.tool_init` state to its end (the module docstring's loop).
 
+    A segment runs `segment_steps` decode steps, or while calls run about as many as a call takes
+    (the mean call batch's seconds over the last segment's seconds a step, at least
+    MIN_SEGMENT_STEPS): a parked row then resumes right after its call returns instead of idling
+    until a whole segment ends.
+
     segment(state, max_steps) -> (state, ParkedRows) and resume(state, resume, tokens, count,
     refund) -> state: `continuous.tool_segment` and `continuous.tool_resume` with their other
     arguments bound. num_rows: N, the rows over all shards. Returns (state, ToolStats)."""
@@ -107,6 +116,7 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
     width = spec.max_tool_tokens
     pending: dict[tuple[int, int], _Pending] = {}
     batches, ready, decoding = [], [], []  # batches: (pendings, future); ready: (slot, ids, refund)
+    steps, steps_before = segment_steps, 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         while True:
             if ready:
@@ -114,7 +124,7 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
                 state = resume(state, *_resume_arrays(ready, view.parked.shape, width))
                 ready = []
             start = time.perf_counter()
-            state, view = segment(state, np.int32(segment_steps))
+            state, view = segment(state, np.int32(steps))
             view = jax.device_get(view)
             decoding.append((start, time.perf_counter()))
             stats.segments += 1
@@ -138,12 +148,20 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
             if codes:
                 batches.append((calls, pool.submit(_timed_run, executor, codes)))
             batches = _collect(batches, ready, pending, stats, fmt, tokenizer, spec, decoding, wait=False)
+            # while calls run, the next segment lasts about as long as a call: its rows resume right after
+            step_seconds = (decoding[-1][1] - decoding[-1][0]) / max(int(view.steps) - steps_before, 1)
+            steps_before = int(view.steps)
+            steps = segment_steps
+            if batches:
+                latency = stats.tool_seconds / stats.batches if stats.batches else step_seconds * segment_steps / 4
+                steps = int(min(segment_steps, max(MIN_SEGMENT_STEPS, np.ceil(latency / step_seconds))))
             if not view.busy and not ready:
                 if not batches:
                     break
                 waited = time.perf_counter()
                 batches = _collect(batches, ready, pending, stats, fmt, tokenizer, spec, decoding, wait=True)
                 stats.wait_seconds += time.perf_counter() - waited
+        stats.decode_steps = int(view.steps)
         slot_steps = int(view.steps) * int(np.prod(view.parked.shape))
         stats.parked_share = int(view.parked_steps) / slot_steps if slot_steps else 0.0
     stats.statuses = dict(stats.statuses)
@@ -166,6 +184,7 @@ def _collect(batches, ready, pending, stats: ToolStats, fmt, tokenizer, spec: To
             running.append((calls, future))
             continue
         results, start, end = future.result()
+        stats.batches += 1
         stats.tool_seconds += end - start
         stats.hidden_seconds += min(end - start, _overlap((start, end), decoding))
         for call, result in zip(calls, results):

@@ -144,7 +144,7 @@ class ToolsConfig:
     max_tool_tokens: int = 128
     max_output_chars: int = 256
     timeout: float = 5.0
-    segment_steps: int = 64
+    segment_steps: int = 32
     workers: int = 4
     memory_bytes: int = 1 << 30
     cpu_seconds: float = 5.0

@@ -57,7 +57,7 @@ class Policy:
     stop_strings: tuple[str, ...] = ()  # rollout.stop_strings: rows cut at the first one (`sampling.stops`)
     tools: Any = None  # rollout.tools: a tools.protocol.ToolsSpec, or None (off)
     tool_executor: Any = None  # rollout.tools: the tools.PythonExecutor that runs the rows' code
-    segment_steps: int = 64  # rollout.tools.segment_steps
+    segment_steps: int = 32  # rollout.tools.segment_steps
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
