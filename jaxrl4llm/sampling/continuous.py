@@ -21,6 +21,12 @@ from them); the prompt's pages go back when its last row finishes. A slot writes
 it grows and attends over its live pages only. With a mesh, the rows are split into D
 data-parallel shards (contiguous prompt ranges, as the static engine splits them), each with its
 own slots, pool and queue; weights and KV heads are split over "tensor".
+
+With tools (`tool_init`, `tool_segment`, `tool_resume`, `tool_result`; the host loop is
+`tool_rollout.run_tools`), a slot whose model tokens spell a trigger parks (`park`): it keeps its
+pages and stops decoding while the others decode on; the engine runs in segments, and the host
+writes the tool's observation into the row's next columns, which `decode_step` feeds as if
+sampled (`forced_draw`). Without tools `EngineState.tools` is None and the programs are as before.
 """
 
 from __future__ import annotations
