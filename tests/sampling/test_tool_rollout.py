@@ -7,6 +7,8 @@ format whose trigger is a two-token string the model emits in its greedy loops p
 is a deterministic stand-in whose output depends on the row's text (and itself spells the trigger,
 which must not re-trigger)."""
 
+from collections import Counter
+
 import jax
 import numpy as np
 
@@ -130,8 +132,9 @@ def test_rows_with_tool_calls_equal_the_oracle_that_regenerates_after_each_call(
 
 def test_a_parked_slot_keeps_its_pages_while_the_others_decode_and_every_page_comes_back():
     """3 rows on 2 slots, segments of 2 steps by hand: once a slot parks, two more segments leave its
-    length and pages as they were (none of them free) while the other slot decodes on; resumed with
-    an observation, every row finishes and every page is free again."""
+    length and pages as they were (none of them free) while the other slot decodes on; a refunded
+    resume (no token) lets its row park again past max_turns 1; resumed with an observation, every
+    row finishes, one call each, and every page is free again."""
     graphdef, state = tiny_model()
     backend = decode_backend(CONFIG, mesh=None, use_kernels=False, block_size=32)
     weights = weights_program(graphdef, state, config=CONFIG, backend=backend)
@@ -163,13 +166,20 @@ def test_a_parked_slot_keeps_its_pages_while_the_others_decode_and_every_page_co
         assert not set(used.tolist()) & set(free.tolist())
     assert int(view.length[d, other]) > other_length  # the other slot decoded on
     observation = np.broadcast_to(np.asarray(CharTokenizer().encode("<1>"), np.int32), (1, 2, 3))
-    for _ in range(40):  # every parked slot resumed with "<1>" until the rows end
-        resume = np.asarray(view.parked)
-        engine = tool_resume(engine, resume, observation, resume.astype(np.int32) * 3, np.zeros((1, 2), bool))
+    first_row, parks = int(view.row[d, s]), Counter()
+    # the first call resumes with no token and refunded (a trigger inside the code): its row parks
+    # again at its next trigger although max_turns is 1; then every parked slot resumes with "<1>"
+    engine = tool_resume(engine, np.asarray(view.parked), observation, np.zeros((1, 2), np.int32),
+                         np.asarray(view.parked))
+    for _ in range(40):
         engine, view = segment(engine)
+        resume = np.asarray(view.parked)
+        parks.update(int(r) for r in np.asarray(view.row)[resume])
+        engine = tool_resume(engine, resume, observation, resume.astype(np.int32) * 3, np.zeros((1, 2), bool))
         if not view.busy and not view.parked.any():
             break
     assert not view.busy and int(view.steps) > 0
+    assert parks[first_row] == 1 and sorted(parks) == [0, 1, 2]
     assert int(engine.free.top[0]) == pool_pages - 1
     assert sorted(np.asarray(engine.free.stack[0, :pool_pages - 1]).tolist()) == list(range(1, pool_pages))
     assert np.asarray(engine.tools.mask[0, :3]).sum(axis=1).tolist() == [3, 3, 3]  # one call a row (max_turns 1)
