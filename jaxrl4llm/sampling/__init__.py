@@ -20,8 +20,10 @@ from jaxrl4llm.sampling.filters import allowed_tokens
 from jaxrl4llm.sampling.filters import sample_tokens
 from jaxrl4llm.sampling.filters import top_p_keep
 from jaxrl4llm.sampling.generate import generate
+from jaxrl4llm.sampling.generate import generate_with_tools
 from jaxrl4llm.sampling.rollout import Rollout
 from jaxrl4llm.sampling.rollout import decode_responses
 from jaxrl4llm.sampling.rollout import group_rows
 from jaxrl4llm.sampling.rollout import prompt_token_lists
 from jaxrl4llm.sampling.rollout import response_token_lists
+from jaxrl4llm.sampling.tool_rollout import ToolStats

@@ -21,6 +21,12 @@ from them); the prompt's pages go back when its last row finishes. A slot writes
 it grows and attends over its live pages only. With a mesh, the rows are split into D
 data-parallel shards (contiguous prompt ranges, as the static engine splits them), each with its
 own slots, pool and queue; weights and KV heads are split over "tensor".
+
+With tools (`tool_init`, `tool_segment`, `tool_resume`, `tool_result`; the host loop is
+`tool_rollout.run_tools`), a slot whose model tokens spell a trigger parks (`park`): it keeps its
+pages and stops decoding while the others decode on; the engine runs in segments, and the host
+writes the tool's observation into the row's next columns, which `decode_step` feeds as if
+sampled (`forced_draw`). Without tools `EngineState.tools` is None and the programs are as before.
 """
 
 from __future__ import annotations
@@ -292,6 +298,25 @@ class EngineState(NamedTuple):
     queue: Queue
     segment: jax.Array  # [] the current segment (partial rollouts: one per weight version)
     done: jax.Array  # [] rollouts handed out (partial rollouts)
+    tools: Tools | None = None  # tool calls (`tool_init`; None: a run without tools, its programs unchanged)
+
+
+class Tools(NamedTuple):
+    """The tool-call state of a run with tools (`tool_init`, `tool_segment`, `tool_resume`; the host
+    loop is `sampling.tool_rollout`). parked [D, S]: a slot handed to the host (held, not live: its
+    pages kept, no decode step); turns [D, S]: the calls its row made; mask [D, N_d, R]: a response
+    column the host wrote (a forced tool token: decoded as if sampled, never EOS, never a trigger);
+    triggers [K, L] int32: the format's trigger spellings (`stops.trigger_token_sequences`);
+    max_turns [] int32: calls a row may make (past them a trigger decodes on); steps [] int32: decode
+    steps run; parked_steps [] int32: slot-steps spent parked (all shards)."""
+
+    parked: jax.Array
+    turns: jax.Array
+    mask: jax.Array
+    triggers: jax.Array
+    max_turns: jax.Array
+    steps: jax.Array
+    parked_steps: jax.Array
 
 
 def _take(a, idx):
@@ -346,6 +371,9 @@ def retire(state: EngineState, page_size: int) -> EngineState:
     their prompt pages (JetStream's free_resource)."""
     slots, entries = state.slots, state.entries
     done = slots.held & ~slots.live
+    if state.tools is not None:  # a parked slot keeps its pages until the host resumes it
+        done = done & ~state.tools.parked
+        state = state._replace(tools=state.tools._replace(turns=jnp.where(done, 0, state.tools.turns)))
     # own pages taken: the prompt's partial last page (copied at admission) and tokens 0..length-2 fed back
     prompt_len = _take(entries.length, slots.entry)
     used = -(-(prompt_len % page_size + slots.length - 1) // page_size)
@@ -630,16 +658,63 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
     logits = lm_head(weights, config, backend, x[:, 0]).reshape(shards, slots_per_shard, -1)
     rows = engine.buffer_row(slots.row)
     drawn = draw(engine, sampling, state.queue, logits, jnp.maximum(rows, 0), slots.length)
+    tools, forcing = state.tools, None
+    if tools is not None:  # a column the host wrote: its token is fed on as if sampled
+        drawn, forcing = forced_draw(tools, state.out, rows, slots.length, logits, drawn, slots.live,
+                                     sampling.temperature)
     out, is_eos = _record(state.out, rows, slots.length, drawn, slots.live, sampling.eos_ids, sampling.pad_id,
                           sampling.stop_seqs)
+    if tools is not None:  # a forced token never ends its row
+        is_eos = is_eos & ~forcing
+        out = out._replace(eos_seen=_put(out.eos_seen, jnp.where(slots.live, rows, -1), is_eos, unique=True))
     if spec.record_routes:  # the fed token's expert ids [D*S, 1, k] a layer -> its row at response index `fed`
         routes = jnp.stack(routes, axis=2).reshape((shards, slots_per_shard) + (len(routes), -1))
         out = out._replace(routes=_put2(out.routes, jnp.where(slots.live, rows, -1), fed, routes, unique=True))
     length = slots.length + slots.live.astype(jnp.int32)
     done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
+    live = slots.live & ~done
+    if tools is not None:  # a model token completing a trigger parks its slot (`park`)
+        tools, parks = park(tools, out.tokens, rows, slots.length, live & ~forcing)
+        live = live & ~parks
     slots = slots._replace(length=length, token=jnp.where(slots.live, drawn.tokens, slots.token),
-                           live=slots.live & ~done, pages=slot_pages)
-    return state._replace(slots=slots, free=free, pool=pool, out=out)
+                           live=live, pages=slot_pages)
+    return state._replace(slots=slots, free=free, pool=pool, out=out, tools=tools)
+
+
+def _take2(a, i, j):
+    """Per shard a[d][i[d], j[d]] (indices clipped): a [D, X, Y], i, j [D, ...] -> [D, ...]."""
+    return jax.vmap(lambda x, r, c: x[jnp.clip(r, 0, x.shape[0] - 1), jnp.clip(c, 0, x.shape[1] - 1)])(a, i, j)
+
+
+def forced_draw(tools: Tools, out: Outputs, rows, column, logits, drawn, live, temperature):
+    """The draw of a step with tools: a live slot whose row's column `column` the host wrote
+    (tools.mask) takes the written token, its log-prob log softmax(logits / temperature)[token]
+    (both log-probs; the trainer masks tool tokens out). rows, column, live [D, S]; logits [D, S, V].
+    Returns (drawn, forcing [D, S])."""
+    forcing = live & _take2(tools.mask, rows, column)
+    token = _take2(out.tokens, rows, column)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1),
+                                  token[..., None], axis=-1)[..., 0]
+    pick = lambda forced, sampled: jnp.where(forcing, forced, sampled)
+    return drawn._replace(tokens=pick(token, drawn.tokens), logprob=pick(logprob, drawn.logprob),
+                          logprob_untruncated=pick(logprob, drawn.logprob_untruncated)), forcing
+
+
+def park(tools: Tools, tokens, rows, column, candidate) -> tuple[Tools, jax.Array]:
+    """Park the candidate slots (live, not done, the token at `column` sampled) whose row's last
+    tokens spell a trigger (`stops.ends_with_stop_sequence`) over model tokens only (a window
+    touching a forced column never matches: a trigger inside tool output does not re-trigger), while
+    the row has turns left. tokens [D, N_d, R] (this step's written); rows, column, candidate [D, S].
+    Returns (tools, parks [D, S]); the step and parked slot-step counters advance."""
+    width, max_new_tokens = tools.triggers.shape[1], tokens.shape[-1]
+    cols = column[..., None] - width + 1 + jnp.arange(width, dtype=jnp.int32)  # [D, S, L]
+    gather = lambda x: jax.vmap(lambda a, r, c: a[r[:, None], c])(x, jnp.clip(rows, 0, x.shape[1] - 1),
+                                                                  jnp.clip(cols, 0, max_new_tokens - 1))
+    window = jnp.where((cols >= 0) & ~gather(tools.mask), gather(tokens), -2)
+    parks = candidate & (tools.turns < tools.max_turns) & ends_with_stop_sequence(window, tools.triggers)
+    return tools._replace(parked=tools.parked | parks, turns=tools.turns + parks.astype(jnp.int32),
+                          steps=tools.steps + 1,
+                          parked_steps=tools.parked_steps + jnp.sum(tools.parked, dtype=jnp.int32)), parks
 
 
 def decode_burst(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
@@ -719,6 +794,23 @@ def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
     )
 
 
+def call_state(engine: Engine, prompt_tokens, prompt_mask, row_valid, rng, first_row, pad_id,
+               row_budget) -> EngineState:
+    """The empty engine of one call over its P prompts [P, T] (`continuous_program`'s arguments): the
+    queue of its rows (uniforms of rows first_row.. from rng, budgets cut to max_new_tokens), the
+    real rows (padding prompts come last) admissible."""
+    spec = engine.spec
+    samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
+    num_prompts = prompt_tokens.shape[0]
+    shard = lambda x: engine.constrain_rows(x.reshape((shards, -1) + x.shape[1:]))
+    num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
+    queue = Queue(tokens=shard(prompt_tokens), mask=shard(prompt_mask.astype(jnp.int32)),  # [D, Pd, T]
+                  uniforms=jnp.zeros((shards, 1, 1), jnp.float32) if spec.greedy else shard(
+                      row_uniforms(rng, first_row, num_prompts * samples, max_new_tokens)),  # [D, Nd, R]
+                  budget=shard(jnp.minimum(row_budget.astype(jnp.int32), max_new_tokens)))  # [D, Nd]
+    return empty_state(engine, queue, num_real * samples, pad_id)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, first_row, temperature, top_p, eos_ids,
                        pad_id, row_budget, min_p=None, stop_seqs=None, *, spec: EngineSpec) -> ProgramOutput:
@@ -745,20 +837,107 @@ def continuous_program(weights, prompt_tokens, prompt_mask, row_valid, rng, firs
           which also writes the new token in place; a CpuBackend with kernels).
     Returns: ProgramOutput with N = P * num_samples rows, R = max_new_tokens.
     """
-    samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
     num_prompts, prompt_len = prompt_tokens.shape
     engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=1)
     sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p, stop_seqs)
-    shard = lambda x: engine.constrain_rows(x.reshape((shards, -1) + x.shape[1:]))
-    num_real = jnp.sum(shard(row_valid.astype(jnp.int32)), axis=1)  # [D] (padding prompts come last)
-    queue = Queue(tokens=shard(prompt_tokens), mask=shard(prompt_mask.astype(jnp.int32)),  # [D, Pd, T]
-                  uniforms=jnp.zeros((shards, 1, 1), jnp.float32) if spec.greedy else shard(
-                      row_uniforms(rng, first_row, num_prompts * samples, max_new_tokens)),  # [D, Nd, R]
-                  budget=shard(jnp.minimum(row_budget.astype(jnp.int32), max_new_tokens)))  # [D, Nd]
-    state = empty_state(engine, queue, num_real * samples, pad_id)
+    state = call_state(engine, prompt_tokens, prompt_mask, row_valid, rng, first_row, pad_id, row_budget)
     more = lambda state: jnp.any(state.slots.live) | jnp.any(state.next_row < state.end)
     state = jax.lax.while_loop(more, functools.partial(refill_and_decode, engine, weights, sampling), state)
     return rows_of_half(engine, state, 0)
+
+
+# ------------------------------------------------------------------ tool calls (sampling/tool_rollout.py)
+class ParkedRows(NamedTuple):
+    """What a tool segment hands the host, per shard and slot [D, S]: parked (the slot waits for its
+    row's tool call), row (its row, over all shards: d * N_d + local; -1 none), length (response
+    tokens so far), budget (the row's response budget); tokens, mask [D, S, R] (the row's response
+    tokens and tool mask). busy [] bool: a slot decodes or a row waits for a free slot; steps,
+    parked_steps [] int32 (`Tools`)."""
+
+    parked: jax.Array
+    row: jax.Array
+    length: jax.Array
+    budget: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+    busy: jax.Array
+    steps: jax.Array
+    parked_steps: jax.Array
+
+
+def _tool_engine(spec: EngineSpec, state: EngineState) -> Engine:
+    """The engine of a run with tools (one call's prompts, `tool_init`) from its state's queue."""
+    shards, prompts, prompt_len = state.queue.tokens.shape
+    return Engine.resolve(spec, num_prompts=shards * prompts, prompt_len=prompt_len, halves=1)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def tool_init(prompt_tokens, prompt_mask, row_valid, rng, first_row, pad_id, row_budget, triggers, max_turns, *,
+              spec: EngineSpec) -> EngineState:
+    """The engine of one call with tools (`continuous_program`'s first arguments): no row admitted,
+    no slot parked; triggers [K, L] int32 (`stops.trigger_token_sequences`), max_turns [] int32."""
+    num_prompts, prompt_len = prompt_tokens.shape
+    engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=1)
+    state = call_state(engine, prompt_tokens, prompt_mask, row_valid, rng, first_row, pad_id, row_budget)
+    per_slot = lambda dtype: engine.constrain_rows(jnp.zeros((spec.num_shards, engine.slots_per_shard), dtype))
+    mask = engine.constrain_rows(jnp.zeros(state.out.tokens.shape, bool))
+    zero = jnp.zeros((), jnp.int32)
+    return state._replace(tools=Tools(per_slot(bool), per_slot(jnp.int32), mask, jnp.asarray(triggers, jnp.int32),
+                                      jnp.asarray(max_turns, jnp.int32), zero, zero))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
+def tool_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, max_steps, min_p=None,
+                 stop_seqs=None, *, spec: EngineSpec) -> tuple[EngineState, ParkedRows]:
+    """One segment of a run with tools: refills and bursts of decode steps (`refill_and_decode`)
+    while a slot decodes or a row waits for a free one, until about `max_steps` [] int32 decode steps
+    (the burst that crosses it ends); then finished slots retire. Parked slots keep their pages and
+    wait (`tool_resume`). Returns (state, ParkedRows)."""
+    engine = _tool_engine(spec, state)
+    sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p, stop_seqs)
+    start = state.tools.steps
+
+    def busy(state):
+        free = jnp.any(~state.slots.live & ~state.tools.parked, axis=1)  # [D] a slot a refill may give a row
+        return jnp.any(state.slots.live) | jnp.any((state.next_row < state.end) & free)
+
+    more = lambda state: busy(state) & (state.tools.steps - start < max_steps)
+    state = jax.lax.while_loop(more, functools.partial(refill_and_decode, engine, weights, sampling), state)
+    state = retire(state, spec.page_size)
+    slots, tools, rows = state.slots, state.tools, engine.rows_per_shard
+    local = jnp.maximum(slots.row, 0)
+    shard_of = jnp.arange(spec.num_shards, dtype=jnp.int32)[:, None]
+    return state, ParkedRows(tools.parked, jnp.where(slots.held, shard_of * rows + slots.row, -1), slots.length,
+                             _take(state.queue.budget, local), _take(state.out.tokens, local),
+                             _take(tools.mask, local), busy(state), tools.steps, tools.parked_steps)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def tool_resume(state: EngineState, resume, tokens, count, refund) -> EngineState:
+    """Resume parked slots: resume [D, S] bool; their rows' next count [D, S] response columns get
+    tokens [D, S, K] int32 (the observation, forced: `Tools.mask`), the slot decodes on; refund
+    [D, S] bool: the call did not count against max_turns (a trigger inside the code)."""
+    slots, tools, out = state.slots, state.tools, state.out
+    width = tokens.shape[-1]
+    rows = jnp.where(resume, slots.row, -1)[..., None] + jnp.zeros((width,), jnp.int32)  # [D, S, K]
+    column = slots.length[..., None] + jnp.arange(width, dtype=jnp.int32)
+    rows = jnp.where(jnp.arange(width) < count[..., None], rows, -1)
+    flat = lambda x: x.reshape(x.shape[0], -1)
+    put = lambda a, v: _put2(a, flat(rows), flat(column), flat(v), unique=True)
+    out = out._replace(tokens=put(out.tokens, tokens))
+    tools = tools._replace(mask=put(tools.mask, jnp.ones(tokens.shape, bool)),
+                           parked=tools.parked & ~resume, turns=tools.turns - (resume & refund).astype(jnp.int32))
+    return state._replace(slots=slots._replace(live=slots.live | resume), tools=tools, out=out)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def tool_result(state: EngineState, *, spec: EngineSpec) -> tuple[ProgramOutput, jax.Array]:
+    """The call's rows (`rows_of_half`) and their tool mask [N, R] float32 (1 on forced tool tokens
+    within each row's length)."""
+    engine = _tool_engine(spec, state)
+    out = rows_of_half(engine, state, 0)
+    mask = engine.constrain_rows(state.tools.mask.reshape((-1,) + state.tools.mask.shape[2:]))
+    return out, mask.astype(jnp.float32) * out.response_mask
 
 
 # ------------------------------------------------------------------ partial rollouts (sampling/partial.py)

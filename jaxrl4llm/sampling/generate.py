@@ -29,11 +29,14 @@ from jaxrl4llm.models.decode import DECODE_RULES
 from jaxrl4llm.models.sharding import logical_to_spec
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket, left_pad_prompts
 from jaxrl4llm.sampling.decode_loop import block_size_for, decode_backend, sample_program, weights_program
-from jaxrl4llm.sampling.continuous import BURST, PAGE_SIZE, continuous_program, engine_spec_for
+from jaxrl4llm.sampling.continuous import (BURST, PAGE_SIZE, continuous_program, engine_spec_for, tool_init,
+                                           tool_result, tool_resume, tool_segment)
 from jaxrl4llm.sampling.generic_decode import generic_sample_program
 from jaxrl4llm.sampling.rollout import Rollout
 from jaxrl4llm.sampling.decode_mesh import data_parallel_size
-from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids, stop_token_sequences
+from jaxrl4llm.sampling.stops import apply_stop_strings, end_token_ids, stop_token_sequences, trigger_token_sequences
+from jaxrl4llm.sampling.tool_rollout import SEGMENT_STEPS, ToolStats, run_tools
+from jaxrl4llm.tools.protocol import ToolFormat, ToolsSpec, tool_format
 
 
 def use_cpu_kernels(requested: bool | None, mesh: Mesh | None) -> bool:
@@ -151,6 +154,86 @@ def generate(graphdef, state, prompts: Sequence[Sequence[int]], *, num_samples: 
                             row_budgets=continuous or row_max_new_tokens is not None, rng=rng,
                             temperature=temperature, top_p=top_p, eos=eos, traced=traced)
     return apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)
+
+
+MAX_TRIGGER_TOKENS = 16  # the longest token spelling of a tool trigger the decode loop matches
+
+
+def generate_with_tools(graphdef, state, prompts: Sequence[Sequence[int]], *, tools: ToolsSpec, executor, tokenizer,
+                        num_samples: int, max_new_tokens: int, eos_token_ids: Sequence[int], pad_token_id: int,
+                        rng: jax.Array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                        min_p: float = 0.0, greedy: bool = False, mesh: Mesh | None = None,
+                        max_prompt_length: int | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
+                        batch_buckets: Sequence[int] = BATCH_BUCKETS, cpu_kernels: bool | None = None,
+                        slots: int | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
+                        segment_steps: int = SEGMENT_STEPS, row_max_new_tokens: Sequence[int] | None = None,
+                        paged_attention: str | DecodeAttention | None = None, stop_token_ids: Sequence[int] = (),
+                        stop_strings: Sequence[str] = (), fmt: ToolFormat | None = None) -> tuple[Rollout, ToolStats]:
+    """`generate` on the continuous engine with tool calls (`sampling.tool_rollout`): a row whose
+    own tokens end with the format's trigger parks (its slot keeps its pages while the others
+    decode), the host runs its code on `executor` (`tools.PythonExecutor`, or anything with
+    `run(codes) -> [ToolResult]`) while the engine decodes on in segments of about `segment_steps`
+    steps, and the row resumes by decoding the observation's tokens as forced tokens.
+
+    tools: the `tools.ToolsSpec` (format, max_turns, max_tool_tokens, max_output_chars).
+    tokenizer: decodes a row's turn (special tokens kept) and encodes the observations and the
+    trigger. An EOS id that is the format's one-token trigger (Llama 3.1's <|eom_id|>) does not end
+    a row. fmt: the `tools.ToolFormat` (default: `tools.format`'s; another, e.g. a new chat template).
+    The other arguments are `generate`'s (no prompts_per_chunk: one call holds every row).
+    Returns (Rollout with `tool_mask` [N, R], ToolStats).
+    """
+    model = merge(graphdef, state)
+    config = model.config if isinstance(model, CausalLM) else None
+    if config is None:
+        raise ValueError("generate_with_tools: tool calls run on the continuous engine of a jaxrl4llm CausalLM")
+    num_prompts = len(prompts)
+    _check_sampling_options(num_prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, greedy=greedy,
+                            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop_strings=stop_strings,
+                            tokenizer=tokenizer, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                            stop_token_ids=stop_token_ids, vocab_size=config.vocab_size)
+    _check_engine_options(config, engine="continuous", prompts_per_chunk=None, slots=slots)
+    fmt = fmt or tool_format(tools.format)
+    triggers = trigger_token_sequences(fmt, tokenizer, max_tokens=MAX_TRIGGER_TOKENS)
+    if triggers is None:
+        raise ValueError(f"tools.format={fmt.name!r}: the tokenizer spells its trigger {fmt.trigger!r} in more tokens "
+                         f"than the decode loop matches; pick the format the model was trained on")
+    eos = end_token_ids(eos_without_triggers(eos_token_ids, triggers), stop_token_ids)
+    prompt_len = _prompt_bucket(prompts, model, config, vocab_size=config.vocab_size, max_new_tokens=max_new_tokens,
+                                max_prompt_length=max_prompt_length, prompt_buckets=prompt_buckets)
+    budget = _row_budgets(row_max_new_tokens, config, num_rows=num_prompts * num_samples, max_new_tokens=max_new_tokens)
+    num_rows = bucket(num_prompts, batch_buckets, multiple_of=data_parallel_size(mesh))
+    weights, spec = _continuous_engine(graphdef, state, config, mesh=mesh, num_rows=num_rows, num_samples=num_samples,
+                                       max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
+                                       cpu_kernels=cpu_kernels, slots=slots, kv_page_size=kv_page_size,
+                                       decode_burst=decode_burst, paged_attention=paged_attention)
+    padded = left_pad_prompts(prompts, pad_token_id=pad_token_id, length=prompt_len, num_rows=num_rows)
+    row_budget = np.concatenate([budget, np.ones((num_rows * num_samples - len(budget),), np.int32)])
+    arrays = (padded.tokens, padded.mask, padded.row_valid, row_budget)
+    if mesh is not None:
+        arrays = tuple(_on_rows(a, mesh) for a in arrays)
+    tokens, mask, valid, row_budget = arrays
+    engine = tool_init(tokens, mask, valid, rng, np.int32(0), np.int32(pad_token_id), row_budget, triggers,
+                       np.int32(tools.max_turns), spec=spec)
+    traced = _traced_options(config, min_p=min_p, greedy=greedy, tokenizer=tokenizer, stop_strings=stop_strings)
+    segment = lambda engine, steps: tool_segment(weights, engine, np.float32(temperature), np.float32(top_p), eos,
+                                                 np.int32(pad_token_id), steps, spec=spec, **traced)
+    engine, stats = run_tools(engine, segment=segment, resume=tool_resume, fmt=fmt, spec=tools, executor=executor,
+                              tokenizer=tokenizer, num_rows=num_rows * num_samples, segment_steps=segment_steps)
+    out, tool_mask = tool_result(engine, spec=spec)
+    n = num_prompts * num_samples
+    if num_rows != num_prompts:  # padding rows cut off
+        out, tool_mask = jax.tree.map(lambda a: a[:n], out), tool_mask[:n]
+    stats.calls = stats.calls[:n]
+    rollout = apply_stop_strings(Rollout(*out), tokenizer, stop_strings, pad_token_id)
+    return rollout._replace(tool_mask=tool_mask * rollout.response_mask), stats
+
+
+def eos_without_triggers(eos_token_ids: Sequence[int], triggers: np.ndarray) -> list[int]:
+    """The EOS ids that end a row when tools are on: eos_token_ids less the one-token triggers
+    (rows of triggers [K, L], `stops.trigger_token_sequences`, with a single id): Llama 3.1 lists
+    <|eom_id|>, its tool call's end, among its EOS ids; the row hands its call over there instead."""
+    one_token = {int(t[-1]) for t in np.asarray(triggers) if (t[:-1] < 0).all()}
+    return [int(t) for t in eos_token_ids if int(t) not in one_token]
 
 
 def _vocab_size(model, config) -> int:
@@ -271,18 +354,38 @@ def _sampler_program(graphdef, state, config, *, mesh: Mesh | None, continuous: 
         if cpu_kernels:
             raise ValueError("cpu_kernels=True: the CPU kernels run jaxrl4llm models only; pass cpu_kernels=None")
         return lambda *args, **kw: generic_sample_program(graphdef, state, *args, mesh=mesh, **sampling, **kw)
+    if continuous:
+        weights, spec = _continuous_engine(graphdef, state, config, mesh=mesh, num_rows=num_rows,
+                                           num_samples=num_samples, max_new_tokens=max_new_tokens, top_k=top_k,
+                                           top_p=top_p, greedy=greedy, cpu_kernels=cpu_kernels, slots=slots,
+                                           kv_page_size=kv_page_size, decode_burst=decode_burst,
+                                           paged_attention=paged_attention, record_routes=record_routes,
+                                           kv_block_size=kv_block_size)
+        return lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
     use_kernels = use_cpu_kernels(cpu_kernels, mesh)
     block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
     backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
     weights = weights_program(graphdef, state, config=config, backend=backend)  # once for all chunks
-    if continuous:
-        spec = engine_spec_for(config, backend, mesh=mesh, num_prompts=num_rows, num_samples=num_samples,
-                               max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
-                               use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
-                               requested_attention=paged_attention, record_routes=record_routes)
-        return lambda *args, **kw: continuous_program(weights, *args, spec=spec, **kw)
     return lambda *args, **kw: sample_program(weights, *args, config=config, block_size=block_size,
                                               backend=backend, use_kernels=use_kernels, **sampling, **kw)
+
+
+def _continuous_engine(graphdef, state, config, *, mesh: Mesh | None, num_rows: int, num_samples: int,
+                       max_new_tokens: int, top_k: int, top_p: float, greedy: bool, cpu_kernels: bool | None,
+                       slots: int | None, kv_page_size: int, decode_burst: int,
+                       paged_attention: str | DecodeAttention | None, record_routes: bool = False,
+                       kv_block_size: int | None = None):
+    """(weights, EngineSpec) of the continuous engine over `num_rows` prompts: the decode weights
+    (`weights_program`, once for all calls) and the engine (`continuous.engine_spec_for`)."""
+    use_kernels = use_cpu_kernels(cpu_kernels, mesh)
+    block_size = int(kv_block_size or block_size_for(max_new_tokens, config.num_kv_heads * config.head_dim))
+    backend = decode_backend(config, mesh=mesh, use_kernels=use_kernels, block_size=block_size)
+    weights = weights_program(graphdef, state, config=config, backend=backend)
+    spec = engine_spec_for(config, backend, mesh=mesh, num_prompts=num_rows, num_samples=num_samples,
+                           max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=greedy,
+                           use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
+                           requested_attention=paged_attention, record_routes=record_routes)
+    return weights, spec
 
 
 def _on_rows(a: np.ndarray, mesh: Mesh) -> jax.Array:

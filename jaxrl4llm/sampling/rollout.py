@@ -37,6 +37,8 @@ class Rollout(NamedTuple):
     prompt_routes [num_prompts, P, L, k] (with routes): the expert ids of each prompt's tokens,
         left-padded as prompt_tokens (0 on padding); row n's prompt is prompt_routes[n // G]
         (a prompt is prefilled once for its G rows).
+    tool_mask [N, R] float32 (a rollout with tools; else None): 1 on response tokens a tool
+        inserted (forced observation tokens: context, no loss), 0 on the model's tokens and padding.
     """
 
     prompt_tokens: jax.Array
@@ -49,6 +51,7 @@ class Rollout(NamedTuple):
     truncated: jax.Array
     routes: jax.Array | None = None
     prompt_routes: jax.Array | None = None
+    tool_mask: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:

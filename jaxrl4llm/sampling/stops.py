@@ -86,14 +86,15 @@ def stop_token_sequences(tokenizer, stop_strings: Sequence[str], *, max_sequence
     return np.asarray([[-1] * (width - len(ids)) + list(ids) for ids in kept], np.int32)
 
 
-def trigger_token_sequences(fmt: ToolFormat, tokenizer) -> np.ndarray | None:
+def trigger_token_sequences(fmt: ToolFormat, tokenizer, *, max_tokens: int = MAX_STOP_SEQUENCE_TOKENS) -> np.ndarray | None:
     """The token spellings of a tool format's triggers (`tools.protocol.trigger_strings`), [S, L] int32
     right-aligned as `stop_token_sequences` builds them, their text decoded with special tokens
     kept; None when the tokenizer spells none within MAX_STOP_SEQUENCE_TOKENS tokens. A row whose
     last tokens spell one is handed to the host for its tool call, where a stop string ends it
     (the host confirms the trigger on the turn's text: `tools.protocol.parse_call`). ToRL and
-    Qwen-Agent pass the fence trigger to vLLM as a stop string (``stop=["```output"]``)."""
-    return stop_token_sequences(tokenizer, trigger_strings(fmt), skip_special_tokens=False)
+    Qwen-Agent pass the fence trigger to vLLM as a stop string (``stop=["```output"]``). max_tokens:
+    the longest spelling kept (a character-level tokenizer spells "```output" in 9)."""
+    return stop_token_sequences(tokenizer, trigger_strings(fmt), skip_special_tokens=False, max_tokens=max_tokens)
 
 
 def last_tokens(tokens: jax.Array, end: jax.Array, width: int) -> jax.Array:

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 
 from jaxrl4llm.core.recipes import PRESETS, Recipe
+from jaxrl4llm.tools.protocol import ToolsSpec
+from jaxrl4llm.tools.python_executor import ExecutorConfig
 
 
 class ConfigError(ValueError):
@@ -127,6 +129,50 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class ToolsConfig:
+    """`rollout.tools`: tool-integrated rollouts (docs/sampling.md "Tools"): a row that writes its
+    format's trigger parks, its code runs in the Python executor while the other rows decode, and
+    the output comes back as forced tokens (`Rollout.tool_mask`). `format`: null = off, or one of
+    `tools.protocol.TOOL_FORMATS` (fence: ```python blocks then ```output, for base models;
+    qwen3_chat / llama3_chat: the chat templates' tool calls). max_turns, max_tool_tokens,
+    max_output_chars, timeout: `tools.protocol.ToolsSpec`. segment_steps: decode steps between two
+    host looks at parked rows. workers, memory_bytes, cpu_seconds: the executor's pool and limits
+    (`tools.python_executor.ExecutorConfig`). The continuous engine only (not rollout.partial)."""
+
+    format: Literal["fence", "qwen3_chat", "llama3_chat"] | None = None
+    max_turns: int = 4
+    max_tool_tokens: int = 128
+    max_output_chars: int = 256
+    timeout: float = 5.0
+    segment_steps: int = 32
+    workers: int = 4
+    memory_bytes: int = 1 << 30
+    cpu_seconds: float = 5.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.format is not None
+
+    def spec(self):
+        """The `tools.protocol.ToolsSpec` of this section (None when off)."""
+        if not self.enabled:
+            return None
+        try:
+            return ToolsSpec(format=self.format, max_turns=self.max_turns, max_tool_tokens=self.max_tool_tokens,
+                             max_output_chars=self.max_output_chars, timeout=self.timeout)
+        except ValueError as e:
+            raise ConfigError(f"rollout.tools: {e}") from None
+
+    def executor_config(self):
+        """The `tools.python_executor.ExecutorConfig` of this section."""
+        try:
+            return ExecutorConfig(timeout=self.timeout, workers=self.workers, memory_bytes=self.memory_bytes,
+                                  cpu_seconds=self.cpu_seconds, max_output_chars=max(self.max_output_chars, 1))
+        except ValueError as e:
+            raise ConfigError(f"rollout.tools: {e}") from None
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Sampling: P prompts x G responses per step (the study: 128 x 8, T=0.99, top_p=0.99, top_k=100)."""
 
@@ -183,6 +229,8 @@ class RolloutConfig:
     # samples with reward > train.reward_fn.CORRECT_REWARD_THRESHOLD, 0.5) reaches this value leaves
     # the prompt stream for good (saved in checkpoints); null = off. ScaleRL uses 0.9.
     retire_pass_rate: float | None = None
+    # Tool calls in the rollout (ToolsConfig; docs/sampling.md "Tools"): format null = off
+    tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
 
 
 @dataclasses.dataclass
@@ -626,6 +674,10 @@ RANGES: dict[str, tuple[Any, str]] = {
     "rollout.prompts_per_chunk": (lambda v: v == "auto" or v >= 0, ">= 0 (0 = all at once) or 'auto'"),
     "rollout.slots": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"), "rollout.decode_burst": _POSITIVE,
     "rollout.retire_pass_rate": (lambda v: 0 < v <= 1, "in (0, 1] or null (off)"),
+    "rollout.tools.max_turns": _POSITIVE, "rollout.tools.max_tool_tokens": _POSITIVE,
+    "rollout.tools.max_output_chars": _POSITIVE, "rollout.tools.timeout": (lambda v: v > 0, "> 0 (seconds)"),
+    "rollout.tools.segment_steps": _POSITIVE, "rollout.tools.workers": _POSITIVE,
+    "rollout.tools.memory_bytes": _POSITIVE, "rollout.tools.cpu_seconds": (lambda v: v > 0, "> 0 (seconds)"),
     "reward.timeout": (lambda v: v > 0, "> 0 (seconds)"),
     "optim.lr": (lambda v: v > 0, "> 0"), "optim.warmup_steps": _NON_NEGATIVE,
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"), "optim.weight_decay": _NON_NEGATIVE,

@@ -45,7 +45,7 @@ from jaxrl4llm.train.programs import TrainerPrograms, loss_fn_for, trainer_progr
 from jaxrl4llm.train.prompts import PromptSet, load_prompt_sets
 from jaxrl4llm.train.resume import check_config_changes, finished_summary, logged_eval, record_config_changes
 from jaxrl4llm.train.reward_fn import CORRECT_REWARD_THRESHOLD, make_reward_fn
-from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, check_partial, partial_version,
+from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, check_partial, check_tools, partial_version,
                                               pending_from_host, pending_to_host, sampler_base_mesh, sampling_version,
                                               staleness_metrics)
 from jaxrl4llm.train.run_files import RunFiles
@@ -139,7 +139,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
     spare: list[tuple] = []
     draws = retired = drawn = mixed = 0
     t_sample = t_reward = 0.0
-    all_rewards, all_components = [], []
+    all_rewards, all_components, all_tools = [], [], []
     max_draws = cfg.rollout.dynamic_sampling_max_draws if recipe.dynamic_sampling else 1
     # data.prompt_bucket=dataset: every step pads to the training set's longest prompt (one program)
     prompt_len = prompts.longest if cfg.data.prompt_bucket == "dataset" else None
@@ -147,10 +147,12 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         draws += 1
         ids = stream.take(P if draws == 1 else prompts_to_draw(P, P - len(kept), mixed, drawn))
         t0 = time.perf_counter()
-        rollout = policy.generate([prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                  rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len,
-                                  record_routes=replays_routes(cfg))
+        rollout, tool_stats = policy.sample(
+            [prompts.token_ids[i] for i in ids], num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+            rng=jax.random.fold_in(rng, draws), prompt_len=prompt_len, record_routes=replays_routes(cfg))
+        if tool_stats is not None:
+            all_tools.append(tool_stats.metrics())
         jax.block_until_ready(rollout.response_tokens)
         t1 = time.perf_counter()
         if on_params_read is not None and draws == max_draws:
@@ -189,6 +191,7 @@ def sample_groups(policy: Policy, prompts: PromptSet, stream: PromptStream, cfg:
         "groups_filled_constant": filled_with_constant,
         "reward_all_draws": float(np.mean(np.concatenate(all_rewards))),
         **component_means(all_components),
+        **({k: float(np.mean([t[k] for t in all_tools])) for k in all_tools[0]} if all_tools else {}),
     }
     scores = RowScores(np.concatenate([e[2] for e in kept]),
                        {name: np.concatenate([e[4][name] for e in kept]) for name in kept[0][4]} if kept else {})
@@ -596,6 +599,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             f"(trainer.steps={cfg.trainer.steps}): nothing to resume, nothing written. Raise trainer.steps to train on.")
         return done
     check_partial(cfg.rollout.partial, cfg.trainer.max_staleness, cfg.rollout.engine, cfg.recipe().dynamic_sampling)
+    check_tools(cfg.rollout.tools.enabled, cfg.rollout.engine, cfg.rollout.partial)
     check_loggers(cfg.trainer.loggers)  # a missing package: an error before anything is written or loaded
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, merge,
                               param_shardings, save_pretrained, score_tokens, score_tokens_with_routes)
 from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
-from jaxrl4llm.sampling import decode_responses, generate
+from jaxrl4llm.sampling import decode_responses, generate, generate_with_tools
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.memory import SIZING_SHARE, decode_sizing, prompts_per_chunk, slots_that_fit
 from jaxrl4llm.sampling.rollout import decode_token_lists
@@ -28,6 +28,7 @@ from jaxrl4llm.train.layout import model_config_from_fields, sampler_mesh_for
 from jaxrl4llm.train.prompts import run_tokenizer
 from jaxrl4llm.train.step import join_params
 from jaxrl4llm.train.user_code import import_object
+from jaxrl4llm.tools.python_executor import PythonExecutor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Policy:
     min_p: float = 0.0  # rollout.min_p: 0 = off
     stop_token_ids: tuple[int, ...] = ()  # rollout.stop_token_ids: end a row as an EOS does
     stop_strings: tuple[str, ...] = ()  # rollout.stop_strings: rows cut at the first one (`sampling.stops`)
+    tools: Any = None  # rollout.tools: a tools.protocol.ToolsSpec, or None (off)
+    tool_executor: Any = None  # rollout.tools: the tools.PythonExecutor that runs the rows' code
+    segment_steps: int = 32  # rollout.tools.segment_steps
 
     def with_params(self, params) -> "Policy":
         return dataclasses.replace(self, params=params)
@@ -110,6 +114,26 @@ class Policy:
             min_p=self.min_p, stop_token_ids=self.stop_token_ids, record_routes=record_routes,
         )
         return self.cut_at_stop_strings(rollout)
+
+    def sample(self, prompts, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng, prompt_len=None,
+               record_routes: bool = False):
+        """(rollout, tools.ToolStats or None): `generate`, or with rollout.tools on
+        `sampling.generate_with_tools` (rows park at their tool calls; `Rollout.tool_mask`)."""
+        if self.tools is None:
+            return self.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, top_k=top_k, rng=rng, prompt_len=prompt_len,
+                                 record_routes=record_routes), None
+        longest = max(max(map(len, prompts)), prompt_len or 0)
+        rollout, stats = generate_with_tools(
+            self.graphdef, self.state, prompts, tools=self.tools, executor=self.tool_executor,
+            tokenizer=self.tokenizer, num_samples=num_samples, max_new_tokens=max_new_tokens,
+            temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, rng=rng, mesh=self.sampler_mesh,
+            greedy=temperature <= 0, cpu_kernels=self.cpu_kernels, prompt_buckets=(bucket(longest, PROMPT_BUCKETS),),
+            slots=self.slots_for(len(prompts), num_samples, longest, max_new_tokens, False),
+            decode_burst=self.decode_burst, paged_attention=self.decode_attention, min_p=self.min_p,
+            stop_token_ids=self.stop_token_ids, segment_steps=self.segment_steps)
+        return self.cut_at_stop_strings(rollout), stats
 
     def cut_at_stop_strings(self, rollout):
         """The rollout with its rows cut at their first stop string (`sampling.stops.apply_stop_strings`,
@@ -314,4 +338,6 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
         engine=cfg.rollout.engine, slots=cfg.rollout.slots, decode_burst=cfg.rollout.decode_burst,
         decode_attention=cfg.rollout.decode_attention, min_p=cfg.rollout.min_p,
         stop_token_ids=tuple(cfg.rollout.stop_token_ids), stop_strings=tuple(cfg.rollout.stop_strings),
+        tools=cfg.rollout.tools.spec(), segment_steps=cfg.rollout.tools.segment_steps,
+        tool_executor=PythonExecutor(cfg.rollout.tools.executor_config()) if cfg.rollout.tools.enabled else None,
     )

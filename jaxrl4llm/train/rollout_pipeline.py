@@ -84,6 +84,19 @@ def check_partial(partial: bool, max_staleness: int, engine: str, dynamic_sampli
                          "cannot see while it decodes; use a recipe without dynamic sampling (or rollout.partial=false)")
 
 
+def check_tools(tools_on: bool, engine: str, partial: bool) -> None:
+    """rollout.tools' requirements, as a ConfigError naming the setting to change: the continuous
+    engine parks rows (the static engine and partial rollouts do not yet)."""
+    if not tools_on:
+        return
+    if engine != "continuous":
+        raise ConfigError("rollout.tools needs rollout.engine=continuous: the static engine does not park rows for "
+                          "tool calls")
+    if partial:
+        raise ConfigError("rollout.tools with rollout.partial=true: partial rollouts do not park rows for tool calls "
+                          "yet; set rollout.partial=false")
+
+
 def partial_version(step: int, max_staleness: int, start: int) -> int:
     """The version that samples step t's segment under rollout.partial: max(t - k + 1, start)
     (its rows begun in segment t - 1 are then k versions old at step t)."""

@@ -61,7 +61,30 @@ def main():
     continuous_rows(graphdef, state, sharded_state, mesh, config)
     moe_rows(mesh)
     split_vocab_top_k_is_lax_top_k()
+    tool_rows()
     print("OK")
+
+
+def tool_rows():
+    """Rows with tool calls (tests/sampling/test_tool_rollout.py's model, format and stand-in tool) on a
+    2-way data-parallel mesh, 2 slots a shard: the single device's rows, tool masks and log-probs."""
+    from jaxrl4llm.sampling import generate_with_tools
+    from jaxrl4llm.tools.protocol import ToolsSpec
+    from tests.sampling.test_tool_rollout import FORMAT, PROMPTS, R, CharTokenizer, StandIn, tiny_model
+
+    graphdef, state = tiny_model()
+    spec = ToolsSpec(format="llama3_chat", max_turns=2, max_tool_tokens=6, max_output_chars=4)
+    kwargs = dict(tools=spec, tokenizer=CharTokenizer(), num_samples=1, max_new_tokens=R, eos_token_ids=[],
+                  pad_token_id=0, rng=jax.random.key(0), greedy=True, kv_page_size=4, decode_burst=4, segment_steps=8,
+                  row_max_new_tokens=[R, 13, 24, 9, R, R], fmt=FORMAT)
+    single, single_stats = generate_with_tools(graphdef, state, PROMPTS, executor=StandIn(), slots=3, **kwargs)
+    sharded, stats = generate_with_tools(graphdef, state, PROMPTS, executor=StandIn(), slots=4,
+                                         mesh=make_mesh(data=2, devices=jax.devices()[:2]), **kwargs)
+    for name in ("response_tokens", "tool_mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(sharded, name)), np.asarray(getattr(single, name)), name)
+    np.testing.assert_allclose(np.asarray(sharded.logprobs), np.asarray(single.logprobs), atol=1e-5)
+    np.testing.assert_array_equal(stats.calls, single_stats.calls)
+    assert np.asarray(single.tool_mask).sum() > 0
 
 
 def moe_rows(mesh):

@@ -310,3 +310,24 @@ def test_reward_terms_default_to_reward_fn_and_name_entries_by_function():
     assert [(t.name, t.weight) for t in terms] == [("correct", 1.0), ("boxed_format_reward", 0.1)]
     with pytest.raises(ConfigError, match=r"reward.fn='x:y' and reward.fns are both set"):
         load_config(None, ["reward.fn=x:y", "reward.fns=[{fn: a:b}]"])
+
+
+def test_rollout_tools_section_builds_the_tools_spec_and_refuses_the_engines_without_parking():
+    """rollout.tools.format turns tools on (ToolsSpec, ExecutorConfig); out-of-range values, the
+    static engine and partial rollouts are one-line ConfigErrors naming the fix."""
+    from jaxrl4llm.train.rollout_pipeline import check_tools
+
+    assert load_config(None, []).rollout.tools.spec() is None
+    cfg = load_config(None, ["rollout.tools.format=fence", "rollout.tools.max_turns=2", "rollout.tools.workers=1"])
+    spec = cfg.rollout.tools.spec()
+    assert (spec.format, spec.max_turns, spec.max_tool_tokens) == ("fence", 2, 128)
+    assert cfg.rollout.tools.executor_config().workers == 1
+    with pytest.raises(ConfigError, match="rollout.tools.format="):
+        load_config(None, ["rollout.tools.format=xml"])
+    with pytest.raises(ConfigError, match="rollout.tools.max_tool_tokens=0 is out of range"):
+        load_config(None, ["rollout.tools.format=fence", "rollout.tools.max_tool_tokens=0"])
+    check_tools(False, "static", True)
+    with pytest.raises(ConfigError, match="rollout.engine=continuous"):
+        check_tools(True, "static", False)
+    with pytest.raises(ConfigError, match="rollout.partial=false"):
+        check_tools(True, "continuous", True)

@@ -252,3 +252,18 @@ def test_router_replay_trains_a_tiny_mixture_of_experts_model(demo_assets, tmp_p
     assert labels.count("frozen") == 1  # the layers' stacked routers [L, D, E]
     assert all(np.array_equal(a, b) for label, a, b in pairs if label == "frozen")
     assert any(not np.array_equal(a, b) for label, a, b in pairs if label == "trained")
+
+
+def test_a_run_with_rollout_tools_samples_through_the_tool_engine(demo_assets, tmp_path):
+    """rollout.tools.format=fence: the loop samples with `generate_with_tools` (a Python executor
+    started, rows carrying a tool mask) and logs the tool metrics; the static engine is refused."""
+    tools = {"rollout.tools.format": "fence", "rollout.tools.workers": 1, "trainer.steps": 1}
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path / "tools", **tools))
+    train(cfg, log=lambda s: None)
+    record = json.loads((tmp_path / "tools" / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("tools/calls_per_row", "tools/segments", "tools/parked_share", "tools/hidden_share"):
+        assert key in record, key
+    assert record["tools/segments"] >= 1
+    static = load_config(None, tiny_overrides(demo_assets, tmp_path / "static", **tools, **{"rollout.engine": "static"}))
+    with pytest.raises(ConfigError, match="rollout.engine=continuous"):
+        train(static, log=lambda s: None)

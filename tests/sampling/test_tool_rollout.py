@@ -1,0 +1,202 @@
+"""Tool calls in the continuous engine (sampling/tool_rollout.py, continuous.tool_*): parked slots keep
+their pages while the others decode; greedy rows with 0, 1 and 2 calls (fewer slots than rows) equal
+an oracle that re-runs `generate` on prompt + response + observation after each call.
+
+A tiny random model writes no code: its tokens are read as characters (id i is chr(32 + i)), and a
+format whose trigger is a two-token string the model emits in its greedy loops parks it. The tool
+is a deterministic stand-in whose output depends on the row's text (and itself spells the trigger,
+which must not re-trigger)."""
+
+from collections import Counter
+
+import jax
+import numpy as np
+
+from jaxrl4llm.models import ModelConfig, init_model
+from jaxrl4llm.sampling import generate, generate_with_tools
+from jaxrl4llm.sampling.buckets import left_pad_prompts
+from jaxrl4llm.sampling.continuous import engine_spec_for, tool_init, tool_resume, tool_segment
+from jaxrl4llm.sampling.decode_loop import decode_backend, weights_program
+from jaxrl4llm.sampling.generate import eos_without_triggers
+from jaxrl4llm.sampling.stops import trigger_token_sequences
+from jaxrl4llm.tools.protocol import (ToolFormat, ToolsSpec, observation_text, observation_tokens, parse_call,
+                                      tool_format)
+from jaxrl4llm.tools.python_executor import ToolResult
+
+CONFIG = ModelConfig(architecture="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", max_position_embeddings=256)
+# the greedy model of key 1 loops on ")PM@^8 ": "PM" is its trigger; code follows the last "b"
+FORMAT = ToolFormat("llama3_chat", trigger="PM", call_opening="b", observation_opening="<",
+                    observation_closing=">")
+PROMPTS = [np.random.default_rng(0).integers(1, 96, n).tolist() for n in (5, 3, 7, 2, 6, 4)]
+R = 40
+
+
+class CharTokenizer:
+    """Token i is the character chr(32 + i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + int(i)) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 32 for c in text]
+
+
+class StandIn:
+    """The tool: prints "PM" (the trigger, inside tool output) and its code's length and last character."""
+
+    def __init__(self):
+        self.codes = []
+
+    def run(self, codes):
+        self.codes += list(codes)
+        return [ToolResult("ok", f"PM{len(c)}{c[-1]}", 0.0) for c in codes]
+
+
+def tiny_model():
+    return init_model(CONFIG, jax.random.key(1), std=0.3)
+
+
+def oracle(graphdef, state, budgets, spec: ToolsSpec, tool):
+    """Each row decoded by `generate` (greedy) from its prompt + response so far, cut at the first
+    model-token trigger while it has turns left, the observation appended: (tokens, tool mask,
+    log-probs) per row."""
+    tokenizer = CharTokenizer()
+    width = len(tokenizer.encode(FORMAT.trigger))
+    rows = [dict(resp=[], mask=[], lps=[], turns=0, done=False) for _ in PROMPTS]
+    while not all(r["done"] for r in rows):
+        active = [(n, r) for n, r in enumerate(rows) if not r["done"]]
+        out = generate(graphdef, state, [PROMPTS[n] + r["resp"] for n, r in active], num_samples=1, max_new_tokens=R,
+                       greedy=True, eos_token_ids=[], pad_token_id=0, rng=jax.random.key(0))
+        tokens, lps = np.asarray(out.response_tokens), np.asarray(out.logprobs)
+        for i, (n, r) in enumerate(active):
+            for token, lp in zip(tokens[i], lps[i]):
+                r["resp"].append(int(token)), r["mask"].append(0), r["lps"].append(float(lp))
+                if len(r["resp"]) >= budgets[n]:
+                    r["done"] = True
+                    break
+                tail = r["resp"][-width:]
+                if (len(r["resp"]) >= 2 and tokenizer.decode(tail) == FORMAT.trigger and not any(r["mask"][-width:])
+                        and r["turns"] < spec.max_turns):
+                    r["turns"] += 1
+                    forced = [j for j, m in enumerate(r["mask"]) if m]
+                    turn = tokenizer.decode(r["resp"][forced[-1] + 1 if forced else 0:])
+                    found = parse_call(FORMAT, turn)
+                    text = observation_text(FORMAT, tool.run([found.code])[0], max_output_chars=spec.max_output_chars) \
+                        if hasattr(found, "code") else found.observation_text
+                    ids, _ = observation_tokens(FORMAT, tokenizer, text, room=budgets[n] - len(r["resp"]),
+                                                max_tool_tokens=spec.max_tool_tokens)
+                    r["resp"] += ids
+                    r["mask"] += [1] * len(ids)
+                    r["lps"] += [0.0] * len(ids)
+                    r["done"] = len(r["resp"]) >= budgets[n]
+                    break
+    return rows
+
+
+def test_rows_with_tool_calls_equal_the_oracle_that_regenerates_after_each_call():
+    """Greedy, 6 rows on 3 slots, max_turns 2, observations cut to 6 tokens, budgets that end rows
+    before a call, inside an observation, and after the turns ran out: tokens, tool mask and the
+    model tokens' log-probs (1e-5) equal the oracle's; calls of 0, 1 and 2 per row; a code-less
+    turn reads the error observation; the stand-in saw the oracle's codes."""
+    graphdef, state = tiny_model()
+    spec = ToolsSpec(format="llama3_chat", max_turns=2, max_tool_tokens=6, max_output_chars=4)
+    budgets = [R, 13, 24, 9, R, R]
+    tool = StandIn()
+    rollout, stats = generate_with_tools(graphdef, state, PROMPTS, tools=spec, executor=tool, tokenizer=CharTokenizer(),
+                                         num_samples=1, max_new_tokens=R, eos_token_ids=[], pad_token_id=0,
+                                         rng=jax.random.key(0), greedy=True, slots=3, kv_page_size=4,
+                                         decode_burst=4, segment_steps=8, row_max_new_tokens=budgets, fmt=FORMAT)
+    want = oracle(graphdef, state, budgets, spec, StandIn())
+    tokens, mask = np.asarray(rollout.response_tokens), np.asarray(rollout.tool_mask)
+    lps, lengths = np.asarray(rollout.logprobs), np.asarray(rollout.lengths)
+    for n, row in enumerate(want):
+        k = len(row["resp"])
+        assert lengths[n] == k, (n, lengths[n], k)
+        np.testing.assert_array_equal(tokens[n, :k], row["resp"], err_msg=f"row {n}")
+        np.testing.assert_array_equal(mask[n, :k], row["mask"], err_msg=f"row {n}")
+        assert not mask[n, k:].any()
+        model = np.asarray(row["mask"]) == 0
+        np.testing.assert_allclose(lps[n, :k][model], np.asarray(row["lps"])[model], atol=1e-5, err_msg=f"row {n}")
+    calls = [r["turns"] for r in want]
+    np.testing.assert_array_equal(stats.calls, calls)
+    assert {0, 1, 2} <= set(calls), calls
+    assert stats.statuses.get("ok", 0) > 0 and stats.statuses.get("no_code", 0) > 0, stats.statuses
+    assert stats.segments > 1 and 0 < stats.parked_share < 1
+    text = CharTokenizer().decode(tokens[0, :lengths[0]][mask[0, :lengths[0]] == 0])
+    assert text.count(FORMAT.trigger) > 2  # past max_turns a trigger decodes on
+    assert mask[2, lengths[2] - 1] == 1 and bool(rollout.truncated[2])  # the budget ends inside an observation
+    # the stand-in's output spells the trigger: forced, it parked nothing (the oracle checks model tokens only)
+    assert any(FORMAT.trigger in CharTokenizer().decode(tokens[n][mask[n] == 1]) for n in range(len(PROMPTS)))
+
+
+def test_a_parked_slot_keeps_its_pages_while_the_others_decode_and_every_page_comes_back():
+    """3 rows on 2 slots, segments of 2 steps by hand: once a slot parks, two more segments leave its
+    length and pages as they were (none of them free) while the other slot decodes on; a refunded
+    resume (no token) lets its row park again past max_turns 1; resumed with an observation, every
+    row finishes, one call each, and every page is free again."""
+    graphdef, state = tiny_model()
+    backend = decode_backend(CONFIG, mesh=None, use_kernels=False, block_size=32)
+    weights = weights_program(graphdef, state, config=CONFIG, backend=backend)
+    prompts = PROMPTS[:3]
+    spec = engine_spec_for(CONFIG, backend, mesh=None, num_prompts=4, num_samples=1, max_new_tokens=R, top_k=0,
+                           top_p=1.0, greedy=True, use_kernels=False, slots=2, page_size=4, burst=2)
+    padded = left_pad_prompts(prompts, pad_token_id=0, length=16, num_rows=4)
+    budgets = np.asarray([R, R, R, 1], np.int32)
+    triggers = trigger_token_sequences(FORMAT, CharTokenizer())
+    engine = tool_init(padded.tokens, padded.mask, padded.row_valid, jax.random.key(0), np.int32(0), np.int32(0),
+                       budgets, triggers, np.int32(1), spec=spec)
+    segment = lambda engine: tool_segment(weights, engine, np.float32(1.0), np.float32(1.0),
+                                          np.zeros((0,), np.int32), np.int32(0), np.int32(2), spec=spec)
+    for _ in range(20):
+        engine, view = segment(engine)
+        if view.parked.any():
+            break
+    (d,), (s,) = np.nonzero(np.asarray(view.parked))
+    other = 1 - s
+    pool_pages = engine.free.stack.shape[1]
+    length, pages = int(view.length[d, s]), np.asarray(engine.slots.pages[d, s])
+    used = pages[:-(-((len(prompts[view.row[d, s]]) % 4) + length - 1) // 4)]
+    other_length = int(view.length[d, other])
+    for _ in range(2):
+        engine, view = segment(engine)
+        free = np.asarray(engine.free.stack[d, :int(engine.free.top[d])])
+        assert int(view.length[d, s]) == length and bool(view.parked[d, s])
+        np.testing.assert_array_equal(np.asarray(engine.slots.pages[d, s]), pages)
+        assert not set(used.tolist()) & set(free.tolist())
+    assert int(view.length[d, other]) > other_length  # the other slot decoded on
+    observation = np.broadcast_to(np.asarray(CharTokenizer().encode("<1>"), np.int32), (1, 2, 3))
+    first_row, parks = int(view.row[d, s]), Counter()
+    # the first call resumes with no token and refunded (a trigger inside the code): its row parks
+    # again at its next trigger although max_turns is 1; then every parked slot resumes with "<1>"
+    engine = tool_resume(engine, np.asarray(view.parked), observation, np.zeros((1, 2), np.int32),
+                         np.asarray(view.parked))
+    for _ in range(40):
+        engine, view = segment(engine)
+        resume = np.asarray(view.parked)
+        parks.update(int(r) for r in np.asarray(view.row)[resume])
+        engine = tool_resume(engine, resume, observation, resume.astype(np.int32) * 3, np.zeros((1, 2), bool))
+        if not view.busy and not view.parked.any():
+            break
+    assert not view.busy and int(view.steps) > 0
+    assert parks[first_row] == 1 and sorted(parks) == [0, 1, 2]
+    assert int(engine.free.top[0]) == pool_pages - 1
+    assert sorted(np.asarray(engine.free.stack[0, :pool_pages - 1]).tolist()) == list(range(1, pool_pages))
+    assert np.asarray(engine.tools.mask[0, :3]).sum(axis=1).tolist() == [3, 3, 3]  # one call a row (max_turns 1)
+
+
+def test_a_one_token_trigger_among_the_eos_ids_no_longer_ends_a_row():
+    """Llama 3.1's <|eom_id|> is an EOS id and llama3_chat's trigger: with tools it parks the row."""
+    class Llama3Ids:  # <|eom_id|> = 128008, <|eot_id|> = 128009, <|end_of_text|> = 128001
+        special = {"<|eom_id|>": 128008}
+
+        def encode(self, text, add_special_tokens=False):
+            return [self.special[text]] if text in self.special else [ord(c) for c in text]
+
+        def decode(self, ids, skip_special_tokens=True):
+            names = {v: k for k, v in self.special.items()}
+            return "".join(names.get(i, "" if i > 255 else chr(i)) for i in ids)
+
+    triggers = trigger_token_sequences(tool_format("llama3_chat"), Llama3Ids())
+    assert eos_without_triggers([128001, 128008, 128009], triggers) == [128001, 128009]
+    assert eos_without_triggers([5, 7], trigger_token_sequences(FORMAT, CharTokenizer())) == [5, 7]
