@@ -37,6 +37,12 @@ class Rollout(NamedTuple):
     prompt_routes [num_prompts, P, L, k] (with routes): the expert ids of each prompt's tokens,
         left-padded as prompt_tokens (0 on padding); row n's prompt is prompt_routes[n // G]
         (a prompt is prefilled once for its G rows).
+    tool_mask [N, R] float32 (a rollout with tools, `rollout.tools`; else None): 1 on response
+        tokens the tool inserted (forced observation tokens), 0 on the model's own tokens and on
+        padding. Tool tokens are in response_mask and lengths (they take positions and count
+        against the response budget); the trainer's loss mask leaves them out
+        (`train.batching.rollout_to_batch`) and the reward reads the model's tokens only
+        (`model_token_lists`).
     """
 
     prompt_tokens: jax.Array
@@ -49,6 +55,7 @@ class Rollout(NamedTuple):
     truncated: jax.Array
     routes: jax.Array | None = None
     prompt_routes: jax.Array | None = None
+    tool_mask: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -60,6 +67,16 @@ def response_token_lists(rollout: Rollout) -> list[list[int]]:
     tokens = np.asarray(rollout.response_tokens)
     lengths = np.asarray(rollout.lengths)
     return [tokens[n, : lengths[n]].tolist() for n in range(tokens.shape[0])]
+
+
+def model_token_lists(rollout: Rollout) -> list[list[int]]:
+    """The token ids of every row that the model sampled (up to its length, the tool's forced tokens
+    left out: `tool_mask` 1), on the host; `response_token_lists` for a rollout without tools."""
+    if rollout.tool_mask is None:
+        return response_token_lists(rollout)
+    tokens, mask = np.asarray(rollout.response_tokens), np.asarray(rollout.tool_mask) > 0
+    lengths = np.asarray(rollout.lengths)
+    return [tokens[n, : lengths[n]][~mask[n, : lengths[n]]].tolist() for n in range(tokens.shape[0])]
 
 
 def prompt_token_lists(rollout: Rollout) -> list[list[int]]:
