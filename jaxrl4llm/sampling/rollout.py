@@ -69,14 +69,21 @@ def response_token_lists(rollout: Rollout) -> list[list[int]]:
     return [tokens[n, : lengths[n]].tolist() for n in range(tokens.shape[0])]
 
 
+def model_tokens(tokens, length: int, tool_mask=None) -> list[int]:
+    """The ids a row's model sampled: tokens[:length] ([R] int) without the tool's forced tokens
+    (tool_mask [R] 1; None: a rollout without tools, every token is the model's). What the reward
+    decodes: a ``\\boxed{}`` that the code printed earns nothing (`tools.protocol.model_text`)."""
+    tokens = np.asarray(tokens)[: int(length)]
+    if tool_mask is None:
+        return tokens.tolist()
+    return tokens[~(np.asarray(tool_mask)[: int(length)] > 0)].tolist()
+
+
 def model_token_lists(rollout: Rollout) -> list[list[int]]:
-    """The token ids of every row that the model sampled (up to its length, the tool's forced tokens
-    left out: `tool_mask` 1), on the host; `response_token_lists` for a rollout without tools."""
-    if rollout.tool_mask is None:
-        return response_token_lists(rollout)
-    tokens, mask = np.asarray(rollout.response_tokens), np.asarray(rollout.tool_mask) > 0
-    lengths = np.asarray(rollout.lengths)
-    return [tokens[n, : lengths[n]][~mask[n, : lengths[n]]].tolist() for n in range(tokens.shape[0])]
+    """`model_tokens` of every row, on the host (`response_token_lists` for a rollout without tools)."""
+    tokens, lengths = np.asarray(rollout.response_tokens), np.asarray(rollout.lengths)
+    tool = None if rollout.tool_mask is None else np.asarray(rollout.tool_mask)
+    return [model_tokens(tokens[n], lengths[n], None if tool is None else tool[n]) for n in range(tokens.shape[0])]
 
 
 def prompt_token_lists(rollout: Rollout) -> list[list[int]]:

@@ -16,6 +16,7 @@ import numpy as np
 from jaxrl4llm.rewards import extract_answer
 from jaxrl4llm.rewards.normalization import compact, normalize_answer
 from jaxrl4llm.rewards.numbers import parse_number
+from jaxrl4llm.sampling.rollout import model_tokens
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import RunConfig
 from jaxrl4llm.train.eval_metrics import sample_metrics
@@ -135,10 +136,12 @@ def _cell(value, metric: str) -> str:
 
 
 def _texts(policy, rollout, rows: int) -> list[str]:
-    """The response texts of a chunk's first `rows` rows (the padding repeats left out), on every process."""
+    """The response texts of a chunk's first `rows` rows (the padding repeats left out; with tools the
+    model's own tokens, `model_tokens`, as the training reward reads them), on every process."""
     tokens = hosts.fetch(rollout.response_tokens)[:rows]
     lengths = hosts.fetch(rollout.lengths)[:rows]
-    return policy.decode_rows([t[:n].tolist() for t, n in zip(tokens, lengths)])
+    tool = [None] * rows if rollout.tool_mask is None else hosts.fetch(rollout.tool_mask)[:rows]
+    return policy.decode_rows([model_tokens(t, n, m) for t, n, m in zip(tokens, lengths, tool)])
 
 
 def _record(records: list, texts: list[str], extracted: list, ps, ids: list[int], k: int, rewards: np.ndarray) -> None:
