@@ -11,6 +11,7 @@ from jaxrl4llm.tools.protocol import NoCall
 from jaxrl4llm.tools.protocol import ToolCall
 from jaxrl4llm.tools.protocol import ToolFormat
 from jaxrl4llm.tools.protocol import ToolsSpec
+from jaxrl4llm.tools.protocol import is_void_turn
 from jaxrl4llm.tools.protocol import model_text
 from jaxrl4llm.tools.protocol import observation_text
 from jaxrl4llm.tools.protocol import observation_tokens

@@ -128,17 +128,22 @@ def merge_groups(picks: list[tuple[Rollout, int]], group_size: int, pad_id: int)
 
 
 def batch_program(advantages_fn, shardings: TrainBatch, sampled_logp: bool):
-    """jit of (rollout, rewards [N]) -> (TrainBatch on `shardings`, AdvantageBatch): advantages
+    """jit of (rollout, rewards [N], void) -> (TrainBatch on `shardings`, AdvantageBatch): advantages
     and the teacher-forcing layout in one program, its output placed on the training mesh.
 
+    The program takes (rollout, rewards [N], void [N] bool or None): void, the rows the void-turn
+    filter drops (`train.tool_turns.void_rows`), None without the filter (the program of a run
+    without it).
+
     Args:
-      advantages_fn: (rewards [N], truncated [N], lengths [N]) -> AdvantageBatch (traced inside).
+      advantages_fn: (rewards [N], truncated [N], lengths [N], void [N] or None) -> AdvantageBatch
+        (traced inside).
       shardings: TrainBatch of the training mesh's shardings (`step.batch_shardings`).
       sampled_logp: the corrections compare with rollout.logprobs (Recipe.sampler_logp_kind
         "sampled") instead of rollout.logprobs_untruncated.
     """
-    def build(rollout: Rollout, rewards):
-        adv = advantages_fn(rewards, rollout.truncated, rollout.lengths)
+    def build(rollout: Rollout, rewards, void=None):
+        adv = advantages_fn(rewards, rollout.truncated, rollout.lengths, void)
         batch = rollout_to_batch(rollout, adv, sampler_logp=rollout.logprobs if sampled_logp else None)
         return batch, adv
 
