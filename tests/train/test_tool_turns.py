@@ -94,3 +94,29 @@ def test_the_void_turn_filter_needs_a_run_with_tools():
         check_void_turn_filter(SimpleNamespace(rollout=SimpleNamespace()), recipe)
     check_void_turn_filter(SimpleNamespace(rollout=SimpleNamespace(tools=SimpleNamespace(format="fence"))), recipe)
     check_void_turn_filter(SimpleNamespace(rollout=SimpleNamespace()), LITE_PPO)
+
+
+def test_the_loop_reads_void_flags_only_when_the_recipe_filters():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from jaxrl4llm.core import LITE_PPO
+    from jaxrl4llm.sampling import Rollout
+    from jaxrl4llm.train.loop import void_turn_flags
+
+    turns = ["```python\nprint(1)\n```\n```output", "\n1\n```\n", "so 1"]
+    ids = [i for t in turns for i in enc(t)]
+    tool = [float(k == 1) for k, t in enumerate(turns) for _ in t]
+    rows = [(ids, tool), (enc("so \\boxed{1}"), [0.0] * 12)]
+    width = max(len(r[0]) for r in rows)
+    tokens = np.array([r[0] + [0] * (width - len(r[0])) for r in rows], np.int32)
+    mask = np.array([r[1] + [0.0] * (width - len(r[1])) for r in rows], np.float32)
+    lengths = np.array([len(r[0]) for r in rows], np.int32)
+    zeros = np.zeros((2, width), np.float32)
+    rollout = Rollout(np.ones((2, 1), np.int32), np.ones((2, 1), np.float32), tokens, zeros, zeros, zeros, lengths,
+                      np.array([False, False]), tool_mask=mask)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(tools=SimpleNamespace(format="fence")))
+    run = SimpleNamespace(recipe=dataclasses.replace(LITE_PPO, void_turn_filter=True), cfg=cfg,
+                          policy=SimpleNamespace(decode_ids=dec))
+    np.testing.assert_array_equal(void_turn_flags(run, rollout), [True, False])  # "so 1" after the call: void
+    assert void_turn_flags(SimpleNamespace(**{**vars(run), "recipe": LITE_PPO}), rollout) is None
