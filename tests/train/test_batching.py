@@ -117,6 +117,8 @@ def test_tool_tokens_keep_attention_and_positions_and_leave_the_loss_mask():
     full = response_token_lists(rollout)
     assert model[1] == full[1] and model[0] == full[0][:2] + full[0][4:]
     assert model[2] == [full[2][0], full[2][2], full[2][5]] and model[3] == full[3][:4]
+    merged = merge_groups([(rollout, 1), (rollout, 0)], group_size=2, pad_id=0)  # dynamic sampling's redraw
+    np.testing.assert_array_equal(np.asarray(merged.tool_mask), rollout.tool_mask[[2, 3, 0, 1]])
 
 
 def _toy_with_offsets(params, inputs, targets, positions, attention_mask):
