@@ -53,8 +53,7 @@ from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.samples import sample_rows
 from jaxrl4llm.train.scoring import RowScores, score_rows_with_components
 from jaxrl4llm.train.packing import pack_plan
-from jaxrl4llm.train.tool_turns import (check_void_turn_filter, rollout_turns, run_tool_format, status_rates,
-                                        tool_metrics, void_rows)
+from jaxrl4llm.train.tool_turns import check_void_turn_filter, rollout_turns, run_tool_format, tool_metrics, void_rows
 from jaxrl4llm.train.step import (
     TrainBatch,
     UpdateSettings,
@@ -692,7 +691,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
             versions = current.version if current.versions is None else current.versions.first
         record = step_record(run, rollout, rewards, adv, batch, {**metrics, **routing}, clipped, step)
         t_end = time.perf_counter()
-        record.update(time_update=t_end - t_update, time_step=t_end - t_step, **status_rates(sample_stats), **staleness,
+        record.update(time_update=t_end - t_update, time_step=t_end - t_step, **sample_stats, **staleness,
                       tokens_per_second=(record["response_length"] * rollout.num_rows + record.pop("prompt_tokens"))
                       / (t_end - t_step))
         if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and run.eval_sets:

@@ -4,7 +4,7 @@ tokens sit (`Rollout.tool_mask`), and what the trainer reads from them: SimpleTI
 
     turns = rollout_turns(rollout)                   # per row [Turn(model ids, tool ids), ...] (`row_turns`)
     void = void_rows(turns, decode_ids, fmt)         # [N] bool: the last turn wrote no code and no answer
-    tool_metrics(tool_mask, response_mask, void=void, status_counts={"ok": 9, "error": 1})
+    tool_metrics(tool_mask, response_mask, void=void)  # tools/token_share, tools/rows_share, tools/void_turn_share
     turn_records(turns[n], decode_ids)               # samples.jsonl: [{"model": text, "tool": text}, ...]
 
 A row alternates the model's turns and the tool's observations: turn k is the model's tokens up to
@@ -15,12 +15,11 @@ computes but the void flags, which the filter turns into row weights (`core.comp
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from jaxrl4llm.tools.protocol import ToolFormat, is_void_turn, tool_format
-from jaxrl4llm.tools.python_executor import STATUSES
 from jaxrl4llm.train.config import ConfigError
 
 
@@ -87,52 +86,21 @@ def void_rows(turns: Sequence[Sequence[Turn]], decode_ids: Callable[[list[int]],
     return np.array([is_void_turn(fmt, decode_ids(row[-1].model)) for row in turns], bool)
 
 
-def call_status_shares(counts: Mapping[str, int]) -> dict[str, float]:
-    """The share of a step's tool calls that ended with each status of `python_executor.STATUSES`
-    ("ok", "error", "timeout", "oom", "crash"): {"tool_<status>_rate": counts[status] / calls}, 0.0
-    each without calls. counts: {status: calls} (a status missing counts 0); a status outside
-    STATUSES is a ValueError."""
-    unknown = sorted(set(counts) - set(STATUSES))
-    if unknown:
-        raise ValueError(f"unknown tool call status(es) {unknown}: valid statuses are {', '.join(STATUSES)}")
-    total = sum(int(v) for v in counts.values())
-    return {f"tool_{s}_rate": int(counts.get(s, 0)) / total if total else 0.0 for s in STATUSES}
+def tool_metrics(tool_mask, response_mask, *, void: np.ndarray | None = None) -> dict[str, float]:
+    """The trained batch's tool figures (host numpy; tool_mask, response_mask [N, R]), beside the
+    rollout's own (`tools/calls_per_row`, `tools/error_rate`, ... from the engine's host loop):
 
-
-STATUS_COUNTS = "tool_status_counts"  # a rollout's stats key: {status: calls} of the step's tool calls
-
-
-def status_rates(stats: dict) -> dict:
-    """A rollout's stats as the step's record shows them: its STATUS_COUNTS {status: calls}, when the
-    sampler reports one, replaced by the calls' `call_status_shares` (the rest as they are)."""
-    if STATUS_COUNTS not in stats:
-        return stats
-    rest = {k: v for k, v in stats.items() if k != STATUS_COUNTS}
-    return {**rest, **call_status_shares(stats[STATUS_COUNTS])}
-
-
-def tool_metrics(tool_mask, response_mask, *, void: np.ndarray | None = None,
-                 status_counts: Mapping[str, int] | None = None) -> dict[str, float]:
-    """The step's tool figures (host numpy; tool_mask, response_mask [N, R]):
-
-        tool_calls_per_row   mean over rows of the observations fed back (runs of tool tokens: calls,
-                             error observations included)
-        tool_rows_share      share of rows with at least one observation
-        tool_token_share     tool tokens / response tokens (model + tool) of the step
-        void_turn_share      share of rows whose last turn is void (with `void` [N], the filter's flags)
-        tool_<status>_rate   share of the calls that ended ok / error / timeout / oom / crash (with
-                             `status_counts` {status: calls} of the step: `call_status_shares`)
+        tools/token_share      tool tokens / response tokens (model + tool) of the batch
+        tools/rows_share       share of rows with at least one observation fed back
+        tools/void_turn_share  share of rows whose last turn is void (with `void` [N], the filter's flags)
     """
     tool = np.asarray(tool_mask) > 0
-    calls = tool[:, :1].sum(1) + (tool[:, 1:] & ~tool[:, :-1]).sum(1)
+    rows = tool.any(axis=1)
     total = float(np.asarray(response_mask).sum())
-    out = {"tool_calls_per_row": float(calls.mean()) if calls.size else 0.0,
-           "tool_rows_share": float((calls > 0).mean()) if calls.size else 0.0,
-           "tool_token_share": float(tool.sum()) / total if total else 0.0}
+    out = {"tools/token_share": float(tool.sum()) / total if total else 0.0,
+           "tools/rows_share": float(rows.mean()) if rows.size else 0.0}
     if void is not None:
-        out["void_turn_share"] = float(np.mean(void)) if len(void) else 0.0
-    if status_counts is not None:
-        out.update(call_status_shares(status_counts))
+        out["tools/void_turn_share"] = float(np.mean(void)) if len(void) else 0.0
     return out
 
 

@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.tools.protocol import FENCE
-from jaxrl4llm.train.tool_turns import (Turn, call_status_shares, check_void_turn_filter, row_turns, status_rates,
-                                        tool_metrics, turn_records, void_rows)
+from jaxrl4llm.train.tool_turns import Turn, check_void_turn_filter, row_turns, tool_metrics, turn_records, void_rows
 
 
 @settings(max_examples=100, deadline=None)
@@ -55,25 +54,13 @@ def test_void_rows_read_the_last_turn_of_the_model():
     np.testing.assert_array_equal(void_rows(turns, dec, FENCE), [False, True, False, True])
 
 
-def test_tool_metrics_count_calls_tokens_and_void_rows():
+def test_tool_metrics_count_tool_tokens_rows_and_void_rows():
     tool = np.array([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], np.float32)
     response = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]], np.float32)
     out = tool_metrics(tool, response, void=np.array([True, False, False]))
-    assert out == {"tool_calls_per_row": pytest.approx(1.0), "tool_rows_share": pytest.approx(2 / 3),
-                   "tool_token_share": pytest.approx(4 / 11), "void_turn_share": pytest.approx(1 / 3)}
-    assert "void_turn_share" not in tool_metrics(tool, response)
-
-
-def test_call_status_shares_and_the_records_rates():
-    assert call_status_shares({"ok": 6, "error": 3, "timeout": 1}) == {
-        "tool_ok_rate": 0.6, "tool_error_rate": 0.3, "tool_timeout_rate": 0.1, "tool_oom_rate": 0.0,
-        "tool_crash_rate": 0.0}
-    assert set(call_status_shares({}).values()) == {0.0}
-    with pytest.raises(ValueError, match="unknown tool call status"):
-        call_status_shares({"fine": 1})
-    stats = {"time_sampling": 1.5, "tool_status_counts": {"ok": 1, "oom": 1}}
-    assert status_rates(stats) == {"time_sampling": 1.5, **call_status_shares({"ok": 1, "oom": 1})}
-    assert status_rates({"time_sampling": 1.5}) == {"time_sampling": 1.5}
+    assert out == {"tools/token_share": pytest.approx(4 / 11), "tools/rows_share": pytest.approx(2 / 3),
+                   "tools/void_turn_share": pytest.approx(1 / 3)}
+    assert "tools/void_turn_share" not in tool_metrics(tool, response)
 
 
 def test_turn_records_show_each_turn_with_its_tool_output():
