@@ -490,7 +490,7 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
         rows = [tokens[i, : lengths[i]].tolist() if truncated[i] else [] for i in range(len(lengths))]
         texts = run.policy.decode_rows(rows)
         record.update(truncated_kinds(rows, texts, truncated))
-    if rollout.tool_mask is not None:  # a run with tools: calls, tool tokens, void turns (with the filter)
+    if rollout.tool_mask is not None:  # a run with tools: tool tokens, rows with calls, void turns (with the filter)
         record.update(tool_metrics(hosts.fetch(rollout.tool_mask), hosts.fetch(rollout.response_mask),
                                    void=void_turn_flags(run, rollout)))
     if run.ref_params is None:
