@@ -217,7 +217,7 @@ def cmd_demo(args) -> int:
     from jaxrl4llm.train.demo import run_demo
 
     summary = run_demo(out_dir=args.out_dir, overrides=args.overrides, quick=args.quick,
-                       rebuild_warmstart=args.rebuild_warmstart, sft_steps=args.sft_steps)
+                       rebuild_warmstart=args.rebuild_warmstart, sft_steps=args.sft_steps, task=args.task)
     run_dir = Path(summary["out_dir"])
     print(f"curves: {plot_runs([run_dir], run_dir / 'curves.png')}")
     return 0
@@ -383,6 +383,9 @@ def _demo_parser(sub) -> None:
                        description="Builds the demo task and tokenizer, warm-starts a small model by SFT, runs Lite PPO, "
                        "and prints held-out accuracy before -> after and the curves PNG.")
     p.add_argument("--out-dir", default="runs/demo", help="where data, checkpoints and curves go")
+    p.add_argument("--task", choices=("arithmetic", "tools"), default="arithmetic",
+                   help="arithmetic (the default) or tools: products of 3-digit numbers that the policy solves by "
+                   "writing Python (configs/examples/tool_demo.yaml; use a separate --out-dir)")
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test; does not reach the target)")
     p.add_argument("--rebuild-warmstart", action="store_true",
                    help="build the SFT warm start (OUT/warmstart) again even if one from the same recipe exists")

@@ -25,7 +25,7 @@ KL:           kl_penalty (k1, k2/mse, k3/low_var_kl, abs)
 Distillation: on-policy distillation from a teacher's log-probs at the sampled tokens:
               teacher_log_ratio, distill_advantages (advantage mode), distill_loss (loss mode,
               DISTILL_LOSS_KINDS and the KL direction each follows), teacher_kl_metrics
-Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask
+Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask, void_turn_filter_mask
 Routing:      a mixture of experts' routes compared (router replay's metrics): route_disagreement,
               expert_load, load_imbalance
 Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL, PRESETS,
@@ -54,6 +54,7 @@ from jaxrl4llm.core.entropy_control import top_k_mask
 from jaxrl4llm.core.filters import dynamic_sampling_mask
 from jaxrl4llm.core.filters import overlong_filter_mask
 from jaxrl4llm.core.filters import overlong_soft_penalty
+from jaxrl4llm.core.filters import void_turn_filter_mask
 from jaxrl4llm.core.kl import KL_KINDS
 from jaxrl4llm.core.kl import kl_penalty
 from jaxrl4llm.core.logprobs import entropy_from_logits
@@ -113,7 +114,7 @@ __all__ = [
     "aggregate_loss", "apply_surrogate", "batch_whiten", "broadcast_advantages", "cispo_loss", "cispo_surrogate",
     "clipped_surrogate", "ppo_clip_loss", "register_surrogate", "registered_surrogate", "sapo_loss",
     "surrogate_names", "surrogate_stats", "compute_advantages", "dynamic_sampling_mask", "entropy_from_logits",
-    "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty",
+    "kl_penalty", "normalize_advantages", "overlong_filter_mask", "overlong_soft_penalty", "void_turn_filter_mask",
     "policy_loss", "policy_loss_from_rewards", "prompt_weights", "rloo_advantages", "sapo_gate", "scale_rewards", "sapo_surrogate", "token_logprobs",
     "token_logprobs_chunked", "token_logprobs_from_head", "token_logprobs_from_hidden", "truncated_is_weights",
     "expert_load", "load_imbalance", "route_disagreement",

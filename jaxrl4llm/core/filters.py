@@ -1,5 +1,5 @@
 """Row filters and reward shaping on response level: overlong filtering, DAPO's soft overlong
-penalty, and DAPO's dynamic-sampling group mask.
+penalty, DAPO's dynamic-sampling group mask, and SimpleTIR's void-turn filter.
 
 Overlong filtering removes truncated rows from the *loss* only; advantage statistics still see
 them (Tricks or Traps, arXiv 2508.08221, Sec. 4.4).
@@ -24,6 +24,23 @@ def overlong_filter_mask(truncated: chex.Array) -> chex.Array:
     """
     chex.assert_rank(truncated, 1)
     return 1.0 - truncated.astype(jnp.float32)
+
+
+def void_turn_filter_mask(void: chex.Array) -> chex.Array:
+    """keep = 1 - void: 0 for tool-integrated responses whose last turn wrote neither code nor an
+    answer (a "void turn"), 1 otherwise (SimpleTIR, arXiv 2509.02479, `--mask_void_turns`: such
+    trajectories are dropped from the update; with overlong filtering's rule, from the loss only,
+    the advantage statistics still see them). The flags come from the text on the host
+    (`tools.protocol.is_void_turn`).
+
+    Args:
+      void: [B] bool or 0/1.
+
+    Returns:
+      [B] float32 loss-row mask factor.
+    """
+    chex.assert_rank(void, 1)
+    return 1.0 - void.astype(jnp.float32)
 
 
 def overlong_soft_penalty(

@@ -25,7 +25,7 @@ from jaxrl4llm.core.aggregation import (
     AGGREGATION_MODES, NORM_MODES, PROMPT_MODES, LossTerms, aggregate_loss, prompt_weights,
 )
 from jaxrl4llm.core.entropy_control import COV_CONTROLS, clip_cov_mask, kl_cov_mask, kl_cov_penalty
-from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
+from jaxrl4llm.core.filters import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty, void_turn_filter_mask
 from jaxrl4llm.core.kl import KL_KINDS, kl_penalty
 from jaxrl4llm.core.mismatch import IS_CORRECTIONS, mismatch_correction
 from jaxrl4llm.core.surrogate import RATIO_LEVELS, SurrogateOutput
@@ -62,6 +62,9 @@ class Recipe:
       kl_coef, kl_kind, kl_clamp: KL(pi || pi_ref) loss term (0 = off, no reference model).
       entropy_coef: entropy bonus (0 = off).
       overlong_filter: drop truncated responses from the loss (not from advantage stats).
+      void_turn_filter: drop tool-integrated responses whose last turn wrote neither code nor an
+        answer from the loss (SimpleTIR's void turns; not from advantage stats). The trainer reads
+        the flags from the text (`tools.protocol.is_void_turn`); a run needs rollout.tools.
       overlong_max_length, overlong_buffer_length, overlong_penalty: DAPO soft overlong
         punishment added to rewards (penalty 0 = off).
       dynamic_sampling: keep only groups whose rewards differ (DAPO). The trainer also
@@ -111,6 +114,7 @@ class Recipe:
     kl_clamp: float | None = None
     entropy_coef: float = 0.0
     overlong_filter: bool = False
+    void_turn_filter: bool = False
     overlong_max_length: int | None = None
     overlong_buffer_length: int | None = None
     overlong_penalty: float = 0.0
@@ -252,8 +256,10 @@ def compute_advantages(
     *,
     truncated: chex.Array | None = None,
     lengths: chex.Array | None = None,
+    void: chex.Array | None = None,
 ) -> AdvantageBatch:
-    """r' = r + overlong_penalty(L); A = estimator(r'); row mask = overlong_filter x dynamic_sampling.
+    """r' = r + overlong_penalty(L); A = estimator(r'); row mask = overlong_filter x void_turn_filter x
+    dynamic_sampling.
 
     Advantage statistics use every row, including rows the overlong filter then removes from
     the loss (Tricks or Traps, Sec. 4.4).
@@ -263,6 +269,8 @@ def compute_advantages(
       group_size: G (static).
       recipe: the Recipe (static).
       truncated: [B] bool, needed when recipe.overlong_filter.
+      void: [B] bool, rows whose last turn is void (`tools.protocol.is_void_turn`), needed when
+        recipe.void_turn_filter.
       lengths: [B] response lengths (the loss mask's row sums), needed when
         recipe.overlong_penalty > 0 or recipe.loss_agg_mode is "prompt-mean-token-mean".
 
@@ -296,6 +304,10 @@ def compute_advantages(
         if truncated is None:
             raise ValueError(f"recipe {recipe.name!r} filters overlong responses: pass truncated=[B] flags.")
         rows = rows * overlong_filter_mask(truncated)
+    if recipe.void_turn_filter:
+        if void is None:
+            raise ValueError(f"recipe {recipe.name!r} filters void turns: pass void=[B] flags.")
+        rows = rows * void_turn_filter_mask(void)
     if recipe.dynamic_sampling:
         # DAPO filters on correctness (Eq. 11): the raw rewards, before any length shaping.
         rows = rows * dynamic_sampling_mask(rewards, group_size)

@@ -71,6 +71,19 @@ def matching_brace(text: str, open_index: int) -> int | None:
 _BARE_TOKEN_RE = re.compile(r"[^\s$]+")
 
 
+BOX_OPEN = "\\boxed{"
+
+
+def has_complete_box(text: str) -> bool:
+    """True when `text` holds a `\\boxed{...}` whose brace closes: an answer is written."""
+    start = text.find(BOX_OPEN)
+    while start >= 0:
+        if matching_brace(text, start + len(BOX_OPEN) - 1) is not None:
+            return True
+        start = text.find(BOX_OPEN, start + 1)
+    return False
+
+
 def _boxes(text: str) -> list[tuple[int, int, str]]:
     """The outermost boxed answers as (start, end, content), in order of appearance.
 

@@ -24,6 +24,8 @@ from jaxrl4llm.sampling.generate import generate_with_tools
 from jaxrl4llm.sampling.rollout import Rollout
 from jaxrl4llm.sampling.rollout import decode_responses
 from jaxrl4llm.sampling.rollout import group_rows
+from jaxrl4llm.sampling.rollout import model_token_lists
+from jaxrl4llm.sampling.rollout import model_tokens
 from jaxrl4llm.sampling.rollout import prompt_token_lists
 from jaxrl4llm.sampling.rollout import response_token_lists
 from jaxrl4llm.sampling.tool_rollout import ToolStats

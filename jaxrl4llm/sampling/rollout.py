@@ -37,8 +37,12 @@ class Rollout(NamedTuple):
     prompt_routes [num_prompts, P, L, k] (with routes): the expert ids of each prompt's tokens,
         left-padded as prompt_tokens (0 on padding); row n's prompt is prompt_routes[n // G]
         (a prompt is prefilled once for its G rows).
-    tool_mask [N, R] float32 (a rollout with tools; else None): 1 on response tokens a tool
-        inserted (forced observation tokens: context, no loss), 0 on the model's tokens and padding.
+    tool_mask [N, R] float32 (a rollout with tools, `rollout.tools`; else None): 1 on response
+        tokens the tool inserted (forced observation tokens), 0 on the model's own tokens and on
+        padding. Tool tokens are in response_mask and lengths (they take positions and count
+        against the response budget); the trainer's loss mask leaves them out
+        (`train.batching.rollout_to_batch`) and the reward reads the model's tokens only
+        (`model_token_lists`).
     """
 
     prompt_tokens: jax.Array
@@ -63,6 +67,23 @@ def response_token_lists(rollout: Rollout) -> list[list[int]]:
     tokens = np.asarray(rollout.response_tokens)
     lengths = np.asarray(rollout.lengths)
     return [tokens[n, : lengths[n]].tolist() for n in range(tokens.shape[0])]
+
+
+def model_tokens(tokens, length: int, tool_mask=None) -> list[int]:
+    """The ids a row's model sampled: tokens[:length] ([R] int) without the tool's forced tokens
+    (tool_mask [R] 1; None: a rollout without tools, every token is the model's). What the reward
+    decodes: a ``\\boxed{}`` that the code printed earns nothing (`tools.protocol.model_text`)."""
+    tokens = np.asarray(tokens)[: int(length)]
+    if tool_mask is None:
+        return tokens.tolist()
+    return tokens[~(np.asarray(tool_mask)[: int(length)] > 0)].tolist()
+
+
+def model_token_lists(rollout: Rollout) -> list[list[int]]:
+    """`model_tokens` of every row, on the host (`response_token_lists` for a rollout without tools)."""
+    tokens, lengths = np.asarray(rollout.response_tokens), np.asarray(rollout.lengths)
+    tool = None if rollout.tool_mask is None else np.asarray(rollout.tool_mask)
+    return [model_tokens(tokens[n], lengths[n], None if tool is None else tool[n]) for n in range(tokens.shape[0])]
 
 
 def prompt_token_lists(rollout: Rollout) -> list[list[int]]:

@@ -154,8 +154,8 @@ def response_text(token_ids: Sequence[int], decode: Callable[[list[int]], str], 
 
 @jax.jit
 def cut_rows(rollout: Rollout, lengths: jax.Array, stopped: jax.Array, pad_id) -> Rollout:
-    """Rows n with stopped[n] end after lengths[n] tokens: mask 0, pad and log-probs 0 after that,
-    lengths[n], not truncated. lengths, stopped [N] (lengths[n] <= the row's length where stopped)."""
+    """Rows n with stopped[n] end after lengths[n] tokens: masks (tool_mask too) 0, pad and log-probs
+    0 after that, lengths[n], not truncated. lengths, stopped [N] (lengths[n] <= the row's length where stopped)."""
     length = jnp.where(stopped, lengths, rollout.lengths).astype(rollout.lengths.dtype)
     keep = jnp.arange(rollout.response_tokens.shape[1])[None, :] < length[:, None]  # [N, R]
     return rollout._replace(
@@ -165,6 +165,7 @@ def cut_rows(rollout: Rollout, lengths: jax.Array, stopped: jax.Array, pad_id) -
         logprobs_untruncated=jnp.where(keep, rollout.logprobs_untruncated, 0.0),
         lengths=length,
         truncated=rollout.truncated & ~stopped,
+        tool_mask=None if rollout.tool_mask is None else rollout.tool_mask * keep,
     )
 
 

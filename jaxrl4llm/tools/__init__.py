@@ -4,13 +4,14 @@ blocks it writes in confined, pre-warmed worker processes and returns the tool's
 ``protocol.py`` is the text around a call: the formats a policy calls the tool in (``tool_format``:
 fence, qwen3_chat, llama3_chat), the code a turn calls it with (``parse_call``), the observation fed
 back (``observation_text``, ``observation_tokens``), the model's own text for the reward
-(``model_text``) and a rollout's tool settings (``ToolsSpec``)."""
+(``model_text``), SimpleTIR's void turns (``is_void_turn``) and a rollout's tool settings (``ToolsSpec``)."""
 
 from jaxrl4llm.tools.protocol import TOOL_FORMATS
 from jaxrl4llm.tools.protocol import NoCall
 from jaxrl4llm.tools.protocol import ToolCall
 from jaxrl4llm.tools.protocol import ToolFormat
 from jaxrl4llm.tools.protocol import ToolsSpec
+from jaxrl4llm.tools.protocol import is_void_turn
 from jaxrl4llm.tools.protocol import model_text
 from jaxrl4llm.tools.protocol import observation_text
 from jaxrl4llm.tools.protocol import observation_tokens

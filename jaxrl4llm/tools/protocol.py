@@ -63,6 +63,7 @@ import json
 import math
 from typing import Sequence
 
+from jaxrl4llm.rewards.extraction import has_complete_box
 from jaxrl4llm.tools.python_executor import STATUSES
 from jaxrl4llm.tools.python_executor import ToolResult
 from jaxrl4llm.tools.python_executor import truncate_middle
@@ -174,6 +175,17 @@ def parse_call(fmt: ToolFormat, turn_text: str) -> ToolCall | NoCall:
     if isinstance(found, NoCall) or found.code.strip():
         return found
     return _error(fmt, NO_CODE, "no_code")
+
+
+def is_void_turn(fmt: ToolFormat, turn_text: str) -> bool:
+    """SimpleTIR's void turn (arXiv 2509.02479, `--mask_void_turns`): a turn that wrote neither a
+    complete call (`parse_call` finds code to run) nor a complete ``\\boxed{...}`` answer
+    (`rewards.extraction.has_complete_box`). turn_text: the model's text of a row's last turn (after its
+    last observation; the whole response without one), decoded with special tokens kept as for
+    `parse_call`. A row whose last turn is void ends having done nothing: the filter drops it
+    (`core.void_turn_filter_mask`); SimpleTIR traces such turns to the unstable, low-probability
+    text a model writes after a tool's output."""
+    return not isinstance(parse_call(fmt, turn_text), ToolCall) and not has_complete_box(turn_text)
 
 
 def _error(fmt: ToolFormat, line: str, reason: str) -> NoCall:

@@ -4,12 +4,19 @@
     mask      = concat(prompt_mask, response_mask)
     positions = max(cumsum(mask) - 1, 0)        (the positions the sampler used)
     inputs = tokens[:, :-1], targets = tokens[:, 1:]                   [N, L = P + R - 1]
-    loss_mask[:, P - 1 + j] = response_mask[:, j]
+    loss_mask[:, P - 1 + j] = response_mask[:, j] * (1 - tool_mask[:, j])   (tool_mask 0 without tools)
     routes    = concat(prompt_routes[n // G], routes[n])[:-1]   (a rollout with recorded routes)
 
 On several processes every array here is a global array spread over all hosts: each stage is
 one jitted program (`merge_groups`, `batch_program`), never a run of eager ops, so every process
 launches the same collectives in the same order.
+
+Tool-integrated rollouts (`Rollout.tool_mask`): the tool's forced tokens are context, not actions.
+They stay in `mask` (attention and positions: the sampler fed them at those positions) and leave
+the loss mask, so their gradient is exactly 0 and every figure that counts the loss mask's tokens
+(the aggregation's token counts, entropy, KL, `sampler_trainer_logp_gap`, the old / reference
+log-prob passes, packing's per-sequence view) counts the model's own tokens only (ToRL's
+`response_mask & tool_output_masks`, TRL's `completion_mask * tool_mask`).
 """
 
 from __future__ import annotations
@@ -41,10 +48,17 @@ def rollout_routes(rollout: Rollout):
     return jnp.concatenate([prompt, rollout.routes.astype(prompt.dtype)], axis=1)[:, :-1]
 
 
+def loss_tokens(rollout: Rollout):
+    """[N, R] float32: 1 on the response tokens the loss counts, response_mask * (1 - tool_mask): the
+    model's own tokens (a rollout without tools: response_mask)."""
+    mask = rollout.response_mask.astype(jnp.float32)
+    return mask if rollout.tool_mask is None else mask * (1.0 - rollout.tool_mask.astype(jnp.float32))
+
+
 def rollout_to_batch(rollout: Rollout, adv: AdvantageBatch, *, sampler_logp=None) -> TrainBatch:
     """Builds the TrainBatch of a rollout; old_logp/ref_logp start as the sampler's untruncated
     log-probs (replace them with recomputed ones via `TrainBatch._replace`); routes: the rollout's
-    (`rollout_routes`), None when it has none.
+    (`rollout_routes`), None when it has none; loss_mask: the model's own tokens (`loss_tokens`).
 
     Args:
       rollout: the sampler's Rollout (N rows).
@@ -64,7 +78,7 @@ def rollout_to_batch(rollout: Rollout, adv: AdvantageBatch, *, sampler_logp=None
         targets=tokens[:, 1:],
         positions=positions[:, :-1],
         attention_mask=mask[:, :-1].astype(jnp.int32),
-        loss_mask=_shift_response(rollout.response_mask.astype(jnp.float32), p),
+        loss_mask=_shift_response(loss_tokens(rollout), p),
         old_logp=untruncated,
         ref_logp=untruncated,
         sampler_logp=slogp,
@@ -114,17 +128,22 @@ def merge_groups(picks: list[tuple[Rollout, int]], group_size: int, pad_id: int)
 
 
 def batch_program(advantages_fn, shardings: TrainBatch, sampled_logp: bool):
-    """jit of (rollout, rewards [N]) -> (TrainBatch on `shardings`, AdvantageBatch): advantages
+    """jit of (rollout, rewards [N], void) -> (TrainBatch on `shardings`, AdvantageBatch): advantages
     and the teacher-forcing layout in one program, its output placed on the training mesh.
 
+    The program takes (rollout, rewards [N], void [N] bool or None): void, the rows the void-turn
+    filter drops (`train.tool_turns.void_rows`), None without the filter (the program of a run
+    without it).
+
     Args:
-      advantages_fn: (rewards [N], truncated [N], lengths [N]) -> AdvantageBatch (traced inside).
+      advantages_fn: (rewards [N], truncated [N], lengths [N], void [N] or None) -> AdvantageBatch
+        (traced inside).
       shardings: TrainBatch of the training mesh's shardings (`step.batch_shardings`).
       sampled_logp: the corrections compare with rollout.logprobs (Recipe.sampler_logp_kind
         "sampled") instead of rollout.logprobs_untruncated.
     """
-    def build(rollout: Rollout, rewards):
-        adv = advantages_fn(rewards, rollout.truncated, rollout.lengths)
+    def build(rollout: Rollout, rewards, void=None):
+        adv = advantages_fn(rewards, rollout.truncated, rollout.lengths, void)
         batch = rollout_to_batch(rollout, adv, sampler_logp=rollout.logprobs if sampled_logp else None)
         return batch, adv
 

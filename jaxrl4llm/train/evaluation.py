@@ -16,6 +16,7 @@ import numpy as np
 from jaxrl4llm.rewards import extract_answer
 from jaxrl4llm.rewards.normalization import compact, normalize_answer
 from jaxrl4llm.rewards.numbers import parse_number
+from jaxrl4llm.sampling.rollout import model_tokens
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.config import RunConfig
 from jaxrl4llm.train.eval_metrics import sample_metrics
@@ -39,6 +40,17 @@ def vote_key(extracted: str | None) -> Hashable | None:
     if number is not None:
         return number
     return compact(normalized) or None
+
+
+def _sample(policy, prompts, cfg: RunConfig, sampling, rng, slots):
+    """The held-out rollout: `policy.generate`, or with rollout.tools on `policy.sample` (rows call
+    their tools as in training: a run that learned to compute with the tool is evaluated with it)."""
+    common = dict(num_samples=sampling.samples, max_new_tokens=cfg.rollout.max_new_tokens, top_p=sampling.top_p,
+                  top_k=sampling.top_k, rng=rng)
+    if getattr(policy, "tools", None) is not None:
+        rollout, _ = policy.sample(prompts, temperature=0.0 if sampling.greedy else sampling.temperature, **common)
+        return rollout
+    return policy.generate(prompts, temperature=sampling.temperature, greedy=sampling.greedy, slots=slots, **common)
 
 
 def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | None = None) -> dict:
@@ -71,12 +83,8 @@ def evaluate(policy, eval_sets, cfg: RunConfig, reward_fn, rng, records: list | 
             prompts = [ps.token_ids[i] for i in ids]
             # Pad the last chunk with repeats so every call has the same shape (one compile).
             prompts += [prompts[-1]] * (chunk - len(prompts))
-            rollout = policy.generate(
-                prompts, num_samples=k, max_new_tokens=cfg.rollout.max_new_tokens,
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                rng=jax.random.fold_in(rng, s_idx * 100003 + start), greedy=sampling.greedy,
-                slots=cfg.rollout.prompts_per_step * k if continuous else None,
-            )
+            rollout = _sample(policy, prompts, cfg, sampling, jax.random.fold_in(rng, s_idx * 100003 + start),
+                              slots=cfg.rollout.prompts_per_step * k if continuous else None)
             golds = [ps.answers[i] for i in ids for _ in range(k)]
             golds += [golds[-1]] * (rollout.num_rows - len(golds))  # the repeats' rows, scored and dropped
             rows = [i for i in ids for _ in range(k)]
@@ -135,10 +143,12 @@ def _cell(value, metric: str) -> str:
 
 
 def _texts(policy, rollout, rows: int) -> list[str]:
-    """The response texts of a chunk's first `rows` rows (the padding repeats left out), on every process."""
+    """The response texts of a chunk's first `rows` rows (the padding repeats left out; with tools the
+    model's own tokens, `model_tokens`, as the training reward reads them), on every process."""
     tokens = hosts.fetch(rollout.response_tokens)[:rows]
     lengths = hosts.fetch(rollout.lengths)[:rows]
-    return policy.decode_rows([t[:n].tolist() for t, n in zip(tokens, lengths)])
+    tool = [None] * rows if rollout.tool_mask is None else hosts.fetch(rollout.tool_mask)[:rows]
+    return policy.decode_rows([model_tokens(t, n, m) for t, n, m in zip(tokens, lengths, tool)])
 
 
 def _record(records: list, texts: list[str], extracted: list, ps, ids: list[int], k: int, rewards: np.ndarray) -> None:

@@ -53,6 +53,7 @@ from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.samples import sample_rows
 from jaxrl4llm.train.scoring import RowScores, score_rows_with_components
 from jaxrl4llm.train.packing import pack_plan
+from jaxrl4llm.train.tool_turns import check_void_turn_filter, rollout_turns, run_tool_format, tool_metrics, void_rows
 from jaxrl4llm.train.step import (
     TrainBatch,
     UpdateSettings,
@@ -278,7 +279,7 @@ class Run:
     reward_fn: Callable
     update: Callable  # (state, batch) -> (state, metrics, clipped)
     logprob_pass: Callable  # (state, batch) -> (logp, entropy)
-    make_batch: Callable  # (rollout, rewards) -> (TrainBatch on the training mesh, Advantages)
+    make_batch: Callable  # (rollout, rewards, void) -> (TrainBatch on the training mesh, Advantages)
     ref_params: Any  # the reference policy's params (KL / reference log-probs), or None
     base_key: jax.Array
     batch_shardings: Any  # TrainBatch of NamedShardings on the training mesh
@@ -377,8 +378,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         # under the mesh context the model constrains its activations (rows over data x fsdp)
         update=_in_mesh(programs.update, mesh), logprob_pass=_in_mesh(programs.logprob_pass, mesh),
         routing_pass=None if programs.routing_pass is None else _in_mesh(programs.routing_pass, mesh),
-        make_batch=batch_program(lambda r, t, l: compute_advantages(
-            scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l),
+        make_batch=batch_program(lambda r, t, l, v: compute_advantages(
+            scale_rewards(r, cfg.reward.scale, cfg.reward.offset), G, recipe, truncated=t, lengths=l, void=v),
             programs.batch_shardings, sampled_logp=recipe.sampler_logp_kind == "sampled"),
         ref_params=jax.tree.map(jnp.copy, policy.params) if need_ref else None,  # LoRA: the adapters at init
         base_key=jax.random.PRNGKey(cfg.trainer.seed),
@@ -411,7 +412,8 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
     UpdateSettings.old_logp_from_update) and the reference's when needed; and router replay's
     metrics of the current policy on the batch (`routing_metrics`: {} on other steps and runs)."""
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch lands on the trainer's
-    batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32))
+    void = void_turn_flags(run, rollout)
+    batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32), None if void is None else jnp.asarray(void))
     padded = batch  # router replay's metrics read the padded rows (the routing pass scores whole rows)
     if run.pack is not None:
         batch = pack_step(run, rollout, batch)
@@ -422,6 +424,16 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
         ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch._replace(routes=None))
         batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
     return batch, adv, routing_metrics(run, state, padded, step)
+
+
+def void_turn_flags(run: Run, rollout) -> np.ndarray | None:
+    """[N] bool, the rows whose last turn is void (`tool_turns.void_rows`), when the recipe filters
+    them (`algorithm.overrides.void_turn_filter`); None otherwise. Every process decodes all rows."""
+    if not run.recipe.void_turn_filter:
+        return None
+    turns = rollout_turns(rollout._replace(**{k: hosts.fetch(getattr(rollout, k))
+                                              for k in ("response_tokens", "lengths", "tool_mask")}))
+    return void_rows(turns, run.policy.decode_ids, run_tool_format(run.cfg))
 
 
 def routing_metrics(run: Run, state, batch, step: int) -> dict:
@@ -481,6 +493,9 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
         rows = [tokens[i, : lengths[i]].tolist() if truncated[i] else [] for i in range(len(lengths))]
         texts = run.policy.decode_rows(rows)
         record.update(truncated_kinds(rows, texts, truncated))
+    if rollout.tool_mask is not None:  # a run with tools: tool tokens, rows with calls, void turns (with the filter)
+        record.update(tool_metrics(hosts.fetch(rollout.tool_mask), hosts.fetch(rollout.response_mask),
+                                   void=void_turn_flags(run, rollout)))
     if run.ref_params is None:
         record.pop("kl", None)
     every = run.cfg.trainer.clipped_tokens_every
@@ -600,6 +615,7 @@ def _train(cfg: RunConfig, resume: bool | str, allow_config_change: bool, log: C
         return done
     check_partial(cfg.rollout.partial, cfg.trainer.max_staleness, cfg.rollout.engine, cfg.recipe().dynamic_sampling)
     check_tools(cfg.rollout.tools.enabled, cfg.rollout.engine, cfg.rollout.partial)
+    check_void_turn_filter(cfg, cfg.recipe())
     check_loggers(cfg.trainer.loggers)  # a missing package: an error before anything is written or loaded
     enable_compile_cache(cfg.trainer.compile_cache)  # a resume loads its programs instead of compiling them
     unattended = resume == "auto"  # a relaunch: an unreadable latest checkpoint falls back to the one before

@@ -26,10 +26,9 @@ from typing import Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from jaxrl4llm.rewards.extraction import matching_brace
+from jaxrl4llm.rewards.extraction import has_complete_box
 from jaxrl4llm.train.config import ConfigError, RunConfig, config_to_dict
 
-BOX_OPEN = "\\boxed{"
 
 LENGTHS_FILE = "response_lengths.jsonl"  # per-row lengths of every step; `jaxrl4llm plan --response-lengths RUN`
 
@@ -65,16 +64,6 @@ def truncated_repeat_ratio(responses: Iterable[Sequence[int]], truncated: Sequen
     was truncated."""
     flags = [is_loop(r, n, threshold) for r, t in zip(responses, truncated) if t]
     return float(np.mean(flags)) if flags else 0.0
-
-
-def has_complete_box(text: str) -> bool:
-    """True when `text` holds a `\\boxed{...}` whose brace closes: an answer is written."""
-    start = text.find(BOX_OPEN)
-    while start >= 0:
-        if matching_brace(text, start + len(BOX_OPEN) - 1) is not None:
-            return True
-        start = text.find(BOX_OPEN, start + 1)
-    return False
 
 
 def truncated_kinds(responses: Sequence[Sequence[int]], texts: Sequence[str], truncated: Sequence[bool], *,

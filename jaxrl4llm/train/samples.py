@@ -14,7 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl4llm.rewards import extract_answer
+from jaxrl4llm.sampling.rollout import model_tokens
 from jaxrl4llm.train import hosts
+from jaxrl4llm.train.tool_turns import row_turns, turn_records
 
 
 def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int,
@@ -38,7 +40,7 @@ def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int,
     "shaped_reward" (after reward.scale / offset and the overlong penalty: what the advantage
     is computed from), "advantage", "extracted" (the math verifier's final answer, None when it
     finds none), "truncated", "response_length", "policy_version"}], plus "components" {name: value}
-    with a `reward.fns` list.
+    with a `reward.fns` list, and with tools (`Rollout.tool_mask`) "turns" and "tool_calls" (`with_turns`).
     """
     n = min(n, rollout.num_rows)
     if n <= 0:
@@ -57,4 +59,18 @@ def sample_rows(policy, rollout, rewards: np.ndarray, adv, versions, n: int,
     for i, row in enumerate(rows):
         if components:
             row["components"] = {name: float(values[i]) for name, values in components.items()}
+    if rollout.tool_mask is not None:
+        with_turns(rows, policy, tokens, lengths, first(rollout.tool_mask))
     return rows
+
+
+def with_turns(rows: list[dict], policy, tokens: np.ndarray, lengths: np.ndarray, tool_mask: np.ndarray) -> None:
+    """Adds a tool-integrated row's turns to its logged dict: "turns" [{"model": text, "tool": the
+    observation fed back after it}] (`tool_turns.turn_records`, special tokens kept), "tool_calls"
+    (observations fed back), and "extracted" from the model's own text (`sampling.model_tokens`: what
+    the reward reads)."""
+    texts = policy.decode_rows([model_tokens(tokens[i], lengths[i], tool_mask[i]) for i in range(len(rows))])
+    for i, row in enumerate(rows):
+        turns = row_turns(tokens[i], lengths[i], tool_mask[i])
+        row.update(turns=turn_records(turns, policy.decode_ids), tool_calls=sum(1 for t in turns if t.tool),
+                   extracted=extract_answer(texts[i]))

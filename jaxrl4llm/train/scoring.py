@@ -11,6 +11,10 @@ own rewards, gathered the same way:
 
     scored = score_rows_with_components(policy, rollout, golds, reward_fn, problems, metadata)
     scored.rewards [N], scored.components {name: [N]}   ({} for a single reward.fn)
+
+With tools (`Rollout.tool_mask`) the reward reads the model's own tokens only (`sampling.model_tokens`:
+the tool's output spans removed), so a ``\\boxed{}`` that the code printed earns nothing unless the
+model writes the answer itself.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxrl4llm.sampling.rollout import model_tokens
 from jaxrl4llm.train import hosts
 from jaxrl4llm.train.reward_fn import CountedReward
 
@@ -39,7 +44,7 @@ def score_rows(policy, rollout, golds: list[str], reward_fn, problems: list[str]
 def score_rows_with_components(policy, rollout, golds: list[str], reward_fn, problems: list[str] | None = None,
                metadata: list[dict] | None = None, counted: int | None = None) -> RowScores:
     """Rewards [N] of a rollout's rows (and a weighted list's components {name: [N]}, else {}), the
-    same on every process: each process decodes
+    same on every process: each process decodes (the model's tokens: `model_tokens`)
     and scores only the rows its chips hold (`hosts.local_rows`), then they are gathered.
 
     golds, problems, metadata: one per row [N]. A plain reward_fn(responses, golds) -> floats
@@ -47,7 +52,8 @@ def score_rows_with_components(policy, rollout, golds: list[str], reward_fn, pro
     in the first `counted` rows (default all; evaluation's padding repeats are not counted)."""
     rows, tokens = hosts.local_rows(rollout.response_tokens)
     _, lengths = hosts.local_rows(rollout.lengths)
-    texts = policy.decode_rows([t[:n].tolist() for t, n in zip(tokens, lengths)])
+    tool = [None] * len(rows) if rollout.tool_mask is None else hosts.local_rows(rollout.tool_mask)[1]
+    texts = policy.decode_rows([model_tokens(t, n, m) for t, n, m in zip(tokens, lengths, tool)])
     local_golds = [golds[i] for i in rows]
     if not isinstance(reward_fn, CountedReward):
         local = np.asarray(reward_fn(texts, local_golds), np.float32)

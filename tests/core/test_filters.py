@@ -1,13 +1,14 @@
-"""Tests of DAPO's filters: overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask."""
+"""Tests of the row filters: overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask (DAPO), void_turn_filter_mask (SimpleTIR)."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl4llm.core import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty
+from jaxrl4llm.core import dynamic_sampling_mask, overlong_filter_mask, overlong_soft_penalty, void_turn_filter_mask
 from tests.core import reference as ref
 from tests.core._helpers import B, FAST, G, rewards, rng, seeds
 
@@ -86,3 +87,27 @@ def test_filters_under_jit_and_vmap():
         out = jax.jit(jax.vmap(fn))(x)
         for i in range(3):
             np.testing.assert_allclose(np.asarray(out[i]), np.asarray(fn(x[i])), atol=1e-7)
+
+
+@FAST
+@given(st.lists(st.booleans(), min_size=1, max_size=16))
+def test_void_turn_filter_keeps_exactly_the_rows_that_are_not_void(flags):
+    out = np.asarray(void_turn_filter_mask(jnp.array(flags)))
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, 1.0 - np.array(flags, np.float32))
+
+
+def test_void_turn_filter_drops_rows_from_the_loss_not_from_the_advantage_statistics():
+    import dataclasses
+
+    from jaxrl4llm.core import LITE_PPO, compute_advantages
+
+    rewards = jnp.array([1.0, 0.0, 0.0, 1.0])
+    void = jnp.array([False, True, False, False])
+    recipe = dataclasses.replace(LITE_PPO, void_turn_filter=True)
+    filtered = compute_advantages(rewards, 2, recipe, void=void)
+    plain = compute_advantages(rewards, 2, LITE_PPO)
+    np.testing.assert_array_equal(np.asarray(filtered.row_weights), [1.0, 0.0, 1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(filtered.advantages), np.asarray(plain.advantages))
+    with pytest.raises(ValueError, match="void=\\[B\\]"):
+        compute_advantages(rewards, 2, recipe)

@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from jaxrl4llm.sampling.stops import stop_token_sequences, trigger_token_sequences
-from jaxrl4llm.tools import (NoCall, ToolCall, ToolResult, ToolsSpec, model_text, observation_text,
+from jaxrl4llm.tools import (NoCall, ToolCall, ToolResult, ToolsSpec, is_void_turn, model_text, observation_text,
                              observation_tokens, parse_call, tool_format, trigger_strings, truncate_middle)
 from jaxrl4llm.tools.protocol import (CRASH_LINE, FENCE, LLAMA3_CHAT, MEMORY_LINE, NO_CODE, QWEN3_CHAT, TIMEOUT_LINE,
                                       UNCLOSED_BLOCK)
@@ -325,3 +325,24 @@ def test_tools_spec_defaults_and_validation():
     for bad in (0, -1.0, math.inf, math.nan, "5", None):
         with pytest.raises(ValueError, match=r"ToolsSpec\.timeout must be a number of seconds > 0"):
             ToolsSpec(timeout=bad)
+
+
+@pytest.mark.parametrize("text, void", [
+    ("Let me compute.\n```python\nprint(3 * 4)\n```\n```output", False),  # a call
+    ("```python\nprint(3 * 4)\n```\n", False),  # a complete block, the trigger not yet written
+    ("The product is 12, so \\boxed{12}.", False),  # an answer
+    ("I think the answer is 12.", True),  # neither: SimpleTIR's void turn
+    ("```python\nprint(3 * 4", True),  # code never closed
+    ("so \\boxed{12", True),  # a box never closed
+    ("", True),
+])
+def test_a_void_turn_wrote_neither_a_complete_call_nor_a_boxed_answer(text, void):
+    assert is_void_turn(FENCE, text) is void
+
+
+def test_void_turns_of_the_chat_formats_read_their_calls():
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    assert not is_void_turn(QWEN3_CHAT, call)
+    assert is_void_turn(QWEN3_CHAT, '<tool_call>\n{"name": "python"')  # cut inside the call
+    assert not is_void_turn(LLAMA3_CHAT, "<|python_tag|>print(1)<|eom_id|>")
+    assert is_void_turn(LLAMA3_CHAT, "print(1)")  # no python tag: no call

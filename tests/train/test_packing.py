@@ -4,6 +4,7 @@ micro-batches, mini-batches and epochs. The bug class this guards: a normaliser 
 sequence count, prompt weights, a row-sum share) taken per packed row or per micro-batch."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,9 @@ def bigram():
     return logprob_fn, toy_params()
 
 
-def _rollout(seed=0):
-    """16 rows: prompts of 1..P tokens left-padded, responses of 0..R tokens (one empty, one full)."""
+def _rollout(seed=0, tools=False):
+    """16 rows: prompts of 1..P tokens left-padded, responses of 0..R tokens (one empty, one full);
+    tools: a tool span (forced tokens, `Rollout.tool_mask`) at response columns 2-3 of every row."""
     from jaxrl4llm.sampling import Rollout
 
     rng = np.random.default_rng(seed)
@@ -57,16 +59,18 @@ def _rollout(seed=0):
     lengths[0], lengths[5] = 0, R
     response_mask = (np.arange(R)[None] < lengths[:, None]).astype(np.float32)
     logp = -np.abs(rng.standard_normal((rows, R))).astype(np.float32) * response_mask
+    tool_mask = jnp.asarray((np.arange(R)[None] // 2 == 1) * response_mask) if tools else None
     return Rollout(jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
                    jnp.asarray(rng.integers(1, 97, (rows, R)), jnp.int32), jnp.asarray(response_mask),
-                   jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(lengths, jnp.int32), jnp.asarray(lengths == R))
+                   jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(lengths, jnp.int32), jnp.asarray(lengths == R),
+                   tool_mask=tool_mask)
 
 
-def _batches(recipe, *, mini_batches=1, tokens_per_micro_batch=None, seed=0):
+def _batches(recipe, *, mini_batches=1, tokens_per_micro_batch=None, seed=0, tools=False):
     """(padded TrainBatch, PackedBatch, plan, layout) of one rollout under `recipe`."""
     from jaxrl4llm.train.batching import rollout_to_batch
 
-    rollout = _rollout(seed)
+    rollout = _rollout(seed, tools)
     rewards = jnp.asarray(np.random.default_rng(seed + 7).integers(0, 2, PROMPTS * G), jnp.float32)
     adv = compute_advantages(rewards, G, recipe, truncated=rollout.truncated, lengths=rollout.lengths)
     batch = rollout_to_batch(rollout, adv)
@@ -78,11 +82,18 @@ def _batches(recipe, *, mini_batches=1, tokens_per_micro_batch=None, seed=0):
     return batch, jax.jit(pack)(batch, plan), plan, layout
 
 
+@functools.lru_cache(maxsize=None)
+def _update_fn(logprob_fn, recipe, settings, lr):
+    """The jitted update and its optimizer, one per (model, recipe, settings): tests of one shape share
+    its compiled program."""
+    opt, sched = make_optimizer(lr=lr, max_grad_norm=None)
+    return jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=opt, schedule=sched,
+                                  settings=settings, loss_seed=3)), opt
+
+
 def _update(model, recipe, settings, batch, lr=1e-3):
     logprob_fn, params = model
-    opt, sched = make_optimizer(lr=lr, max_grad_norm=None)
-    update = jax.jit(make_update_fn(logprob_fn=logprob_fn, recipe=recipe, optimizer=opt, schedule=sched,
-                                    settings=settings, loss_seed=3))
+    update, opt = _update_fn(logprob_fn, recipe, settings, lr)
     return update(init_train_state(params, opt), batch)
 
 
@@ -204,6 +215,18 @@ def test_packed_update_of_a_transformer_equals_padded(model):
     """The tiny Qwen3 (attention kept inside each segment): the default Lite PPO update, pi_old
     scored by the update itself (old_logp_from_update), several packed micro-batches."""
     batch, packed, plan, layout = _batches(LITE_PPO, tokens_per_micro_batch=24)
+    padded = _update(model, LITE_PPO, UpdateSettings(old_logp_from_update=True), batch)
+    packed_run = _update(model, LITE_PPO, UpdateSettings(old_logp_from_update=True, packing=layout), packed)
+    _assert_same_update(padded, packed_run, plan, batch.loss_mask.shape)
+
+
+def test_packed_update_with_tool_tokens_equals_padded(model):
+    """Tool tokens (a span in every row): context in both layouts (attention and positions), out of
+    both loss masks; the tiny Qwen3's packed update equals the padded one."""
+    batch, packed, plan, layout = _batches(LITE_PPO, tokens_per_micro_batch=24, tools=True)
+    tool_columns = np.asarray(_rollout(0, True).tool_mask) > 0
+    assert tool_columns.sum() > 0 and not np.asarray(batch.loss_mask)[:, P - 1:][tool_columns].any()
+    np.testing.assert_array_equal(to_padded(packed.loss_mask, plan, *batch.loss_mask.shape), batch.loss_mask)
     padded = _update(model, LITE_PPO, UpdateSettings(old_logp_from_update=True), batch)
     packed_run = _update(model, LITE_PPO, UpdateSettings(old_logp_from_update=True, packing=layout), packed)
     _assert_same_update(padded, packed_run, plan, batch.loss_mask.shape)

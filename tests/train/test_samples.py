@@ -68,3 +68,28 @@ def test_rollouts_in_flight_keep_their_components_through_a_checkpoints_host_cop
         np.testing.assert_array_equal(back[0].components[name], pending[0].components[name])
     meta[0].pop("components")  # a checkpoint written before components were kept: none
     assert pending_from_host(arrays, meta, np.asarray)[0].components == {}
+
+
+def test_a_tool_row_is_logged_turn_by_turn_with_the_answer_the_model_wrote():
+    """samples.jsonl of a rollout with tools: each turn's model text and the tool output fed back after
+    it; "extracted" reads the model's text (the reward's), not the \\boxed{} the code printed."""
+    from types import SimpleNamespace
+
+    from jaxrl4llm.sampling import Rollout
+    from jaxrl4llm.train.samples import sample_rows
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 \n`{}\\()*="
+    ids = lambda text: [chars.index(c) for c in text]
+    decode = lambda row: "".join(chars[i] for i in row)
+    pieces = [("```python\nprint(7)\n```\n```output", 0), ("\n\\boxed{7}\n```\n", 1), ("so 8", 0)]
+    tokens = np.array([sum((ids(t) for t, _ in pieces), [])], np.int32)
+    tool = np.array([[f for t, f in pieces for _ in t]], np.float32)
+    n = tokens.shape[1]
+    rollout = Rollout(np.ones((1, 2), np.int32), np.ones((1, 2), np.float32), tokens, np.ones((1, n), np.float32),
+                      np.zeros((1, n), np.float32), np.zeros((1, n), np.float32), np.array([n]), np.array([False]),
+                      tool_mask=tool)
+    policy = SimpleNamespace(decode_rows=lambda rows: [decode(r) for r in rows], decode_ids=decode)
+    adv = SimpleNamespace(advantages=np.zeros(1, np.float32), shaped_rewards=np.zeros(1, np.float32))
+    row, = sample_rows(policy, rollout, np.zeros(1), adv, 0, n=1)
+    assert row["turns"] == [{"model": pieces[0][0], "tool": pieces[1][0]}, {"model": "so 8", "tool": ""}]
+    assert row["tool_calls"] == 1 and row["extracted"] == "8" and "\\boxed{7}" in row["response"]

@@ -15,7 +15,8 @@ TEXTS = ["a", r"\boxed{a}", "b"]
 
 def _rollout():
     """Three rows whose tokens decode (below) to TEXTS; row 1 has a padding token past its length."""
-    return SimpleNamespace(response_tokens=np.array([[0, 9], [1, 9], [2, 9]]), lengths=np.array([1, 1, 1]), num_rows=3)
+    return SimpleNamespace(response_tokens=np.array([[0, 9], [1, 9], [2, 9]]), lengths=np.array([1, 1, 1]), num_rows=3,
+                           tool_mask=None)
 
 
 POLICY = SimpleNamespace(decode_rows=lambda rows: [TEXTS[r[0]] for r in rows])
@@ -38,3 +39,21 @@ def test_score_rows_with_components_returns_the_total_and_each_entry_per_row():
 def test_a_plain_callable_has_no_components():
     scored = score_rows_with_components(POLICY, _rollout(), ["a"] * 3, lambda texts, golds: [1.0] * len(texts))
     assert scored.rewards.tolist() == [1.0] * 3 and scored.components == {}
+
+
+def test_the_reward_reads_the_model_s_tokens_only():
+    """A boxed answer the tool printed earns nothing; the same answer written by the model earns it.
+    Tokens: 0 'a ', 1 '\\boxed{7}', 2 '```output 7```' (the tool's text), 3 'so '; tool_mask 1 on the
+    tool's spans."""
+    from jaxrl4llm.rewards import extract_answer
+
+    pieces = ["a ", "\\boxed{7}", "```output 7```", "so "]
+    policy = SimpleNamespace(decode_rows=lambda rows: ["".join(pieces[t] for t in r) for r in rows])
+    rollout = SimpleNamespace(
+        response_tokens=np.array([[0, 1, 3, 3], [0, 2, 1, 3], [0, 1, 3, 3]]), lengths=np.array([3, 3, 3]), num_rows=3,
+        tool_mask=np.array([[0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]], np.float32))
+    reward = lambda texts, golds: [float(extract_answer(t) == g) for t, g in zip(texts, golds)]
+    # row 0: the box came from the tool; row 1: the tool printed, the model boxed; row 2: no tool
+    assert score_rows(policy, rollout, ["7"] * 3, reward).tolist() == [0.0, 1.0, 1.0]
+    rollout.tool_mask = None  # without tools the whole response is read
+    assert score_rows(policy, rollout, ["7"] * 3, reward).tolist() == [1.0, 1.0, 1.0]
