@@ -224,8 +224,9 @@ def partial_stream(policy: Policy, prompts: PromptSet, cfg: RunConfig) -> Partia
             pad_token_id=policy.pad_token_id, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             mesh=policy.sampler_mesh, cpu_kernels=policy.cpu_kernels, decode_burst=r.decode_burst, fetch=hosts.fetch,
             paged_attention=policy.decode_attention, min_p=policy.min_p, stop_token_ids=policy.stop_token_ids,
-            stop_strings=policy.stop_strings, tokenizer=policy.tokenizer,
-            slots=policy.slots_for(r.prompts_per_step, r.samples_per_prompt, width, r.max_new_tokens))
+            stop_strings=policy.stop_strings, tokenizer=policy.tokenizer, record_routes=replays_routes(cfg),
+            slots=policy.slots_for(r.prompts_per_step, r.samples_per_prompt, width, r.max_new_tokens,
+                                   record_routes=replays_routes(cfg)))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rollout.partial=true: {e}") from None
     return PartialStream(engine, {})

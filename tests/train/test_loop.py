@@ -244,6 +244,7 @@ def test_router_replay_trains_a_tiny_mixture_of_experts_model(demo_assets, tmp_p
     # router replay's metrics (trainer.router_metrics_every=1): the policy that sampled, routing natively
     assert 0.0 <= record["route_disagreement"] < 0.05
     assert 1.0 <= record["expert_load_max_over_mean"] <= 4.0
+    assert 0.0 < record["router_entropy"] <= np.log(4) + 1e-6  # nats, log E when uniform
     assert 0.0 <= record["sampler_trainer_logp_gap_native"] < 1e-2
     # model.freeze_router: the routers are the initial ones, bit for bit; the rest trained
     _, initial = setup_run(cfg, run_meshes(cfg)[0], lambda s: None)
