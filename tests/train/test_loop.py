@@ -253,3 +253,22 @@ def test_router_replay_trains_a_tiny_mixture_of_experts_model(demo_assets, tmp_p
     assert labels.count("frozen") == 1  # the layers' stacked routers [L, D, E]
     assert all(np.array_equal(a, b) for label, a, b in pairs if label == "frozen")
     assert any(not np.array_equal(a, b) for label, a, b in pairs if label == "trained")
+
+
+def test_router_replay_with_partial_rollouts_and_shared_prompts_and_the_load_balancing_loss(demo_assets, tmp_path):
+    """trainer.router_replay=rollout on a random Qwen3-MoE with rollout.partial (routes recorded across
+    segments) and trainer.share_prompt=true (each prompt run once with its recorded routes), and
+    trainer.router_aux_loss_coef > 0: two steps run, the update logs the load-balancing loss (k = 2 for
+    a uniform router, at most E = 4) and the routing pass the router entropy (at most log E)."""
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{
+        "model.architecture": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 2,
+        "model.moe_intermediate_size": 16, "trainer.router_replay": "rollout", "trainer.router_aux_loss_coef": 0.01,
+        "rollout.partial": True, "trainer.max_staleness": 1, "trainer.share_prompt": True,
+        "trainer.clipped_tokens_every": 0}))
+    summary = train(cfg, log=lambda s: None)
+    assert json.loads((tmp_path / "layout.json").read_text())["row_form"] == "shared_prompt"
+    for record in summary["history"]:
+        assert 2.0 <= record["router_aux_loss"] <= 4.0
+        assert 0.0 < record["router_entropy"] <= np.log(4) + 1e-6
+        assert all(np.isfinite(record[k]) for k in ("loss", "grad_norm", "sampler_trainer_logp_gap",
+                                                    "route_disagreement"))
