@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, apply_surrogate, policy_loss
 from jaxrl4llm.core.aggregation import ROW_SUM_MODES
-from jaxrl4llm.core.routing import (RouterStats, expert_load, load_balancing_loss, load_imbalance,
+from jaxrl4llm.core.routing import (RouterStats, load_balancing_loss, load_imbalance,
                                     route_disagreement, router_entropy)
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 from jaxrl4llm.train.packing import scatter_slots, unpack_micro
@@ -563,14 +563,15 @@ def make_routing_pass(routing_fn: Callable, micro_batches: int, num_experts: int
         counted = mb.loss_mask * mb.row_weights[:, None]
         pairs = jnp.sum(real) * routes.shape[2]
         return {"differ": route_disagreement(routes, mb.routes, real) * pairs, "pairs": pairs,
-                "load": expert_load(routes, real, num_experts) * jnp.sum(real),
                 "gap": jnp.sum(jnp.abs(logp - mb.sampler_logp) * counted), "counted": jnp.sum(counted),
                 "stats": stats}
 
     def run(params, batch: TrainBatch) -> dict:
         parts = jax.tree.map(lambda x: _split(x, micro_batches), batch)
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(lambda mb: one(params, mb), parts))
-        load = sums["load"] / jnp.maximum(jnp.sum(sums["load"], axis=-1, keepdims=True), 1e-30)
+        # the experts' shares of each layer's choices (`core.routing.expert_load` of the native routes), from the
+        # router stats' counts: no [B, T, L, k, E] one-hot
+        load = sums["stats"].load / jnp.maximum(jnp.sum(sums["stats"].load, axis=-1, keepdims=True), 1e-30)
         return {"route_disagreement": sums["differ"] / jnp.maximum(sums["pairs"], 1.0),
                 "expert_load_max_over_mean": load_imbalance(load), "router_entropy": router_entropy(sums["stats"]),
                 "sampler_trainer_logp_gap_native": sums["gap"] / jnp.maximum(sums["counted"], 1.0)}
