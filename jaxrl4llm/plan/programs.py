@@ -667,7 +667,7 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
     trainer = trainer_programs(cfg, mesh, logprob_fn=make_logprob_fn(ins.graphdef, cfg.rollout.temperature,
                                                                      cfg.model.logprob_chunk_size),
                                settings=settings, params=ins.train_params, frozen=ins.frozen, recipe=recipe,
-                               routing_fn=routing_fn, num_experts=config.num_experts)
+                               routing_fn=routing_fn)
     plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(ins.params, batch),
                                   {"parameters": param_bytes, "batch": batch_bytes,
                                    "activations": work["layer"] + work["head"] + work["attention"]

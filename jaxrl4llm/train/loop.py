@@ -365,8 +365,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings = layout.update
     programs = trainer_programs(cfg, mesh, logprob_fn=policy.logprob_fn, settings=settings, params=policy.params,
-                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn,
-                                num_experts=policy.config.num_experts if policy.config is not None else 0)
+                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn)
     state = programs.init_state(policy.params, policy.frozen)
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(

@@ -543,7 +543,7 @@ def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: 
     return dispatch
 
 
-def make_routing_pass(routing_fn: Callable, micro_batches: int, num_experts: int, scored_tokens: int | None = None):
+def make_routing_pass(routing_fn: Callable, micro_batches: int, scored_tokens: int | None = None):
     """(params, batch) -> router replay's metrics of a TrainBatch carrying the sampler's routes, micro-batch
     by micro-batch: the trainer's own routes and log-probs with no replay (`routing_fn`: (params, inputs,
     targets, positions, attention_mask, last=None) -> (logp [B, T], routes [B, T, L, k], RouterStats [L, ...]);
