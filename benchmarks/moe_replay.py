@@ -108,7 +108,7 @@ def replay_figures(a) -> list[dict]:
         batch = rollout_to_batch(rollout, compute_advantages(jnp.zeros(rows, jnp.float32), a.samples, LITE_PPO))
         logprob_pass = jax.jit(make_logprob_pass(make_logprob_fn(graphdef, 1.0, 128), 1))
         gap = lambda b: float(agreement_stats(logprob_pass(state, b)[0], batch.sampler_logp, batch.loss_mask)["mean_abs"])
-        _, native = make_routing_fn(graphdef, 1.0, 128)(state, batch.input_tokens, batch.targets, batch.positions,
+        _, native, _ = make_routing_fn(graphdef, 1.0, 128)(state, batch.input_tokens, batch.targets, batch.positions,
                                                         batch.attention_mask)
         out.append({"seed": seed, "route_disagreement": float(route_disagreement(native, batch.routes,
                                                                                   batch.attention_mask)),

@@ -23,7 +23,7 @@ sampler treat it as any pytree) with `graphdef` static, and rebuild the module i
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxrl4llm.core.logprobs import token_logprobs_from_head
+from jaxrl4llm.core.routing import RouterStats
 from jaxrl4llm.kernels import exact as exact_numerics
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.layers.attention import causal_padding_mask, dot_product_attention
@@ -42,6 +43,14 @@ from jaxrl4llm.models.layers.norm import RMSNorm
 from jaxrl4llm.models.layers.rope import rope_tables
 from jaxrl4llm.models.remat import checkpoint_policy
 from jaxrl4llm.models.sharding import ACTIVATION_AXES, LOGITS_AXES, constrain
+
+
+class _SharedAttention(NamedTuple):
+    """`CausalLM.shared_prompt_outputs`' attention: prompt(q, k, v) -> (out, (k, v)); rows(kp, vp) -> the
+    rows' attend function over their prompt's keys kp and values vp and their own."""
+
+    prompt: Callable
+    rows: Callable
 
 
 def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -115,6 +124,13 @@ class CausalLM(nnx.Module):
                                  attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
                                  routes: Int[Array, "B T L K"] | None = None
                                  ) -> tuple[Float[Array, "B T D"], Int[Array, "B T L K"] | None]:
+        """`layer_outputs` without the router stats."""
+        return self.layer_outputs(tokens, positions, attention_mask, segment_ids, routes)[:2]
+
+    def layer_outputs(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                      attention_mask: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+                      routes: Int[Array, "B T L K"] | None = None, router_stats: bool = False
+                      ) -> tuple[Float[Array, "B T D"], Int[Array, "B T L K"] | None, RouterStats | None]:
         """h = norm(x_L) [B, T, D] float32; causal + padding masked (attention_mask 1 = real), by
         `segment_causal_attention` (`config.attention_impl`; never a [T, T] mask).
 
@@ -124,32 +140,51 @@ class CausalLM(nnx.Module):
         at every layer boundary to rows split over (data, fsdp) (`sharding.constrain`).
 
         routes: a mixture-of-experts model's expert ids [B, T, L, k] to force (None: each router's
-        top k). Returns (h, the ids the layers ran [B, T, L, k] int32; None for a dense model)."""
+        top k). router_stats (static): also the routers' `core.routing.RouterStats` [L, ...] over the
+        real tokens (attention_mask > 0, or segment_ids > 0 when packed). Returns (h, the ids the
+        layers ran [B, T, L, k] int32, the stats; None for a dense model / when not asked)."""
         c = self.config
-        if routes is not None and c.num_experts and \
-                tuple(routes.shape) != tuple(tokens.shape) + (c.num_layers, c.num_experts_per_tok):
-            raise ValueError(f"routes of shape {tuple(routes.shape)} for tokens {tuple(tokens.shape)}: this model's "
-                             f"routes are [batch, positions, layers, k] = {tuple(tokens.shape) + (c.num_layers, c.num_experts_per_tok)} "
-                             f"({c.num_layers} layers, num_experts_per_tok={c.num_experts_per_tok}); record them with "
-                             f"the same model config (generate(record_routes=True)), one entry per input token")
+        self._check_routes(routes, tokens.shape)
         cos, sin = rope_tables(c, positions)
         # left-padded rows are segments too: 1 real, 0 padding (a pad token sees only pads)
         ids = (attention_mask > 0).astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         attend = lambda q, k, v: (segment_causal_attention(q, k, v, ids, dtype=jnp.dtype(c.dtype),
                                                            impl=c.attention_impl, numerics=c.numerics), None)
+        token_mask = ids if router_stats and c.num_experts else None
 
         def layer_fn(layer, x, key, route):
             with lora_dropout(key):
-                x, _, ids = layer(x, cos, sin, attend, route)
-            return constrain(x, ACTIVATION_AXES), ids
+                x, _, ran, stats = layer(x, cos, sin, attend, route, token_mask)
+            return constrain(x, ACTIVATION_AXES), ran, stats
 
-        x, routes = self._scan_layers(layer_fn, constrain(self.embed_tokens(tokens), ACTIVATION_AXES), routes)
-        return self.final_norm(x), routes
+        x, routes, stats = self._scan_layers(layer_fn, constrain(self.embed_tokens(tokens), ACTIVATION_AXES), routes)
+        return self.final_norm(x), routes, stats
+
+    def _check_routes(self, routes, shape):
+        """A ValueError naming the expected shape when routes [B, T, L, k] do not fit tokens' `shape`."""
+        c = self.config
+        if routes is not None and c.num_experts and \
+                tuple(routes.shape) != tuple(shape) + (c.num_layers, c.num_experts_per_tok):
+            raise ValueError(f"routes of shape {tuple(routes.shape)} for tokens {tuple(shape)}: this model's "
+                             f"routes are [batch, positions, layers, k] = {tuple(shape) + (c.num_layers, c.num_experts_per_tok)} "
+                             f"({c.num_layers} layers, num_experts_per_tok={c.num_experts_per_tok}); record them with "
+                             f"the same model config (generate(record_routes=True)), one entry per input token")
 
     def hidden_states_shared_prompt(
         self, prompt_tokens: Int[Array, "N P"], prompt_positions: Int[Array, "N P"], prompt_mask: Int[Array, "N P"],
         tokens: Int[Array, "NG T"], positions: Int[Array, "NG T"], attention_mask: Int[Array, "NG T"], group: int,
+        prompt_routes: Int[Array, "N P L K"] | None = None, routes: Int[Array, "NG T L K"] | None = None,
     ) -> tuple[Float[Array, "N P D"], Float[Array, "NG T D"]]:
+        """`shared_prompt_outputs`' hidden states (h_prompt, h)."""
+        return self.shared_prompt_outputs(prompt_tokens, prompt_positions, prompt_mask, tokens, positions,
+                                          attention_mask, group, prompt_routes, routes)[:2]
+
+    def shared_prompt_outputs(
+        self, prompt_tokens: Int[Array, "N P"], prompt_positions: Int[Array, "N P"], prompt_mask: Int[Array, "N P"],
+        tokens: Int[Array, "NG T"], positions: Int[Array, "NG T"], attention_mask: Int[Array, "NG T"], group: int,
+        prompt_routes: Int[Array, "N P L K"] | None = None, routes: Int[Array, "NG T L K"] | None = None,
+        router_stats: bool = False,
+    ) -> tuple[Float[Array, "N P D"], Float[Array, "NG T D"], Any, RouterStats | None]:
         """`hidden_states` of rows [prompt_n ; tokens_r] (r = n*group + j), each prompt run once.
 
             h([prompt_n ; tokens_r]) = (h_prompt[n], h[r]),  keys of tokens_r = [k(prompt_n) ; k(tokens_r)]
@@ -162,7 +197,14 @@ class CausalLM(nnx.Module):
 
         Args: prompt_* [N, P] (left-padded prompts, positions, 1 = real); tokens, positions,
           attention_mask [N*group, T] (what follows each row's prompt, its positions continuing
-          the prompt's). Returns (h_prompt [N, P, D], h [N*group, T, D]) float32, final-normed.
+          the prompt's); a mixture-of-experts model's routes to force, both or neither:
+          prompt_routes [N, P, L, k] (one prompt's, as its rows share its forward) and routes
+          [N*group, T, L, k]; router_stats (static): the routers' `core.routing.RouterStats` [L, ...]
+          of the concatenated rows (each prompt's counted `group` times, as `layer_outputs` of the
+          rows would).
+        Returns (h_prompt [N, P, D], h [N*group, T, D]) float32, final-normed; (the prompt's and the
+          rows' expert ids [N, P, L, k], [N*group, T, L, k], or None for a dense model); the stats or
+          None.
         """
         c = self.config
         n, p = prompt_tokens.shape
@@ -170,9 +212,37 @@ class CausalLM(nnx.Module):
         if rows != n * group:
             raise ValueError(f"{rows} rows do not answer {n} prompts x group {group}; pass group-major rows "
                              f"(row n*group + j answers prompt n).")
-        dtype = jnp.dtype(c.dtype)
+        if (prompt_routes is None) != (routes is None):
+            raise ValueError("pass both prompt_routes and routes (the prompt's and the rows' expert ids) or neither")
+        self._check_routes(prompt_routes, prompt_tokens.shape)
+        self._check_routes(routes, tokens.shape)
         cos_p, sin_p = rope_tables(c, prompt_positions)
         cos_r, sin_r = rope_tables(c, positions)
+        attention = self._shared_prompt_attention(prompt_mask, attention_mask, group)
+        masks = (prompt_mask, attention_mask) if router_stats and c.num_experts else (None, None)
+
+        def layer_fn(layer, xs, key, route):
+            (xp, xr), (route_p, route_r) = xs, (None, None) if route is None else route
+            with lora_dropout(key):
+                xp, (kp, vp), ids_p, stats_p = layer(xp, cos_p, sin_p, attention.prompt, route_p, masks[0])
+            with lora_dropout(None if key is None else jax.random.fold_in(key, 1)):
+                xr, _, ids_r, stats_r = layer(xr, cos_r, sin_r, attention.rows(kp, vp), route_r, masks[1])
+            stats = None if stats_p is None else jax.tree.map(lambda a, b: a * group + b, stats_p, stats_r)
+            ids = None if ids_p is None else (ids_p, ids_r)
+            return (constrain(xp, ACTIVATION_AXES), constrain(xr, ACTIVATION_AXES)), ids, stats
+
+        embed = lambda x: constrain(self.embed_tokens(x), ACTIVATION_AXES)
+        both = None if routes is None else (prompt_routes, routes)
+        (xp, xr), ran, stats = self._scan_layers(layer_fn, (embed(prompt_tokens), embed(tokens)), both)
+        return self.final_norm(xp), self.final_norm(xr), ran, stats
+
+    def _shared_prompt_attention(self, prompt_mask, attention_mask, group: int) -> "_SharedAttention":
+        """The attention of `shared_prompt_outputs`: the prompt's own (keeping its rotated keys and values), and
+        its rows' over [the prompt's keys ; their own]."""
+        c = self.config
+        n, p = prompt_mask.shape
+        rows, t = attention_mask.shape
+        dtype = jnp.dtype(c.dtype)
         prompt_attn = causal_padding_mask(prompt_mask)  # [N, P, P]
         sees_prompt = jnp.broadcast_to(jnp.repeat(prompt_mask > 0, group, axis=0)[:, None, :], (rows, t, p))
         rows_attn = jnp.concatenate([sees_prompt, causal_padding_mask(attention_mask)], axis=-1)  # [NG, T, P + T]
@@ -192,26 +262,18 @@ class CausalLM(nnx.Module):
         def attend_prompt(q, k, v):  # keeps the prompt's (rotated) keys and values for its rows
             return attention(q, k, v, prompt_attn, prompt_ranges), (k, v)
 
-        def layer_fn(layer, xs, key, _route):
-            xp, xr = xs
-            with lora_dropout(key):
-                xp, (kp, vp), _ = layer(xp, cos_p, sin_p, attend_prompt)
-            attend_rows = lambda q, k, v: (attention(
-                q, jnp.concatenate([share(kp), k], axis=1), jnp.concatenate([share(vp), v], axis=1), rows_attn,
-                rows_ranges), None)
-            with lora_dropout(None if key is None else jax.random.fold_in(key, 1)):
-                xr, _, _ = layer(xr, cos_r, sin_r, attend_rows)
-            return (constrain(xp, ACTIVATION_AXES), constrain(xr, ACTIVATION_AXES)), None
+        def attend_rows(kp, vp):
+            return lambda q, k, v: (attention(q, jnp.concatenate([share(kp), k], axis=1),
+                                              jnp.concatenate([share(vp), v], axis=1), rows_attn, rows_ranges), None)
 
-        embed = lambda x: constrain(self.embed_tokens(x), ACTIVATION_AXES)
-        (xp, xr), _ = self._scan_layers(layer_fn, (embed(prompt_tokens), embed(tokens)))
-        return self.final_norm(xp), self.final_norm(xr)
+        return _SharedAttention(attend_prompt, attend_rows)
 
     def _scan_layers(self, layer_fn, x, routes=None):
-        """(x after the L layers, routes out): lax.scan of layer_fn(layer, x, dropout key or None,
-        route [B, T, k] or None) -> (x, ids [B, T, k] or None) over the stacked layer state,
-        rematerialised per `config.remat` / `remat_policy`; x is any pytree. routes [B, T, L, k]
-        in (None: none) and out ([B, T, L, k], None when layer_fn returns None ids)."""
+        """(x after the L layers, routes out, stats out): lax.scan of layer_fn(layer, x, dropout key or
+        None, route) -> (x, ids or None, stats or None) over the stacked layer state, rematerialised per
+        `config.remat` / `remat_policy`; x is any pytree. routes: None or a pytree of [B, T, L, k]
+        arrays, each layer's [B, T, k] slice passed as `route`; the ids out likewise ([B, T, L, k]
+        each, None when layer_fn returns None); the stats stacked [L, ...]."""
         c = self.config
         if routes is not None and not c.num_experts:
             raise ValueError(f"routes (expert ids) given to a dense {c.architecture} model; only mixture-of-experts "
@@ -219,16 +281,17 @@ class CausalLM(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
         dropout_key = current_dropout_key()  # LoRA dropout (training forwards only): one key per layer
         keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
-        per_layer = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
+        per_layer = jax.tree.map(lambda r: jnp.moveaxis(r, 2, 0), routes)  # [L, B, T, k] each
 
         def body(x, xs):
             one_layer, key, route = xs
-            return layer_fn(nnx.merge(layer_def, one_layer), x, key, route)
+            x, ids, stats = layer_fn(nnx.merge(layer_def, one_layer), x, key, route)
+            return x, (ids, stats)
 
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=False, policy=checkpoint_policy(c.remat_policy))
-        x, ids = jax.lax.scan(body, x, (layer_state, keys, per_layer))
-        return x, None if ids is None else jnp.moveaxis(ids, 0, 2)
+        x, (ids, stats) = jax.lax.scan(body, x, (layer_state, keys, per_layer))
+        return x, jax.tree.map(lambda r: jnp.moveaxis(r, 0, 2), ids), stats
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """LM head: h [B, T, D] -> logits [B, T, V] float32."""
@@ -322,12 +385,13 @@ def hidden_states(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], *, p
     return merge(graphdef, state).hidden_states(tokens, positions, attention_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "first_scored", "prompt_group"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "first_scored", "prompt_group", "router_stats"))
 def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"], *,
                  positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
                  chunk_size: int = 128, dropout_rng: jax.Array | None = None, first_scored: int = 0,
                  prompt_group: int = 1, segment_ids: Int[Array, "B T"] | None = None,
-                 routes: Int[Array, "B T L K"] | None = None) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+                 routes: Int[Array, "B T L K"] | None = None, router_stats: bool = False
+                 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log p(targets), entropy) [B, T] float32 under softmax(logits / temperature), differentiable.
 
     logp[b, t] = log_softmax(z)[targets[b, t]], entropy = logZ - E_p[z] (max-subtracted,
@@ -345,18 +409,25 @@ def score_tokens(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targe
       (`CausalLM.hidden_states_shared_prompt`), same values. Needs first_scored > 0.
     segment_ids: packed rows (`CausalLM.hidden_states`); only for models with hidden_states.
     routes: a mixture-of-experts model's expert ids [B, T, L, k] to force (router replay;
-      `CausalLM.hidden_states_and_routes`); not with prompt_group > 1.
+      `CausalLM.layer_outputs`); with prompt_group > 1 each prompt runs with its group's first row's
+      prompt routes (`CausalLM.shared_prompt_outputs`).
+    router_stats: static; returns (logp, entropy, the routers' `core.routing.RouterStats` [L, ...]
+      over the real tokens) for a mixture-of-experts CausalLM (the load-balancing loss's input).
     """
     with lora_dropout(dropout_rng):
         return _score(merge(graphdef, state), tokens, targets, positions, attention_mask, temperature, chunk_size,
-                      first_scored, prompt_group, segment_ids, routes)
+                      first_scored, prompt_group, segment_ids, routes, router_stats)
 
 
 def _score(model, tokens, targets, positions, attention_mask, temperature, chunk_size, first_scored=0,
-           prompt_group=1, segment_ids=None, routes=None):
+           prompt_group=1, segment_ids=None, routes=None, router_stats=False):
     own = hasattr(model, "hidden_states") and hasattr(model, "logits")  # else: a module that returns logits
-    if routes is not None and (prompt_group > 1 or not own):
-        raise ValueError("routes (expert ids) are scored with prompt_group=1 on jaxrl4llm's CausalLM only")
+    if (routes is not None or router_stats) and not (own and hasattr(model, "layer_outputs")):
+        raise ValueError("routes (expert ids) and router stats are scored on jaxrl4llm's CausalLM only")
+    if router_stats and not model.config.num_experts:
+        raise ValueError(f"router stats asked of a dense {model.config.architecture} model; only mixture-of-experts "
+                         f"models have routers")
+    stats = None
     if prompt_group > 1:
         if not first_scored or not hasattr(model, "hidden_states_shared_prompt"):
             raise ValueError("prompt_group > 1 needs first_scored > 0 (the prompt's length - 1) and a model with "
@@ -364,21 +435,28 @@ def _score(model, tokens, targets, positions, attention_mask, temperature, chunk
         p, g = first_scored + 1, prompt_group
         if tokens.shape[0] % g:
             raise ValueError(f"{tokens.shape[0]} rows are not whole groups of prompt_group={g}.")
-        h_prompt, h_rows = model.hidden_states_shared_prompt(
-            tokens[::g, :p], positions[::g, :p], attention_mask[::g, :p], tokens[:, p:], positions[:, p:],
-            attention_mask[:, p:], g)
+        args = (tokens[::g, :p], positions[::g, :p], attention_mask[::g, :p], tokens[:, p:], positions[:, p:],
+                attention_mask[:, p:], g)
+        if routes is None and not router_stats:
+            h_prompt, h_rows = model.hidden_states_shared_prompt(*args)
+        else:
+            h_prompt, h_rows, _, stats = model.shared_prompt_outputs(
+                *args, None if routes is None else routes[::g, :p], None if routes is None else routes[:, p:],
+                router_stats=router_stats)
         # the first scored position is the prompt's last: its hidden state is the prompt's
         h = jnp.concatenate([jnp.repeat(h_prompt[:, -1:], g, axis=0), h_rows], axis=1)
+    elif segment_ids is not None and not own:
+        raise ValueError("segment_ids (packed rows) need a model with hidden_states (jaxrl4llm's CausalLM); "
+                         "set trainer.packing=false for this model.")
+    elif routes is not None or router_stats:
+        h, _, stats = model.layer_outputs(tokens, positions, attention_mask, segment_ids, routes, router_stats)
+        h = h[:, first_scored:]
     elif segment_ids is not None:
-        if not own:
-            raise ValueError("segment_ids (packed rows) need a model with hidden_states (jaxrl4llm's CausalLM); "
-                             "set trainer.packing=false for this model.")
-        h = model.hidden_states(tokens, positions, attention_mask, segment_ids, routes)[:, first_scored:]
-    elif routes is not None:
-        h = model.hidden_states(tokens, positions, attention_mask, routes=routes)[:, first_scored:]
+        h = model.hidden_states(tokens, positions, attention_mask, segment_ids)[:, first_scored:]
     else:
         h = (model.hidden_states if own else model)(tokens, positions, attention_mask)[:, first_scored:]
-    return _score_head(model, h, targets, temperature, chunk_size, first_scored, own)
+    logp, entropy = _score_head(model, h, targets, temperature, chunk_size, first_scored, own)
+    return (logp, entropy, stats) if router_stats else (logp, entropy)
 
 
 def _score_head(model, h, targets, temperature, chunk_size, first_scored=0, own=True):
@@ -403,12 +481,13 @@ def _score_head(model, h, targets, temperature, chunk_size, first_scored=0, own=
 def score_tokens_with_routes(graphdef: nnx.GraphDef, state, tokens: Int[Array, "B T"], targets: Int[Array, "B T"],
                              *, positions: Int[Array, "B T"], attention_mask: Int[Array, "B T"], temperature: Any = 1.0,
                              chunk_size: int = 128, first_scored: int = 0
-                             ) -> tuple[Float[Array, "B T"], Int[Array, "B T L K"]]:
-    """(log p(targets) [B, T], routes [B, T, L, k] int32) of a mixture-of-experts model routing
-    natively: `score_tokens`' log-probs (no replay) and the experts each layer's router chose for each
-    position (top k of its softmax). What router replay's metrics compare with the sampler's routes
-    and log-probs (`core.routing`)."""
+                             ) -> tuple[Float[Array, "B T"], Int[Array, "B T L K"], RouterStats]:
+    """(log p(targets) [B, T], routes [B, T, L, k] int32, router stats [L, ...]) of a mixture-of-experts
+    model routing natively: `score_tokens`' log-probs (no replay), the experts each layer's router
+    chose for each position (top k of its softmax) and the routers' `core.routing.RouterStats` over
+    the real tokens. What router replay's metrics compare with the sampler's routes and log-probs
+    (`core.routing`)."""
     model = merge(graphdef, state)
-    h, routes = model.hidden_states_and_routes(tokens, positions, attention_mask)
+    h, routes, stats = model.layer_outputs(tokens, positions, attention_mask, router_stats=True)
     logp, _ = _score_head(model, h[:, first_scored:], targets, temperature, chunk_size, first_scored)
-    return logp, routes
+    return logp, routes, stats

@@ -358,12 +358,12 @@ class FusedLayer:
         """A mixture-of-experts layer's feed-forward (`decoder.LayerWeights`), None for a dense layer."""
         return self._moe if "router" in self.w else None
 
-    def _moe(self, h, routes=None):
+    def _moe(self, h, routes=None, token_mask=None):
         c, w = self.c, self.w
         experts = Experts(w["expert_gate"], w["expert_up"], w["expert_down"])
         return moe_ffn(h, w["router"], experts, k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                        form=c.expert_form, dtype=self.dtype, routes=routes, phase=self.phase,
-                       mesh=self.backend.mesh)
+                       mesh=self.backend.mesh, token_mask=token_mask)
 
 
 def lm_head(weights, config: ModelConfig, backend: DecodeBackend, h):
@@ -414,7 +414,7 @@ def prefill_kv(weights: dict, config: ModelConfig, tokens: jax.Array, mask: jax.
     x = backend.embed(weights["embed"], tokens)
     ks, vs, routes = [], [], []
     for p in weights["layers"]:
-        x, (k, v), ids = decoder_layer(FusedLayer(p, config, backend, "prefill"), x, cos, sin, attend)
+        x, (k, v), ids, _ = decoder_layer(FusedLayer(p, config, backend, "prefill"), x, cos, sin, attend)
         # each layer's output whole: without the barrier XLA sinks the head's slice x[:, -1] through
         # the residual adds, re-summing every layer's attention and MLP outputs at the last token,
         # and so keeps all of them ([P, T, D] float32, two a layer) alive to the end of the prefill
@@ -462,7 +462,7 @@ def decode_step(weights: dict, config: ModelConfig, tokens: jax.Array, rope: tup
                                  [b.v[i] for b in done_blocks], ck, cv, slot, dtype)
             return out[:, None], (ck, cv)
 
-        x, (ck, cv), _ = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
+        x, (ck, cv), _, _ = decoder_layer(FusedLayer(p, config, backend), x, cos, sin, attend)
         new_k.append(ck)
         new_v.append(cv)
     return lm_head(weights, config, backend, x[:, 0]), KVBlock(new_k, new_v)

@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl4llm.kernels.choice import DecodeAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.kernels.choice import DecodeAttention, TrainAttention, decode_attention_choice, mesh_devices
 from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend
@@ -667,7 +667,7 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
     trainer = trainer_programs(cfg, mesh, logprob_fn=make_logprob_fn(ins.graphdef, cfg.rollout.temperature,
                                                                      cfg.model.logprob_chunk_size),
                                settings=settings, params=ins.train_params, frozen=ins.frozen, recipe=recipe,
-                               routing_fn=routing_fn, num_experts=config.num_experts)
+                               routing_fn=routing_fn)
     plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(ins.params, batch),
                                   {"parameters": param_bytes, "batch": batch_bytes,
                                    "activations": work["layer"] + work["head"] + work["attention"]
@@ -693,7 +693,8 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
         padded = padded_batch(ins)
         positions = ins.rows * (ins.prompt_len + ins.response_len - 1)
         plan_r, compiled_r = _compile("routing pass", lambda: trainer.routing_pass.lower(ins.params, padded),
-                                      {"parameters": param_bytes, "batch": per_chip_bytes(padded)},
+                                      {"parameters": param_bytes, "batch": per_chip_bytes(padded),
+                                       "activations": routing_pass_activations(ins)},
                                       2 * config.num_active_params * positions / mesh.size, mesh, ins.log)
         plan_r.runs = 1 / cfg.trainer.router_metrics_every  # every router_metrics_every steps
         ins.price(plan_r, compiled_r)
@@ -702,20 +703,42 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
                                   kernel=kernel)
 
 
-def trainer_work(ins: PlanInputs, seq: int) -> dict:
+def routing_pass_activations(ins: PlanInputs) -> int:
+    """Per-chip bytes the routing pass holds beyond its arguments: a forward's working set (`trainer_work`:
+    a layer's, the head's, and attention's scores where the training attention is XLA's, none under a
+    kernel: splash, Pallas) on its micro-batch of padded rows, plus its outputs: log-probs and entropies
+    [rows, S] float32 and the native routes [rows, S, L, k] int32 beside the sampler's (cast to int32,
+    and both sorted for the set comparison: 4 copies). Qwen3-30B-A3B on v5p:4x4x4 (4 rows of 9,215
+    positions a chip): 18.55 GiB with the arguments against XLA's 18.41 (docs/results/scaling.md)."""
+    seq = ins.prompt_len + ins.response_len - 1
+    work = trainer_work(ins, seq, routing_pass=True)
+    c = ins.config
+    positions = work["per_chip_rows"] * seq
+    outputs = positions * (2 * 4 + 4 * c.num_layers * c.num_experts_per_tok * 4)
+    scores = work["attention"] if ins.layout.train_attention.kernel == TrainAttention.XLA else 0
+    return int(work["layer"] + work["head"] + scores + outputs)
+
+
+def trainer_work(ins: PlanInputs, seq: int, routing_pass: bool = False) -> dict:
     """Our analytic view of a trainer micro-batch on one chip, rows of width `seq`: per_chip_rows,
     micro (micro-batches a mini-batch), tokens (positions one pass runs through the stack, all
     chips), and the bytes of its residual stream (`residuals`), of what remat keeps (`saved`), of a
-    layer's, the head's and attention's working sets (`layer`, `head`, `attention`)."""
+    layer's, the head's and attention's working sets (`layer`, `head`, `attention`). routing_pass:
+    the routing pass's micro-batch instead (`train.step.make_routing_pass`: the padded batch split
+    into micro_batches parts, whole rows, no prompt sharing)."""
     cfg, config, mesh, settings = ins.cfg, ins.config, ins.mesh, ins.layout.update
     dp, tensor = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]
     micro, packing, group = settings.micro_batches, settings.packing, settings.prompt_group
     per_chip_rows = ins.rows // cfg.trainer.mini_batches // micro / dp
+    if routing_pass:
+        packing, group, per_chip_rows = None, None, ins.rows // micro / dp
     if packing is not None:
         micro, per_chip_rows = packing.micro_batches, packing.rows_per_shard
     # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
     per_chip_positions = per_chip_rows * (seq if group is None else ins.response_len - 1 + ins.prompt_len / group)
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    d, v = config.hidden_size, config.vocab_size
+    # a token's feed-forward width: a mixture of experts runs k experts of moe_intermediate_size
+    f = config.num_experts_per_tok * config.moe_intermediate_size if config.num_experts else config.intermediate_size
     chunk = min(cfg.model.logprob_chunk_size, ins.response_len if packing is None else seq)  # head positions at once
     heads = config.num_heads // tensor if config.num_heads % tensor == 0 else config.num_heads
     query_block = min(seq, config.attention_query_chunk or seq)

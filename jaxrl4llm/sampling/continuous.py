@@ -652,7 +652,7 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
     pool, routes = [], []
     for layer_weights, layer_pool in zip(weights["layers"], state.pool):
         attend = functools.partial(_attend, engine, layer_pool, pages)
-        x, written, ids = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
+        x, written, ids, _ = decoder_layer(FusedLayer(layer_weights, config, backend), x, cos, sin, attend)
         pool.append(written)
         routes.append(ids)
     logits = lm_head(weights, config, backend, x[:, 0]).reshape(shards, slots_per_shard, -1)
@@ -945,10 +945,7 @@ def tool_result(state: EngineState, *, spec: EngineSpec) -> tuple[ProgramOutput,
 def partial_init(pad_id, *, spec: EngineSpec, num_prompts: int, prompt_len: int) -> EngineState:
     """An empty engine for partial rollouts: two halves of `num_prompts` prompts of width `prompt_len`
     (rollout t in half t % 2), no rows enqueued."""
-    samples, max_new_tokens, shards = spec.num_samples, spec.max_new_tokens, spec.num_shards
-    if spec.record_routes:
-        raise ValueError("record_routes: partial rollouts do not record routes yet; sample with generate "
-                         "(rollout.partial=false)")
+    max_new_tokens, shards = spec.max_new_tokens, spec.num_shards
     engine = Engine.resolve(spec, num_prompts=num_prompts, prompt_len=prompt_len, halves=2)
     zeros = lambda shape, dtype: engine.constrain_rows(jnp.zeros(shape, dtype))
     prompts, rows = engine.buffer_prompts, engine.buffer_rows
@@ -980,10 +977,12 @@ def partial_enqueue(state: EngineState, prompt_tokens, prompt_mask, rng, row_bud
                       rng, 0, prompts * shards * samples, max_new_tokens)), rows),
                   put(queue.budget, shard(jnp.minimum(row_budget.astype(jnp.int32), max_new_tokens)), rows))
     out = state.out
-    fill = lambda x, value: put(x, jnp.full((shards, rows) + x.shape[2:], value, x.dtype), rows)
+    fill = lambda x, value, size=rows: put(x, jnp.full((shards, size) + x.shape[2:], value, x.dtype), size)
     out = Outputs(fill(out.tokens, pad_id), fill(out.logprobs, 0), fill(out.logprobs_untruncated, 0),
                   fill(out.length, 0), fill(out.eos_seen, False), fill(out.segment, -1),
-                  fill(out.split, max_new_tokens))
+                  fill(out.split, max_new_tokens),
+                  None if out.routes is None else fill(out.routes, 0),
+                  None if out.prompt_routes is None else fill(out.prompt_routes, 0, prompts))
     return state._replace(queue=queue, out=out, end=state.end + rows)
 
 

@@ -70,7 +70,10 @@ class PartialRollouts:
     padded width (fixed for the stream); slots: S (None: all rows of one rollout); the sampling
     settings as `generate` takes them (min_p, stop_token_ids, stop_strings and tokenizer too: a
     rollout's rows are cut at their stop strings when a segment hands it out); fetch: a global array's whole value on this host (default
-    `jax.device_get`; a multi-host run passes `train.hosts.fetch`).
+    `jax.device_get`; a multi-host run passes `train.hosts.fetch`); record_routes: a mixture-of-experts
+    model's rollouts carry the expert ids of their prompt and response tokens (`Rollout.routes`,
+    `Rollout.prompt_routes`), a row's routes recorded by whichever segment fed its tokens, and kept
+    with the engine's in-flight state (`host_state`) as its other outputs are.
     """
 
     def __init__(self, graphdef, state, *, num_prompts: int, num_samples: int, max_new_tokens: int, prompt_len: int,
@@ -78,7 +81,8 @@ class PartialRollouts:
                  top_k: int = 0, greedy: bool = False, mesh: Mesh | None = None, slots: int | None = None,
                  cpu_kernels: bool | None = None, kv_page_size: int = PAGE_SIZE, decode_burst: int = BURST,
                  paged_attention: str | DecodeAttention | None = None, fetch=None, min_p: float = 0.0,
-                 stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None):
+                 stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None,
+                 record_routes: bool = False):
         model = merge(graphdef, state)
         if not isinstance(model, CausalLM):
             raise TypeError(f"partial rollouts need a jaxrl4llm CausalLM (the continuous engine); got "
@@ -112,7 +116,7 @@ class PartialRollouts:
         self.spec = engine_spec_for(config, self.backend, mesh=mesh, num_prompts=num_prompts, num_samples=num_samples,
                                     max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, greedy=self.greedy,
                                     use_kernels=use_kernels, slots=slots, page_size=kv_page_size, burst=decode_burst,
-                                    requested_attention=paged_attention)
+                                    requested_attention=paged_attention, record_routes=record_routes)
         state = partial_init(np.int32(pad_token_id), spec=self.spec, num_prompts=num_prompts, prompt_len=prompt_len)
         # committed to its devices, as every later state is (a segment's output): one program each
         self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)

@@ -397,13 +397,18 @@ class TrainerConfig:
     # Router replay (R3, docs/training.md "Router replay"): rollout = a mixture-of-experts model's
     # sampler records the experts each token ran (`generate(record_routes=True)`) and the
     # old-log-prob and update passes force them (`score_tokens(routes=)`); the reference pass routes
-    # natively. Padded rows only (not with packing, shared-prompt rows or rollout.partial).
+    # natively. Every row form (padded, packed, shared-prompt) and rollout.partial carry the routes.
     router_replay: Literal["off", "rollout"] = "off"
     # With router replay, every this many steps a forward pass with the trainer's own routes measures
     # what replay closes (`train.step.make_routing_pass`): route_disagreement (the share of (token,
     # layer) pairs whose experts differ from the sampler's), expert_load_max_over_mean and
     # sampler_trainer_logp_gap_native. 0: never (no extra pass).
     router_metrics_every: int = 1
+    # A mixture-of-experts model's load-balancing loss (the switch transformer's, Fedus et al. 2021;
+    # transformers' Qwen3-MoE `router_aux_loss_coef`): c > 0 adds c * E * sum_e f_e P_e (f: the share
+    # of choices routed to expert e, P: its mean router probability, the layers pooled) to the loss.
+    # 0 (NeMo-RL's and MaxText's RL default): off, no router statistics computed.
+    router_aux_loss_coef: float = 0.0
     reference_model: bool = False
     seed: int = 0
     out_dir: str = "runs/default"
@@ -693,6 +698,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "eval.samples": _POSITIVE, "eval.temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
     "eval.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "eval.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "trainer.router_metrics_every": (lambda v: v >= 0, ">= 0 (0: no routing metrics pass)"),
+    "trainer.router_aux_loss_coef": (lambda v: v >= 0, ">= 0 (0: no load-balancing loss)"),
     "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),

@@ -208,8 +208,8 @@ def single_optimizer_step(cfg: RunConfig) -> bool:
 def replays_routes(cfg: RunConfig, model_config=None) -> bool:
     """Whether the run replays the sampler's routes (`trainer.router_replay: rollout`), checked: a
     mixture-of-experts model (when `model_config` is known), the continuous engine (the one that
-    records them), padded or packed rows, no partial rollouts; a ConfigError names the setting to change. The
-    row forms' rules, the loop's sampler and `plan` read it here."""
+    records them, whole or partial rollouts); a ConfigError names the setting to change. Every row form
+    carries the routes (padded, packed, shared-prompt). The loop's sampler and `plan` read it here."""
     t = cfg.trainer
     if t.router_replay != "rollout":
         return False
@@ -219,11 +219,6 @@ def replays_routes(cfg: RunConfig, model_config=None) -> bool:
     if cfg.rollout.engine != "continuous":
         raise ConfigError(f"trainer.router_replay=rollout replays the routes the continuous sampler records; "
                           f"rollout.engine={cfg.rollout.engine} records none: set rollout.engine=continuous")
-    for setting, on in (("trainer.share_prompt=true", t.share_prompt is True), ("rollout.partial=true", cfg.rollout.partial)):
-        if on:
-            raise ConfigError(f"trainer.router_replay=rollout runs on padded or packed rows of whole rollouts, not with "
-                              f"{setting} (routes are not shared or carried across segments yet): set "
-                              f"{setting.split('=')[0]}=auto/false or trainer.router_replay=off")
     return True
 
 
@@ -235,7 +230,7 @@ def shared_prompt_group(cfg: RunConfig, own_model: bool, micro_batches: int, dat
     It applies when every data-parallel device (mesh.data x mesh.fsdp) holds whole groups of a
     micro-batch: a group split over devices would have each of them run the whole prompt."""
     share, G = cfg.trainer.share_prompt, cfg.rollout.samples_per_prompt
-    if share is False or replays_routes(cfg):
+    if share is False:
         return None
     rows = cfg.rollout.prompts_per_step * G // (cfg.trainer.mini_batches * micro_batches)
     if not own_model:
@@ -381,6 +376,10 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
     if cfg.model.freeze_router and model_config is not None and not model_config.num_experts:
         raise ConfigError("model.freeze_router freezes a mixture-of-experts model's routers; this model is dense: "
                           "set model.freeze_router=false")
+    if cfg.trainer.router_aux_loss_coef > 0 and (model_config is None or not model_config.num_experts):
+        raise ConfigError("trainer.router_aux_loss_coef balances a mixture-of-experts model's routers; this model "
+                          f"({'a model.module' if model_config is None else 'dense'}) has none: set "
+                          "trainer.router_aux_loss_coef=0")
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = micro_batches(cfg, rows, dp)
@@ -399,7 +398,7 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
         ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
         old_logp_from_update=single_optimizer_step(cfg) and cfg.trainer.old_logp_source == "recompute",
         scored_tokens=cfg.rollout.max_new_tokens if own_model else None,
-        prompt_group=group, packing=packing)
+        prompt_group=group, packing=packing, router_aux_loss_coef=float(cfg.trainer.router_aux_loss_coef))
     dmesh = sampler_mesh_for(cfg, sampler_mesh or mesh, model_config) or sampler_mesh or mesh
     r = cfg.rollout
     sampler = SamplerLayout(

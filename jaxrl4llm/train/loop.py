@@ -228,8 +228,9 @@ def partial_stream(policy: Policy, prompts: PromptSet, cfg: RunConfig) -> Partia
             pad_token_id=policy.pad_token_id, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             mesh=policy.sampler_mesh, cpu_kernels=policy.cpu_kernels, decode_burst=r.decode_burst, fetch=hosts.fetch,
             paged_attention=policy.decode_attention, min_p=policy.min_p, stop_token_ids=policy.stop_token_ids,
-            stop_strings=policy.stop_strings, tokenizer=policy.tokenizer,
-            slots=policy.slots_for(r.prompts_per_step, r.samples_per_prompt, width, r.max_new_tokens))
+            stop_strings=policy.stop_strings, tokenizer=policy.tokenizer, record_routes=replays_routes(cfg),
+            slots=policy.slots_for(r.prompts_per_step, r.samples_per_prompt, width, r.max_new_tokens,
+                                   record_routes=replays_routes(cfg)))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rollout.partial=true: {e}") from None
     return PartialStream(engine, {})
@@ -368,8 +369,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings = layout.update
     programs = trainer_programs(cfg, mesh, logprob_fn=policy.logprob_fn, settings=settings, params=policy.params,
-                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn,
-                                num_experts=policy.config.num_experts if policy.config is not None else 0)
+                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn)
     state = programs.init_state(policy.params, policy.frozen)
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(

@@ -219,21 +219,23 @@ def make_logprob_fn(graphdef, temperature: float, chunk_size: int):
     `temperature` (0 = greedy: scored at 1); `last` = n scores only the last n positions (the others
     are 0); `group` = G (with `last`): rows n*G .. n*G+G-1 share the prompt before those n positions,
     run once; `segment_ids`: packed rows (train/packing.py); `routes` [B, T, layers, k]: a
-    mixture-of-experts model's experts forced to these ids (router replay)."""
+    mixture-of-experts model's experts forced to these ids (router replay); `router_stats=True`: (logp,
+    entropy, the routers' `core.routing.RouterStats`) (the load-balancing loss's input)."""
     def logprob_fn(state, inputs, targets, positions, attention_mask, rng=None, last=None, group=1, segment_ids=None,
-                   routes=None):
+                   routes=None, router_stats=False):
         first = 0 if last is None else max(inputs.shape[1] - last, 0)
         return score_tokens(graphdef, state, inputs, targets, positions=positions, attention_mask=attention_mask,
                             temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
                             dropout_rng=rng, first_scored=first, prompt_group=group if first else 1,
-                            segment_ids=segment_ids, routes=routes)
+                            segment_ids=segment_ids, routes=routes, router_stats=router_stats)
     return logprob_fn
 
 
 def make_routing_fn(graphdef, temperature: float, chunk_size: int):
     """A mixture-of-experts model's native routing pass for router replay's metrics
     (`train.step.make_routing_pass`): (state, inputs, targets, positions, attention_mask, last=None)
-    -> (logp [B, T] with no routes replayed, the routes its routers chose [B, T, layers, k]), at
+    -> (logp [B, T] with no routes replayed, the routes its routers chose [B, T, layers, k], their
+    `core.routing.RouterStats`), at
     `temperature` as `make_logprob_fn`."""
     def routing_fn(state, inputs, targets, positions, attention_mask, last=None):
         first = 0 if last is None else max(inputs.shape[1] - last, 0)

@@ -88,14 +88,14 @@ class TrainerPrograms:
 
 
 def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: UpdateSettings, params, frozen=None,
-                     recipe=None, routing_fn: Callable | None = None, num_experts: int = 0) -> TrainerPrograms:
+                     recipe=None, routing_fn: Callable | None = None) -> TrainerPrograms:
     """The update, the log-prob pass, the packer and the state's initialiser of `cfg` on `mesh`.
 
     logprob_fn: the model's scoring function (`train.policy.make_logprob_fn`). settings: the
     layout's `UpdateSettings`. params / frozen: the trainable parameters and the frozen base (LoRA;
     None without), concrete or `jax.ShapeDtypeStruct`s, each leaf with its sharding. recipe: the
     algorithm (default `cfg.recipe()`). routing_fn: a mixture-of-experts model's native routing pass
-    (`train.policy.make_routing_fn`; its `num_experts`), or None (a dense model): router replay's
+    (`train.policy.make_routing_fn`), or None (a dense model): router replay's
     metrics (`train.step.make_routing_pass`) are built from it when the run replays routes and
     `trainer.router_metrics_every` > 0 (`routing_metrics_on`)."""
     recipe = recipe if recipe is not None else cfg.recipe()
@@ -119,5 +119,5 @@ def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: Up
         pack=jax.jit(pack, out_shardings=update_in) if settings.packing else None,
         init_state=jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings),
         routing_pass=None if routing_fn is None or not routing_metrics_on(cfg) else jax.jit(
-            make_routing_pass(routing_fn, settings.micro_batches, num_experts, settings.scored_tokens),
+            make_routing_pass(routing_fn, settings.micro_batches, settings.scored_tokens),
             in_shardings=(join_params(sharding_of(params), sharding_of(frozen)), batch_in)))

@@ -37,7 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm.core import LossTerms, Recipe, apply_surrogate, policy_loss
 from jaxrl4llm.core.aggregation import ROW_SUM_MODES
-from jaxrl4llm.core.routing import expert_load, load_imbalance, route_disagreement
+from jaxrl4llm.core.routing import (RouterStats, load_balancing_loss, load_imbalance,
+                                    route_disagreement, router_entropy)
 from jaxrl4llm.models.sharding import DEFAULT_RULES, logical_to_spec
 from jaxrl4llm.train.packing import scatter_slots, unpack_micro
 from jaxrl4llm.train.train_batch import TrainBatch
@@ -80,6 +81,9 @@ class UpdateSettings:
     # the update takes a PackedBatch (train/packing.py) instead of a TrainBatch; of its layout it
     # reads response_width, sequences and mini_batches (the rest comes from the batch's shapes)
     packing: Any = None  # train.packing.PackLayout | None
+    # trainer.router_aux_loss_coef: c > 0 adds c * the switch transformer's load-balancing loss of a
+    # mixture-of-experts model's routers to the loss (`with_router_aux_loss`); 0: none (no router stats)
+    router_aux_loss_coef: float = 0.0
 
 
 def make_optimizer(
@@ -151,13 +155,32 @@ def _unsplit(x: chex.Array, group: int = 1) -> chex.Array:
 def batch_loss_terms(
     params, batch: TrainBatch, *, logprob_fn: LogprobFn, recipe: Recipe, loss_fn=policy_loss, loss_key=None,
     old_logp_from_update: bool = False, scored_tokens: int | None = None, prompt_group: int | None = None,
-    total_rows: int | None = None,
+    total_rows: int | None = None, router_aux_loss_coef: float = 0.0,
 ) -> tuple[LossTerms, dict, chex.Array]:
     """LossTerms and metrics of one (micro-)batch, plus per-token clip flags [B, L] for analysis:
-    `score_batch` then `loss_terms_from_scores` (see there for the arguments)."""
-    logp, entropy = score_batch(logprob_fn, params, batch, scored_tokens, prompt_group)
-    return loss_terms_from_scores(logp, entropy, batch, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
-                                  old_logp_from_update=old_logp_from_update, total_rows=total_rows)
+    `score_batch` then `loss_terms_from_scores` (see there for the arguments), then with
+    router_aux_loss_coef > 0 `with_router_aux_loss`."""
+    scores = score_batch(logprob_fn, params, batch, scored_tokens, prompt_group,
+                         router_stats=router_aux_loss_coef > 0)
+    terms, metrics, clipped = loss_terms_from_scores(
+        scores[0], scores[1], batch, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
+        old_logp_from_update=old_logp_from_update, total_rows=total_rows)
+    if router_aux_loss_coef > 0:
+        terms, metrics = with_router_aux_loss(terms, metrics, scores[2], router_aux_loss_coef)
+    return terms, metrics, clipped
+
+
+def with_router_aux_loss(terms: LossTerms, metrics: dict, stats: RouterStats, coef: float) -> tuple[LossTerms, dict]:
+    """The loss plus coef * the routers' load-balancing loss (`core.routing.load_balancing_loss`, the
+    switch transformer's, as transformers' Qwen3-MoE adds it with `router_aux_loss_coef`):
+
+        numerator' = numerator + coef * aux * denominator
+
+    so a one-micro-batch step's loss is policy + coef * aux, and a step's micro-batches' aux terms are
+    weighted by their shares of its denominator. metrics gain router_aux_loss (aux)."""
+    aux = load_balancing_loss(stats)
+    return (LossTerms(terms.numerator + coef * aux * jax.lax.stop_gradient(terms.denominator), terms.denominator),
+            dict(metrics, router_aux_loss=aux))
 
 
 def loss_terms_from_scores(
@@ -207,13 +230,16 @@ def loss_terms_from_scores(
 
 
 def score_batch(logprob_fn: LogprobFn, params, batch: TrainBatch, scored_tokens: int | None = None,
-                prompt_group: int | None = None):
+                prompt_group: int | None = None, router_stats: bool = False):
     """logprob_fn on a batch's arrays -> (logp, entropy) [B, L]; with scored_tokens = n only the
     last n positions are scored (`last=n`; the others are 0); with prompt_group = G each group of
-    G rows runs its shared prompt once (`group=G`); a batch with routes replays them (`routes=`)."""
+    G rows runs its shared prompt once (`group=G`); a batch with routes replays them (`routes=`);
+    router_stats: (logp, entropy, the routers' `core.routing.RouterStats`) (`router_stats=True`)."""
     extra = {} if scored_tokens is None else {"last": scored_tokens}
     if batch.routes is not None:
         extra["routes"] = batch.routes
+    if router_stats:
+        extra["router_stats"] = True
     if prompt_group and prompt_group > 1:
         if scored_tokens is None:
             raise ValueError("prompt_group needs scored_tokens (where each row's prompt ends).")
@@ -307,7 +333,7 @@ def _micro_step(params, frozen, mb: TrainBatch, key=None, loss_key=None, *, logp
                                                    loss_fn=loss_fn, loss_key=loss_key,
                                                    old_logp_from_update=s.old_logp_from_update,
                                                    scored_tokens=s.scored_tokens, prompt_group=s.prompt_group,
-                                                   total_rows=step_rows)
+                                                   total_rows=step_rows, router_aux_loss_coef=s.router_aux_loss_coef)
         return terms.numerator, (terms, metrics, clipped)
 
     grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
@@ -324,11 +350,13 @@ def _packed_micro_step(params, frozen, mb, key=None, loss_key=None, *, logprob_f
     fn = logprob_fn if key is None else functools.partial(logprob_fn, rng=key)
 
     def num_fn(p):
-        logp, entropy = score_packed(fn, join_params(p, frozen), mb)
-        view, logp, entropy, rows = unpack_micro(mb, logp, entropy, lay.response_width)
+        scores = score_packed(fn, join_params(p, frozen), mb, router_stats=s.router_aux_loss_coef > 0)
+        view, logp, entropy, rows = unpack_micro(mb, scores[0], scores[1], lay.response_width)
         terms, metrics, clipped = loss_terms_from_scores(
             logp, entropy, view, recipe=recipe, loss_fn=loss_fn, loss_key=loss_key,
             old_logp_from_update=s.old_logp_from_update, total_rows=lay.sequences // lay.mini_batches, rows=rows)
+        if s.router_aux_loss_coef > 0:
+            terms, metrics = with_router_aux_loss(terms, metrics, scores[2], s.router_aux_loss_coef)
         return terms.numerator, (terms, metrics, scatter_slots(clipped, mb, mb.input_tokens.shape[1]))
 
     grads, (terms, metrics, clipped) = jax.grad(num_fn, has_aux=True)(params)
@@ -461,11 +489,14 @@ def _last_epoch_summary(metrics: dict) -> dict:
     return summary
 
 
-def score_packed(logprob_fn: LogprobFn, params, micro):
+def score_packed(logprob_fn: LogprobFn, params, micro, router_stats: bool = False):
     """logprob_fn on one packed micro-batch's rows [RR, S] (segment ids keep its sequences apart; its
-    routes, if any, replayed) -> (logp, entropy) [RR, S]."""
+    routes, if any, replayed) -> (logp, entropy) [RR, S] (router_stats: and the routers'
+    `core.routing.RouterStats`, as `score_batch`)."""
     attention_mask = (micro.segment_ids > 0).astype(jnp.int32)
     extra = {} if micro.routes is None else {"routes": micro.routes}
+    if router_stats:
+        extra["router_stats"] = True
     return logprob_fn(params, micro.input_tokens, micro.targets, micro.positions, attention_mask,
                       segment_ids=micro.segment_ids, **extra)
 
@@ -512,34 +543,37 @@ def make_logprob_pass(logprob_fn: LogprobFn, micro_batches: int, scored_tokens: 
     return dispatch
 
 
-def make_routing_pass(routing_fn: Callable, micro_batches: int, num_experts: int, scored_tokens: int | None = None):
+def make_routing_pass(routing_fn: Callable, micro_batches: int, scored_tokens: int | None = None):
     """(params, batch) -> router replay's metrics of a TrainBatch carrying the sampler's routes, micro-batch
     by micro-batch: the trainer's own routes and log-probs with no replay (`routing_fn`: (params, inputs,
-    targets, positions, attention_mask, last=None) -> (logp [B, T], routes [B, T, L, k]);
+    targets, positions, attention_mask, last=None) -> (logp [B, T], routes [B, T, L, k], RouterStats [L, ...]);
     `train.policy.make_routing_fn`) against the sampler's (`core.routing`):
 
         route_disagreement            share of real (token, layer) pairs whose k experts differ as sets
         expert_load_max_over_mean     max / mean of the experts' shares of the choices, mean over layers
+        router_entropy                mean over real tokens and layers of the router softmax's entropy
         sampler_trainer_logp_gap_native   mean |logp_native - sampler_logp| over the counted tokens (the
                                       gap replay closes: `sampler_trainer_logp_gap` is the replayed one)
     """
     extra = {} if scored_tokens is None else {"last": scored_tokens}
 
     def one(params, mb: TrainBatch):
-        logp, routes = routing_fn(params, mb.input_tokens, mb.targets, mb.positions, mb.attention_mask, **extra)
+        logp, routes, stats = routing_fn(params, mb.input_tokens, mb.targets, mb.positions, mb.attention_mask, **extra)
         real = mb.attention_mask.astype(jnp.float32)
         counted = mb.loss_mask * mb.row_weights[:, None]
         pairs = jnp.sum(real) * routes.shape[2]
         return {"differ": route_disagreement(routes, mb.routes, real) * pairs, "pairs": pairs,
-                "load": expert_load(routes, real, num_experts) * jnp.sum(real),
-                "gap": jnp.sum(jnp.abs(logp - mb.sampler_logp) * counted), "counted": jnp.sum(counted)}
+                "gap": jnp.sum(jnp.abs(logp - mb.sampler_logp) * counted), "counted": jnp.sum(counted),
+                "stats": stats}
 
     def run(params, batch: TrainBatch) -> dict:
         parts = jax.tree.map(lambda x: _split(x, micro_batches), batch)
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(lambda mb: one(params, mb), parts))
-        load = sums["load"] / jnp.maximum(jnp.sum(sums["load"], axis=-1, keepdims=True), 1e-30)
+        # the experts' shares of each layer's choices (`core.routing.expert_load` of the native routes), from the
+        # router stats' counts: no [B, T, L, k, E] one-hot
+        load = sums["stats"].load / jnp.maximum(jnp.sum(sums["stats"].load, axis=-1, keepdims=True), 1e-30)
         return {"route_disagreement": sums["differ"] / jnp.maximum(sums["pairs"], 1.0),
-                "expert_load_max_over_mean": load_imbalance(load),
+                "expert_load_max_over_mean": load_imbalance(load), "router_entropy": router_entropy(sums["stats"]),
                 "sampler_trainer_logp_gap_native": sums["gap"] / jnp.maximum(sums["counted"], 1.0)}
 
     return run

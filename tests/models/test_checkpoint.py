@@ -227,3 +227,32 @@ def test_moe_missing_expert_tensor_names_it_and_the_fix(qwen3_moe_checkpoint, tm
     with pytest.raises(CheckpointError, match=r"^tensor 'model.layers.1.mlp.experts.3.up_proj.weight' is missing .*"
                                               r"one tensor per expert .* re-save it with transformers' save_pretrained$"):
         load_pretrained(tmp_path)
+
+
+def test_moe_load_balancing_loss_and_router_entropy_match_transformers(qwen3_moe_checkpoint):
+    """score_tokens(router_stats=True) on a left-padded batch: `core.routing.load_balancing_loss` of the stats
+    equals transformers' aux_loss (`load_balancing_loss_func` with the attention mask), and
+    `router_entropy` the masked mean entropy of transformers' router softmax over tokens and layers."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from jaxrl4llm.core.routing import load_balancing_loss, router_entropy
+    from jaxrl4llm.models import score_tokens
+
+    _, model, folder = qwen3_moe_checkpoint
+    tokens, mask = left_padded_batch()
+    positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    with torch.no_grad():
+        out = model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
+                    position_ids=torch.tensor(positions, dtype=torch.long), output_router_logits=True)
+    hf_aux = float(out.aux_loss)
+    np.testing.assert_allclose(hf_aux, float(load_balancing_loss_func(out.router_logits, 8, 2, torch.tensor(mask))))
+    probs = torch.softmax(torch.stack(out.router_logits).double(), -1).numpy()  # [L, B*T, E]
+    entropy = -(probs * np.log(probs)).sum(-1) * mask.reshape(1, -1)
+    hf_entropy = entropy.sum() / (mask.sum() * len(out.router_logits))
+    graphdef, state = nnx.split(load_pretrained(folder, dtype="float32"))
+    tokens_j = jnp.asarray(tokens)
+    _, _, stats = score_tokens(graphdef, state, tokens_j, jnp.roll(tokens_j, -1, axis=1), positions=jnp.asarray(positions),
+                               attention_mask=jnp.asarray(mask), router_stats=True)
+    assert stats.load.shape == (2, 8) and float(stats.tokens[0]) == mask.sum()
+    np.testing.assert_allclose(float(load_balancing_loss(stats)), hf_aux, rtol=1e-5)
+    np.testing.assert_allclose(float(router_entropy(stats)), hf_entropy, rtol=1e-5)

@@ -418,6 +418,34 @@ def test_refill_retires_finished_slots_admits_waiting_rows_and_every_page_comes_
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
 
 
+def assert_routes_are_the_forwards(rollout, graphdef, state, config):
+    """A rollout's recorded routes (uint8 [N, R, L, k], prompt routes [P, T, L, k], row n's prompt n // G)
+    are the forward's expert ids over each row's prompt + response: every real prompt token's, and
+    the response tokens' fed back (all but the last), 0 elsewhere; they differ from token to token."""
+    rows, steps = rollout.response_tokens.shape
+    group = rows // rollout.prompt_routes.shape[0]
+    routes, prompt_routes = np.asarray(rollout.routes), np.asarray(rollout.prompt_routes)
+    assert routes.shape == (rows, steps, config.num_layers, config.num_experts_per_tok) and routes.dtype == np.uint8
+    width = rollout.prompt_tokens.shape[1]  # the prompt bucket
+    assert prompt_routes.shape == (rows // group, width, config.num_layers, config.num_experts_per_tok)
+    assert prompt_routes.dtype == np.uint8
+    tokens = jnp.concatenate([rollout.prompt_tokens, rollout.response_tokens], axis=1)
+    mask = jnp.concatenate([rollout.prompt_mask, rollout.response_mask], axis=1).astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    _, expected = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
+    expected = np.asarray(expected)
+    prompt_mask, lengths = np.asarray(rollout.prompt_mask) > 0, np.asarray(rollout.lengths)
+    for n in range(rows):
+        real = prompt_mask[n]
+        np.testing.assert_array_equal(prompt_routes[n // group][real], expected[n, :width][real],
+                                      err_msg=f"prompt of row {n}")
+        assert np.all(prompt_routes[n // group][~real] == 0)
+        fed = lengths[n] - 1  # the last token is never fed
+        np.testing.assert_array_equal(routes[n, :fed], expected[n, width:width + fed], err_msg=f"row {n}")
+        assert np.all(routes[n, fed:] == 0)
+    assert len(np.unique(expected.reshape(-1, config.num_experts_per_tok), axis=0)) > 4
+
+
 def test_recorded_routes_are_the_forwards_expert_ids_of_every_prompt_and_fed_token(tmp_path_factory, key):
     """A tiny Qwen3-MoE, greedy, 3 prompts x 2 rows on 4 slots (rows admitted as others finish),
     pages of 4 tokens, per-row budgets: the prompt routes and the response routes (token t's at t,
@@ -434,27 +462,8 @@ def test_recorded_routes_are_the_forwards_expert_ids_of_every_prompt_and_fed_tok
     plain, rollout = run(False), run(True)
     assert plain.routes is None and plain.prompt_routes is None
     assert_same_rows(rollout, plain)
-    routes, prompt_routes = np.asarray(rollout.routes), np.asarray(rollout.prompt_routes)
-    assert routes.shape == (6, 7, config.num_layers, 2) and routes.dtype == np.uint8
-    width = rollout.prompt_tokens.shape[1]  # the prompt bucket
-    assert prompt_routes.shape == (3, width, config.num_layers, 2) and prompt_routes.dtype == np.uint8
-
-    tokens = jnp.concatenate([rollout.prompt_tokens, rollout.response_tokens], axis=1)
-    mask = jnp.concatenate([rollout.prompt_mask, rollout.response_mask], axis=1).astype(jnp.int32)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    _, expected = forward(graphdef, state, tokens, positions=positions, attention_mask=mask, return_routes=True)
-    expected = np.asarray(expected)
-    prompt_mask, lengths = np.asarray(rollout.prompt_mask) > 0, np.asarray(rollout.lengths)
-    np.testing.assert_array_equal(lengths, budgets)
-    for n in range(6):
-        real = prompt_mask[n]
-        np.testing.assert_array_equal(prompt_routes[n // 2][real], expected[n, :width][real],
-                                      err_msg=f"prompt of row {n}")
-        assert np.all(prompt_routes[n // 2][~real] == 0)
-        fed = lengths[n] - 1  # the last token is never fed
-        np.testing.assert_array_equal(routes[n, :fed], expected[n, width:width + fed], err_msg=f"row {n}")
-        assert np.all(routes[n, fed:] == 0)
-    assert len(np.unique(expected.reshape(-1, 2), axis=0)) > 4  # the routes differ from token to token
+    assert_routes_are_the_forwards(rollout, graphdef, state, config)
+    np.testing.assert_array_equal(np.asarray(rollout.lengths), budgets)
     with pytest.raises(ValueError, match="record_routes: routes are recorded .* by the continuous engine"):
         generate(graphdef, state, prompts, num_samples=2, max_new_tokens=7, eos_token_ids=[], pad_token_id=PAD,
                  rng=key, engine="static", record_routes=True)

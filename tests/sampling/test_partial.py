@@ -82,3 +82,39 @@ def test_row_versions_count_the_tokens_of_each_version():
     v = RowVersions(first=np.array([3, 3, 4]), split=np.array([2, 9, 0]), second=np.array([4, 4, 5]))
     versions, tokens = v.token_versions(np.array([5, 4, 6]))
     assert versions.tolist() == [3, 3, 4, 4, 4, 5] and tokens.tolist() == [2, 4, 0, 3, 0, 6]
+
+
+def test_partial_rollouts_record_each_rows_routes_across_segments_and_checkpoints(tmp_path_factory):
+    """A tiny Qwen3-MoE, greedy, rollouts of 2 prompts x 2 samples on 2 slots (rows cross segments):
+    each rollout's routes are the forward's expert ids over its rows, whichever segment fed a token
+    (`test_continuous.assert_routes_are_the_forwards`); an engine restored from `host_state` after the
+    first segment hands out the same routes as the one that ran on."""
+    from tests.sampling.conftest import load_family
+    from tests.sampling.test_continuous import assert_routes_are_the_forwards
+
+    _, config, graphdef, state = load_family("qwen3_moe", tmp_path_factory)
+    prompts = [random_prompts(seed, lengths=(5, 9)) for seed in (1, 2, 3)]
+    budgets = [np.asarray(b) for b in ([7, 2, 3, 7], [6, 3, 7, 2], [2, 5, 4, 6])]  # rows end apart: they cross
+    make = lambda: PartialRollouts(graphdef, state, num_prompts=2, prompt_len=T, pad_token_id=PAD, slots=2,
+                                   kv_page_size=4, decode_burst=2, num_samples=2, max_new_tokens=7, greedy=True,
+                                   eos_token_ids=[], record_routes=True)
+    stream = make()
+    stream.enqueue(prompts[0], jax.random.key(0), budgets[0])
+    stream.enqueue(prompts[1], jax.random.key(1), budgets[1])
+    first, _ = stream.segment(graphdef, state, version=0)
+    arrays, meta = stream.host_state(lambda x: np.asarray(jax.device_get(x)))
+    restored = make()
+    restored.restore(arrays, meta)
+    outs = []
+    for s in (stream, restored):
+        s.enqueue(prompts[2], jax.random.key(2), budgets[2])
+        outs.append([s.segment(graphdef, state, version=v) for v in (1, 2)])
+    crossed = 0
+    for rollout, versions in [(first, None)] + outs[0]:
+        assert_routes_are_the_forwards(rollout, graphdef, state, config)
+        if versions is not None:
+            crossed += int(np.sum(versions.split < np.asarray(rollout.lengths)))
+    assert crossed > 0  # some rows' tokens were fed in two segments
+    for (a, _), (b, _) in zip(*outs):
+        for name in ("routes", "prompt_routes", "response_tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)

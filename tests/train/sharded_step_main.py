@@ -113,8 +113,9 @@ def main() -> int:
 
 
 def check_moe(batch, opt, sched, mesh):
-    """A mixture of experts replaying routes, as the loop runs it on the (2, 2, 2) mesh (each batch
-    shard routes its own rows: `layers.moe.moe_ffn`'s shard_map), equals one device."""
+    """A mixture of experts replaying routes, with the load-balancing loss, as the loop runs it on the
+    (2, 2, 2) mesh (each batch shard routes its own rows and sums its router stats with the others':
+    `layers.moe.moe_ffn`'s shard_map), equals one device."""
     from jaxrl4llm.models import forward
     from jaxrl4llm.train.policy import make_logprob_fn
 
@@ -126,7 +127,8 @@ def check_moe(batch, opt, sched, mesh):
                         attention_mask=batch.attention_mask, return_routes=True)
     batch = batch._replace(routes=routes.astype(jnp.uint8))
     make = lambda: make_update_fn(logprob_fn=make_logprob_fn(graphdef, 1.0, 8), recipe=DAPO, optimizer=opt,
-                                  schedule=sched, settings=UpdateSettings(mini_batches=2, micro_batches=2))
+                                  schedule=sched, settings=UpdateSettings(mini_batches=2, micro_batches=2,
+                                                                           router_aux_loss_coef=0.1))
     single = jax.jit(make())(init_train_state(params, opt), batch)
     pinned = train_state_shardings(param_shardings(params, mesh), opt, params, mesh)
     with jax.set_mesh(mesh):
@@ -136,7 +138,7 @@ def check_moe(batch, opt, sched, mesh):
         text = update.lower(state, batch).as_text()
         looped = update(state, batch)
     assert "shard_map" in text or "sdy.manual_computation" in text, "the experts did not run per batch shard"
-    for k in ("loss", "grad_norm", "clip_frac", "entropy"):
+    for k in ("loss", "grad_norm", "clip_frac", "entropy", "router_aux_loss"):
         np.testing.assert_allclose(single[1][k], looped[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
     for a, b in zip(jax.tree.leaves(single[0].params), jax.tree.leaves(looped[0].params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)

@@ -59,7 +59,7 @@ def test_the_log_prob_pass_replays_the_samplers_routes():
     """trainer.router_replay=rollout: a batch built from a rollout with recorded routes scores as
     score_tokens(routes=) with the forward's routes of the sampled sequences (what the sampler ran),
     under changed weights too, where native routing would pick other experts; packed, the same batch
-    (its routes gathered with its tokens) scores as the padded one."""
+    (its routes gathered with its tokens) scores as the padded one, and so do shared-prompt rows."""
     from jaxrl4llm.models import forward, score_tokens
 
     config = ModelConfig(architecture="qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=0, num_layers=1,
@@ -96,6 +96,9 @@ def test_the_log_prob_pass_replays_the_samplers_routes():
     packed_logp, _ = jax.jit(make_logprob_pass(make_logprob_fn(graphdef, 1.0, 128), 1))(updated, packed)
     np.testing.assert_allclose(to_padded(np.asarray(packed_logp), plan, 4, batch.input_tokens.shape[1])[counted],
                                np.asarray(logp)[counted], rtol=1e-5, atol=1e-5)
+    # shared-prompt rows (each prompt run once for its 2 rows, with its recorded prompt routes): the same scores
+    shared_logp, _ = jax.jit(make_logprob_pass(make_logprob_fn(graphdef, 1.0, 128), 1, 8, 2))(updated, batch)
+    np.testing.assert_allclose(np.asarray(shared_logp)[counted], np.asarray(logp)[counted], rtol=1e-5, atol=1e-5)
 
 
 def test_in_bfloat16_replaying_the_samplers_routes_narrows_the_log_prob_gap():
@@ -121,7 +124,7 @@ def test_in_bfloat16_replaying_the_samplers_routes_narrows_the_log_prob_gap():
         batch = rollout_to_batch(rollout, compute_advantages(jnp.zeros(8, jnp.float32), 2, LITE_PPO))
         gap = lambda b: float(agreement_stats(logprob_pass(state, b)[0], batch.sampler_logp, batch.loss_mask)["mean_abs"])
         gaps.append((gap(batch), gap(batch._replace(routes=None))))
-        _, native_routes = make_routing_fn(graphdef, 1.0, 128)(state, batch.input_tokens, batch.targets,
+        _, native_routes, _ = make_routing_fn(graphdef, 1.0, 128)(state, batch.input_tokens, batch.targets,
                                                                batch.positions, batch.attention_mask)
         differed.append(float(route_disagreement(native_routes, batch.routes, batch.attention_mask)))
     assert any(d > 0 for d in differed), differed  # bf16 rounding flips some top-k sets at this size

@@ -128,9 +128,9 @@ def test_a_run_with_packing_auto_logs_its_row_form_and_writes_it_to_layout_json(
     assert any(line.startswith(f"row form: {layout['row_form'].replace('_', '-')} (trainer.packing=auto") for line in lines)
 
 
-def test_router_replay_runs_on_padded_or_packed_rows_of_a_mixture_of_experts_model():
-    """trainer.router_replay=rollout: padded or packed rows (prompt sharing steps aside), a ConfigError
-    naming the setting for a dense model, share_prompt=true, partial rollouts."""
+def test_router_replay_runs_on_every_row_form_of_a_mixture_of_experts_model():
+    """trainer.router_replay=rollout: padded, packed or shared-prompt rows, whole or partial rollouts; a
+    ConfigError naming the setting for a dense model or the static engine (which records no routes)."""
     from jaxrl4llm.models import ModelConfig
     from jaxrl4llm.train.config import ConfigError
 
@@ -140,12 +140,16 @@ def test_router_replay_runs_on_padded_or_packed_rows_of_a_mixture_of_experts_mod
     assert not replays_routes(load_config(None, []), moe)
     cfg = load_config(None, replay)
     assert replays_routes(cfg, moe)
-    assert packing_layout(cfg, True, 1, 32, print) is not None and shared_prompt_group(cfg, True, 1) is None
+    assert packing_layout(cfg, True, 1, 32, print) is not None
+    shared = load_config(None, replay + ["trainer.share_prompt=true"])
+    assert replays_routes(shared, moe) and shared_prompt_group(shared, True, 1) == shared.rollout.samples_per_prompt
     assert replays_routes(load_config(None, replay + ["trainer.packing=true"]), moe)
+    assert replays_routes(load_config(None, replay + ["rollout.partial=true", "trainer.max_staleness=1"]), moe)
     for extra, named in ((["model.architecture=qwen3"], "this model is dense"),
-                         (["trainer.share_prompt=true"], "not with trainer.share_prompt=true"),
-                         (["rollout.partial=true", "trainer.max_staleness=1"], "not with rollout.partial=true")):
+                         (["rollout.engine=static"], "set rollout.engine=continuous")):
         with pytest.raises(ConfigError, match=named):
             replays_routes(load_config(None, replay + extra), ModelConfig() if "dense" in named else moe)
+    with pytest.raises(ConfigError, match="trainer.router_aux_loss_coef"):
+        load_config(None, ["trainer.router_aux_loss_coef=-0.1"])
     with pytest.raises(ConfigError, match="choose one of 'off', 'rollout'"):
         load_config(None, ["trainer.router_replay=native"])

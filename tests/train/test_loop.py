@@ -244,6 +244,7 @@ def test_router_replay_trains_a_tiny_mixture_of_experts_model(demo_assets, tmp_p
     # router replay's metrics (trainer.router_metrics_every=1): the policy that sampled, routing natively
     assert 0.0 <= record["route_disagreement"] < 0.05
     assert 1.0 <= record["expert_load_max_over_mean"] <= 4.0
+    assert 0.0 < record["router_entropy"] <= np.log(4) + 1e-6  # nats, log E when uniform
     assert 0.0 <= record["sampler_trainer_logp_gap_native"] < 1e-2
     # model.freeze_router: the routers are the initial ones, bit for bit; the rest trained
     _, initial = setup_run(cfg, run_meshes(cfg)[0], lambda s: None)
@@ -267,3 +268,22 @@ def test_a_run_with_rollout_tools_samples_through_the_tool_engine(demo_assets, t
     static = load_config(None, tiny_overrides(demo_assets, tmp_path / "static", **tools, **{"rollout.engine": "static"}))
     with pytest.raises(ConfigError, match="rollout.engine=continuous"):
         train(static, log=lambda s: None)
+
+
+def test_router_replay_with_partial_rollouts_and_shared_prompts_and_the_load_balancing_loss(demo_assets, tmp_path):
+    """trainer.router_replay=rollout on a random Qwen3-MoE with rollout.partial (routes recorded across
+    segments) and trainer.share_prompt=true (each prompt run once with its recorded routes), and
+    trainer.router_aux_loss_coef > 0: two steps run, the update logs the load-balancing loss (k = 2 for
+    a uniform router, at most E = 4) and the routing pass the router entropy (at most log E)."""
+    cfg = load_config(None, tiny_overrides(demo_assets, tmp_path, **{
+        "model.architecture": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 2,
+        "model.moe_intermediate_size": 16, "trainer.router_replay": "rollout", "trainer.router_aux_loss_coef": 0.01,
+        "rollout.partial": True, "trainer.max_staleness": 1, "trainer.share_prompt": True,
+        "trainer.clipped_tokens_every": 0}))
+    summary = train(cfg, log=lambda s: None)
+    assert json.loads((tmp_path / "layout.json").read_text())["row_form"] == "shared_prompt"
+    for record in summary["history"]:
+        assert 2.0 <= record["router_aux_loss"] <= 4.0
+        assert 0.0 < record["router_entropy"] <= np.log(4) + 1e-6
+        assert all(np.isfinite(record[k]) for k in ("loss", "grad_norm", "sampler_trainer_logp_gap",
+                                                    "route_disagreement"))

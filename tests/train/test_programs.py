@@ -79,7 +79,8 @@ def test_a_frozen_router_gets_no_update_and_no_weight_decay(demo_assets, tmp_pat
 
 # a mixture of experts whose update replays the sampler's routes (padded rows; packed: tests/train/test_loop.py)
 MOE_REPLAY = {"model.architecture": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 2,
-              "model.moe_intermediate_size": 16, "trainer.router_replay": "rollout", "trainer.packing": False}
+              "model.moe_intermediate_size": 16, "trainer.router_replay": "rollout", "trainer.packing": False,
+              "trainer.share_prompt": False}
 
 
 @pytest.mark.parametrize("rows", ["packed", "moe replay"])

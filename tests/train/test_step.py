@@ -172,9 +172,10 @@ def test_split_keeps_whole_groups_and_unsplit_inverts_it():
     np.testing.assert_array_equal(_split(x, 4), _split(x, 4, 1))  # group 1: the row-strided split
 
 
-def _grouped_model_batch(prompts=4, group=4, prompt_width=6, response=5, seed=0):
+def _grouped_model_batch(prompts=4, group=4, prompt_width=6, response=5, seed=0, moe=False):
     """A tiny float32 Qwen3's logprob_fn and a trainer batch of `group` sampled rows per prompt
-    (left-padded prompts of different lengths, responses ending early)."""
+    (left-padded prompts of different lengths, responses ending early); moe: a Qwen3-MoE of 4
+    experts, 2 a token."""
     from jaxrl4llm.models import ModelConfig, init_model
     from jaxrl4llm.sampling import Rollout
     from jaxrl4llm.train.batching import rollout_to_batch
@@ -182,6 +183,9 @@ def _grouped_model_batch(prompts=4, group=4, prompt_width=6, response=5, seed=0)
 
     config = ModelConfig(architecture="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", remat=True)
+    if moe:
+        config = config.replace(architecture="qwen3_moe", intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=16, norm_topk_prob=True)
     graphdef, params = init_model(config, jax.random.key(1), std=0.1)
     rng = np.random.default_rng(seed)
     rows = prompts * group
@@ -261,3 +265,40 @@ def test_row_sum_mode_loss_is_the_mini_batch_sum_over_norm_length():
     new_state, _, _ = update(init_train_state(params, sgd), batch)
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(jax.tree.map(lambda x, y: x - y, params, new_state.params))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_router_aux_loss_trains_the_router_and_is_off_at_zero():
+    """trainer.router_aux_loss_coef = c > 0: the loss is policy + c * the load-balancing loss (one
+    micro-batch), the routers' gradients change, a shared-prompt batch gives the whole rows' loss
+    (each prompt's router stats counted for its G rows); c = 0 never asks the model for router stats
+    (a logprob_fn that refuses them lowers the same update)."""
+    logprob_fn, params, batch = _grouped_model_batch(moe=True)
+    recipe = LITE_PPO
+
+    def terms(p, coef, group=None):
+        t, metrics, _ = batch_loss_terms(p, batch, logprob_fn=logprob_fn, recipe=recipe, scored_tokens=5,
+                                         prompt_group=group, router_aux_loss_coef=coef)
+        return t.value, metrics
+
+    value_and_grad = jax.jit(jax.value_and_grad(terms, has_aux=True), static_argnums=(1, 2))
+    router = lambda g: np.asarray(g["layers"]["mlp"]["router"].get_value())  # [L, D, E]
+    ((plain, _), plain_grad), ((balanced, metrics), balanced_grad) = (value_and_grad(params, c) for c in (0.0, 0.5))
+    aux = float(metrics["router_aux_loss"])
+    assert 2.0 <= aux < 4.0  # k = 2 for a uniform router, up to E = 4 when one expert takes every choice
+    np.testing.assert_allclose(float(balanced), float(plain) + 0.5 * aux, rtol=1e-5)
+    shared, shared_metrics = jax.jit(terms, static_argnums=(1, 2))(params, 0.5, 4)
+    np.testing.assert_allclose(float(shared_metrics["router_aux_loss"]), aux, rtol=1e-5)
+    np.testing.assert_allclose(float(shared), float(balanced), rtol=1e-5)
+    differ = np.abs(router(balanced_grad) - router(plain_grad))
+    assert all(differ[layer].max() > 1e-4 for layer in range(2)), differ.max(axis=(1, 2))
+
+    def refuses_stats(*args, router_stats=False, **kwargs):
+        assert not router_stats, "router stats asked for at router_aux_loss_coef=0"
+        return logprob_fn(*args, **kwargs)
+
+    opt, sched = make_optimizer(lr=1e-3, max_grad_norm=None)
+    state = init_train_state(params, opt)
+    lowered = [jax.jit(make_update_fn(logprob_fn=fn, recipe=recipe, optimizer=opt, schedule=sched,
+                                      settings=UpdateSettings(scored_tokens=5))).lower(state, batch).as_text()
+               for fn in (logprob_fn, refuses_stats)]
+    assert lowered[0] == lowered[1]

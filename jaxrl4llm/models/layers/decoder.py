@@ -41,7 +41,8 @@ class LayerWeights(Protocol):
     def out(self, attn: jax.Array) -> jax.Array: ...  # [B, T, H, Dh] -> [B, T, D]
     def gate_up(self, h: jax.Array) -> tuple[jax.Array, jax.Array]: ...  # [B, T, D] -> 2x [B, T, F]
     def down(self, a: jax.Array) -> jax.Array: ...  # [B, T, F] -> [B, T, D]
-    # A mixture-of-experts layer also has `moe(h [B, T, D], routes [B, T, k] | None) -> (y, ids)`
+    # A mixture-of-experts layer also has `moe(h [B, T, D], routes [B, T, k] | None, token_mask=None)
+    # -> (y, ids, router stats or None)
     # (`layers.moe.MoE.__call__`); a dense one has no `moe` or `moe` None.
 
 
@@ -55,26 +56,29 @@ def attention_block(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.
     return x + layer.out(checkpoint_name(attn, "attention")), aux
 
 
-def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                  attend: AttendFn, routes: jax.Array | None = None) -> tuple[jax.Array, Any, jax.Array | None]:
+def decoder_layer(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
+                  routes: jax.Array | None = None, token_mask: jax.Array | None = None
+                  ) -> tuple[jax.Array, Any, jax.Array | None, Any]:
     """One pre-norm decoder layer (formula in the module docstring).
 
     Args: x [B, T, D] float32 residual stream; cos, sin [B, T, Dh] rotary tables of the T
       positions; attend: attention of the new queries (see AttendFn); routes: expert ids
       [B, T, k] the layer's experts are forced to (a mixture-of-experts layer only; None: its
-      router's top k).
-    Returns: (x'' [B, T, D] float32, attend's aux, expert ids [B, T, k] int32 or None when dense).
+      router's top k); token_mask [B, T]: a mixture-of-experts layer's router statistics over the
+      tokens where it is > 0 (`core.routing.RouterStats`; None: none computed).
+    Returns: (x'' [B, T, D] float32, attend's aux, expert ids [B, T, k] int32 or None when dense,
+      RouterStats or None).
     """
     x, aux = attention_block(layer, x, cos, sin, attend)
     h = layer.post_attn_norm(x)
     moe = getattr(layer, "moe", None)
     if moe is not None:
-        y, ids = moe(h, routes)
-        return x + y, aux, ids
+        y, ids, stats = moe(h, routes, token_mask=token_mask)
+        return x + y, aux, ids, stats
     if routes is not None:
         raise ValueError("routes (expert ids) given to a dense layer; only mixture-of-experts models take them")
     g, u = checkpoint_name(layer.gate_up(h), "mlp_gate_up")
-    return x + layer.down(swiglu_gate(g, u)), aux, None
+    return x + layer.down(swiglu_gate(g, u)), aux, None, None
 
 
 class DecoderLayer(nnx.Module):
@@ -119,5 +123,6 @@ class DecoderLayer(nnx.Module):
         return self.mlp if isinstance(self.mlp, MoE) else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
-                 routes: jax.Array | None = None) -> tuple[jax.Array, Any, jax.Array | None]:
-        return decoder_layer(self, x, cos, sin, attend, routes)
+                 routes: jax.Array | None = None, token_mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, Any, jax.Array | None, Any]:
+        return decoder_layer(self, x, cos, sin, attend, routes, token_mask)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxrl4llm.core.routing import RouterStats, router_stats
 from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for
 from jaxrl4llm.models.layers.linear import einsum, normal_init, param
 from jaxrl4llm.models.layers.segment_attention import compile_platform
@@ -145,18 +146,22 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gate_weights: jax.Array, exp
 
 
 def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_topk_prob: bool, form: str,
-            dtype, routes: jax.Array | None = None, phase: str = "train", mesh=None) -> tuple[jax.Array, jax.Array]:
-    """The layer's feed-forward: (y [B, T, D] float32, expert ids [B, T, k] int32) of h [B, T, D]:
-    the router's top k, or `routes` [B, T, k] replayed (gate weights from the router's full softmax).
+            dtype, routes: jax.Array | None = None, phase: str = "train", mesh=None,
+            token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+    """The layer's feed-forward: (y [B, T, D] float32, expert ids [B, T, k] int32, router stats) of
+    h [B, T, D]: the router's top k, or `routes` [B, T, k] replayed (gate weights from the router's
+    full softmax).
 
     router [D, E]; form: an `ExpertForm` name or "auto" (`kernels.choice.expert_form_for` for the
     compiling platform and `phase`: "train", "prefill" or "decode"). The training forward (`MoE`) and
     the sampler's decode layout (`models.decode.FusedLayer`) both run this. mesh: the mesh h's rows
     are split over (default: the current `jax.set_mesh` context's); outside decode, each of its batch
-    shards routes its own rows (`_per_batch_shard`)."""
+    shards routes its own rows (`_per_batch_shard`). token_mask [B, T] (> 0: counted): the router's
+    `core.routing.RouterStats` over those tokens (the load-balancing loss, the router entropy); None:
+    none computed (stats None, the program as without)."""
     form = expert_form_for(compile_platform(), phase).kernel if form == "auto" else form
 
-    def rows(h, routes, router, experts):
+    def rows(h, routes, mask, router, experts):
         b, t, d = h.shape
         x = h.reshape(b * t, d)
         probs = router_probs(x, router)
@@ -166,36 +171,41 @@ def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_t
             ids = routes.reshape(b * t, k).astype(jnp.int32)
             w = replay_route(probs, ids, norm_topk_prob)
         y = expert_ffn(x, ids, w, experts, form, dtype)
-        return y.reshape(b, t, d), ids.reshape(b, t, k)
+        stats = None if mask is None else router_stats(probs, ids, mask.reshape(b * t))
+        return y.reshape(b, t, d), ids.reshape(b, t, k), stats
 
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     split = None if phase == "decode" or mesh.empty else _row_split(h, mesh)
     if split is None:  # one device, or a decode step (no sort: GSPMD splits its einsums)
-        return rows(h, routes, router, experts)
-    return _per_batch_shard(rows, h, routes, router, experts, mesh, split)
+        return rows(h, routes, token_mask, router, experts)
+    return _per_batch_shard(rows, h, routes, token_mask, router, experts, mesh, split)
 
 
-def _per_batch_shard(rows, h, routes, router, experts: Experts, mesh, split: PartitionSpec):
+def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh, split: PartitionSpec):
     """`rows` run by each batch shard on its own rows (`jax.shard_map` over the batch axes): the sort
     by expert, the grouped matmuls and the unsort stay on the shard. Over rows split across chips,
     GSPMD gathers every chip's tokens for one global sort (Qwen3-30B-A3B's scoring pass on v5p:4x4x4
     asked 227 GiB a chip). The router enters whole; each expert enters with its width split over
     the tensor axis where the mesh has one (`expert_mlp`), the partial outputs summed by one psum;
-    the model dim enters whole, as FSDP gathers a layer's weights for its matmuls."""
+    the model dim enters whole, as FSDP gathers a layer's weights for its matmuls. Router stats
+    (sums) are summed over the batch shards by a psum."""
     tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and experts.gate.shape[2] % mesh.shape["tensor"] == 0 \
         else None
     specs = Experts(PartitionSpec(None, None, tensor), PartitionSpec(None, None, tensor),
                     PartitionSpec(None, tensor, None))
+    batch_axes = split[0]
+    given = {"routes": (routes, split), "token_mask": (token_mask, PartitionSpec(batch_axes, None))}
+    given = {name: arg for name, arg in given.items() if arg[0] is not None}
 
-    def local(h, routes, router, experts):
-        y, ids = rows(h, routes, router, experts)
-        return (jax.lax.psum(y, tensor) if tensor else y), ids
+    def local(h, optional, router, experts):
+        y, ids, stats = rows(h, optional.get("routes"), optional.get("token_mask"), router, experts)
+        y = jax.lax.psum(y, tensor) if tensor else y
+        return (y, ids) if stats is None else (y, ids, jax.lax.psum(stats, batch_axes))
 
-    if routes is None:
-        return jax.shard_map(lambda h, router, experts: local(h, None, router, experts), mesh=mesh,
-                             in_specs=(split, PartitionSpec(), specs), out_specs=(split, split))(h, router, experts)
-    return jax.shard_map(local, mesh=mesh, in_specs=(split, split, PartitionSpec(), specs),
-                         out_specs=(split, split))(h, routes, router, experts)
+    out_specs = (split, split) if token_mask is None else (split, split, PartitionSpec())
+    out = jax.shard_map(local, mesh=mesh, in_specs=(split, {n: a[1] for n, a in given.items()}, PartitionSpec(), specs),
+                        out_specs=out_specs)(h, {n: a[0] for n, a in given.items()}, router, experts)
+    return out if token_mask is not None else (*out, None)
 
 
 def _row_split(h: jax.Array, mesh) -> PartitionSpec | None:
@@ -223,9 +233,9 @@ class MoE(nnx.Module):
         self.up_proj = param(normal_init(rngs, (e, d, i), c.param_dtype, std), ("expert", "embed", "expert_mlp"))
         self.down_proj = param(normal_init(rngs, (e, i, d), c.param_dtype, std), ("expert", "expert_mlp", "embed"))
 
-    def __call__(self, h: jax.Array, routes: jax.Array | None = None, phase: str = "train"
-                 ) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, routes: jax.Array | None = None, phase: str = "train",
+                 token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
         """`moe_ffn` over this layer's weights."""
         experts = Experts(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         return moe_ffn(h, self.router[...], experts, k=self.k, norm_topk_prob=self.norm_topk_prob, form=self.form,
-                       dtype=self.dtype, routes=routes, phase=phase)
+                       dtype=self.dtype, routes=routes, phase=phase, token_mask=token_mask)
