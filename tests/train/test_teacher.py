@@ -4,35 +4,19 @@ a mixed update bit for bit the plain one; a teacher of another shape runs; the p
 equals the padded one; a missing folder and another tokenizer are one-line errors."""
 
 import json
-import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained
+from jaxrl4llm.models import load_tokenizer
 from jaxrl4llm.train.config import ConfigError, load_config
 from jaxrl4llm.train.loop import train
-from tests.train.conftest import tiny_overrides
+from tests.train.conftest import teacher_folder, tiny_overrides
 
 
 def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def teacher_folder(path, tokenizer_dir, *, layers=2, hidden=48, seed=3):
-    """A random teacher of another shape than the tiny student (more layers, wider), with the tiny
-    run's tokenizer, as an HF folder."""
-    tok = load_tokenizer(tokenizer_dir)
-    config = ModelConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
-                         num_heads=2, num_kv_heads=1, head_dim=24, qk_norm=True, tie_word_embeddings=True,
-                         max_position_embeddings=512, dtype="float32", param_dtype="float32",
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    save_pretrained(init_model(config, jax.random.PRNGKey(seed)), path)
-    for f in Path(tokenizer_dir).iterdir():
-        shutil.copy(f, path / f.name)
-    return path
 
 
 def student_run(demo_assets, finished_run, out, **extra):
