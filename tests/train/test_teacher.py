@@ -50,11 +50,12 @@ def test_a_teacher_that_is_the_student_reads_zero_and_leaves_the_mixed_update_as
                  plain["state"].params, mixed["state"].params)
 
 
-def test_a_larger_teacher_runs_and_packed_rows_give_the_padded_teacher_logp(demo_assets, finished_run, tmp_path):
+def test_a_larger_teacher_runs_and_packed_and_shared_prompt_rows_give_the_padded_teacher_logp(demo_assets, finished_run, tmp_path):
     """A 2-layer, 48-wide teacher for the 1-layer, 32-wide student: pure distillation runs, its
-    teacher_kl is positive; the packed teacher pass gives the padded one's log-probs."""
-    from jaxrl4llm.train.loop import build_batch, run_meshes, sample_groups, setup_run, PromptStream
-    from jaxrl4llm.train.packing import to_padded
+    teacher_kl is positive; the packed and the shared-prompt teacher passes give the padded one's log-probs."""
+    from jaxrl4llm.train.layout import packing_layout_for
+    from jaxrl4llm.train.loop import PromptStream, _prompt_lengths, build_batch, run_meshes, sample_groups, setup_run
+    from jaxrl4llm.train.packing import pack_plan, to_padded
 
     teacher = teacher_folder(tmp_path / "teacher", demo_assets["tokenizer"])
     cfg = student_run(demo_assets, finished_run, tmp_path / "opd", **{
@@ -63,30 +64,30 @@ def test_a_larger_teacher_runs_and_packed_rows_give_the_padded_teacher_logp(demo
     assert all(np.isfinite(r["teacher_kl"]) and r["teacher_kl"] > 0 for r in history)
 
     got = {}
-    for packing in ("false", "true"):
-        cfg = student_run(demo_assets, finished_run, tmp_path / f"p{packing}", **{
-            "algorithm.preset": "opd", "teacher.model": teacher, "teacher.dtype": "float32",
-            "trainer.packing": packing})
+    forms = {"padded": {"trainer.packing": "false"}, "packed": {"trainer.packing": "true"},
+             "shared": {"trainer.packing": "false", "trainer.share_prompt": "true"}}
+    for form, rows in forms.items():
+        cfg = student_run(demo_assets, finished_run, tmp_path / form, **{
+            "algorithm.preset": "opd", "teacher.model": teacher, "teacher.dtype": "float32", **rows})
         mesh, _ = run_meshes(cfg)
         run, state = setup_run(cfg, mesh, lambda s: None)
+        assert (run.settings.packing is not None) == (form == "packed")
+        assert (run.settings.prompt_group is not None) == (form == "shared")
         stream = PromptStream(len(run.train_set), seed=0, shuffle=False)
         rollout, scores, _ = sample_groups(run.policy.with_state(state), run.train_set, stream, cfg,
                                            jax.random.PRNGKey(0), run.reward_fn, run.recipe)
         batch, _, extra = build_batch(run, state, rollout, scores.rewards, 0)
         assert extra["time_teacher"] > 0
-        if packing == "true":
-            from jaxrl4llm.train.loop import _prompt_lengths
-            from jaxrl4llm.train.layout import packing_layout_for
-            from jaxrl4llm.train.packing import pack_plan
-            rows, width = rollout.prompt_tokens.shape
-            layout = packing_layout_for(cfg, rows, run.settings.packing.shards, width)
+        got[form] = np.asarray(batch.teacher_logp)
+        if form == "packed":
+            rows_, width = rollout.prompt_tokens.shape
+            layout = packing_layout_for(cfg, rows_, run.settings.packing.shards, width)
             plan = pack_plan(np.asarray(_prompt_lengths(rollout.prompt_mask)), np.asarray(rollout.lengths), layout,
                              width)
-            got[packing] = to_padded(np.asarray(batch.teacher_logp), plan, rows, batch.input_tokens.shape[-1])
-        else:
-            got[packing] = np.asarray(batch.teacher_logp)
-    np.testing.assert_allclose(got["true"], got["false"], atol=2e-5)
-    assert np.abs(got["false"]).sum() > 0
+            got[form] = to_padded(got[form], plan, rows_, width + rollout.response_tokens.shape[1] - 1)
+    for form in ("packed", "shared"):
+        np.testing.assert_allclose(got[form], got["padded"], atol=2e-5, err_msg=form)
+    assert np.abs(got["padded"]).sum() > 0
 
 
 def test_a_missing_teacher_folder_is_one_line_naming_the_fix(demo_assets, finished_run, tmp_path):
