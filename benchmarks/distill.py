@@ -2,7 +2,7 @@
 seconds, the teacher pass's share of the step, teacher memory.
 
     python benchmarks/distill.py [--out runs/distill] [--steps 30] [--student-sft 30] [--teacher-sft 300]
-                                 [--recipes opd,grpo,lite_ppo_opd] [--seed 0]
+                                 [--recipes opd,grpo,lite_ppo_opd] [--seed 0] [--lr 1e-3]
 
 1. writes the demo task (train/demo.py's DEMO_TASK: 1-digit two-step +/- word problems);
 2. builds two warm starts of the demo's 0.4M-parameter model by the demo's SFT on noisy worked
@@ -46,7 +46,7 @@ def run_overrides(args, data: dict, student: Path, out: Path, eval_limit: int) -
             f"trainer.eval_every={args.eval_every}", "trainer.checkpoint_every=0", "trainer.export_hf=false",
             "trainer.progress_bar=false", f"data.eval_limit={eval_limit}", "trainer.eval_samples=2",
             f"trainer.seed={args.seed}", f"rollout.prompts_per_step={args.prompts}",
-            "rollout.samples_per_prompt=8", "trainer.mini_batches=1", "teacher.dtype=float32"]
+            "rollout.samples_per_prompt=8", "trainer.mini_batches=1", "teacher.dtype=float32", f"optim.lr={args.lr}"]
 
 
 def teacher_accuracy(args, data, teacher: Path, out: Path, eval_limit: int) -> float:
@@ -85,18 +85,19 @@ def plot(rows: list[dict], teacher_acc: float, path: Path) -> None:
 
     fig = Figure(figsize=(15, 4))
     axes = fig.subplots(1, 3)
-    for row in rows:
+    for i, row in enumerate(rows):
         steps, seconds, acc = zip(*row["curve"])
-        axes[0].plot(steps, acc, marker="o", label=row["recipe"])
-        axes[1].plot(seconds, acc, marker="o", label=row["recipe"])
+        color = f"C{i}"  # one colour a recipe in every panel
+        axes[0].plot(steps, acc, marker="o", label=row["recipe"], color=color)
+        axes[1].plot(seconds, acc, marker="o", label=row["recipe"], color=color)
         if "teacher_kl" in row:
-            axes[2].plot(range(1, len(row["teacher_kl"]) + 1), row["teacher_kl"], label=row["recipe"])
+            axes[2].plot(range(1, len(row["teacher_kl"]) + 1), row["teacher_kl"], label=row["recipe"], color=color)
     for ax in axes[:2]:
         ax.axhline(teacher_acc, color="gray", linestyle="--", label="teacher")
         ax.set_ylabel("held-out accuracy")
         ax.legend()
     axes[0].set_xlabel("step")
-    axes[1].set_xlabel("seconds")
+    axes[1].set_xlabel("seconds (the first step's include compiling)")
     axes[2].set_xlabel("step")
     axes[2].set_ylabel("teacher_kl")
     axes[2].legend()
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--teacher-sft", type=int, default=300)
     p.add_argument("--recipes", default="opd,grpo,lite_ppo_opd")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="optim.lr of every run (configs/demo.yaml's: 2e-4)")
     args = p.parse_args(argv)
     out = Path(args.out)
     t0 = time.perf_counter()
