@@ -28,7 +28,7 @@ Distillation: on-policy distillation from a teacher's log-probs at the sampled t
 Filters:      overlong_filter_mask, overlong_soft_penalty, dynamic_sampling_mask, void_turn_filter_mask
 Routing:      a mixture of experts' routes compared (router replay's metrics): route_disagreement,
               expert_load, load_imbalance
-Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL, PRESETS,
+Recipes:      Recipe, PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL, OPD, LITE_PPO_OPD, PRESETS,
               compute_advantages, policy_loss, policy_loss_from_rewards
 """
 
@@ -77,6 +77,8 @@ from jaxrl4llm.core.recipes import DAPO
 from jaxrl4llm.core.recipes import DR_GRPO
 from jaxrl4llm.core.recipes import GRPO
 from jaxrl4llm.core.recipes import LITE_PPO
+from jaxrl4llm.core.recipes import LITE_PPO_OPD
+from jaxrl4llm.core.recipes import OPD
 from jaxrl4llm.core.recipes import PPO_BASELINE
 from jaxrl4llm.core.recipes import PRESETS
 from jaxrl4llm.core.recipes import SCALERL
@@ -109,7 +111,7 @@ from jaxrl4llm.core.surrogate_registry import surrogate_names
 __all__ = [
     "AGGREGATION_MODES", "AdvantageBatch", "CISPO", "COV_CONTROLS", "clip_cov_mask", "kl_cov_mask", "kl_cov_penalty",
     "token_covariance", "top_k_mask", "Correction", "IS_CORRECTIONS", "agreement_stats", "icepop", "mis_sequence", "mis_token",
-    "mismatch_correction", "seq_mask", "tis_sequence", "tis_token", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LossTerms",
+    "mismatch_correction", "seq_mask", "tis_sequence", "tis_token", "DAPO", "DR_GRPO", "GRPO", "KL_KINDS", "LITE_PPO", "LITE_PPO_OPD", "OPD", "LossTerms",
     "PPO_BASELINE", "PRESETS", "Recipe", "RegisteredSurrogate", "SCALERL", "SurrogateOutput", "SurrogateStats",
     "aggregate_loss", "apply_surrogate", "batch_whiten", "broadcast_advantages", "cispo_loss", "cispo_surrogate",
     "clipped_surrogate", "ppo_clip_loss", "register_surrogate", "registered_surrogate", "sapo_loss",

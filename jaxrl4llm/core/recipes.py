@@ -92,6 +92,14 @@ class Recipe:
       cov_ratio: fraction of counted tokens selected (the paper: 2e-4 Clip-Cov, 2e-3 KL-Cov).
       clip_cov_low, clip_cov_high: Clip-Cov's covariance band (the paper: 1, 5).
       kl_cov_coef: KL-Cov's coefficient (the paper: 1).
+      distill_coef: beta of on-policy distillation (core.distill, docs/objectives.md): the token
+        advantage A_t = A_task - beta·sg(log pi_old(y_t) - log pi_teacher(y_t)) (`distill_advantages`);
+        0 = off. Needs a teacher (the run's `teacher.model`).
+      distill_discount: gamma in [0, 1] of the discounted future sum of the distillation terms (0:
+        per token only, Thinking Machines' default).
+      distill_clip: bound > 0 on each token's distillation term -beta·d_t, or None.
+      task_reward: the task's advantage A_task enters the loss; False with distill_coef > 0 is pure
+        distillation (A_task = 0: no reward signal, the verifier's reward is only logged).
     """
 
     name: str = "custom"
@@ -132,6 +140,10 @@ class Recipe:
     clip_cov_low: float = 1.0
     clip_cov_high: float = 5.0
     kl_cov_coef: float = 1.0
+    distill_coef: float = 0.0
+    distill_discount: float = 0.0
+    distill_clip: float | None = None
+    task_reward: bool = True
 
     def __post_init__(self):
         problems = []
@@ -181,8 +193,27 @@ class Recipe:
             problems.append(f"clip_cov_low/clip_cov_high must satisfy low < high, got {self.clip_cov_low}/{self.clip_cov_high}")
         if not self.kl_cov_coef >= 0:
             problems.append(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+        problems += self._distill_problems()
         if problems:
             raise ValueError(f"Invalid recipe {self.name!r}: " + "; ".join(problems) + ".")
+
+    def _distill_problems(self) -> list[str]:
+        """The distillation fields' checks (`distill_*`, `task_reward`)."""
+        problems = []
+        if not self.distill_coef >= 0:
+            problems.append(f"distill_coef must be >= 0 (0 = no distillation), got {self.distill_coef}")
+        if not 0.0 <= self.distill_discount <= 1.0:
+            problems.append(f"distill_discount must be in [0, 1], got {self.distill_discount}")
+        if self.distill_clip is not None and not self.distill_clip > 0:
+            problems.append(f"distill_clip must be > 0 or None, got {self.distill_clip}")
+        if not self.task_reward and not self.distill_coef > 0:
+            problems.append("task_reward=False leaves no training signal without distill_coef > 0")
+        return problems
+
+    @property
+    def distills(self) -> bool:
+        """True when the loss takes the teacher's signal (distill_coef > 0): the run needs a teacher."""
+        return self.distill_coef > 0
 
     @property
     def uses_sampler_logp(self) -> bool:
@@ -230,7 +261,18 @@ SCALERL = Recipe(
     surrogate="cispo", cispo_cap_mode="relative", eps_low=1.0, eps_high=4.0, dynamic_sampling=True,
 )
 
-PRESETS: dict[str, Recipe] = {r.name: r for r in (PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL)}
+# On-policy distillation (Thinking Machines, "On-Policy Distillation", 2025; tinker-cookbook
+# `distillation/train_on_policy.py`): no task reward, A_t = -sg(log pi(y_t) - log pi_T(y_t)) per
+# token (kl_penalty_coef 1, kl_discount_factor 0), token-mean, one epoch; needs `teacher.model`.
+OPD = Recipe(name="opd", adv_mean="none", adv_std="none", loss_agg_mode="token-mean", distill_coef=1.0,
+             task_reward=False)
+# Lite PPO + distillation: Lite PPO's task advantage plus the teacher's per-token term (slime's
+# A_t - lambda_opd·d_t, ROLL's `use_opd`), beta 1.
+LITE_PPO_OPD = Recipe(name="lite_ppo_opd", adv_mean="group", adv_std="batch", loss_agg_mode="token-mean",
+                      distill_coef=1.0)
+
+PRESETS: dict[str, Recipe] = {r.name: r for r in (PPO_BASELINE, GRPO, DAPO, DR_GRPO, LITE_PPO, CISPO, SCALERL, OPD,
+                                                   LITE_PPO_OPD)}
 
 
 class AdvantageBatch(NamedTuple):

@@ -67,6 +67,7 @@ from jaxrl4llm.train.policy import make_logprob_fn, make_routing_fn
 from jaxrl4llm.train.programs import optimizer_for, trainer_programs
 from jaxrl4llm.train.response_lengths import LengthDistribution, parse_lengths
 from jaxrl4llm.train.rollout_pipeline import sampler_mesh_shape
+from jaxrl4llm.train.teacher import Teacher, check_teacher_needed
 from jaxrl4llm.train.step import (TrainBatch, batch_shardings, init_train_state, join_params, train_state_shardings)
 
 
@@ -169,6 +170,35 @@ def plan_model_config(cfg: RunConfig):
         raise ConfigError("plan needs the model's shape: set model.path to a folder with config.json, or "
                           "model.vocab_size (with model.hidden_size, num_layers, ...) as configs/models/*.yaml do.")
     return model_config_from_fields(cfg, vocab_size=m.vocab_size)
+
+
+def plan_teacher_config(cfg: RunConfig):
+    """The ModelConfig of `teacher.model` (its config.json alone: a Hub id's is fetched without the
+    weights), in `teacher.dtype`; None without a teacher. A missing folder or config is a one-line ConfigError."""
+    t = cfg.teacher
+    check_teacher_needed(cfg)
+    if not t.model:
+        return None
+    try:
+        folder = resolve_model(t.model, files=("config.json",))
+    except HubFilesMissing as e:
+        raise ConfigError(f"teacher.model={t.model!r}: {e}") from None
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        raise ConfigError(f"teacher.model={t.model!r} is not a folder with config.json; point it at a Hugging Face "
+                          f"checkpoint folder or a Hub id (org/name[@revision]), or set teacher.model=null.")
+    return ModelConfig.from_pretrained_dir(folder, dtype=t.dtype, param_dtype=t.dtype,
+                                            attention_impl=cfg.model.attention_impl)
+
+
+def plan_teacher(cfg: RunConfig, mesh: Mesh) -> Teacher | None:
+    """The run's teacher as abstract parameters on the trainer's mesh (the loop's shardings), or None."""
+    config = plan_teacher_config(cfg)
+    if config is None:
+        return None
+    graphdef, abstract = abstract_model(config)
+    params = _with_shardings(abstract, param_shardings(abstract, mesh))
+    return Teacher(config=config, graphdef=graphdef, params=params, temperature=cfg.teacher.temperature,
+                   chunk_size=cfg.teacher.logprob_chunk_size)
 
 
 # ---------------------------------------------------------------------------- per-chip bytes
@@ -333,6 +363,7 @@ class RunPlan:
     trainer_hlo_flops: dict = dataclasses.field(default_factory=dict, repr=False)  # 2N/6N per position, by program
     layout: Any = None  # the run's layout (train.layout.RunLayout) the trainer programs were compiled for
     only: str = ""  # "trainer" / "sampler": one side's programs alone (`plan --only`), the step time that side's
+    teacher_bytes: int = 0  # on-policy distillation: the teacher's parameters on a trainer chip (resident all run)
 
     @property
     def fits(self) -> bool:
@@ -407,6 +438,12 @@ class PlanInputs:
     train_state: Any
     sampler_params: Any  # what the sampler's weights program reads
     log: Any = None
+    teacher: Any = None  # on-policy distillation's train.teacher.Teacher (abstract parameters), or None
+
+    @property
+    def teacher_bytes(self) -> int:
+        """The teacher's parameters on a trainer chip: they stay in HBM the whole run."""
+        return 0 if self.teacher is None else per_chip_bytes(self.teacher.params)
 
     @property
     def response_len(self) -> int:
@@ -464,7 +501,7 @@ def plan_inputs(cfg: RunConfig, topology: str, *, chip: ChipSpec | None = None, 
                       config=config, layout=None if sampler_only else plan_layout(cfg, topology),
                       prompt_len=bucket(cfg.data.max_prompt_tokens, PROMPT_BUCKETS), graphdef=graphdef,
                       train_params=train_params, frozen=frozen, train_state=train_state, sampler_params=sampler_params,
-                      log=log)
+                      log=log, teacher=None if sampler_only else plan_teacher(cfg, mesh))
 
 
 def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDistribution | str | None = None,
@@ -496,9 +533,13 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     programs += trainer
     param_bytes = per_chip_bytes(ins.params)
     for p in programs:  # while sampling and scoring, the train state waits in HBM beside the program
-        p.resident_bytes = {"sampler/decode": ins.sampler_resident, "update": 0}.get(p.name, ins.state_bytes - param_bytes)
+        p.resident_bytes = {"sampler/decode": ins.sampler_resident, "update": 0,
+                            "teacher pass": ins.state_bytes}.get(p.name, ins.state_bytes - param_bytes)
         if ins.own_sampler is not None and p.name == "sampler/weights":
             p.resident_bytes = 0  # its argument is the parameters' copy itself
+        # a teacher's parameters stay on the trainer's chips beside every other program
+        if p.name != "teacher pass" and (ins.own_sampler is None or not p.name.startswith("sampler/")):
+            p.resident_bytes += ins.teacher_bytes
     own = None if trainer_only else ins.own_sampler
     if own is not None:  # asynchronous RL on chips of its own: what the step's overlap costs
         copy = per_chip_bytes(ins.sampler_params)
@@ -508,7 +549,10 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     plan = RunPlan(*shape, programs, sampler, extra["group"], chips=ins.mesh.size + (own.size if own is not None else 0),
                    decode=decode, trainer_positions=extra["tokens"], packing=extra["packing"],
                    attention_kernel=extra["kernel"], layout=ins.layout, only="trainer" if trainer_only else "",
-                   trainer_hlo_flops={"logprob pass": 2 * n / ins.mesh.size, "update": 6 * n * epochs / ins.mesh.size})
+                   trainer_hlo_flops={"logprob pass": 2 * n / ins.mesh.size, "update": 6 * n * epochs / ins.mesh.size,
+                                      "teacher pass": 0 if ins.teacher is None else
+                                      2 * ins.teacher.config.num_active_params / ins.mesh.size},
+                   teacher_bytes=ins.teacher_bytes)
     return with_lengths(plan, lengths, prompt_tokens)
 
 
@@ -623,7 +667,7 @@ def trainer_arguments(ins: PlanInputs) -> tuple:
     or the packing layout's PackedBatch) and its row width."""
     packing = ins.layout.update.packing
     if packing is not None:  # packed rows: the micro-batch is the token budget's rows, the count follows the data
-        return packed_abstract(packing, ins.mesh, replayed_routes(ins)), packing.row_width
+        return packed_abstract(packing, ins.mesh, replayed_routes(ins), teacher=ins.teacher is not None), packing.row_width
     return padded_batch(ins), ins.prompt_len + ins.response_len - 1
 
 
@@ -648,6 +692,8 @@ def padded_batch(ins: PlanInputs) -> TrainBatch:
                   denominator_weights=((rows,), jnp.float32))
     if routes is not None:
         shapes["routes"] = ((rows, seq) + routes[:2], routes[2])
+    if ins.teacher is not None:
+        shapes["teacher_logp"] = ((rows, seq), jnp.float32)
     return TrainBatch(**{k: jax.ShapeDtypeStruct(s, d, sharding=getattr(b_sh, k)) for k, (s, d) in shapes.items()})
 
 
@@ -667,7 +713,7 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
     trainer = trainer_programs(cfg, mesh, logprob_fn=make_logprob_fn(ins.graphdef, cfg.rollout.temperature,
                                                                      cfg.model.logprob_chunk_size),
                                settings=settings, params=ins.train_params, frozen=ins.frozen, recipe=recipe,
-                               routing_fn=routing_fn)
+                               routing_fn=routing_fn, teacher=ins.teacher)
     plan_l, compiled_l = _compile("logprob pass", lambda: trainer.logprob_pass.lower(ins.params, batch),
                                   {"parameters": param_bytes, "batch": batch_bytes,
                                    "activations": work["layer"] + work["head"] + work["attention"]
@@ -699,8 +745,24 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
         plan_r.runs = 1 / cfg.trainer.router_metrics_every  # every router_metrics_every steps
         ins.price(plan_r, compiled_r)
         plans.append(plan_r)
+    if trainer.teacher_pass is not None:
+        plans.append(plan_teacher_pass(ins, trainer, batch, seq))
     return plans, dict(group=settings.prompt_group, packing=settings.packing, tokens=work["tokens"],
                                   kernel=kernel)
+
+
+def plan_teacher_pass(ins: PlanInputs, trainer, batch, seq: int) -> ProgramPlan:
+    """On-policy distillation's teacher pass (train/programs.py `teacher_pass`): the teacher's forward
+    over the batch's rows, once a step, priced at 2 N_teacher a position; its parameters are its
+    argument here and resident beside every other program (`plan_run`)."""
+    work = trainer_work(ins, seq, config=ins.teacher.config, chunk_size=ins.teacher.chunk_size)
+    plan_t, compiled_t = _compile("teacher pass", lambda: trainer.teacher_pass.lower(ins.teacher.params, batch),
+                                  {"parameters": ins.teacher_bytes, "batch": per_chip_bytes(batch),
+                                   "activations": work["layer"] + work["head"] + work["attention"]},
+                                  2 * ins.teacher.config.num_active_params * work["tokens"] / ins.mesh.size, ins.mesh,
+                                  ins.log)
+    ins.price(plan_t, compiled_t)
+    return plan_t
 
 
 def routing_pass_activations(ins: PlanInputs) -> int:
@@ -719,14 +781,17 @@ def routing_pass_activations(ins: PlanInputs) -> int:
     return int(work["layer"] + work["head"] + scores + outputs)
 
 
-def trainer_work(ins: PlanInputs, seq: int, routing_pass: bool = False) -> dict:
+def trainer_work(ins: PlanInputs, seq: int, routing_pass: bool = False, config=None,
+                 chunk_size: int | None = None) -> dict:
     """Our analytic view of a trainer micro-batch on one chip, rows of width `seq`: per_chip_rows,
     micro (micro-batches a mini-batch), tokens (positions one pass runs through the stack, all
     chips), and the bytes of its residual stream (`residuals`), of what remat keeps (`saved`), of a
     layer's, the head's and attention's working sets (`layer`, `head`, `attention`). routing_pass:
     the routing pass's micro-batch instead (`train.step.make_routing_pass`: the padded batch split
-    into micro_batches parts, whole rows, no prompt sharing)."""
-    cfg, config, mesh, settings = ins.cfg, ins.config, ins.mesh, ins.layout.update
+    into micro_batches parts, whole rows, no prompt sharing). config, chunk_size: another model's
+    (the teacher's) instead of the student's."""
+    cfg, mesh, settings = ins.cfg, ins.mesh, ins.layout.update
+    config = config or ins.config
     dp, tensor = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]
     micro, packing, group = settings.micro_batches, settings.packing, settings.prompt_group
     per_chip_rows = ins.rows // cfg.trainer.mini_batches // micro / dp
@@ -739,7 +804,7 @@ def trainer_work(ins: PlanInputs, seq: int, routing_pass: bool = False) -> dict:
     d, v = config.hidden_size, config.vocab_size
     # a token's feed-forward width: a mixture of experts runs k experts of moe_intermediate_size
     f = config.num_experts_per_tok * config.moe_intermediate_size if config.num_experts else config.intermediate_size
-    chunk = min(cfg.model.logprob_chunk_size, ins.response_len if packing is None else seq)  # head positions at once
+    chunk = min(chunk_size or cfg.model.logprob_chunk_size, ins.response_len if packing is None else seq)  # head positions at once
     heads = config.num_heads // tensor if config.num_heads % tensor == 0 else config.num_heads
     query_block = min(seq, config.attention_query_chunk or seq)
     return dict(
@@ -841,12 +906,13 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
         micro = expected_micro_batches(plan.packing, lengths, prompt_tokens)
         positions = micro * plan.packing.mini_batches * plan.packing.positions
         for p in programs:
-            if p.name in ("logprob pass", "update") and p.hlo:
-                p.kernel_flops = kernel_flops_of(plan.attention_kernel, p.name, micro)
+            if p.name in ("logprob pass", "update", "teacher pass") and p.hlo:
+                if p.name != "teacher pass":  # the student's attention kernel (the teacher's: not counted)
+                    p.kernel_flops = kernel_flops_of(plan.attention_kernel, p.name, micro)
                 p.price(program_cost(p.hlo, num_devices=p.devices, dynamic_trips=[micro]), plan.chip)
                 p.model_flops = plan.trainer_hlo_flops[p.name] * positions
     for p in programs:
-        if p.name in ("logprob pass", "update"):
+        if p.name in ("logprob pass", "update", "teacher pass"):
             p.padding_fraction = max(0.0, 1 - real / positions)
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
@@ -973,6 +1039,10 @@ def advice(plan: RunPlan) -> list[str]:
     """What to change for each program that does not compile (`compile_failures`) or does not fit
     (or is over the fit check's limit, `memory_limit_text`)."""
     out = compile_failures(plan)
+    if plan.teacher_bytes > plan.chip.fit_bytes:
+        out.append(f"teacher.model: its parameters take {_gib(plan.teacher_bytes)} GiB per chip, over "
+                   f"{memory_limit_text(plan.chip)}: raise mesh.fsdp (shards them as the student's), set "
+                   f"teacher.dtype=bfloat16, or distill from a smaller teacher")
     for p in plan.programs:
         if p.failure not in ("", "hbm") or p.fits and p.total_bytes + p.resident_bytes <= plan.chip.fit_bytes:
             continue
@@ -983,6 +1053,9 @@ def advice(plan: RunPlan) -> list[str]:
             "update": "raise mesh.fsdp (shards parameters, gradients and optimizer state), lower "
                       "trainer.micro_batch_size (activations), or keep model.remat=true",
             "logprob pass": "lower trainer.micro_batch_size or model.logprob_chunk_size",
+            "teacher pass": "raise mesh.fsdp (shards the teacher's parameters as the student's), set "
+                            "teacher.dtype=bfloat16, lower trainer.micro_batch_size or teacher.logprob_chunk_size, or "
+                            "distill from a smaller teacher",
             "routing pass": "lower trainer.micro_batch_size or model.logprob_chunk_size, or set "
                             "trainer.router_metrics_every=0 (no router replay metrics)",
             "sampler/decode": (f"set rollout.slots={plan.sampler.get('fitting_slots')} (the most slots that fit "
@@ -1164,6 +1237,7 @@ def plan_to_dict(plan: RunPlan) -> dict:
         "model_active_params": plan.model.num_active_params, "rows": plan.rows, "prompt_len": plan.prompt_len,
         "response_len": plan.response_len, "sampler": plan.sampler, "side_seconds": plan.side_seconds,
         "only": plan.only or None,
+        "teacher_bytes_per_chip": plan.teacher_bytes,
         "response_lengths": plan.lengths.describe(plan.response_len) if plan.lengths else None,
         "mean_response_tokens": plan.mean_response, "prompt_tokens": plan.prompt_tokens,
         "decode": {k: (dict((a, float(b)) for a, b in v.items()) if k == "work" else v)

@@ -451,6 +451,26 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (docs/objectives.md "On-policy distillation"): a frozen
+    model that scores the student's sampled tokens in the trainer's log-prob pass
+    (`TrainBatch.teacher_logp`). `model`: an HF folder (local or gs://) or a Hub id, of any size,
+    whose tokenizer gives every token the student's id (compared id by id); null = no teacher.
+    `dtype`: its weights' and compute's dtype (frozen: no float32 master copy, no optimizer
+    state); its parameters are sharded on the trainer's mesh as the student's. `temperature`:
+    log softmax(z / temperature) of the teacher's logits; 1.0 is the teacher's own distribution,
+    another value distills a sharpened (< 1) or flattened (> 1) teacher: a bias of the target,
+    not of the estimator. The distillation's weight and form are algorithm keys
+    (`algorithm.overrides.distill_coef`, `distill_discount`, `distill_clip`, `task_reward`;
+    presets `opd`, `lite_ppo_opd`)."""
+
+    model: str | None = None
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    temperature: float = 1.0
+    logprob_chunk_size: int = 64  # positions per LM-head chunk of the teacher's pass (model.logprob_chunk_size)
+
+
+@dataclasses.dataclass
 class MeshConfig:
     """Device mesh shape; -1 on one axis takes the remaining devices."""
 
@@ -477,6 +497,7 @@ class RunConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
 
     def eval_sampling(self) -> EvalSampling:
         """Evaluation's sampling (EvalConfig): `eval.*` where set, else trainer.eval_samples /
@@ -700,6 +721,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "trainer.router_metrics_every": (lambda v: v >= 0, ">= 0 (0: no routing metrics pass)"),
     "trainer.router_aux_loss_coef": (lambda v: v >= 0, ">= 0 (0: no load-balancing loss)"),
     "mesh.sampler_devices": (lambda v: v >= 0, ">= 0 (a count, a fraction in (0, 1), or 0 = share the training devices)"),
+    "teacher.temperature": (lambda v: v > 0, "> 0 (1.0 = the teacher's own distribution)"),
+    "teacher.logprob_chunk_size": _POSITIVE,
     "mesh.data": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.fsdp": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),
     "mesh.tensor": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (the remaining devices)"),

@@ -396,7 +396,10 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
         log(f"row form: {form.replace('_', '-')} (trainer.packing=auto: {reason})")
     update = UpdateSettings(
         ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches, micro_batches=micro,
-        old_logp_from_update=single_optimizer_step(cfg) and cfg.trainer.old_logp_source == "recompute",
+        # with a teacher, pi_old comes from the log-prob pass, the teacher's own code path: d_t = old - teacher
+        # reads 0 exactly for a teacher that is the student (train/step.py `distill_batch`)
+        old_logp_from_update=single_optimizer_step(cfg) and cfg.trainer.old_logp_source == "recompute"
+        and not cfg.teacher.model,
         scored_tokens=cfg.rollout.max_new_tokens if own_model else None,
         prompt_group=group, packing=packing, router_aux_loss_coef=float(cfg.trainer.router_aux_loss_coef))
     dmesh = sampler_mesh_for(cfg, sampler_mesh or mesh, model_config) or sampler_mesh or mesh

@@ -36,7 +36,7 @@ from jaxrl4llm.train.evaluation import evaluate
 from jaxrl4llm.train.export import export_policy
 from jaxrl4llm.train.compile_cache import enable_compile_cache
 from jaxrl4llm.train.metrics import (MetricsWriter, all_same_groups, check_loggers, length_cv, most_clipped_tokens,
-                                     open_loggers, truncated_kinds, write_lengths)
+                                     open_loggers, teacher_curve, truncated_kinds, write_lengths)
 from jaxrl4llm.train.layout import (RunLayout, micro_batches, packing_layout_for, replays_routes, run_layout,
                                     sampler_mesh_for, split_for_sampler)
 from jaxrl4llm.train.policy import Policy, load_policy
@@ -51,6 +51,7 @@ from jaxrl4llm.train.rollout_pipeline import (PartialStream, PendingRollout, che
 from jaxrl4llm.train.run_files import RunFiles
 from jaxrl4llm.train.run_folder import mark_finished, prepare_out_dir
 from jaxrl4llm.train.samples import sample_rows
+from jaxrl4llm.train.teacher import Teacher, check_teacher_needed, load_teacher
 from jaxrl4llm.train.scoring import RowScores, score_rows_with_components
 from jaxrl4llm.train.packing import pack_plan
 from jaxrl4llm.train.tool_turns import check_void_turn_filter, rollout_turns, run_tool_format, tool_metrics, void_rows
@@ -292,6 +293,8 @@ class Run:
     sampler_frozen: Any = None  # the frozen base (LoRA) on sampler_mesh, moved there once
     programs: TrainerPrograms | None = None  # the jitted trainer programs (train/programs.py) that `update` / `logprob_pass` run
     routing_pass: Callable | None = None  # (params, batch) -> router replay's metrics (`routing_metrics`), or None
+    teacher: Teacher | None = None  # on-policy distillation's frozen teacher (train/teacher.py), or None
+    teacher_pass: Callable | None = None  # (teacher params, batch) -> the teacher's logp [rows, T], or None
 
 
 def sampler_policy(run: Run, state) -> Policy:
@@ -351,12 +354,14 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
             f"log-probs are the sampler's: the ratio is always 1. Set trainer.old_logp_source=recompute (the trainer "
             f"re-scores the rollout), or drop the correction.")
     loss_fn_for(cfg)  # a bad algorithm.custom_loss fails here, before the weights load
+    check_teacher_needed(cfg)  # a distilling recipe without a teacher: before anything loads
     G = cfg.rollout.samples_per_prompt
     micro_batches(cfg, cfg.rollout.prompts_per_step * G, mesh.shape["data"] * mesh.shape["fsdp"])  # fails fast
     # the reward and the data first (then the tokenizer alone, no weights): a bad one fails in seconds
     reward_fn = make_reward_fn(cfg, log if hosts.is_main() else lambda line: None)
     train_set, eval_sets = load_prompt_sets(cfg)
     policy = load_policy(cfg, mesh)
+    teacher = load_teacher(cfg, mesh, policy.tokenizer)  # None without teacher.model
     if sampler_mesh is not None:
         policy = dataclasses.replace(policy, decode_mesh=sampler_mesh_for(cfg, sampler_mesh, policy.config))
     try:  # the sampler's C++ CPU kernels, as `generate` decides them for its calls
@@ -369,7 +374,7 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         policy = dataclasses.replace(policy, decode_attention=layout.decode_attention.kernel)
     settings = layout.update
     programs = trainer_programs(cfg, mesh, logprob_fn=policy.logprob_fn, settings=settings, params=policy.params,
-                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn)
+                                frozen=policy.frozen, recipe=recipe, routing_fn=policy.routing_fn, teacher=teacher)
     state = programs.init_state(policy.params, policy.frozen)
     need_ref = cfg.trainer.reference_model or recipe.kl_coef > 0
     run = Run(
@@ -392,6 +397,8 @@ def setup_run(cfg: RunConfig, mesh, log: Callable[[str], None], sampler_mesh=Non
         sampler_frozen=None if sampler_mesh is None or policy.frozen is None else
         jax.device_put(policy.frozen, param_shardings(policy.frozen, sampler_mesh)),
         programs=programs,
+        teacher=teacher,
+        teacher_pass=None if programs.teacher_pass is None else _in_mesh(programs.teacher_pass, mesh),
     )
     return run, state
 
@@ -409,8 +416,10 @@ def pack_step(run: Run, rollout, batch):
 def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
     """Advantages of the rows and the train batch, with the current policy's log-probs as
     old_logp (`trainer.old_logp_source: recompute`; a single-step update scores them itself:
-    UpdateSettings.old_logp_from_update) and the reference's when needed; and router replay's
-    metrics of the current policy on the batch (`routing_metrics`: {} on other steps and runs)."""
+    UpdateSettings.old_logp_from_update) and the reference's when needed, the teacher's with a
+    teacher (`teacher_logp`); and the step's extra figures: router replay's metrics of the current
+    policy on the batch (`routing_metrics`: {} on other steps and runs) and, with a teacher, the
+    seconds of its pass (`time_teacher`)."""
     # the rollout lives on the sampler's mesh (rollout.tensor_parallel): the batch lands on the trainer's
     void = void_turn_flags(run, rollout)
     batch, adv = run.make_batch(rollout, np.asarray(rewards, np.float32), None if void is None else jnp.asarray(void))
@@ -423,7 +432,13 @@ def build_batch(run: Run, state, rollout, rewards: np.ndarray, step: int):
     if run.ref_params is not None:  # the reference routes natively (no replay of the sampler's routes)
         ref_logp, _ = run.logprob_pass(join_params(run.ref_params, state.frozen), batch._replace(routes=None))
         batch = batch._replace(ref_logp=ref_logp * batch.loss_mask)
-    return batch, adv, routing_metrics(run, state, padded, step)
+    extra = routing_metrics(run, state, padded, step)
+    if run.teacher_pass is not None:  # timed: its share of the step (docs/results/distill.md)
+        t0 = time.perf_counter()
+        teacher_logp = jax.block_until_ready(run.teacher_pass(run.teacher.params, batch._replace(routes=None)))
+        extra = dict(extra, time_teacher=time.perf_counter() - t0)
+        batch = batch._replace(teacher_logp=teacher_logp * batch.loss_mask)
+    return batch, adv, extra
 
 
 def void_turn_flags(run: Run, rollout) -> np.ndarray | None:
@@ -498,6 +513,7 @@ def step_record(run: Run, rollout, rewards: np.ndarray, adv, batch, metrics: dic
                                    void=void_turn_flags(run, rollout)))
     if run.ref_params is None:
         record.pop("kl", None)
+    record = teacher_curve(record)
     every = run.cfg.trainer.clipped_tokens_every
     if every and (step + 1) % every == 0:
         top = most_clipped_tokens(hosts.fetch(batch.targets), hosts.fetch(clipped), run.policy.decode_ids)

@@ -124,6 +124,19 @@ LOGGER_PACKAGES = {
 }
 
 
+def teacher_curve(record: dict) -> dict:
+    """A step record with on-policy distillation's position curve finished: the update's
+    `teacher_kl_by_position/k` and `teacher_tokens_by_position/k` (each bin's sum of d_t and its
+    tokens, both over the step's counted tokens: `train.step.distill_batch`) become
+    `teacher_kl_by_position/k`, the mean d_t of bin k (0 for an empty bin), and
+    `teacher_tokens_by_position/k`, the bin's share of the tokens. A record without them is returned as it is."""
+    out = dict(record)
+    for key in [k for k in record if k.startswith("teacher_kl_by_position/")]:
+        share = record[key.replace("teacher_kl_", "teacher_tokens_", 1)]
+        out[key] = record[key] / share if share > 0 else 0.0
+    return out
+
+
 def check_loggers(names: Sequence[str]) -> None:
     """A ConfigError for a logger of `trainer.loggers` that is not one of LOGGER_PACKAGES or whose
     package is not installed (looked up, not imported: milliseconds), naming the install command."""

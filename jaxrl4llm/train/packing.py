@@ -59,6 +59,7 @@ class PackedBatch(NamedTuple):
     num_micro [n] int32: micro-batches of mini-batch j that hold sequences (the rest are empty).
     routes [n, M, RR, S, layers, k] (router replay; else None): the sampler's expert ids of each
       packed position's input token, as TrainBatch.routes (0 on padding).
+    teacher_logp [n, M, RR, S] float32 (a run with a teacher; else None): TrainBatch.teacher_logp packed.
     """
 
     input_tokens: chex.Array
@@ -77,6 +78,7 @@ class PackedBatch(NamedTuple):
     denominator_weights: chex.Array
     num_micro: chex.Array
     routes: chex.Array | None = None
+    teacher_logp: chex.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +273,7 @@ def pack(batch: TrainBatch, plan: PackPlan) -> PackedBatch:
         slot_first=jnp.asarray(plan.slot_first), slot_valid=used.astype(jnp.float32),
         advantages=slots(batch.advantages), row_weights=slots(batch.row_weights),
         denominator_weights=slots(batch.denominator_weights), num_micro=jnp.asarray(plan.num_micro), routes=routes,
+        teacher_logp=None if batch.teacher_logp is None else tokens(batch.teacher_logp),
     )
 
 
@@ -317,6 +320,7 @@ def unpack_micro(micro: PackedBatch, logp: chex.Array, entropy: chex.Array, widt
         loss_mask=view(micro.loss_mask), old_logp=view(micro.old_logp), ref_logp=view(micro.ref_logp),
         sampler_logp=view(micro.sampler_logp), advantages=micro.advantages.reshape(-1),
         row_weights=micro.row_weights.reshape(-1), denominator_weights=micro.denominator_weights.reshape(-1),
+        teacher_logp=None if micro.teacher_logp is None else view(micro.teacher_logp),
     )
     return batch, view(logp), view(entropy), jnp.sum(micro.slot_valid)
 
@@ -341,10 +345,10 @@ def to_padded(packed_values: np.ndarray, plan: PackPlan, rows: int, width: int) 
     return out.reshape(rows, width)
 
 
-def packed_abstract(layout: PackLayout, mesh, routes: tuple | None = None) -> PackedBatch:
+def packed_abstract(layout: PackLayout, mesh, routes: tuple | None = None, teacher: bool = False) -> PackedBatch:
     """PackedBatch of ShapeDtypeStructs (with `packed_shardings`) of the layout's largest step:
     what `jaxrl4llm plan` compiles the packed update and log-prob pass for. routes: (layers, k, dtype)
-    of router replay's routes, or None (no routes)."""
+    of router replay's routes, or None (no routes); teacher: with teacher_logp (a run with a teacher)."""
     shardings = packed_shardings(mesh)
     tokens = (layout.mini_batches, layout.micro_batches, layout.rows, layout.row_width)
     slots = tokens[:3] + (layout.sequences_per_row,)
@@ -353,7 +357,9 @@ def packed_abstract(layout: PackLayout, mesh, routes: tuple | None = None) -> Pa
     ints = ("input_tokens", "targets", "positions", "segment_ids", "slot_first", "num_micro")
     fields = {name: jax.ShapeDtypeStruct(shapes.get(name, tokens), jnp.int32 if name in ints else jnp.float32,
                                          sharding=getattr(shardings, name))
-              for name in PackedBatch._fields if name != "routes"}
+              for name in PackedBatch._fields if name not in ("routes", "teacher_logp")}
+    if teacher:
+        fields["teacher_logp"] = jax.ShapeDtypeStruct(tokens, jnp.float32, sharding=shardings.teacher_logp)
     if routes is not None:
         layers, k, dtype = routes
         fields["routes"] = jax.ShapeDtypeStruct(tokens + (layers, k), dtype, sharding=shardings.routes)

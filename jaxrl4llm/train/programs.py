@@ -6,6 +6,7 @@ abstract arrays for a topology and prices them (MaxText's rule: `train_compile.p
     state = programs.init_state(params, frozen)            # TrainState on programs.state_shardings
     state, metrics, clipped = programs.update(state, batch)  # batch: TrainBatch, or PackedBatch when packing
     logp, entropy = programs.logprob_pass(join_params(params, frozen), batch)
+    teacher_logp = programs.teacher_pass(teacher.params, batch)   # a run with a teacher (train/teacher.py)
 
 `optimizer_for` and `loss_fn_for` are the only places the run's optimizer (with its schedule,
 warm-up, weight decay and Adam's constants) and its loss (`algorithm.custom_loss` or
@@ -85,10 +86,11 @@ class TrainerPrograms:
     pack: Any  # jitted (TrainBatch, PackPlan) -> PackedBatch on update_shardings, or None (padded rows)
     init_state: Any  # jitted (params, frozen) -> TrainState on state_shardings
     routing_pass: Any = None  # jitted (join_params(params, frozen), batch) -> router replay's metrics, or None
+    teacher_pass: Any = None  # jitted (teacher params, batch) -> the teacher's logp [rows, T] (as logprob_pass's), or None
 
 
 def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: UpdateSettings, params, frozen=None,
-                     recipe=None, routing_fn: Callable | None = None) -> TrainerPrograms:
+                     recipe=None, routing_fn: Callable | None = None, teacher=None) -> TrainerPrograms:
     """The update, the log-prob pass, the packer and the state's initialiser of `cfg` on `mesh`.
 
     logprob_fn: the model's scoring function (`train.policy.make_logprob_fn`). settings: the
@@ -97,7 +99,10 @@ def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: Up
     algorithm (default `cfg.recipe()`). routing_fn: a mixture-of-experts model's native routing pass
     (`train.policy.make_routing_fn`), or None (a dense model): router replay's
     metrics (`train.step.make_routing_pass`) are built from it when the run replays routes and
-    `trainer.router_metrics_every` > 0 (`routing_metrics_on`)."""
+    `trainer.router_metrics_every` > 0 (`routing_metrics_on`). teacher: on-policy distillation's
+    `train.teacher.Teacher` (its params concrete or abstract, with shardings), or None: its log-prob
+    pass (`teacher_pass`) is the student's pass (`make_logprob_pass`: padded, packed or shared-prompt
+    rows as the layout's) over the teacher's own graphdef, returning the log-probs only."""
     recipe = recipe if recipe is not None else cfg.recipe()
     optimizer, schedule = optimizer_for(cfg)
     loss_fn = loss_fn_for(cfg)
@@ -113,8 +118,13 @@ def trainer_programs(cfg: RunConfig, mesh, *, logprob_fn: Callable, settings: Up
     logprob_pass = jax.jit(make_logprob_pass(logprob_fn, settings.micro_batches, settings.scored_tokens,
                                              settings.prompt_group),
                            in_shardings=(join_params(sharding_of(params), sharding_of(frozen)), update_in))
+    teacher_pass = None
+    if teacher is not None:
+        scores = make_logprob_pass(teacher.logprob_fn, settings.micro_batches, settings.scored_tokens,
+                                   settings.prompt_group)
+        teacher_pass = jax.jit(lambda p, batch: scores(p, batch)[0], in_shardings=(sharding_of(teacher.params), update_in))
     return TrainerPrograms(
-        optimizer=optimizer, schedule=schedule, loss_fn=loss_fn, state_shardings=state_shardings,
+        teacher_pass=teacher_pass, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn, state_shardings=state_shardings,
         batch_shardings=batch_in, update_shardings=update_in, update=update, logprob_pass=logprob_pass,
         pack=jax.jit(pack, out_shardings=update_in) if settings.packing else None,
         init_state=jax.jit(lambda p, f: init_train_state(p, optimizer, f), out_shardings=state_shardings),

@@ -32,6 +32,7 @@ FIXED_ON_RESUME = (
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",  # the batch's shape
     "trainer.seed", "trainer.ppo_epochs", "trainer.mini_batches",  # the randomness, the update's structure
     "algorithm.",  # the objective
+    "teacher.",  # on-policy distillation's target (the teacher, its dtype and temperature)
     "reward.fn",  # what is rewarded (a prefix: reward.fns too)
 )
 # keys that say where or how a run is shown, never what it computes: not compared

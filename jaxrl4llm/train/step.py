@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl4llm.core import LossTerms, Recipe, apply_surrogate, policy_loss
+from jaxrl4llm.core import LossTerms, Recipe, apply_surrogate, distill_advantages, policy_loss, teacher_kl_metrics
 from jaxrl4llm.core.aggregation import ROW_SUM_MODES
 from jaxrl4llm.core.routing import (RouterStats, load_balancing_loss, load_imbalance,
                                     route_disagreement, router_entropy)
@@ -203,6 +203,7 @@ def loss_terms_from_scores(
         batch = batch._replace(old_logp=old)
         counted = batch.loss_mask * batch.row_weights[:, None]
         gap = jnp.sum(jnp.abs(old - batch.sampler_logp) * counted) / jnp.maximum(jnp.sum(counted), 1.0)
+    batch, teacher_sums = distill_batch(batch, recipe)
     extra = {"key": loss_key} if recipe.needs_key else {}
     if recipe.loss_agg_mode in ROW_SUM_MODES:
         extra["total_rows"] = total_rows
@@ -226,7 +227,41 @@ def loss_terms_from_scores(
     clipped = clipped & (batch.row_weights[:, None] > 0)
     if gap is not None:
         metrics = dict(metrics, sampler_trainer_logp_gap=gap)
+    if teacher_sums:  # sums over the counted tokens / their count: token-weighted means, combined exactly
+        metrics = dict(metrics, **{k: v / jnp.maximum(metrics["num_tokens"], 1.0) for k, v in teacher_sums.items()})
     return terms, metrics, clipped
+
+
+# position bins of the teacher_kl curve (`core.teacher_kl_metrics`: deciles of each response)
+TEACHER_KL_BINS = 10
+
+
+def distill_batch(batch: TrainBatch, recipe: Recipe) -> tuple[TrainBatch, dict]:
+    """On-policy distillation on a batch with the teacher's log-probs (`teacher_logp`; else (batch, {})):
+
+        d_t = old_logp_t - teacher_logp_t,   A_t = A_task - distill_coef·sg(d_t)   (core.distill_advantages)
+
+    the advantages replaced by the token advantages [B, W] when recipe.distill_coef > 0 (A_task =
+    0 with task_reward=False: pure distillation), and the teacher's sums over the counted tokens
+    (loss mask x row weights): teacher_kl (sum of d_t), teacher_kl_by_position/k (sum of d_t in
+    position bin k of `TEACHER_KL_BINS`) and teacher_tokens_by_position/k (its tokens); divided by
+    the tokens counted, they combine over micro- and mini-batches as the other token means do
+    (`train.metrics.teacher_curve` turns the bins into the curve)."""
+    if batch.teacher_logp is None:
+        return batch, {}
+    counted = batch.loss_mask * batch.row_weights[:, None]
+    kl = teacher_kl_metrics(batch.old_logp, batch.teacher_logp, counted, num_bins=TEACHER_KL_BINS)
+    tokens = kl["teacher_tokens_by_position"]
+    sums = {"teacher_kl": kl["teacher_kl"] * jnp.sum(tokens)}
+    for k in range(TEACHER_KL_BINS):
+        sums[f"teacher_kl_by_position/{k}"] = kl["teacher_kl_by_position"][k] * tokens[k]
+        sums[f"teacher_tokens_by_position/{k}"] = tokens[k]
+    if recipe.distills:
+        advantages = distill_advantages(batch.advantages if recipe.task_reward else None, batch.old_logp,
+                                        batch.teacher_logp, batch.loss_mask, coef=recipe.distill_coef,
+                                        discount=recipe.distill_discount, clip=recipe.distill_clip)
+        batch = batch._replace(advantages=advantages)
+    return batch, sums
 
 
 def score_batch(logprob_fn: LogprobFn, params, batch: TrainBatch, scored_tokens: int | None = None,

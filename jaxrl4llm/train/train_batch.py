@@ -21,6 +21,9 @@ class TrainBatch(NamedTuple):
     routes [B, L, layers, k] (router replay, `trainer.router_replay: rollout`; else None): the
         expert ids the sampler ran for the token fed at each position (input_tokens[:, i]'s),
         replayed by the log-prob and update passes (`models.score_tokens(routes=)`).
+    teacher_logp [B, L] float32 (on-policy distillation, a `teacher.model`; else None): the
+        teacher's log-probs of the targets (0 off the loss mask), from its own log-prob pass
+        (train/teacher.py); the update turns them into the distillation advantage (train/step.py).
     """
 
     input_tokens: chex.Array
@@ -35,3 +38,4 @@ class TrainBatch(NamedTuple):
     row_weights: chex.Array
     denominator_weights: chex.Array
     routes: chex.Array | None = None
+    teacher_logp: chex.Array | None = None

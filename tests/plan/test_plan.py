@@ -180,3 +180,24 @@ def test_a_lora_run_is_planned_with_its_adapters_and_without_the_base_s_optimize
                                     for x in (plan, lora))
     assert full_resident - lora_resident == saved
     assert full_update.argument_bytes - lora_update.argument_bytes >= 0.9 * saved
+
+
+def test_a_teacher_too_large_for_the_mesh_is_a_verdict_naming_the_fix(tmp_path, capsys):
+    """On-policy distillation from a Qwen3-32B-shaped teacher (its config.json alone: plan reads no
+    weights) on four 16 GiB v5e chips: the teacher pass is priced and does not fit, and one advice
+    line names the teacher and what to change."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 25600,
+        "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "tie_word_embeddings": False, "rope_theta": 1000000, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6}))
+    code = cli_main(["plan", "--topology", "v5e:2x2", "--json", "--only", "trainer", *TINY, "algorithm.preset=opd",
+                     f"teacher.model={teacher}", "teacher.dtype=float32"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out["fits"]
+    assert [p["name"] for p in out["programs"]] == ["logprob pass", "update", "teacher pass"]
+    assert out["teacher_bytes_per_chip"] > 16 * 2**30  # 32.8e9 float32 parameters over 4 chips (fsdp 4)
+    line = next(a for a in out["advice"] if a.startswith("teacher.model:"))
+    assert "raise mesh.fsdp" in line and "teacher.dtype=bfloat16" in line and "\n" not in line

@@ -1,3 +1,7 @@
+import shutil
+from pathlib import Path
+
+import jax
 import pytest
 
 from jaxrl4llm.data import build_char_tokenizer, write_demo_task
@@ -48,3 +52,19 @@ def finished_run(demo_assets, tmp_path_factory):
     lines = []
     summary = train(load_config(None, overrides), log=lines.append)
     return {"out": out, "overrides": overrides, "summary": summary, "log": lines}
+
+
+def teacher_folder(path, tokenizer_dir, *, layers=2, hidden=48, seed=3):
+    """A random teacher of another shape than the tiny student (more layers, wider), with the tiny
+    run's tokenizer, as an HF folder."""
+    from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained
+
+    tok = load_tokenizer(tokenizer_dir)
+    config = ModelConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                         num_heads=2, num_kv_heads=1, head_dim=24, qk_norm=True, tie_word_embeddings=True,
+                         max_position_embeddings=512, dtype="float32", param_dtype="float32",
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    save_pretrained(init_model(config, jax.random.PRNGKey(seed)), path)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, path / f.name)
+    return path

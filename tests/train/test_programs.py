@@ -16,12 +16,12 @@ import optax
 import pytest
 
 from jaxrl4llm.core import policy_loss
-from jaxrl4llm.plan.programs import plan_inputs, plan_trainer
+from jaxrl4llm.plan.programs import per_chip_bytes, plan_inputs, plan_trainer
 from jaxrl4llm.train.config import load_config
 from jaxrl4llm.train.demo import config_path
 from jaxrl4llm.train.loop import run_meshes, setup_run
 from jaxrl4llm.train.programs import loss_fn_for, optimizer_for, router_labels
-from tests.train.conftest import tiny_overrides
+from tests.train.conftest import teacher_folder, tiny_overrides
 from tests.train.custom_parts import negated_policy_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,3 +135,32 @@ def test_plan_lowers_the_loops_programs_on_8_devices(demo_assets, tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK 4 programs" in proc.stdout, proc.stdout
+
+
+def test_plan_lowers_the_loops_teacher_pass(demo_assets, tmp_path):
+    """On-policy distillation (a 2-layer, 48-wide teacher of the tiny student's tokenizer, padded rows):
+    plan compiles the loop's own teacher pass and update (its batch carries teacher_logp), priced at
+    2 N_teacher a position, and counts the teacher's parameters beside the other trainer programs."""
+    teacher = teacher_folder(tmp_path / "teacher", demo_assets["tokenizer"])
+    extra = {"algorithm.preset": "opd", "teacher.model": teacher, "teacher.dtype": "float32",
+             "trainer.packing": False, "trainer.share_prompt": False}
+    cfg = demo_config(demo_assets, tmp_path, **extra)
+    mesh, _ = run_meshes(cfg)
+    run, _ = setup_run(cfg, mesh, lambda line: None)
+    ins = plan_inputs(demo_config(demo_assets, tmp_path, **extra, **{"model.vocab_size": run.policy.config.vocab_size}),
+                      "cpu")
+    plans = plan_trainer(ins)[0]
+    assert [p.name for p in plans] == ["logprob pass", "update", "teacher pass"]
+    planned = {p.name: p.lowered for p in plans}
+    assert planned["update"].args_info[0][1].teacher_logp is not None
+    for name, program in (("teacher pass", run.programs.teacher_pass), ("update", run.programs.update)):
+        args, kwargs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), planned[name].args_info)
+        with jax.set_mesh(mesh):
+            loop = program.lower(*args, **kwargs)
+        assert hlo_text(loop) == hlo_text(planned[name]), f"plan's {name} is not the loop's"
+    t = next(p for p in plans if p.name == "teacher pass")
+    positions = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt * (
+        ins.prompt_len + ins.response_len - 1)
+    assert t.model_flops == pytest.approx(2 * run.teacher.config.num_active_params * positions)
+    assert per_chip_bytes(ins.teacher.params, tiled=False) == sum(x.size * 4 for x in jax.tree.leaves(run.teacher.params))
+    assert ins.teacher_bytes >= per_chip_bytes(ins.teacher.params, tiled=False)  # TPU tiling pads small leaves

@@ -302,3 +302,46 @@ def test_router_aux_loss_trains_the_router_and_is_off_at_zero():
                                       settings=UpdateSettings(scored_tokens=5))).lower(state, batch).as_text()
                for fn in (logprob_fn, refuses_stats)]
     assert lowered[0] == lowered[1]
+
+
+def test_a_zero_teacher_signal_leaves_the_update_bit_for_bit():
+    """A teacher whose log-probs are pi_old's (d_t = 0): Lite PPO + distillation updates the
+    parameters exactly as Lite PPO does, two mini-batches, jitted."""
+    from jaxrl4llm.core import LITE_PPO_OPD
+
+    optimizer, schedule = make_optimizer(lr=1e-2)
+    batch, params = toy_batch(), toy_params(1)
+    settings = UpdateSettings(mini_batches=2)
+    out = []
+    for recipe, b in ((LITE_PPO, batch), (LITE_PPO_OPD, batch._replace(teacher_logp=batch.old_logp))):
+        update = jax.jit(make_update_fn(logprob_fn=toy_logprob_fn, recipe=recipe, optimizer=optimizer,
+                                        schedule=schedule, settings=settings))
+        state, metrics, _ = update(init_train_state(params, optimizer), b)
+        out.append((state.params, metrics))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), out[0][0], out[1][0]))
+    assert float(out[1][1]["teacher_kl"]) == 0.0
+    assert float(out[0][1]["loss"]) == float(out[1][1]["loss"])
+
+
+def test_distill_batch_feeds_the_core_advantage_and_token_sums():
+    """`distill_batch`: the advantages are core.distill_advantages of (A_task or None, pi_old, teacher);
+    the sums over the counted tokens divided by their count give core.teacher_kl_metrics."""
+    from jaxrl4llm.core import LITE_PPO_OPD, OPD, distill_advantages, teacher_kl_metrics
+    from jaxrl4llm.train.step import TEACHER_KL_BINS, distill_batch
+
+    batch = toy_batch()
+    teacher = batch.old_logp - 0.3 * jnp.abs(jnp.sin(jnp.arange(batch.old_logp.size))).reshape(batch.old_logp.shape)
+    batch = batch._replace(teacher_logp=teacher)
+    for recipe, row in ((OPD, None), (LITE_PPO_OPD.replace(distill_coef=0.5, distill_clip=0.1), batch.advantages)):
+        got, sums = distill_batch(batch, recipe)
+        want = distill_advantages(row, batch.old_logp, teacher, batch.loss_mask, coef=recipe.distill_coef,
+                                  clip=recipe.distill_clip)
+        np.testing.assert_array_equal(np.asarray(got.advantages), np.asarray(want))
+    counted = batch.loss_mask * batch.row_weights[:, None]
+    kl = teacher_kl_metrics(batch.old_logp, teacher, counted, num_bins=TEACHER_KL_BINS)
+    n = float(jnp.sum(counted))
+    assert float(sums["teacher_kl"]) / n == pytest.approx(float(kl["teacher_kl"]), rel=1e-6)
+    for k in range(TEACHER_KL_BINS):
+        assert float(sums[f"teacher_tokens_by_position/{k}"]) == float(kl["teacher_tokens_by_position"][k])
+    unchanged, none = distill_batch(batch._replace(teacher_logp=None), OPD)
+    assert none == {} and unchanged.advantages is batch.advantages
