@@ -58,7 +58,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl4llm.core import LITE_PPO, agreement_stats, compute_advantages
-from jaxrl4llm.models import ModelConfig, init_model, load_pretrained
+from jaxrl4llm.models import init_model, load_pretrained
 from jaxrl4llm.sampling import generate
 from jaxrl4llm.train.batching import rollout_to_batch
 from jaxrl4llm.train.packing import pack, pack_layout, pack_plan, to_padded

@@ -148,7 +148,7 @@ def pilot_gates(arms: dict) -> list[Gate]:
              mean("aligned_like_long", "clip_frac_high"), low=0.01),
         Gate("all-same groups", "base-like share of groups whose 8 rewards are all equal",
              mean("base_like_long", "all_same_groups"), low=0.15),
-        Gate("time per step", f"seconds per step at the long budget (50 steps: a cell's RL time / 50)",
+        Gate("time per step", "seconds per step at the long budget (50 steps: a cell's RL time / 50)",
              max(arms["aligned_like_long"]["seconds_per_step"], arms["base_like_long"]["seconds_per_step"]), high=8.0),
     ]
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxrl4llm.models import make_mesh

@@ -1,6 +1,5 @@
 """Tests of the sampler-trainer mismatch corrections (core.mismatch) and their Recipe knobs."""
 
-import dataclasses
 import functools
 import math
 import re

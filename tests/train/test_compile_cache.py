@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from jaxrl4llm.train.compile_cache import cache_dir, enable_compile_cache
 

@@ -1,7 +1,6 @@
 """Around a finished run: plot, convert to HF, eval and sample commands, interrupted checkpoint writes."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

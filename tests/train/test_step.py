@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl4llm.core import AGGREGATION_MODES, DAPO, LITE_PPO, policy_loss
+from jaxrl4llm.core import AGGREGATION_MODES, DAPO, LITE_PPO
 from jaxrl4llm.train.step import (UpdateSettings, batch_loss_terms, init_train_state, join_params, make_optimizer,
                                   make_update_fn)
 
