@@ -48,6 +48,8 @@ HEAVY_FILES = (
     "kernels/test_cpu_kernels.py",
     "sampling/test_generate.py",
     "plan/test_continuous_plan.py",
+    "train/test_teacher.py",  # a teacher's runs, ~60 s
+    "sampling/test_tool_rollout.py",  # parked tool rows against the oracle, ~30 s
     "train/test_layout.py",
     "train/test_async_rl.py",
     "train/test_programs.py",
