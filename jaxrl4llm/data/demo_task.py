@@ -16,14 +16,13 @@ in the layout of the real datasets, so ``load_problems`` and the verifier treat 
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from jaxrl4llm.data.problems import Problem, problem_to_record
+from jaxrl4llm.data.problems import Problem, problem_to_record, write_splits
 
 _NAMES = ("Ann", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Ivy", "Jo", "Kim", "Lu", "Max")
 _ITEMS = ("pens", "cards", "coins", "eggs", "books", "cups", "keys", "caps", "toys", "nuts")
@@ -135,15 +134,8 @@ def write_demo_task(
         draw_seed += 1
         if draw_seed > seed + 1_000_003 + 50:
             raise ValueError("cannot draw enough distinct test problems; use more digits or steps")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, problems in (("train", train), ("test", test)):
-        path = out / f"{split}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            for p in problems:
-                f.write(json.dumps(problem_to_record(p, solution=demo_solution(p))) + "\n")
-        paths[split] = str(path)
+    paths = write_splits(out_dir, {split: [problem_to_record(p, solution=demo_solution(p)) for p in problems]
+                                   for split, problems in (("train", train), ("test", test))})
     return paths
 
 

@@ -446,6 +446,21 @@ def load_problems(
     return problems
 
 
+def write_splits(out_dir: str | Path, splits: dict[str, list[dict]]) -> dict[str, str]:
+    """Writes each split's records to ``<out_dir>/<split>.jsonl``, one JSON object a line (a built-in
+    task's files: `demo_task.write_demo_task`, `tool_task.write_tool_task`). Returns {split: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, records in splits.items():
+        path = out / f"{split}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        paths[split] = str(path)
+    return paths
+
+
 def problem_to_record(problem: Problem, **extra: Any) -> dict:
     """The JSONL record of a problem (``problem``/``answer``/``id`` + metadata + ``extra``)."""
     record = {k: v for k, v in problem.metadata.items() if k not in ("problem", "answer", "id")}

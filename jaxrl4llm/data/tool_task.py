@@ -28,11 +28,10 @@ solution) as the demo task does.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from jaxrl4llm.data.problems import Problem, problem_to_record
+from jaxrl4llm.data.problems import Problem, problem_to_record, write_splits
 from jaxrl4llm.tools.protocol import FENCE
 
 LOW, HIGH = 100, 999  # 3-digit factors
@@ -96,15 +95,7 @@ def write_tool_task(out_dir: str | Path, *, num_train: int = 4000, num_test: int
             if p.problem not in seen][:num_test]
     if len(test) < num_test:
         raise ValueError(f"cannot draw {num_test} test problems outside the train split")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, problems in (("train", train), ("test", test)):
-        path = out / f"{split}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            for i, p in enumerate(problems):
-                record = problem_to_record(Problem(p.problem, p.answer, f"{split}-{i}", p.metadata),
-                                           solution=tool_solution(p))
-                f.write(json.dumps(record) + "\n")
-        paths[split] = str(path)
-    return paths
+    return write_splits(out_dir, {
+        split: [problem_to_record(Problem(p.problem, p.answer, f"{split}-{i}", p.metadata), solution=tool_solution(p))
+                for i, p in enumerate(problems)]
+        for split, problems in (("train", train), ("test", test))})
