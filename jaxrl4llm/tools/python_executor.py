@@ -59,7 +59,7 @@ Code a model writes is hostile by assumption. What each measure does, and what i
   re-mounted for it. In a user namespace (a non-root caller), the worker enters a child namespace
   so that it cannot remount its file system writable. ``no_new_privileges``: no set-user-ID
   program raises its rights.
-- **Signals.** The worker runs in a POSIX session of its own (setsid) and ignores SIGINT and SIGTERM, so a Ctrl-C or a
+- **Signals.** The worker leads a process group of its own (setsid) and ignores SIGINT and SIGTERM, so a Ctrl-C or a
   SIGTERM to the trainer's process group does not reach it.
 - **Reproducibility.** ``random`` and, once imported, ``numpy.random`` are seeded from ``seed``
   before each call, and PYTHONHASHSEED is fixed: the same code gives the same output on any worker.
