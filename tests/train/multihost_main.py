@@ -5,7 +5,7 @@
 SPEC_JSON: {"process_id", "num_processes", "port", "devices" (per process), "assets" (the
 demo_assets paths), "out_dir", "steps", "resume", "result" (where process 0 writes the
 history and final parameters), "hold" (seconds to sleep after each step: the kill and SIGTERM
-tests), "light" (the fault tests' cheaper run: LIGHT), "compile_cache" (trainer.compile_cache; default off), "watch" (run under preemption.watch, as `jaxrl4llm train` does: a SIGTERM'd run writes
+tests; each step's line then carries its record's numbers), "light" (the fault tests' cheaper run: LIGHT), "compile_cache" (trainer.compile_cache; default off), "watch" (run under preemption.watch, as `jaxrl4llm train` does: a SIGTERM'd run writes
 {"preempted": step} to the result and exits 75), "staleness" (trainer.max_staleness, default 0), "partial" (rollout.partial, default false)}.
 """
 
@@ -43,8 +43,9 @@ from tests.train.conftest import tiny_overrides  # noqa: E402
 LIGHT = {"trainer.mini_batches": 1, "trainer.micro_batch_size": "null", "rollout.tensor_parallel": 0,
          "trainer.eval_every": -1, "trainer.export_hf": False, "trainer.packing": False}
 
-# partial rollouts (spec "partial"): fewer slots than rows and short bursts, so rows cross segments
-PARTIAL = {"rollout.partial": True, "rollout.slots": 8, "rollout.decode_burst": 2}
+# partial rollouts (spec "partial"): fewer slots than rows and short bursts, so rows cross segments;
+# the sampler 2-way tensor parallel (also in a light run: its 4 prompts split over 4 data-parallel shards)
+PARTIAL = {"rollout.partial": True, "rollout.slots": 8, "rollout.decode_burst": 2, "rollout.tensor_parallel": 2}
 
 
 def overrides() -> list[str]:
@@ -53,8 +54,8 @@ def overrides() -> list[str]:
         "trainer.micro_batch_size": 8, "mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1,
         "rollout.tensor_parallel": 2, "trainer.steps": spec["steps"], "trainer.checkpoint_every": 2,
         "trainer.eval_every": 2, "trainer.export_hf": True, "trainer.compile_cache": spec.get("compile_cache", "off"),
-        "trainer.max_staleness": spec.get("staleness", 0), **(PARTIAL if spec.get("partial") else {}),
-        **(LIGHT if spec.get("light") else {})})
+        "trainer.max_staleness": spec.get("staleness", 0), **(LIGHT if spec.get("light") else {}),
+        **(PARTIAL if spec.get("partial") else {})})
 
 
 def main() -> int:
@@ -64,7 +65,8 @@ def main() -> int:
 
         def slow(*args, **kwargs):
             record = original(*args, **kwargs)
-            print(f"step {args[-1] + 1} done", flush=True)
+            numbers = {k: float(v) for k, v in record.items() if isinstance(v, (int, float, np.number))}
+            print(f"step {args[-1] + 1} done {json.dumps(numbers)}", flush=True)  # a relaunch's step compared
             time.sleep(spec["hold"])
             return record
         loop.step_record = slow

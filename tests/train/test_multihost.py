@@ -81,24 +81,17 @@ def xla_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(demo_assets, tmp_path_factory, xla_cache):
-    """1 x 8 and 2 x 4 run 3 steps (checkpoint at 2), and 2 x 4 resumes a copy of its step-2 checkpoint;
-    asynchronously with partial rollouts (trainer.max_staleness=2, rollout.partial): the step-2
-    checkpoint holds a whole rollout in flight and the sampler's engine mid-way (slots, KV pages,
-    half-sampled rows, fetched per row from both processes); the synchronous loop is the same code
-    with nothing in flight."""
+    """1 x 8 and 2 x 4 run 3 steps (checkpoint at 2), asynchronously with partial rollouts
+    (trainer.max_staleness=2, rollout.partial): the step-2 checkpoint holds a whole rollout in flight
+    and the sampler's engine mid-way (slots, KV pages, half-sampled rows, fetched per row from both
+    processes); the synchronous loop is the same code with nothing in flight. Resuming that
+    checkpoint on two processes is the coordinator test's relaunch (below)."""
     root = tmp_path_factory.mktemp("multihost")
     one = launch(demo_assets, root / "one", root / "one_result", processes=1, steps=3, staleness=2, partial=True)
     finish(one)
     two = launch(demo_assets, root / "two", root / "two_result", processes=2, steps=3, compile_cache=xla_cache,
                  staleness=2, partial=True)
     finish(two)
-    import shutil
-
-    shutil.copytree(root / "two", root / "resumed")  # its latest checkpoint: step 2
-    (root / "resumed" / "metrics.jsonl").write_text("")
-    resumed = launch(demo_assets, root / "resumed", root / "resumed_result", processes=2, steps=3, resume=True,
-                     compile_cache=xla_cache, staleness=2, partial=True)
-    finish(resumed)
     return root
 
 
@@ -128,16 +121,6 @@ def test_only_process_zero_writes_and_the_export_is_complete(runs):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]  # every 2 steps
 
 
-def test_resume_on_two_processes_gives_the_same_step_3(runs):
-    straight, straight_params = load(runs / "two_result")
-    resumed, resumed_params = load(runs / "resumed_result")
-    assert len(resumed["history"]) == 1
-    for k in NUMBERS:
-        assert resumed["history"][0][k] == pytest.approx(straight["history"][2][k], rel=1e-5, abs=1e-6), k
-    for a, b in zip(straight_params, resumed_params):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
 SUPERVISOR_STOPS = (0, 2, 75, 130, 143)  # tpu_scripts/supervise.sh: finished, bad config, preempted (resumes), by hand
 LOST_SERVICE = ("heartbeat", "coordination service", "distributed service")  # in JAX's fatal error
 
@@ -147,17 +130,25 @@ def shell_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes_until_a_sigterm_stops_both(
+def step_numbers(log: str) -> dict[int, dict]:
+    """{step: its record's numbers} from a process's "step N done {...}" lines (multihost_main's hold)."""
+    lines = [line.split(" ", 3) for line in log.splitlines() if line.startswith("step ") and " done" in line]
+    return {int(parts[1]): json.loads(parts[3]) for parts in lines}
+
+
+def test_a_lost_coordinator_stops_the_other_and_the_relaunch_gives_the_same_step_3_until_a_sigterm_stops_both(
         demo_assets, tmp_path, xla_cache):
-    """Process 0 (the coordinator: jax.distributed's service runs in it) killed after step 3, its
-    step-2 checkpoint committed: process 1 exits within 30 s, without hanging, with a status
-    tpu_scripts/supervise.sh relaunches on (an abort, 134), naming the lost service. The relaunch
-    of both (--resume, its programs from the compile cache) continues from the step-2 checkpoint;
-    then SIGTERM reaches only its process 1 (a maintenance event on one host): both processes
-    finish the step, agree (an all-gather of the flags), save that step's checkpoint and exit 75."""
+    """Two processes, asynchronous with partial rollouts as in `runs`. Process 0 (the coordinator:
+    jax.distributed's service runs in it) killed after step 3, its step-2 checkpoint committed (a
+    rollout in flight, the engine mid-way): process 1 exits within 30 s, without hanging, with a
+    status tpu_scripts/supervise.sh relaunches on (an abort, 134), naming the lost service. The
+    relaunch of both (--resume, its programs from the compile cache) continues from the step-2
+    checkpoint and its step 3 equals the killed run's; then SIGTERM reaches only its process 1 (a
+    maintenance event on one host): both processes finish the step, agree (an all-gather of the
+    flags), save that step's checkpoint and exit 75."""
     from jaxrl4llm.train.run_folder import checkpoint_steps
 
-    light = {"light": True, "compile_cache": xla_cache}
+    light = {"light": True, "compile_cache": xla_cache, "staleness": 2, "partial": True}
     procs = launch(demo_assets, tmp_path / "run", tmp_path / "result", processes=2, steps=50, hold=2.0, **light)
     try:
         deadline = time.time() + 600
@@ -196,8 +187,12 @@ def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes_until_a_sig
                 p.kill()
     logs = [output(p) for p in relaunched]
     assert [p.returncode for p in relaunched] == [75, 75], logs[0][-3000:] + logs[1][-3000:]
-    done = [int(line.split()[1]) for line in logs[0].splitlines() if line.startswith("step ") and line.endswith(" done")]
+    done = sorted(step_numbers(logs[0]))
     assert done[0] == 3, done  # resumed from the step-2 checkpoint
+    straight, resumed = step_numbers(output(procs[0]))[3], step_numbers(logs[0])[3]  # the step's loss, reward, ...
+    assert resumed.keys() == straight.keys() and {"loss", "grad_norm", "reward", "entropy"} <= resumed.keys()
+    for k in straight:
+        assert resumed[k] == pytest.approx(straight[k], rel=1e-5, abs=1e-6), k
     steps = [json.load(open(f"{tmp_path / 'relaunched'}_{i}.json"))["preempted"] for i in range(2)]
     assert steps[0] == steps[1] == done[-1] < 50
     assert checkpoint_steps(tmp_path / "run")[-1] == steps[0]  # the step both stopped after, committed
@@ -205,14 +200,14 @@ def test_a_lost_coordinator_stops_the_other_and_the_relaunch_resumes_until_a_sig
 
 @pytest.mark.parametrize("lost, how", [(1, "SIGKILL"), (0, "SIGSTOP")], ids=["process-1-killed", "coordinator-frozen"])
 def test_a_lost_peer_stops_the_survivor_within_the_heartbeat(tmp_path, lost, how):
-    """Two processes joined as `train` joins them (hosts.initialize, a 10 s heartbeat), in a loop
+    """Two processes joined as `train` joins them (hosts.initialize, a 5 s heartbeat), in a loop
     of cross-process all-gathers (tests/train/collective_main.py: no model, up in seconds). A
     process killed (process 1), or a coordinator that stops answering without closing its
     connections (a frozen or vanished host: SIGSTOP), makes the other exit within the heartbeat
     (+ margin), with a status the supervisor relaunches on. The resume that follows is the one
     the coordinator test above runs."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAXRL4LLM_HEARTBEAT_SECONDS="10")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAXRL4LLM_HEARTBEAT_SECONDS="5")
     logs = [open(tmp_path / f"{pid}.log", "w") for pid in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.train.collective_main", str(pid), "2", str(port)], cwd=ROOT,
                               env=env, stdout=logs[pid], stderr=subprocess.STDOUT) for pid in range(2)]
@@ -235,5 +230,5 @@ def test_a_lost_peer_stops_the_survivor_within_the_heartbeat(tmp_path, lost, how
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert shell_status(procs[survivor].returncode) not in SUPERVISOR_STOPS and waited < 25, (waited, text(survivor)[-3000:])
+    assert shell_status(procs[survivor].returncode) not in SUPERVISOR_STOPS and waited < 15, (waited, text(survivor)[-3000:])
     assert any(w in text(survivor).lower() for w in LOST_SERVICE), text(survivor)[-3000:]
