@@ -24,6 +24,7 @@ from jaxrl4llm.models.layers.segment_attention import (GPU_SHARED_MEMORY, block_
                                                        segment_causal_attention)
 from jaxrl4llm.plan.gpu import missing_gpu_packages
 from tests.gpu_kernels import assert_close_bf16, bf16_normal, segment_attention_reference
+from tests.subprocess_xla_flags import xla_flags
 
 H, KVH = 4, 2
 
@@ -315,7 +316,7 @@ def test_splash_in_a_shard_map_over_8_devices_equals_single_device_xla():
     """splash under jax.set_mesh((data 2, fsdp 2, tensor 2)): batch and heads split by the shard_map,
     grouped kv heads kept (KVH 2) or repeated (KVH 1): values and gradients."""
     repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",  # 8 devices, fast compiles
                PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, "-m", "tests.models.segment_attention_sharded_main"], cwd=repo, env=env,
                             capture_output=True, text=True, timeout=600)

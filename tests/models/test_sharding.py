@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm.models import (DEFAULT_RULES, ModelConfig, abstract_model, logical_axes, logical_to_spec, make_mesh,
                               param_shardings)
+from tests.subprocess_xla_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,7 +53,7 @@ def test_logical_to_spec_drops_axes_that_do_not_divide():
 
 
 def test_sharded_load_matches_single_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",  # 8 devices, fast compiles
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, "-m", "tests.models.sharded_load_main", str(tmp_path)], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
