@@ -40,7 +40,7 @@ WITHOUT = ("plan",)  # tests/<folder>/ whose programs are not cached
 HEAVY_FILES = (
     "train/test_demo.py",  # all `xla_default_opt` (the second pass's longest: the quick demo + 2 learning runs)
     "plan/test_plan.py",  # TPU compiles, ~320 s
-    "train/test_multihost.py",  # 3 two-process runs + fault tests, ~220 s
+    "train/test_multihost.py",  # a 1-process and a 2-process run + fault tests, ~150 s
     "test_gpu_check.py",  # every phase's dry run, ~160 s
     "test_notebooks.py",  # 5 notebooks, ~150 s
     "plan/test_meter.py",

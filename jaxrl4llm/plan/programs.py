@@ -360,6 +360,7 @@ class RunPlan:
     trainer_positions: float = 0.0  # positions one trainer pass runs through the stack (all chips)
     packing: Any = None  # trainer.packing: the PackLayout the trainer programs were compiled for, or None
     attention_kernel: dict | None = None  # a Pallas attention kernel's FLOPs per micro-batch (`kernel_flops`)
+    teacher_attention_kernel: dict | None = None  # the same at the teacher's heads (its pass), or None
     trainer_hlo_flops: dict = dataclasses.field(default_factory=dict, repr=False)  # 2N/6N per position, by program
     layout: Any = None  # the run's layout (train.layout.RunLayout) the trainer programs were compiled for
     only: str = ""  # "trainer" / "sampler": one side's programs alone (`plan --only`), the step time that side's
@@ -548,7 +549,8 @@ def plan_run(cfg: RunConfig, topology: str | None = None, *, lengths: LengthDist
     n, epochs = ins.config.num_active_params, cfg.trainer.ppo_epochs
     plan = RunPlan(*shape, programs, sampler, extra["group"], chips=ins.mesh.size + (own.size if own is not None else 0),
                    decode=decode, trainer_positions=extra["tokens"], packing=extra["packing"],
-                   attention_kernel=extra["kernel"], layout=ins.layout, only="trainer" if trainer_only else "",
+                   attention_kernel=extra["kernel"], teacher_attention_kernel=extra["teacher_kernel"], layout=ins.layout,
+                   only="trainer" if trainer_only else "",
                    trainer_hlo_flops={"logprob pass": 2 * n / ins.mesh.size, "update": 6 * n * epochs / ins.mesh.size,
                                       "teacher pass": 0 if ins.teacher is None else
                                       2 * ins.teacher.config.num_active_params / ins.mesh.size},
@@ -745,24 +747,31 @@ def plan_trainer(ins: PlanInputs) -> tuple[list[ProgramPlan], dict]:
         plan_r.runs = 1 / cfg.trainer.router_metrics_every  # every router_metrics_every steps
         ins.price(plan_r, compiled_r)
         plans.append(plan_r)
+    teacher_kernel = None
     if trainer.teacher_pass is not None:
-        plans.append(plan_teacher_pass(ins, trainer, batch, seq))
+        plan_t, teacher_kernel = plan_teacher_pass(ins, trainer, batch, seq)
+        plans.append(plan_t)
     return plans, dict(group=settings.prompt_group, packing=settings.packing, tokens=work["tokens"],
-                                  kernel=kernel)
+                       kernel=kernel, teacher_kernel=teacher_kernel)
 
 
-def plan_teacher_pass(ins: PlanInputs, trainer, batch, seq: int) -> ProgramPlan:
+def plan_teacher_pass(ins: PlanInputs, trainer, batch, seq: int) -> tuple[ProgramPlan, dict | None]:
     """On-policy distillation's teacher pass (train/programs.py `teacher_pass`): the teacher's forward
-    over the batch's rows, once a step, priced at 2 N_teacher a position; its parameters are its
-    argument here and resident beside every other program (`plan_run`)."""
-    work = trainer_work(ins, seq, config=ins.teacher.config, chunk_size=ins.teacher.chunk_size)
+    over the batch's rows, once a step, priced at 2 N_teacher a position plus, under a Pallas attention
+    kernel (the student's kind: `model.attention_impl` on the platform), the kernel's forward FLOPs at
+    the teacher's heads, as the log-prob pass's; its parameters are its argument here and resident beside
+    every other program (`plan_run`). Returns (its plan, the teacher's kernel FLOPs or None)."""
+    config = ins.teacher.config
+    work = trainer_work(ins, seq, config=config, chunk_size=ins.teacher.chunk_size)
+    kernel = attention_kernel_flops(config, ins.mesh, ins.layout.train_attention.kernel, work["per_chip_rows"], seq,
+                                    remat=False, epochs=1, minis=ins.cfg.trainer.mini_batches)
     plan_t, compiled_t = _compile("teacher pass", lambda: trainer.teacher_pass.lower(ins.teacher.params, batch),
                                   {"parameters": ins.teacher_bytes, "batch": per_chip_bytes(batch),
                                    "activations": work["layer"] + work["head"] + work["attention"]},
-                                  2 * ins.teacher.config.num_active_params * work["tokens"] / ins.mesh.size, ins.mesh,
-                                  ins.log)
+                                  2 * config.num_active_params * work["tokens"] / ins.mesh.size, ins.mesh, ins.log)
+    plan_t.kernel_flops = kernel_flops_of(kernel, "logprob pass", work["micro"])  # a forward, once a mini-batch
     ins.price(plan_t, compiled_t)
-    return plan_t
+    return plan_t, kernel
 
 
 def routing_pass_activations(ins: PlanInputs) -> int:
@@ -907,8 +916,8 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
         positions = micro * plan.packing.mini_batches * plan.packing.positions
         for p in programs:
             if p.name in ("logprob pass", "update", "teacher pass") and p.hlo:
-                if p.name != "teacher pass":  # the student's attention kernel (the teacher's: not counted)
-                    p.kernel_flops = kernel_flops_of(plan.attention_kernel, p.name, micro)
+                p.kernel_flops = kernel_flops_of(plan.teacher_attention_kernel, "logprob pass", micro) \
+                    if p.name == "teacher pass" else kernel_flops_of(plan.attention_kernel, p.name, micro)
                 p.price(program_cost(p.hlo, num_devices=p.devices, dynamic_trips=[micro]), plan.chip)
                 p.model_flops = plan.trainer_hlo_flops[p.name] * positions
     for p in programs:

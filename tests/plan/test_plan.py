@@ -185,7 +185,9 @@ def test_a_lora_run_is_planned_with_its_adapters_and_without_the_base_s_optimize
 def test_a_teacher_too_large_for_the_mesh_is_a_verdict_naming_the_fix(tmp_path, capsys):
     """On-policy distillation from a Qwen3-32B-shaped teacher (its config.json alone: plan reads no
     weights) on four 16 GiB v5e chips: the teacher pass is priced and does not fit, and one advice
-    line names the teacher and what to change."""
+    line names the teacher and what to change. Its attention runs the splash kernel, as the
+    student's: the kernel's FLOPs (which XLA does not count) are added at the teacher's layers x heads x
+    head_dim, as for the student's log-prob pass (the same rows and blocks: 64 x 64 x 128 against 2 x 4 x 32)."""
     teacher = tmp_path / "teacher"
     teacher.mkdir()
     (teacher / "config.json").write_text(json.dumps({
@@ -193,11 +195,16 @@ def test_a_teacher_too_large_for_the_mesh_is_a_verdict_naming_the_fix(tmp_path, 
         "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
         "tie_word_embeddings": False, "rope_theta": 1000000, "max_position_embeddings": 40960,
         "rms_norm_eps": 1e-6}))
-    code = cli_main(["plan", "--topology", "v5e:2x2", "--json", "--only", "trainer", *TINY, "algorithm.preset=opd",
-                     f"teacher.model={teacher}", "teacher.dtype=float32"])
+    # every response at its budget: the packed passes run all their micro-batches (the teacher pass, which
+    # does not compile, keeps the count it was priced at; the others are re-priced at the lengths)
+    code = cli_main(["plan", "--topology", "v5e:2x2", "--json", "--only", "trainer", "--response-lengths", "fixed",
+                     *TINY, "algorithm.preset=opd", f"teacher.model={teacher}", "teacher.dtype=float32"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and not out["fits"]
     assert [p["name"] for p in out["programs"]] == ["logprob pass", "update", "teacher pass"]
     assert out["teacher_bytes_per_chip"] > 16 * 2**30  # 32.8e9 float32 parameters over 4 chips (fsdp 4)
+    kernel = {p["name"]: p["kernel_flops"] for p in out["programs"]}
+    assert kernel["logprob pass"] > 0 and kernel["teacher pass"] == pytest.approx(
+        kernel["logprob pass"] * (64 * 64 * 128) / (2 * 4 * 32))
     line = next(a for a in out["advice"] if a.startswith("teacher.model:"))
     assert "raise mesh.fsdp" in line and "teacher.dtype=bfloat16" in line and "\n" not in line
