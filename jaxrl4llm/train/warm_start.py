@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+from flax import nnx
 
 from jaxrl4llm.data.demo_task import build_char_tokenizer
-from jaxrl4llm.models import ModelConfig, init_model, load_tokenizer, save_pretrained, score_tokens
+from jaxrl4llm.models import ModelConfig, init_model, load_pretrained, load_tokenizer, save_pretrained, score_tokens
 from jaxrl4llm.train.sft import pack_sft_examples, sft_train
 
 # the demo's 0.41M-parameter model (2 layers of hidden 128)
@@ -30,19 +31,25 @@ RECIPE_FILE = "warmstart.json"  # what a warm-start folder was built from; reuse
 
 
 def build_warm_start(path: str | Path, prompts: Sequence[str], completions: Sequence[tuple[str, bool]], *,
-                     model: dict = DEMO_MODEL, sft: dict = SFT_DEFAULTS, seed: int = 0, log=print) -> Path:
+                     model: dict = DEMO_MODEL, sft: dict = SFT_DEFAULTS, seed: int = 0, init: str | Path | None = None,
+                     log=print) -> Path:
     """SFT a random model of shape `model` on (prompt, completion) texts; save an HF folder at `path`.
 
     sft: steps, batch_size, lr and length (tokens of prompt + completion + EOS; a longer example is
-    a ValueError naming it).
+    a ValueError naming it). init: a warm-start folder to fine-tune instead of a random model (its
+    shape, not `model`'s; float32).
     """
     path = Path(path)
     tokenizer = load_tokenizer(build_char_tokenizer(path))
-    config = ModelConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, qk_norm=True, rope_theta=10000.0,
-                         max_position_embeddings=512, dtype="float32", param_dtype="float32",
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, **model)
-    graphdef, params = init_model(config, jax.random.PRNGKey(seed))
+    if init is None:
+        config = ModelConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, qk_norm=True, rope_theta=10000.0,
+                             max_position_embeddings=512, dtype="float32", param_dtype="float32",
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.bos_token_id, **model)
+        graphdef, params = init_model(config, jax.random.PRNGKey(seed))
+    else:
+        start = load_pretrained(init, dtype="float32", param_dtype="float32")
+        config, (graphdef, params) = start.config, nnx.split(start)
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     completion_ids = [tokenizer(" " + text)["input_ids"] + ([tokenizer.eos_token_id] if stops else [])
                       for text, stops in completions]
