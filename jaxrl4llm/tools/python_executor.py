@@ -324,6 +324,42 @@ def _leave_call(state: _WorkerState, call_dir: str) -> bool:
 # ---- in the caller --------------------------------------------------------------------------
 
 _EXECUTORS: weakref.WeakSet = weakref.WeakSet()
+FOLDER_PREFIX = "jaxrl4llm-python-"  # an executor's host folder: <tmp>/jaxrl4llm-python-<its process id>-<random>
+
+
+def remove_orphaned_folders(parent: str | None = None) -> list[str]:
+    """Remove the executor folders under `parent` (the temporary folder) whose process is gone: one
+    killed (SIGKILL, an out-of-memory kill, os._exit) never ran `close`. Only this user's folders,
+    named `FOLDER_PREFIX<pid>-...`, whose pid no longer runs. Returns the paths removed."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if not name.startswith(FOLDER_PREFIX) or not pid.isdigit() or _process_runs(int(pid)):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid != os.getuid() or os.path.islink(path):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 _WORKER_CODE = "from jaxrl4llm.tools.python_executor import worker_entry; worker_entry()"
 
 
@@ -333,13 +369,15 @@ class PythonExecutor:
     ``run(codes)`` runs the snippets in parallel, results in input order. ``isolation``: which
     measures the workers got on this host. ``restarts``: workers replaced so far. Close it (or use
     it as a context manager); open executors are closed at exit. ``folder``: the host folder that
-    holds the workers' sandbox folders (removed at close).
+    holds the workers' sandbox folders (removed at close; the folder of a process killed before it
+    could close is removed by the next executor on the host, `remove_orphaned_folders`).
     """
 
     def __init__(self, config: ExecutorConfig = ExecutorConfig()):
         self.config = config
         self._launcher, self._namespaces = namespace_launcher() if config.namespaces else ((), frozenset())
-        self.folder = tempfile.mkdtemp(prefix="jaxrl4llm-python-")
+        remove_orphaned_folders()
+        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         os.chmod(self.folder, 0o711)  # another user (the workers' nobody) may enter, not list
         self._spawned = 0
         self._homes: dict[WorkerProcess, str] = {}

@@ -7,6 +7,8 @@ import os
 import signal
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -16,6 +18,7 @@ import pytest
 
 from jaxrl4llm.tools import ExecutorConfig, PythonExecutor, truncate_middle
 from jaxrl4llm.tools.confinement import ISOLATION_KEYS, worker_environment
+from jaxrl4llm.tools.python_executor import FOLDER_PREFIX, remove_orphaned_folders
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 1.0
@@ -275,3 +278,22 @@ def test_workers_are_recycled_and_none_outlives_the_executor():
     assert processes_mentioning(root) == [] and not os.path.exists(root)
     with pytest.raises(RuntimeError, match="closed"):
         ex.run(["print(1)"])
+
+
+def test_the_folder_of_a_killed_process_is_removed_by_the_next_executor(tmp_path):
+    """A process killed before `close` (SIGKILL) leaves its executor's folder; the next executor on
+    the host removes it, and leaves a running process's folder and other names alone."""
+    code = ("import os, signal, sys; from jaxrl4llm.tools import ExecutorConfig, PythonExecutor; "
+            "ex = PythonExecutor(ExecutorConfig(timeout=1.0, workers=1, preload=())); print(ex.folder, os.getpid(), flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    folder, pid = done.stdout.split()
+    orphan = Path(folder)
+    assert orphan.parent == tmp_path and orphan.is_dir() and orphan.name.startswith(f"{FOLDER_PREFIX}{pid}-")
+    running = tmp_path / f"{FOLDER_PREFIX}{os.getpid()}-x"
+    other = tmp_path / f"{FOLDER_PREFIX}notapid"
+    running.mkdir(), other.mkdir()
+    assert remove_orphaned_folders(str(tmp_path)) == [str(orphan)]
+    assert not orphan.exists() and running.is_dir() and other.is_dir()
