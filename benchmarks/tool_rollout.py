@@ -2,9 +2,10 @@
 
     python benchmarks/tool_rollout.py [--size demo] [--prompts 8] [--samples 8] [--max-new-tokens 256]
         [--lengths lognormal:mean=160,sigma=0.5] [--slots 32] [--tool-ms 20] [--observation 16]
-        [--max-turns 4] [--segment-steps 32] [--repeats 3]
+        [--max-turns 4] [--segment-steps 32] [--repeats 3] [--vocab V]
 
-A random Qwen3 of `--size` (benchmarks/sampler.py SIZES) samples P x G rows whose lengths are drawn
+A random Qwen3 of `--size` (benchmarks/sampler.py SIZES; `--vocab` replaces its vocabulary: a
+random model's most sampled token is frequent enough to call a tool often only in a small one) samples P x G rows whose lengths are drawn
 from `--lengths` and forced through `row_max_new_tokens` with no EOS, so every arm decodes exactly
 the same number of tokens (tool tokens count against a row's budget):
 - plain: `generate(engine="continuous", slots=S)`;
@@ -76,9 +77,11 @@ def main(argv=None) -> None:
     parser.add_argument("--segment-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the size's)")
     args = parser.parse_args(argv)
 
     hidden, layers, heads, kv_heads, head_dim, inter, vocab = SIZES[args.size]
+    vocab = args.vocab or vocab
     config = ModelConfig(architecture="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                          num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                          dtype=args.dtype, max_position_embeddings=4096)
@@ -115,7 +118,7 @@ def main(argv=None) -> None:
             if repeat:
                 best[name] = min(best[name], time.perf_counter() - start)
             results[name] = out
-    print(f"{args.size} ({args.dtype}), {args.prompts} prompts x {args.samples} samples, {args.slots} slots, "
+    print(f"{args.size} ({args.dtype}, vocabulary {vocab}), {args.prompts} prompts x {args.samples} samples, {args.slots} slots, "
           f"{total} tokens (lengths {args.lengths}, R={args.max_new_tokens}), {jax.devices()[0].platform}, "
           f"tool {args.tool_ms:g} ms a batch, {args.observation} tokens a call, segments of {args.segment_steps} steps, "
           f"best of {args.repeats}")
