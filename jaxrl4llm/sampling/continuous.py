@@ -717,16 +717,19 @@ def park(tools: Tools, tokens, rows, column, candidate) -> tuple[Tools, jax.Arra
                           parked_steps=tools.parked_steps + jnp.sum(tools.parked, dtype=jnp.int32)), parks
 
 
-def decode_burst(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
-    """Up to `burst` decode steps, fewer when every slot finishes first."""
+def decode_burst(engine: Engine, weights, sampling: Sampling, state: EngineState, stop=None) -> EngineState:
+    """Up to `burst` decode steps, fewer when every slot finishes first, or when `stop(state)` [] bool
+    holds before a step (a tool segment's end, `tool_segment`; None: never)."""
     more = lambda carry: (carry[0] < engine.spec.burst) & jnp.any(carry[1].slots.live)
+    if stop is not None:
+        more = lambda carry, more=more: more(carry) & ~stop(carry[1])
     step = lambda carry: (carry[0] + 1, decode_step(engine, weights, sampling, carry[1]))
     return jax.lax.while_loop(more, step, (jnp.zeros((), jnp.int32), state))[1]
 
 
-def refill_and_decode(engine: Engine, weights, sampling: Sampling, state: EngineState) -> EngineState:
-    """The body of the engine's loop: a refill, then a burst of decode steps."""
-    return decode_burst(engine, weights, sampling, refill(engine, weights, sampling, state))
+def refill_and_decode(engine: Engine, weights, sampling: Sampling, state: EngineState, stop=None) -> EngineState:
+    """The body of the engine's loop: a refill, then a burst of decode steps (`decode_burst`'s stop)."""
+    return decode_burst(engine, weights, sampling, refill(engine, weights, sampling, state), stop)
 
 
 def empty_state(engine: Engine, queue: Queue, end, pad_id) -> EngineState:
@@ -888,21 +891,23 @@ def tool_init(prompt_tokens, prompt_mask, row_valid, rng, first_row, pad_id, row
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
 def tool_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_id, max_steps, min_p=None,
-                 stop_seqs=None, *, spec: EngineSpec) -> tuple[EngineState, ParkedRows]:
+                 stop_seqs=None, park_wait=None, *, spec: EngineSpec) -> tuple[EngineState, ParkedRows]:
     """One segment of a run with tools: refills and bursts of decode steps (`refill_and_decode`)
-    while a slot decodes or a row waits for a free one, until about `max_steps` [] int32 decode steps
-    (the burst that crosses it ends); then finished slots retire. Parked slots keep their pages and
-    wait (`tool_resume`). Returns (state, ParkedRows)."""
+    while a slot decodes or a row waits for a free one, for at most `max_steps` [] int32 decode
+    steps, and with `park_wait` [] int32 (None: no such end) until the slots parked during the
+    segment have waited `park_wait` slot-steps in all (`segment_end`); then finished slots retire.
+    Parked slots keep their pages and wait (`tool_resume`). Returns (state, ParkedRows)."""
     engine = _tool_engine(spec, state)
     sampling = Sampling(temperature, top_p, eos_ids, pad_id, min_p, stop_seqs)
-    start = state.tools.steps
+    stop = functools.partial(segment_end, state.tools, max_steps=max_steps, park_wait=park_wait)
 
     def busy(state):
         free = jnp.any(~state.slots.live & ~state.tools.parked, axis=1)  # [D] a slot a refill may give a row
         return jnp.any(state.slots.live) | jnp.any((state.next_row < state.end) & free)
 
-    more = lambda state: busy(state) & (state.tools.steps - start < max_steps)
-    state = jax.lax.while_loop(more, functools.partial(refill_and_decode, engine, weights, sampling), state)
+    more = lambda state: busy(state) & ~stop(state)
+    state = jax.lax.while_loop(more, functools.partial(refill_and_decode, engine, weights, sampling, stop=stop),
+                               state)
     state = retire(state, spec.page_size)
     slots, tools, rows = state.slots, state.tools, engine.rows_per_shard
     local = jnp.maximum(slots.row, 0)
@@ -910,6 +915,23 @@ def tool_segment(weights, state: EngineState, temperature, top_p, eos_ids, pad_i
     return state, ParkedRows(tools.parked, jnp.where(slots.held, shard_of * rows + slots.row, -1), slots.length,
                              _take(state.queue.budget, local), _take(state.out.tokens, local),
                              _take(tools.mask, local), busy(state), tools.steps, tools.parked_steps)
+
+
+def segment_end(start: Tools, state: EngineState, *, max_steps, park_wait=None):
+    """Whether a tool segment that began at `start` ends before its next decode step: `max_steps`
+    steps ran, or (park_wait not None) slots parked since its start have waited park_wait slot-steps
+    in all: waited = (parked_steps - parked_steps at start) - steps run x slots parked at start
+    (those stay parked: nothing resumes within a segment). A call's row then reaches the host
+    without idling to a fixed segment's end, at most one host round trip's worth of slot-steps
+    (`tool_rollout.run_tools` sets park_wait so) behind."""
+    tools = state.tools
+    ran = tools.steps - start.steps
+    end = ran >= max_steps
+    if park_wait is not None:
+        waited = tools.parked_steps - start.parked_steps - ran * jnp.sum(start.parked, dtype=jnp.int32)
+        parked_since = jnp.sum(tools.parked, dtype=jnp.int32) > jnp.sum(start.parked, dtype=jnp.int32)
+        end = end | (parked_since & (waited >= park_wait))
+    return end
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

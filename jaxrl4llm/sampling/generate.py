@@ -215,8 +215,9 @@ def generate_with_tools(graphdef, state, prompts: Sequence[Sequence[int]], *, to
     engine = tool_init(tokens, mask, valid, rng, np.int32(0), np.int32(pad_token_id), row_budget, triggers,
                        np.int32(tools.max_turns), spec=spec)
     traced = _traced_options(config, min_p=min_p, greedy=greedy, tokenizer=tokenizer, stop_strings=stop_strings)
-    segment = lambda engine, steps: tool_segment(weights, engine, np.float32(temperature), np.float32(top_p), eos,
-                                                 np.int32(pad_token_id), steps, spec=spec, **traced)
+    segment = lambda engine, steps, park_wait: tool_segment(weights, engine, np.float32(temperature),
+                                                            np.float32(top_p), eos, np.int32(pad_token_id), steps,
+                                                            park_wait=park_wait, spec=spec, **traced)
     engine, stats = run_tools(engine, segment=segment, resume=tool_resume, fmt=fmt, spec=tools, executor=executor,
                               tokenizer=tokenizer, num_rows=num_rows * num_samples, segment_steps=segment_steps)
     out, tool_mask = tool_result(engine, spec=spec)

@@ -3,8 +3,10 @@
     state = tool_init(...)                                   (continuous.py; one call's rows)
     loop:
         state = tool_resume(state, observations ready)       forced tokens into the rows' next columns
-        state, parked = tool_segment(state, segment_steps)   decode; a trigger parks its slot (pages kept)
+        state, parked = tool_segment(state, steps, wait)     decode; a trigger parks its slot (pages kept);
+                                                             ends early once new parked slots waited `wait`
         new parked rows -> parse_call -> executor.run        in a thread: runs while the next segment decodes
+                                                             (one batch at a time; calls parsed meanwhile wait)
         finished calls -> observation_text -> observation_tokens -> ready
         nothing decodes and calls are out -> wait for the first to finish
 
@@ -96,6 +98,11 @@ def _timed_run(executor, codes):
     return results, start, time.perf_counter()
 
 
+def _submit(pool, executor, queued):
+    """(pendings, future) of one executor batch of the queued (code, _Pending) calls."""
+    return [call for _, call in queued], pool.submit(_timed_run, executor, [code for code, _ in queued])
+
+
 def _overlap(span, intervals) -> float:
     return sum(max(0.0, min(span[1], b) - max(span[0], a)) for a, b in intervals)
 
@@ -107,16 +114,21 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
     A segment runs `segment_steps` decode steps, or while calls run about as many as a call takes
     (the mean call batch's seconds over the last segment's seconds a step, at least
     MIN_SEGMENT_STEPS): a parked row then resumes right after its call returns instead of idling
-    until a whole segment ends.
+    until a whole segment ends. A segment also ends once the slots that parked in it have waited, in
+    all, the slot-steps one host round trip costs (`continuous.segment_end`): park_wait = the host's
+    seconds between two segments / a decode step's seconds x the slots decoding. A call so reaches
+    the executor about when waiting for it costs as much as stopping the engine to hand it over.
 
-    segment(state, max_steps) -> (state, ParkedRows) and resume(state, resume, tokens, count,
+    segment(state, max_steps, park_wait) -> (state, ParkedRows) and resume(state, resume, tokens, count,
     refund) -> state: `continuous.tool_segment` and `continuous.tool_resume` with their other
     arguments bound. num_rows: N, the rows over all shards. Returns (state, ToolStats)."""
     stats = ToolStats(calls=np.zeros(num_rows, np.int64), statuses=collections.Counter())
     width = spec.max_tool_tokens
     pending: dict[tuple[int, int], _Pending] = {}
     batches, ready, decoding = [], [], []  # batches: (pendings, future); ready: (slot, ids, refund)
+    queued = []  # (code, _Pending) of calls parsed while a batch ran: the next batch
     steps, steps_before = segment_steps, 0
+    host_seconds, last_end, park_wait = None, None, None  # host_seconds: between two segments (a running mean)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         while True:
             if ready:
@@ -124,9 +136,13 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
                 state = resume(state, *_resume_arrays(ready, view.parked.shape, width))
                 ready = []
             start = time.perf_counter()
-            state, view = segment(state, np.int32(steps))
+            if last_end is not None:
+                gap = start - last_end
+                host_seconds = gap if host_seconds is None else 0.5 * (host_seconds + gap)
+            state, view = segment(state, np.int32(steps), np.int32(park_wait or 1))
             view = jax.device_get(view)
-            decoding.append((start, time.perf_counter()))
+            last_end = time.perf_counter()
+            decoding.append((start, last_end))
             stats.segments += 1
             codes, calls = [], []
             for d, s in zip(*np.nonzero(view.parked)):
@@ -145,12 +161,15 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
                     stats.statuses[found.reason] += 1
                 ids = _observation(fmt, tokenizer, found.observation_text, room, spec) if found.observation_text else []
                 ready.append(((d, s), ids, found.reason == "trigger_in_code"))
-            if codes:
-                batches.append((calls, pool.submit(_timed_run, executor, codes)))
+            queued += zip(codes, calls)
             batches = _collect(batches, ready, pending, stats, fmt, tokenizer, spec, decoding, wait=False)
+            if queued and not batches:  # one batch at a time: the calls that came while one ran go together
+                batches, queued = [_submit(pool, executor, queued)], []
             # while calls run, the next segment lasts about as long as a call: its rows resume right after
             step_seconds = (decoding[-1][1] - decoding[-1][0]) / max(int(view.steps) - steps_before, 1)
             steps_before = int(view.steps)
+            decoding_slots = int(np.sum((view.row >= 0) & ~view.parked))
+            park_wait = int(np.ceil((host_seconds or step_seconds) / step_seconds * max(decoding_slots, 1)))
             steps = segment_steps
             if batches:
                 latency = stats.tool_seconds / stats.batches if stats.batches else step_seconds * segment_steps / 4
@@ -161,6 +180,8 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
                 waited = time.perf_counter()
                 batches = _collect(batches, ready, pending, stats, fmt, tokenizer, spec, decoding, wait=True)
                 stats.wait_seconds += time.perf_counter() - waited
+                if queued and not batches:
+                    batches, queued = [_submit(pool, executor, queued)], []
         stats.decode_steps = int(view.steps)
         slot_steps = int(view.steps) * int(np.prod(view.parked.shape))
         stats.parked_share = int(view.parked_steps) / slot_steps if slot_steps else 0.0

@@ -130,22 +130,65 @@ def test_rows_with_tool_calls_equal_the_oracle_that_regenerates_after_each_call(
     assert any(FORMAT.trigger in CharTokenizer().decode(tokens[n][mask[n] == 1]) for n in range(len(PROMPTS)))
 
 
+def hand_driven_engine(prompts, burst: int = 2):
+    """(weights, spec, a fresh `tool_init` state) of `prompts` (at most 3) and padding rows, on 2
+    slots, greedy, max_turns 1."""
+    graphdef, state = tiny_model()
+    backend = decode_backend(CONFIG, mesh=None, use_kernels=False, block_size=32)
+    weights = weights_program(graphdef, state, config=CONFIG, backend=backend)
+    spec = engine_spec_for(CONFIG, backend, mesh=None, num_prompts=4, num_samples=1, max_new_tokens=R, top_k=0,
+                           top_p=1.0, greedy=True, use_kernels=False, slots=2, page_size=4, burst=burst)
+    padded = left_pad_prompts(prompts, pad_token_id=0, length=16, num_rows=4)
+    budgets = np.asarray([R] * len(prompts) + [1] * (4 - len(prompts)), np.int32)
+    triggers = trigger_token_sequences(FORMAT, CharTokenizer())
+    engine = tool_init(padded.tokens, padded.mask, padded.row_valid, jax.random.key(0), np.int32(0), np.int32(0),
+                       budgets, triggers, np.int32(1), spec=spec)
+    return weights, spec, engine
+
+
+def test_a_segment_ends_once_its_new_parked_slots_waited_park_wait_slot_steps():
+    """segment_end: `max_steps` steps, or slots parked since the segment began waited park_wait
+    slot-steps in all (those parked at its start do not count). In the engine, a segment of up to 64
+    steps with park_wait 1 hands a new parked slot over one step after it parked (bursts of 16
+    included); without park_wait the same segment decodes on past it."""
+    from jaxrl4llm.sampling.continuous import Tools, segment_end
+
+    def tools(parked, steps, parked_steps):
+        parked = np.asarray([parked], bool)
+        return Tools(parked, np.zeros_like(parked, np.int32), None, None, None, np.int32(steps),
+                     np.int32(parked_steps))
+
+    class Now:
+        def __init__(self, t):
+            self.tools = t
+
+    start = tools([True, False, False], 10, 7)
+    for parked, steps, parked_steps, wait, end in [
+            ([True, False, False], 13, 10, 1, False),  # only the slot parked at the start waited
+            ([True, True, False], 13, 10 + 2, 2, True),  # the new one waited 2 slot-steps
+            ([True, True, False], 13, 10 + 2, 3, False),
+            ([True, True, True], 11, 8, 1, False),  # two parked on the last step: none waited yet
+            ([True, False, False], 14, 11, None, True)]:  # max_steps 4
+        assert bool(segment_end(start, Now(tools(parked, steps, parked_steps)), max_steps=4, park_wait=wait)) == end
+
+    weights, spec, fresh = hand_driven_engine(PROMPTS[:2], burst=16)
+    run = lambda engine, wait: tool_segment(weights, engine, np.float32(1.0), np.float32(1.0), np.zeros((0,), np.int32),
+                                            np.int32(0), np.int32(64), park_wait=wait, spec=spec)
+    _, early = run(fresh, np.int32(1))
+    new = int(np.asarray(early.parked).sum())
+    assert new >= 1 and int(early.steps) < 64 and int(early.parked_steps) == new
+    _, _, fresh = hand_driven_engine(PROMPTS[:2], burst=16)
+    _, late = run(fresh, None)
+    assert int(late.steps) > int(early.steps) + 1 and int(late.parked_steps) > new
+
+
 def test_a_parked_slot_keeps_its_pages_while_the_others_decode_and_every_page_comes_back():
     """3 rows on 2 slots, segments of 2 steps by hand: once a slot parks, two more segments leave its
     length and pages as they were (none of them free) while the other slot decodes on; a refunded
     resume (no token) lets its row park again past max_turns 1; resumed with an observation, every
     row finishes, one call each, and every page is free again."""
-    graphdef, state = tiny_model()
-    backend = decode_backend(CONFIG, mesh=None, use_kernels=False, block_size=32)
-    weights = weights_program(graphdef, state, config=CONFIG, backend=backend)
     prompts = PROMPTS[:3]
-    spec = engine_spec_for(CONFIG, backend, mesh=None, num_prompts=4, num_samples=1, max_new_tokens=R, top_k=0,
-                           top_p=1.0, greedy=True, use_kernels=False, slots=2, page_size=4, burst=2)
-    padded = left_pad_prompts(prompts, pad_token_id=0, length=16, num_rows=4)
-    budgets = np.asarray([R, R, R, 1], np.int32)
-    triggers = trigger_token_sequences(FORMAT, CharTokenizer())
-    engine = tool_init(padded.tokens, padded.mask, padded.row_valid, jax.random.key(0), np.int32(0), np.int32(0),
-                       budgets, triggers, np.int32(1), spec=spec)
+    weights, spec, engine = hand_driven_engine(prompts)
     segment = lambda engine: tool_segment(weights, engine, np.float32(1.0), np.float32(1.0),
                                           np.zeros((0,), np.int32), np.int32(0), np.int32(2), spec=spec)
     for _ in range(20):
