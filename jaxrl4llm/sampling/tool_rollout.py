@@ -98,6 +98,50 @@ def _timed_run(executor, codes):
     return results, start, time.perf_counter()
 
 
+class SegmentClock:
+    """A rollout's segment times so far: a segment's seconds = fixed + steps x step, fitted by least
+    squares over its segments (`segment(steps, seconds)`), and the host's seconds between two
+    segments (`host(seconds)`, a running mean). step_seconds: a decode step; round_trip_seconds:
+    what ending a segment costs (fixed + host). The first segment is left out of the fit (it
+    prefills every slot's prompt, and the rollout's first compiles the program). Until two step
+    counts differ: step = the last segment's seconds / its steps, fixed = 0."""
+
+    def __init__(self):
+        self.sums = np.zeros(5)  # n, sum s, sum w, sum s^2, sum s w
+        self.last = (1, 0.0)
+        self.host_seconds = 0.0
+        self.segments = 0
+
+    def segment(self, steps: int, seconds: float) -> None:
+        steps = max(steps, 1)
+        self.segments += 1
+        if self.segments > 1:
+            self.sums += (1, steps, seconds, steps * steps, steps * seconds)
+        self.last = (steps, seconds)
+
+    def host(self, seconds: float) -> None:
+        self.host_seconds = seconds if not self.host_seconds else 0.5 * (self.host_seconds + seconds)
+
+    def _fit(self) -> tuple[float, float]:
+        n, s, w, ss, sw = self.sums
+        spread = n * ss - s * s
+        if n >= 2 and spread > 0:
+            step = (n * sw - s * w) / spread
+            fixed = (w - step * s) / n
+            if step > 0 and fixed >= 0:
+                return fixed, step
+        steps, seconds = self.last
+        return 0.0, max(seconds / steps, 1e-9)
+
+    @property
+    def step_seconds(self) -> float:
+        return self._fit()[1]
+
+    @property
+    def round_trip_seconds(self) -> float:
+        return self._fit()[0] + self.host_seconds
+
+
 def _submit(pool, executor, queued):
     """(pendings, future) of one executor batch of the queued (code, _Pending) calls."""
     return [call for _, call in queued], pool.submit(_timed_run, executor, [code for code, _ in queued])
@@ -115,9 +159,10 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
     (the mean call batch's seconds over the last segment's seconds a step, at least
     MIN_SEGMENT_STEPS): a parked row then resumes right after its call returns instead of idling
     until a whole segment ends. A segment also ends once the slots that parked in it have waited, in
-    all, the slot-steps one host round trip costs (`continuous.segment_end`): park_wait = the host's
-    seconds between two segments / a decode step's seconds x the slots decoding. A call so reaches
-    the executor about when waiting for it costs as much as stopping the engine to hand it over.
+    all, the slot-steps one host round trip costs (`continuous.segment_end`): park_wait = a round
+    trip's seconds / a decode step's seconds x the slots decoding, both from `SegmentClock`. A call
+    so reaches the executor about when waiting for it costs as much as stopping the engine to hand
+    it over.
 
     segment(state, max_steps, park_wait) -> (state, ParkedRows) and resume(state, resume, tokens, count,
     refund) -> state: `continuous.tool_segment` and `continuous.tool_resume` with their other
@@ -128,7 +173,7 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
     batches, ready, decoding = [], [], []  # batches: (pendings, future); ready: (slot, ids, refund)
     queued = []  # (code, _Pending) of calls parsed while a batch ran: the next batch
     steps, steps_before = segment_steps, 0
-    host_seconds, last_end, park_wait = None, None, None  # host_seconds: between two segments (a running mean)
+    clock, last_end, park_wait = SegmentClock(), None, None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         while True:
             if ready:
@@ -137,8 +182,7 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
                 ready = []
             start = time.perf_counter()
             if last_end is not None:
-                gap = start - last_end
-                host_seconds = gap if host_seconds is None else 0.5 * (host_seconds + gap)
+                clock.host(start - last_end)
             state, view = segment(state, np.int32(steps), np.int32(park_wait or 1))
             view = jax.device_get(view)
             last_end = time.perf_counter()
@@ -166,10 +210,10 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
             if queued and not batches:  # one batch at a time: the calls that came while one ran go together
                 batches, queued = [_submit(pool, executor, queued)], []
             # while calls run, the next segment lasts about as long as a call: its rows resume right after
-            step_seconds = (decoding[-1][1] - decoding[-1][0]) / max(int(view.steps) - steps_before, 1)
-            steps_before = int(view.steps)
+            clock.segment(int(view.steps) - steps_before, last_end - start)
+            steps_before, step_seconds = int(view.steps), clock.step_seconds
             decoding_slots = int(np.sum((view.row >= 0) & ~view.parked))
-            park_wait = int(np.ceil((host_seconds or step_seconds) / step_seconds * max(decoding_slots, 1)))
+            park_wait = int(np.ceil(clock.round_trip_seconds / step_seconds * max(decoding_slots, 1)))
             steps = segment_steps
             if batches:
                 latency = stats.tool_seconds / stats.batches if stats.batches else step_seconds * segment_steps / 4

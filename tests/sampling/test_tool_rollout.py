@@ -243,3 +243,17 @@ def test_a_one_token_trigger_among_the_eos_ids_no_longer_ends_a_row():
     triggers = trigger_token_sequences(tool_format("llama3_chat"), Llama3Ids())
     assert eos_without_triggers([128001, 128008, 128009], triggers) == [128001, 128009]
     assert eos_without_triggers([5, 7], trigger_token_sequences(FORMAT, CharTokenizer())) == [5, 7]
+
+
+def test_the_segment_clock_fits_a_round_trip_and_a_step():
+    """seconds = fixed + steps x step by least squares, the first segment (prefill, compile) left out;
+    a round trip = fixed + the host's seconds between segments."""
+    from jaxrl4llm.sampling.tool_rollout import SegmentClock
+
+    clock = SegmentClock()
+    clock.segment(32, 5.0)  # the first: compiles
+    assert clock.step_seconds == 5.0 / 32 and clock.round_trip_seconds == 0.0
+    for steps in (4, 16, 9, 32):
+        clock.segment(steps, 0.002 + steps * 0.001)
+    clock.host(0.0004), clock.host(0.0006)
+    np.testing.assert_allclose([clock.step_seconds, clock.round_trip_seconds], [0.001, 0.0025], rtol=1e-9)
