@@ -1570,7 +1570,8 @@ def markdown(report: dict) -> str:
         w = tools["workload"]
         lines += ["", f"## tools (benchmarks/tool_rollout.py: {w['size']}, {w['dtype']}, vocabulary {tools['vocab']}, "
                       f"{w['prompts']} prompts x {w['samples']} samples on {w['slots']} slots, {tools['tokens']} tokens, "
-                      f"best of {w['repeats']})", "",
+                      f"best of {w['repeats']}; the trigger, the token the model samples most, "
+                      f"{_fmt(100 * next(iter(tools['runs'].values()))['trigger_share'])}% of the plain arm's)", "",
                   "| tool ms a batch | arm | tokens/s | seconds | vs plain | decode steps | segments | calls/row | "
                   "tool tokens | tool s | hidden | parked share |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -1581,6 +1582,8 @@ def markdown(report: dict) -> str:
                          "" if arm == "plain" else f"{100 * a['vs_plain']:+.1f}%"]
                 cells += [(f"{_fmt(100 * a[k])}%" if k in shares else _fmt(a[k])) if k in a else ""
                           for k in ("decode_steps", "segments", "calls_per_row", *shares[:1], "tool_s", *shares[1:])]
+                if a.get("tool_s") == 0:  # no call: nothing to hide
+                    cells[-2] = ""
                 lines.append(f"| {' | '.join(map(str, cells))} |")
     for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
