@@ -88,7 +88,7 @@ PHASES = (
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
                                "LAUNCH_VARIANTS, one process each: XLA flags and decode bursts", optional=True),
     Phase("moe",      90, 240, "optional (`--phases moe`): the expert layer of Qwen3-30B-A3B (MOE_SHAPES: hidden "
-                               "2048, width 768, 128 experts, top 8, bf16 matmuls) at two token counts, forward and "
+                               "2048, width 768, 128 experts, top 8, bf16 matmuls) at three token counts, forward and "
                                "forward + backward of expert_ffn's ragged_dot form against dense_capacity "
                                "(benchmarks/moe_forms.py): seconds, XLA's FLOPs, TFLOP/s on the useful FLOPs, time "
                                "over dense_capacity's, and whether ragged_dot runs as a grouped matmul or a dense "
@@ -882,13 +882,14 @@ def phase_agreement(mode: str, work: Path, log) -> dict:
 # ---------------------------------------------------------------------------- phase: moe (optional)
 # The moe phase's expert layer: Qwen3-30B-A3B's (configs/models/qwen3_30b_a3b_base.yaml: hidden 2048,
 # moe_intermediate_size 768, 128 experts, top 8), held float32 and multiplied in bfloat16 as the trainer
-# runs it, at a micro-batch's tokens on one chip. dense_capacity's [E, N, I] float32 intermediates are
-# 6.4 GB each at 16384 tokens; a ragged_dot expanded densely over the experts would take as much again
-# for each of the k, so the larger count may run out of memory: that error is then its row (and an
-# answer). `reference` unrolls a loop of the E experts into the program (a test oracle): too slow to
-# compile at 128 experts within the budget, it runs on the dry run only.
+# runs it, at a micro-batch's tokens on one chip (4096, 16384) and at 1024. On the CPU (2026-12-06, jax
+# 0.10.2, XLA's memory analysis of forward + backward at 16384 tokens) dense_capacity's temporaries were
+# 42 GiB and ragged_dot's, expanded over all experts, 478 GiB (120 at 4096, 30 at 1024 against
+# dense_capacity's 10.5 and 2.6): a ragged_dot expanded so on the GPU runs out of memory at the
+# micro-batch counts (that error is then its row), and 1024 tokens still gives a verdict. `reference` unrolls a loop of the E experts into the program (a test
+# oracle): too slow to compile at 128 experts within the budget, it runs on the dry run only.
 MOE_SHAPES = {
-    "gpu": dict(tokens=(4096, 16384), hidden=2048, width=768, experts=128, k=8, iters=5, dtype="bfloat16",
+    "gpu": dict(tokens=(1024, 4096, 16384), hidden=2048, width=768, experts=128, k=8, iters=5, dtype="bfloat16",
                 forms=("dense_capacity", "ragged_dot")),
     "dry": dict(tokens=(32, 64), hidden=64, width=32, experts=8, k=2, iters=2, dtype="bfloat16",
                 forms=("dense_capacity", "ragged_dot", "reference")),
@@ -910,8 +911,9 @@ def phase_moe(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
     """The expert layer's forms (`benchmarks/moe_forms.time_forms`) at MOE_SHAPES[mode]: per token count
     and form, seconds forward and forward + backward, XLA's FLOPs, TFLOP/s on the useful FLOPs
     (2 N k 3 D I forward, 3x with backward) and the time over dense_capacity's; per token count, whether
-    ragged_dot runs as a grouped matmul or as a dense expansion over all experts (`moe_verdict`). A form
-    that fails (out of memory) is its row's error; PhaseFailed when no token count timed both forms."""
+    ragged_dot runs as a grouped matmul or as a dense expansion over all experts (`moe_verdict`; or its
+    running out of memory where dense_capacity ran). A form that fails is its row's error; PhaseFailed
+    when no token count gave a verdict."""
     from moe_forms import time_forms, useful_flops
 
     s = MOE_SHAPES[mode]
@@ -937,6 +939,7 @@ def phase_moe(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
         for form, r in timed.items():
             figures["rows"].append({
                 "tokens": tokens, "form": form, **r, "xla_over_useful": r["fwd_bwd_flops"] / (3 * useful),
+                "temp_gib_fwd_bwd": r["fwd_bwd_temp_bytes"] / 2**30,
                 "useful_tflops_fwd": useful / r["fwd_s"] / 1e12, "useful_tflops_fwd_bwd": 3 * useful / r["fwd_bwd_s"] / 1e12,
                 "fwd_over_dense": r["fwd_s"] / base["fwd_s"] if base else float("nan"),
                 "fwd_bwd_over_dense": r["fwd_bwd_s"] / base["fwd_bwd_s"] if base else float("nan")})
@@ -945,14 +948,22 @@ def phase_moe(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
             verdict, multiple = moe_verdict(rd["fwd_bwd_s"], base["fwd_bwd_s"], e, k)
             fwd_multiple = moe_verdict(rd["fwd_s"], base["fwd_s"], e, k)[1]
             figures["verdicts"][str(tokens)] = {"verdict": verdict, "multiple_fwd_bwd": multiple,
-                                                "multiple_fwd": fwd_multiple}
+                                                "multiple_fwd": fwd_multiple,
+                                                "temp_over_dense": rd["fwd_bwd_temp_bytes"] / base["fwd_bwd_temp_bytes"]}
             log(f"  {tokens} tokens: ragged_dot forward+backward {rd['fwd_bwd_s'] * 1e3:.3g} ms, "
                 f"{rd['fwd_bwd_s'] / base['fwd_bwd_s']:.2f}x dense_capacity's; its time is {multiple:.1f}x the useful "
                 f"FLOPs at dense_capacity's rate (forward {fwd_multiple:.1f}x; a dense expansion is {e / k:g}x), "
-                f"XLA counts {rd['fwd_bwd_flops'] / (3 * useful):.1f}x: {verdict}")
+                f"XLA counts {rd['fwd_bwd_flops'] / (3 * useful):.1f}x, temporaries "
+                f"{rd['fwd_bwd_temp_bytes'] / 2**30:.3g} GiB ({figures['verdicts'][str(tokens)]['temp_over_dense']:.2f}x "
+                f"dense_capacity's): {verdict}")
+        elif base and any(r["form"] == "ragged_dot" and r["tokens"] == tokens and "RESOURCE_EXHAUSTED" in r["error"]
+                          for r in figures["rows"] if "error" in r):
+            figures["verdicts"][str(tokens)] = {"verdict": "out of memory where dense_capacity (every expert on "
+                                                           "every token) ran: an expansion"}
+            log(f"  {tokens} tokens: ragged_dot {figures['verdicts'][str(tokens)]['verdict']}")
         partial(figures)
     if not figures["verdicts"]:
-        raise PhaseFailed("no token count timed both ragged_dot and dense_capacity", figures)
+        raise PhaseFailed("no token count gave a verdict (ragged_dot against dense_capacity)", figures)
     return figures
 
 
@@ -1551,18 +1562,21 @@ def markdown(report: dict) -> str:
         lines += ["", f"## moe (the expert layer: hidden {sh['hidden']}, width {sh['width']}, {sh['experts']} experts, top "
                       f"{sh['k']}, {sh['dtype']} matmuls; useful FLOPs 2 N k 3 D I forward, 3x with backward"
                       + (f"; measured peak {_fmt(moe['peak_tflops'])} TFLOP/s" if "peak_tflops" in moe else "") + ")", "",
-                  "| tokens | form | forward ms | fwd+bwd ms | XLA GFLOP fwd+bwd | XLA / useful | useful TFLOP/s fwd | "
-                  "useful TFLOP/s fwd+bwd | / dense_capacity fwd | / dense_capacity fwd+bwd |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {r['tokens']} | {r['form']} | error: {r['error'][:150].replace('|', '/')} | | | | | | | |"
+                  "| tokens | form | forward ms | fwd+bwd ms | XLA GFLOP fwd+bwd | XLA / useful | temp GiB fwd+bwd | "
+                  "useful TFLOP/s fwd | useful TFLOP/s fwd+bwd | / dense_capacity fwd | / dense_capacity fwd+bwd |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['tokens']} | {r['form']} | error: {r['error'][:150].replace('|', '/')} | | | | | | | | |"
                   if "error" in r else
                   f"| {r['tokens']} | {r['form']} | {_fmt(1e3 * r['fwd_s'])} | {_fmt(1e3 * r['fwd_bwd_s'])} | "
-                  f"{_fmt(r['fwd_bwd_flops'] / 1e9)} | {_fmt(r['xla_over_useful'])} | {_fmt(r['useful_tflops_fwd'])} | "
+                  f"{_fmt(r['fwd_bwd_flops'] / 1e9)} | {_fmt(r['xla_over_useful'])} | {_fmt(r['temp_gib_fwd_bwd'])} | "
+                  f"{_fmt(r['useful_tflops_fwd'])} | "
                   f"{_fmt(r['useful_tflops_fwd_bwd'])} | {_fmt(r['fwd_over_dense'])} | {_fmt(r['fwd_bwd_over_dense'])} |"
                   for r in moe["rows"]]
-        lines += [""] + [f"- {n} tokens: ragged_dot's time is {_fmt(v['multiple_fwd_bwd'])}x the useful FLOPs at "
+        lines += [""] + [f"- {n} tokens: ragged_dot **{v['verdict']}**" if "multiple_fwd_bwd" not in v else
+                         f"- {n} tokens: ragged_dot's time is {_fmt(v['multiple_fwd_bwd'])}x the useful FLOPs at "
                          f"dense_capacity's rate forward + backward ({_fmt(v['multiple_fwd'])}x forward; a dense "
-                         f"expansion is {_fmt(sh['experts'] / sh['k'])}x): **{v['verdict']}**"
+                         f"expansion is {_fmt(sh['experts'] / sh['k'])}x), its temporaries "
+                         f"{_fmt(v['temp_over_dense'])}x dense_capacity's: **{v['verdict']}**"
                          for n, v in moe["verdicts"].items()]
         lines += [f"- {moe['skipped']}"] if moe.get("skipped") else []
     tools = report["phases"].get("tools", {}).get("figures", {})

@@ -43,9 +43,10 @@ def time_forms(tokens: int, hidden: int, width: int, experts: int, k: int, iters
     model.dtype; float32 accumulation), the loss sum(y^2) with the gate weights replayed from the router.
 
     Returns {form: {"fwd_bwd_s": median seconds of `iters` runs of the loss and its gradients in x,
-    the router and the experts, "fwd_bwd_flops": XLA's FLOPs count of that program}}, with "fwd_s"
-    and "fwd_flops" of the loss alone when `forward`. Each program is compiled once, its FLOPs read
-    from the compiled program, then run once untimed."""
+    the router and the experts, "fwd_bwd_flops": XLA's FLOPs count of that program, "fwd_bwd_temp_bytes":
+    its temporary buffers by XLA's memory analysis}}, with "fwd_s", "fwd_flops" and "fwd_temp_bytes"
+    of the loss alone when `forward`. Each program is compiled once, its FLOPs and buffers read from
+    the compiled program, then run once untimed."""
     n, d, i, e = tokens, hidden, width, experts
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (n, d))
@@ -54,17 +55,18 @@ def time_forms(tokens: int, hidden: int, width: int, experts: int, k: int, iters
                         for key, shape in zip(keys[2:], [(e, d, i), (e, d, i), (e, i, d)])))
     _, ids = top_k_route(router_probs(x, router), k, True)
 
-    def timed(program) -> tuple[float, float]:
+    def timed(program) -> tuple[float, float, float]:
         compiled = jax.jit(program).lower(x, router, weights).compile()
         cost = compiled.cost_analysis()
         flops = (cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)
+        temp = float(getattr(compiled.memory_analysis(), "temp_size_in_bytes", float("nan")))
         jax.block_until_ready(compiled(x, router, weights))
         runs = []
         for _ in range(iters):
             start = time.perf_counter()
             jax.block_until_ready(compiled(x, router, weights))
             runs.append(time.perf_counter() - start)
-        return sorted(runs)[len(runs) // 2], flops
+        return sorted(runs)[len(runs) // 2], flops, temp
 
     results = {}
     for form in forms:
@@ -72,9 +74,10 @@ def time_forms(tokens: int, hidden: int, width: int, experts: int, k: int, iters
             w = replay_route(router_probs(x, router), ids, True)
             return jnp.sum(expert_ffn(x, ids, w, experts, form, dtype) ** 2)
 
-        row = dict(zip(("fwd_bwd_s", "fwd_bwd_flops"), timed(jax.value_and_grad(loss, argnums=(0, 1, 2)))))
+        row = dict(zip(("fwd_bwd_s", "fwd_bwd_flops", "fwd_bwd_temp_bytes"),
+                       timed(jax.value_and_grad(loss, argnums=(0, 1, 2)))))
         if forward:
-            row.update(zip(("fwd_s", "fwd_flops"), timed(loss)))
+            row.update(zip(("fwd_s", "fwd_flops", "fwd_temp_bytes"), timed(loss)))
         log(f"  {form} N={n}: {row}")
         results[form] = row
     return results
