@@ -87,6 +87,17 @@ PHASES = (
                                "timed runs", optional=True),
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
                                "LAUNCH_VARIANTS, one process each: XLA flags and decode bursts", optional=True),
+    Phase("moe",      90, 120, "optional (`--phases moe`): the expert layer of Qwen3-30B-A3B (MOE_SHAPES: hidden "
+                               "2048, width 768, 128 experts, top 8, bf16 matmuls) at three token counts, forward and "
+                               "forward + backward of expert_ffn's ragged_dot form against dense_capacity "
+                               "(benchmarks/moe_forms.py): seconds, XLA's FLOPs, TFLOP/s on the useful FLOPs, time "
+                               "over dense_capacity's, and whether ragged_dot runs as a grouped matmul or a dense "
+                               "expansion over all experts", optional=True),
+    Phase("tools",   120, 120, "optional (`--phases tools`): rollouts with tool calls against rollouts without "
+                               "(benchmarks/tool_rollout.py's plain, segments and tools arms; TOOLS: Qwen3-0.6B's "
+                               "shapes, random weights, bf16, a stand-in tool of 20 ms and of 200 ms): tokens/s, time "
+                               "vs plain, decode steps, segments, calls a row, tool seconds hidden, parked share",
+          optional=True),
 )
 # The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
 # its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
@@ -131,6 +142,7 @@ PHASE_ENV = {
     "profile": STEP_MEMORY,
     "trainer": STEP_MEMORY,
     "attention": STEP_MEMORY,
+    "moe": STEP_MEMORY,
     "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
@@ -867,6 +879,134 @@ def phase_agreement(mode: str, work: Path, log) -> dict:
     return figures
 
 
+# ---------------------------------------------------------------------------- phase: moe (optional)
+# The moe phase's expert layer: Qwen3-30B-A3B's (configs/models/qwen3_30b_a3b_base.yaml: hidden 2048,
+# moe_intermediate_size 768, 128 experts, top 8), held float32 and multiplied in bfloat16 as the trainer
+# runs it, at a micro-batch's tokens on one chip (4096, 16384) and at 1024. On the CPU (2026-12-06, jax
+# 0.10.2, XLA's memory analysis of forward + backward at 16384 tokens) dense_capacity's temporaries were
+# 42 GiB and ragged_dot's, expanded over all experts, 478 GiB (120 at 4096, 30 at 1024 against
+# dense_capacity's 10.5 and 2.6): a ragged_dot expanded so on the GPU runs out of memory at the
+# micro-batch counts (that error is then its row), and 1024 tokens still gives a verdict. `reference`
+# unrolls a loop of the E experts into the program (a test oracle): too slow to compile at 128 experts
+# within the budget, it runs on the dry run only.
+MOE_SHAPES = {
+    "gpu": dict(tokens=(1024, 4096, 16384), hidden=2048, width=768, experts=128, k=8, iters=5, dtype="bfloat16",
+                forms=("dense_capacity", "ragged_dot")),
+    "dry": dict(tokens=(32, 64), hidden=64, width=32, experts=8, k=2, iters=5, dtype="bfloat16",
+                forms=("dense_capacity", "ragged_dot", "reference")),
+}
+
+
+def moe_verdict(ragged_s: float, dense_s: float, experts: int, k: int) -> tuple[str, float]:
+    """(verdict, multiple): ragged_dot's time as a multiple of the useful FLOPs at dense_capacity's rate
+    (dense_capacity runs E/k times the useful FLOPs: multiple = ragged_s / dense_s * E / k), and what it
+    says: "grouped matmul" at most a quarter of E/k, "dense expansion" at least half of it, else
+    "between" (a grouped matmul slower than dense_capacity's large einsums, or a partial expansion)."""
+    multiple = ragged_s / dense_s * experts / k
+    if multiple <= experts / k / 4:
+        return "grouped matmul", multiple
+    return ("dense expansion" if multiple >= experts / k / 2 else "between"), multiple
+
+
+def phase_moe(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
+    """The expert layer's forms (`benchmarks/moe_forms.time_forms`) at MOE_SHAPES[mode]: per token count
+    and form, seconds forward and forward + backward, XLA's FLOPs, TFLOP/s on the useful FLOPs
+    (2 N k 3 D I forward, 3x with backward) and the time over dense_capacity's; per token count, whether
+    ragged_dot runs as a grouped matmul or as a dense expansion over all experts (`moe_verdict`; or its
+    running out of memory where dense_capacity ran). A form that fails is its row's error; PhaseFailed
+    when no token count gave a verdict."""
+    from moe_forms import time_forms, useful_flops
+
+    s = MOE_SHAPES[mode]
+    e, k = s["experts"], s["k"]
+    figures: dict = {"shapes": {n: s[n] for n in ("hidden", "width", "experts", "k", "dtype")}, "rows": [],
+                     "verdicts": {}}
+    if "reference" not in s["forms"]:
+        figures["skipped"] = f"reference: a loop of {e} experts unrolled into the program (a test oracle), not timed here"
+    peaks = read_record(work.parent, "peaks")
+    if peaks["status"] == "ok":
+        figures["peak_tflops"] = peaks["figures"]["peak_flops"] / 1e12
+    for tokens in s["tokens"]:
+        useful = useful_flops(tokens, s["hidden"], s["width"], k)
+        timed = {}
+        for form in s["forms"]:  # one at a time: a form that runs out of memory leaves the others their rows
+            try:
+                timed.update(time_forms(tokens, s["hidden"], s["width"], e, k, s["iters"], dtype=s["dtype"],
+                                        forms=(form,), forward=True, log=log))
+            except Exception as err:  # noqa: BLE001 - reported as the row's error; the next form runs
+                figures["rows"].append({"tokens": tokens, "form": form, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                log(f"  {form} N={tokens}: {type(err).__name__}: {str(err)[:300]}")
+        base = timed.get("dense_capacity")
+        for form, r in timed.items():
+            figures["rows"].append({
+                "tokens": tokens, "form": form, **r, "xla_over_useful": r["fwd_bwd_flops"] / (3 * useful),
+                "temp_gib_fwd_bwd": r["fwd_bwd_temp_bytes"] / 2**30,
+                "useful_tflops_fwd": useful / r["fwd_s"] / 1e12, "useful_tflops_fwd_bwd": 3 * useful / r["fwd_bwd_s"] / 1e12,
+                "fwd_over_dense": r["fwd_s"] / base["fwd_s"] if base else float("nan"),
+                "fwd_bwd_over_dense": r["fwd_bwd_s"] / base["fwd_bwd_s"] if base else float("nan")})
+        if base and "ragged_dot" in timed:
+            rd = timed["ragged_dot"]
+            verdict, multiple = moe_verdict(rd["fwd_bwd_s"], base["fwd_bwd_s"], e, k)
+            fwd_multiple = moe_verdict(rd["fwd_s"], base["fwd_s"], e, k)[1]
+            figures["verdicts"][str(tokens)] = {"verdict": verdict, "multiple_fwd_bwd": multiple,
+                                                "multiple_fwd": fwd_multiple,
+                                                "temp_over_dense": rd["fwd_bwd_temp_bytes"] / base["fwd_bwd_temp_bytes"]}
+            log(f"  {tokens} tokens: ragged_dot forward+backward {rd['fwd_bwd_s'] * 1e3:.3g} ms, "
+                f"{rd['fwd_bwd_s'] / base['fwd_bwd_s']:.2f}x dense_capacity's; its time is {multiple:.1f}x the useful "
+                f"FLOPs at dense_capacity's rate (forward {fwd_multiple:.1f}x; a dense expansion is {e / k:g}x), "
+                f"XLA counts {rd['fwd_bwd_flops'] / (3 * useful):.1f}x, temporaries "
+                f"{rd['fwd_bwd_temp_bytes'] / 2**30:.3g} GiB ({figures['verdicts'][str(tokens)]['temp_over_dense']:.2f}x "
+                f"dense_capacity's): {verdict}")
+        elif base and any(r["form"] == "ragged_dot" and r["tokens"] == tokens and "RESOURCE_EXHAUSTED" in r["error"]
+                          for r in figures["rows"] if "error" in r):
+            figures["verdicts"][str(tokens)] = {"verdict": "out of memory where dense_capacity (every expert on "
+                                                           "every token) ran: an expansion"}
+            log(f"  {tokens} tokens: ragged_dot {figures['verdicts'][str(tokens)]['verdict']}")
+        partial(figures)
+    if not figures["verdicts"]:
+        raise PhaseFailed("no token count gave a verdict (ragged_dot against dense_capacity)", figures)
+    return figures
+
+
+# ---------------------------------------------------------------------------- phase: tools (optional)
+# The tools phase's workload: benchmarks/tool_rollout.py's arms (plain, segments, tools; its DEFAULTS: 8
+# prompts x 8 samples, lengths lognormal mean 160, sigma 0.5, at most 256 tokens, 16-token observations,
+# 4 calls a row at most) at Qwen3-0.6B's shapes and vocabulary (random weights, bf16) on 64 slots, a
+# stand-in tool of 20 ms and of 200 ms a batch of calls, a run each. The real vocabulary still calls: a
+# random model of these shapes sampled its most frequent token 1.6% of the time on the CPU (6 of 376
+# tokens, 2026-12-06), about 2 calls in a 160-token row. The second run reuses the first's compiled
+# programs (0.2 s against 21 s for the first on the dry run). The dry run's is the demo size (vocabulary 100).
+TOOLS = {
+    "gpu": dict(size="qwen3-0.6b", slots=64, dtype="bfloat16", repeats=2, tool_ms=(20.0, 200.0)),
+    "dry": dict(size="demo", prompts=2, samples=4, slots=8, max_new_tokens=48, lengths="lognormal:mean=24,sigma=0.5",
+                dtype="bfloat16", repeats=1, tool_ms=(2.0, 20.0)),
+}
+
+
+def phase_tools(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
+    """Rollouts with tool calls against rollouts without (`benchmarks/tool_rollout.measure`) at TOOLS[mode],
+    a run per tool time: per arm tokens/s, time against plain, decode steps, segments, calls a row, tool
+    seconds and the share hidden behind decoding, the parked share. PhaseFailed when the tools arm made
+    no call (its figures then measure nothing)."""
+    from tool_rollout import DEFAULTS, measure
+
+    workload = {**DEFAULTS, **{n: v for n, v in TOOLS[mode].items() if n != "tool_ms"}}
+    figures: dict = {"workload": {n: v for n, v in workload.items() if v is not None}, "runs": {}}
+    for tool_ms in TOOLS[mode]["tool_ms"]:
+        f = measure(**{**workload, "tool_ms": tool_ms})
+        figures["runs"][f"{tool_ms:g}"] = f
+        figures.update(vocab=f["vocab"], tokens=f["tokens"])
+        for arm, a in f["arms"].items():
+            log(f"  tool {tool_ms:g} ms, {arm}: {json.dumps(a)}")
+        partial(figures)
+    silent = [ms for ms, f in figures["runs"].items() if not f["arms"]["tools"]["calls_per_row"]]
+    if silent:
+        raise PhaseFailed(f"the tools arm made no call (tool {', '.join(silent)} ms): the random model's most "
+                          f"sampled token ({figures['runs'][silent[0]]['trigger_share']:.2%}) is too rare at vocabulary "
+                          f"{figures['vocab']}; set TOOLS' vocab (e.g. 100)", figures)
+    return figures
+
+
 # ---------------------------------------------------------------------------- phase: plan (background)
 def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict:
     """`jaxrl4llm plan --json` of each step phase's run on `plan_topology`, at the rollout's own
@@ -1045,6 +1185,10 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
             record["figures"] = phase_launches(mode, work, log, model)
         elif kind == "exact":
             record["figures"] = phase_exact(mode, work, log)
+        elif kind in ("moe", "tools"):  # each run (a token count, a tool time) kept if a later one runs out of time
+            record["figures"] = {"moe": phase_moe, "tools": phase_tools}[kind](
+                mode, work, log, partial=lambda figures: write_record(result, {
+                    "status": "timeout", "figures": figures, "error": "ran out of time after a partial run"}))
         elif kind == "agreement":
             record["figures"] = phase_agreement(mode, work, log)
         elif kind == "profile":
@@ -1264,7 +1408,7 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS), "profile",
-                 "trainer", "exact", "agreement", "attention"):  # the first phase that ran on the device names it
+                 "trainer", "exact", "agreement", "attention", "moe", "tools"):  # the first phase on the device names it
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])
@@ -1414,6 +1558,49 @@ def markdown(report: dict) -> str:
                   f"{_fmt(agreement[k]['max_abs'])} |" for k in ("default", "exact")]
         lines += ["", f"exact / default time: rollout {_fmt(agreement['rollout_ratio'])}x, "
                       f"update {_fmt(agreement['update_ratio'])}x"]
+    moe = report["phases"].get("moe", {}).get("figures", {})
+    if moe.get("rows"):
+        sh = moe["shapes"]
+        lines += ["", f"## moe (the expert layer: hidden {sh['hidden']}, width {sh['width']}, {sh['experts']} experts, top "
+                      f"{sh['k']}, {sh['dtype']} matmuls; useful FLOPs 2 N k 3 D I forward, 3x with backward"
+                      + (f"; measured peak {_fmt(moe['peak_tflops'])} TFLOP/s" if "peak_tflops" in moe else "") + ")", "",
+                  "| tokens | form | forward ms | fwd+bwd ms | XLA GFLOP fwd+bwd | XLA / useful | temp GiB fwd+bwd | "
+                  "useful TFLOP/s fwd | useful TFLOP/s fwd+bwd | / dense_capacity fwd | / dense_capacity fwd+bwd |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['tokens']} | {r['form']} | error: {r['error'][:150].replace('|', '/')} | | | | | | | | |"
+                  if "error" in r else
+                  f"| {r['tokens']} | {r['form']} | {_fmt(1e3 * r['fwd_s'])} | {_fmt(1e3 * r['fwd_bwd_s'])} | "
+                  f"{_fmt(r['fwd_bwd_flops'] / 1e9)} | {_fmt(r['xla_over_useful'])} | {_fmt(r['temp_gib_fwd_bwd'])} | "
+                  f"{_fmt(r['useful_tflops_fwd'])} | "
+                  f"{_fmt(r['useful_tflops_fwd_bwd'])} | {_fmt(r['fwd_over_dense'])} | {_fmt(r['fwd_bwd_over_dense'])} |"
+                  for r in moe["rows"]]
+        lines += [""] + [f"- {n} tokens: ragged_dot **{v['verdict']}**" if "multiple_fwd_bwd" not in v else
+                         f"- {n} tokens: ragged_dot's time is {_fmt(v['multiple_fwd_bwd'])}x the useful FLOPs at "
+                         f"dense_capacity's rate forward + backward ({_fmt(v['multiple_fwd'])}x forward; a dense "
+                         f"expansion is {_fmt(sh['experts'] / sh['k'])}x), its temporaries "
+                         f"{_fmt(v['temp_over_dense'])}x dense_capacity's: **{v['verdict']}**"
+                         for n, v in moe["verdicts"].items()]
+        lines += [f"- {moe['skipped']}"] if moe.get("skipped") else []
+    tools = report["phases"].get("tools", {}).get("figures", {})
+    if tools.get("runs"):
+        w = tools["workload"]
+        lines += ["", f"## tools (benchmarks/tool_rollout.py: {w['size']}, {w['dtype']}, vocabulary {tools['vocab']}, "
+                      f"{w['prompts']} prompts x {w['samples']} samples on {w['slots']} slots, {tools['tokens']} tokens, "
+                      f"best of {w['repeats']}; the trigger, the token the model samples most, "
+                      f"{_fmt(100 * next(iter(tools['runs'].values()))['trigger_share'])}% of the plain arm's)", "",
+                  "| tool ms a batch | arm | tokens/s | seconds | vs plain | decode steps | segments | calls/row | "
+                  "tool tokens | tool s | hidden | parked share |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        shares = ("tool_token_share", "hidden_share", "parked_share")
+        for ms, run in tools["runs"].items():
+            for arm, a in run["arms"].items():
+                cells = [ms, arm, _fmt(a["tokens_per_s"]), _fmt(a["seconds"]),
+                         "" if arm == "plain" else f"{100 * a['vs_plain']:+.1f}%"]
+                cells += [(f"{_fmt(100 * a[k])}%" if k in shares else _fmt(a[k])) if k in a else ""
+                          for k in ("decode_steps", "segments", "calls_per_row", *shares[:1], "tool_s", *shares[1:])]
+                if a.get("tool_s") == 0:  # no call: nothing to hide
+                    cells[-2] = ""
+                lines.append(f"| {' | '.join(map(str, cells))} |")
     for name in ("peaks", "decode", "tests", "demo"):
         f = report["phases"].get(name, {}).get("figures", {})
         if f:

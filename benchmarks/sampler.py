@@ -56,6 +56,7 @@ SIZES = {
     "demo": (128, 2, 4, 2, 32, 384, 100),
     "48m": (512, 10, 8, 4, 64, 1536, 32000),
     "100m": (768, 12, 12, 4, 64, 2048, 32000),
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936),  # configs/models/qwen3_0.6b_base.yaml's shapes
 }
 SAMPLED = dict(temperature=0.99, top_p=0.99, top_k=100)
 

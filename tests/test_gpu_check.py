@@ -101,7 +101,7 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     error that lists the known ones, before any work."""
     gc = _gpu_check()
     assert [p.name for p in gc.PHASES if p.optional] == ["exact", "agreement", "attention", "profile", "trainer",
-                                                        "launches"]
+                                                        "launches", "moe", "tools"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
@@ -184,3 +184,40 @@ def test_trainer_phase_profiles_the_logprob_pass_and_the_update(tmp_path, monkey
     text = gc.markdown({"mode": "dry", "python": "3", "date": "today", "phases": {
         "trainer": {"status": "ok", "seconds": 1.0, "figures": figures}}})
     assert f"## profile (the {figures['model']} logprob pass" in text and f"the {figures['model']} update" in text
+
+
+def test_moe_verdict_and_the_moe_and_tools_tables():
+    """The moe phase's verdict on ragged_dot (its time over dense_capacity's, in useful FLOPs at
+    dense_capacity's rate: 128 experts, top 8, a dense expansion is 16x), and the markdown sections of
+    the moe and tools phases' figures (a form that ran out of memory is its row's error)."""
+    gc = _gpu_check()
+    assert gc.moe_verdict(0.1, 1.0, 128, 8) == ("grouped matmul", 1.6)
+    assert gc.moe_verdict(1.0, 1.0, 128, 8) == ("dense expansion", 16.0)
+    assert gc.moe_verdict(0.3, 1.0, 128, 8)[0] == "between"
+    row = {"tokens": 4096, "fwd_s": 0.01, "fwd_bwd_s": 0.03, "fwd_flops": 1e12, "fwd_bwd_flops": 3e12,
+           "xla_over_useful": 16.0, "temp_gib_fwd_bwd": 12.0, "useful_tflops_fwd": 100.0, "useful_tflops_fwd_bwd": 100.0}
+    moe = {"shapes": {"hidden": 2048, "width": 768, "experts": 128, "k": 8, "dtype": "bfloat16"}, "rows": [
+        {**row, "form": "dense_capacity", "fwd_over_dense": 1.0, "fwd_bwd_over_dense": 1.0},
+        {**row, "form": "ragged_dot", "fwd_over_dense": 1.0, "fwd_bwd_over_dense": 1.0},
+        {"tokens": 16384, "form": "ragged_dot", "error": "XlaRuntimeError: RESOURCE_EXHAUSTED"}],
+        "verdicts": {"4096": {"verdict": "dense expansion", "multiple_fwd_bwd": 16.0, "multiple_fwd": 16.0,
+                              "temp_over_dense": 1.0}, "16384": {"verdict": "out of memory where dense_capacity ran"}},
+        "skipped": "reference: not timed here"}
+    arm = {"seconds": 2.0, "tokens_per_s": 5000.0, "vs_plain": 1.0, "calls_per_row": 1.5, "tool_token_share": 0.2,
+           "decode_steps": 300, "segments": 20, "tool_s": 0.4, "hidden_share": 0.9, "wait_s": 0.04, "parked_share": 0.1}
+    tools = {"workload": {"size": "qwen3-0.6b", "dtype": "bfloat16", "prompts": 8, "samples": 8, "slots": 64,
+                          "repeats": 2}, "vocab": 151936, "tokens": 10000, "runs": {"20": {"trigger_share": 0.016, "arms": {
+                              "plain": {"seconds": 1.0, "tokens_per_s": 10000.0, "vs_plain": 0.0},
+                              "segments": {**arm, "calls_per_row": 0.0, "tool_token_share": 0.0, "tool_s": 0.0,
+                                           "hidden_share": 1.0},
+                              "tools": arm}}}}
+    text = gc.markdown({"mode": "gpu", "python": "3", "date": "today", "phases": {
+        "moe": {"status": "ok", "seconds": 60.0, "figures": moe}, "tools": {"status": "ok", "seconds": 90.0,
+                                                                              "figures": tools}}})
+    assert "| 4096 | ragged_dot | 10 | 30 | 3000 | 16 | 12 | 100 | 100 | 1 | 1 |" in text
+    assert "| 16384 | ragged_dot | error: XlaRuntimeError: RESOURCE_EXHAUSTED |" in text
+    assert "- 4096 tokens: ragged_dot's time is 16x" in text and "**dense expansion**" in text
+    assert "- 16384 tokens: ragged_dot **out of memory where dense_capacity ran**" in text
+    assert "| 20 | plain | 10000 | 1 |  |" in text
+    assert "| 20 | segments | 5000 | 2 | +100.0% | 300 | 20 | 0 | 0% | 0 |  | 10% |" in text
+    assert "| 20 | tools | 5000 | 2 | +100.0% | 300 | 20 | 1.5 | 20% | 0.4 | 90% | 10% |" in text
