@@ -5,12 +5,16 @@ an oracle that re-runs `generate` on prompt + response + observation after each 
 A tiny random model writes no code: its tokens are read as characters (id i is chr(32 + i)), and a
 format whose trigger is a two-token string the model emits in its greedy loops parks it. The tool
 is a deterministic stand-in whose output depends on the row's text (and itself spells the trigger,
-which must not re-trigger)."""
+which must not re-trigger). The host loop alone (`run_tools`) also runs over a scripted engine, in
+the qwen3_chat format of a BPE tokenizer, with the real Python executor; segments end at parks
+(`segment_end`, `SegmentClock`)."""
 
+import json
 from collections import Counter
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl4llm.models import ModelConfig, init_model
 from jaxrl4llm.sampling import generate, generate_with_tools
@@ -257,3 +261,108 @@ def test_the_segment_clock_fits_a_round_trip_and_a_step():
         clock.segment(steps, 0.002 + steps * 0.001)
     clock.host(0.0004), clock.host(0.0006)
     np.testing.assert_allclose([clock.step_seconds, clock.round_trip_seconds], [0.001, 0.0025], rtol=1e-9)
+
+
+class ScriptedEngine:
+    """`run_tools`' segment and resume over rows that write scripted texts, one token a step (on one
+    shard of `slots` slots, rows admitted in order): a row parks when its own tokens end with a
+    trigger spelling and it has turns left; resume appends the observation (tool mask 1) at once."""
+
+    def __init__(self, scripts, tokenizer, triggers, *, slots: int, budget: int, max_turns: int):
+        self.scripts = [tokenizer.encode(text, add_special_tokens=False) for text in scripts]
+        self.triggers = [t[t >= 0].tolist() for t in np.asarray(triggers)]
+        self.slots, self.budget, self.max_turns = slots, budget, max_turns
+
+    def init(self):
+        return dict(slot_row=[-1] * self.slots, parked=[False] * self.slots, next_row=0, done=set(),
+                    tokens=[[] for _ in self.scripts], mask=[[] for _ in self.scripts], read=[0] * len(self.scripts),
+                    turns=[0] * len(self.scripts), steps=0, parked_steps=0)
+
+    def segment(self, state, max_steps, park_wait):
+        from jaxrl4llm.sampling.continuous import ParkedRows
+
+        parked_at_start, start_steps, start_parked_steps = sum(state["parked"]), state["steps"], state["parked_steps"]
+        while state["steps"] - start_steps < int(max_steps):
+            new = sum(state["parked"]) - parked_at_start
+            waited = state["parked_steps"] - start_parked_steps - (state["steps"] - start_steps) * parked_at_start
+            if new and waited >= int(park_wait):
+                break
+            for s in range(self.slots):  # refill
+                if state["slot_row"][s] < 0 and state["next_row"] < len(self.scripts):
+                    state["slot_row"][s], state["next_row"] = state["next_row"], state["next_row"] + 1
+            live = [s for s in range(self.slots) if state["slot_row"][s] >= 0 and not state["parked"][s]]
+            if not live:
+                break
+            state["parked_steps"] += sum(state["parked"])
+            state["steps"] += 1
+            for s in live:
+                n = state["slot_row"][s]
+                state["tokens"][n].append(self.scripts[n][state["read"][n]])
+                state["mask"][n].append(0)
+                state["read"][n] += 1
+                own = [t for t, m in zip(state["tokens"][n], state["mask"][n]) if not m]
+                if state["read"][n] == len(self.scripts[n]):
+                    state["slot_row"][s] = -1
+                    state["done"].add(n)
+                elif state["turns"][n] < self.max_turns and any(own[-len(t):] == t for t in self.triggers):
+                    state["parked"][s], state["turns"][n] = True, state["turns"][n] + 1
+        rows = np.asarray([state["slot_row"]])
+        pad = lambda x: np.asarray([[x[r] + [0] * (self.budget - len(x[r])) if r >= 0 else [0] * self.budget
+                                     for r in state["slot_row"]]])
+        busy = any(r >= 0 and not p for r, p in zip(state["slot_row"], state["parked"])) or \
+            state["next_row"] < len(self.scripts)
+        return state, ParkedRows(np.asarray([state["parked"]]), rows,
+                                 np.asarray([[len(state["tokens"][r]) if r >= 0 else 0 for r in state["slot_row"]]]),
+                                 np.full(rows.shape, self.budget), pad(state["tokens"]), pad(state["mask"]),
+                                 np.asarray(busy), np.asarray(state["steps"]), np.asarray(state["parked_steps"]))
+
+    def resume(self, state, resume, tokens, count, refund):
+        for s in np.nonzero(resume[0])[0]:
+            n = state["slot_row"][s]
+            state["tokens"][n] += tokens[0, s, :count[0, s]].tolist()
+            state["mask"][n] += [1] * int(count[0, s])
+            state["parked"][s] = False
+            state["turns"][n] -= int(refund[0, s])
+        return state
+
+
+def test_the_host_loop_runs_qwen3_chat_calls_of_a_bpe_tokenizer_in_the_executor():
+    """The host side end to end in the qwen3_chat format, with a byte-level BPE whose `</tool_call>`
+    is one added token and the real Python executor: a call's code runs and its output comes back
+    as Qwen3's tool turn (tool mask on it only); a `</tool_call>` inside the call's JSON string parks
+    the row, which resumes with no token, refunded, and its call runs when it closes; invalid JSON
+    gets the error turn; a row without a call is never parked; calls and statuses are counted."""
+    from jaxrl4llm.sampling.tool_rollout import run_tools
+    from jaxrl4llm.tools import ExecutorConfig, PythonExecutor
+    from jaxrl4llm.tools.protocol import QWEN3_CHAT
+    from tests.tools.chat_tokenizer import chat_tokenizer
+
+    tokenizer = chat_tokenizer()
+    call = lambda code: '<tool_call>\n{"name": "python", "arguments": {"code": "%s"}}\n</tool_call>' % code
+    scripts = ["<think>\nCompute it.\n</think>\n\n" + call("print(6 * 7)") + "The answer is \\boxed{42}.<|im_end|>",
+               call("print('</tool_call>'[2:6])") + "It printed tool.<|im_end|>",
+               "The answer is \\boxed{6}.<|im_end|>",
+               '<tool_call>\n{"name": "python", "arguments": {"code": 1 +}}\n</tool_call>' + "Sorry.<|im_end|>"]
+    triggers = trigger_token_sequences(QWEN3_CHAT, tokenizer)
+    assert triggers.shape[0] >= 1 and all((t >= 0).sum() == 1 for t in np.asarray(triggers))  # one added token
+    spec = ToolsSpec(format="qwen3_chat", max_turns=1, max_tool_tokens=160, max_output_chars=64)
+    engine = ScriptedEngine(scripts, tokenizer, triggers, slots=2, budget=400, max_turns=spec.max_turns)
+    with PythonExecutor(ExecutorConfig(timeout=5.0, workers=1, preload=())) as executor:
+        state, stats = run_tools(engine.init(), segment=engine.segment, resume=engine.resume, fmt=QWEN3_CHAT,
+                                 spec=spec, executor=executor, tokenizer=tokenizer, num_rows=4, segment_steps=8)
+    turn = lambda text: QWEN3_CHAT.observation_opening + text + QWEN3_CHAT.observation_closing
+    split = scripts[1].index("It printed")
+    payload = scripts[3][len("<tool_call>"):scripts[3].index("</tool_call>")]
+    with pytest.raises(json.JSONDecodeError) as invalid:
+        json.loads(payload)
+    expected = [scripts[0].replace("</tool_call>", "</tool_call>" + turn("42"), 1),
+                scripts[1][:split] + turn("tool") + scripts[1][split:],
+                scripts[2],
+                scripts[3].replace("</tool_call>", "</tool_call>" + turn(
+                    f"Error: the tool call is not valid JSON ({invalid.value})"), 1)]
+    for n, text in enumerate(expected):
+        tokens, mask = np.asarray(state["tokens"][n]), np.asarray(state["mask"][n], bool)
+        assert tokenizer.decode(tokens, skip_special_tokens=False) == text
+        assert tokenizer.decode(tokens[~mask], skip_special_tokens=False) == scripts[n]  # the model's own
+    assert stats.calls.tolist() == [1, 1, 0, 1]
+    assert stats.statuses == {"ok": 2, "invalid_call": 1} and stats.tool_tokens == int(sum(map(sum, state["mask"])))
