@@ -202,7 +202,8 @@ def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh
     asked 227 GiB a chip). The router enters whole; each expert enters with its width split over
     the tensor axis where the mesh has one (`expert_mlp`), the partial outputs summed by one psum;
     the model dim enters whole, as FSDP gathers a layer's weights for its matmuls. Router stats
-    (sums) are summed over the batch shards by a psum."""
+    (sums) are summed over the batch shards by a psum. split P(None, None, None): the rows whole on
+    every device (the dense_capacity form where no batch axis splits them)."""
     tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and experts.gate.shape[2] % mesh.shape["tensor"] == 0 \
         else None
     specs = Experts(PartitionSpec(None, None, tensor), PartitionSpec(None, None, tensor),
