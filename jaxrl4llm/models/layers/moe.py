@@ -168,9 +168,10 @@ def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_t
     the sampler's decode layout (`models.decode.FusedLayer`) both run this. mesh: the mesh h's rows
     are split over (default: the current `jax.set_mesh` context's); each of its batch shards routes
     its own rows (`_per_batch_shard`), and the dense_capacity form (a decode step's) runs there
-    even where the rows are not split, its experts' width split over the tensor axis. token_mask [B, T] (> 0: counted): the router's
-    `core.routing.RouterStats` over those tokens (the load-balancing loss, the router entropy); None:
-    none computed (stats None, the program as without)."""
+    even where the rows are not split, its experts' width split over the tensor axis. token_mask
+    [B, T] (> 0: counted): the router's `core.routing.RouterStats` over those tokens (the
+    load-balancing loss, the router entropy); None: none computed (stats None, the program as
+    without)."""
     form = expert_form_for(compile_platform(), phase).kernel if form == "auto" else form
 
     def rows(h, routes, mask, router, experts):
