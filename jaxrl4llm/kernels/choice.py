@@ -226,6 +226,44 @@ def train_attention_choice(impl: str, platform: str, numerics: str = "default") 
 
 
 # ---------------------------------------------------------------------------- mixture-of-experts feed-forward
+TPU_LANES = 128  # XLA:TPU lays an array's minor dim over the 128 lanes of a vector register
+
+
+def minor_dim_size(platform: str, n: int) -> int:
+    """The elements a minor dim of n holds on `platform`: n rounded up to whole 128-lane rows on TPU
+    (u8[.., 8] holds 128 a row), n elsewhere."""
+    return -(-n // TPU_LANES) * TPU_LANES if platform == "tpu" else n
+
+
+def experts_model_dim_minor(platform: str, width: int) -> bool:
+    """Whether XLA lays a device's experts gate, up [E, D, I] with the model dim D minor (I: the
+    device's share of an expert's width), so the dense_capacity form reads them as [E I, D] matrices
+    (`layers.moe.expert_rows`) and not as [E, D, I] einsums.
+
+    XLA:TPU's default layout keeps I minor where it fills whole 128-lane rows and else moves D minor
+    (no padding): bf16[128, 2048, 192], Qwen3-30B-A3B's experts at tensor parallel 4, is D minor,
+    bf16[128, 2048, 256] I minor. A form that reads the experts in another order makes XLA copy them
+    into it, beside the weights for the whole sampler program: the [E, D, I] einsums on D-minor
+    experts copied gate and down of every layer (and the prefill's ragged_dot, which takes I minor,
+    copied all three from those), 1.9x the layer's expert weights; the [E I, D] matrices on I-minor
+    experts copied gate and up twice. Other platforms lay arrays out row-major (I minor)."""
+    return platform == "tpu" and width % TPU_LANES != 0
+
+
+def prefill_expert_copy_width(platform: str, width: int) -> int:
+    """The width of the copies of every layer's gate and up [E, D, I] that a program running the
+    prefill's expert form holds beside the experts, 0 where it holds none (I: a device's share of
+    an expert's width). XLA:TPU's ragged_dot kernel takes its experts [E, D, I] with I minor, so
+    experts laid out D minor (`experts_model_dim_minor`) are copied with I minor, padded to whole
+    128-lane rows, once for the whole program: Qwen3-30B-A3B's sampler at tensor parallel 4
+    (bf16[128, 2048, 192]) holds two bf16[128, 2048, 256] a layer (v5p, libtpu 0.0.42.1). down
+    [E, I, D] (D minor either way) and I-minor experts are read in place."""
+    if expert_form_for(platform, "prefill").kernel != ExpertForm.RAGGED_DOT or not experts_model_dim_minor(platform,
+                                                                                                           width):
+        return 0
+    return minor_dim_size(platform, width)
+
+
 def expert_form_for(platform: str, phase: str) -> KernelChoice:
     """The experts' form (`ExpertForm`) for a program on `platform` ("cpu", "tpu", "gpu", "cuda",
     "rocm") in `phase` ("train": the training forward and scoring; "prefill"; "decode"), and why.

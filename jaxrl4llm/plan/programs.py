@@ -622,7 +622,9 @@ def plan_continuous_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizin
     g_samples, ddp, dtp = cfg.rollout.samples_per_prompt, sizing["data_parallel"], sizing["tensor_parallel"]
     num_prompts = bucket(cfg.rollout.prompts_per_step, BATCH_BUCKETS, multiple_of=ddp)
     routes = replays_routes(cfg)
-    fitting_slots = slots_that_fit(config, budget, prompts=num_prompts, record_routes=routes, **sizing)
+    platform = mesh_devices(dmesh)[0].platform
+    fitting_slots = slots_that_fit(config, budget, prompts=num_prompts, record_routes=routes, platform=platform,
+                                   **sizing)
     attention = ins.layout.decode_attention.kernel if ins.layout is not None else decode_attention_choice(
         config, mesh_devices(dmesh), cpu_kernels=False, requested=cfg.rollout.decode_attention, page_size=PAGE_SIZE,
         engine=cfg.rollout.engine, tensor_parallel=dmesh.shape["tensor"]).kernel  # the layout's, else its rule
@@ -633,7 +635,8 @@ def plan_continuous_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizin
                            attention=attention, record_routes=routes)
     analytic = continuous_memory(config, prompts=num_prompts, slots=spec.slots, samples=g_samples,
                                  prompt_len=ins.prompt_len, max_new_tokens=ins.response_len, data_parallel=ddp,
-                                 tensor_parallel=dtp, embed_dtype=sizing["embed_dtype"], record_routes=routes)
+                                 tensor_parallel=dtp, embed_dtype=sizing["embed_dtype"], record_routes=routes,
+                                 platform=platform)
     args = decode_arguments(ins, dmesh, num_prompts)
     plan_s, compiled_s = _compile("sampler/decode", lambda: continuous_program.lower(weights, *args, spec=spec),
                                   analytic, 0.0, dmesh, ins.log)

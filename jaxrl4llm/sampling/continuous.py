@@ -259,9 +259,11 @@ class Outputs(NamedTuple):
     """Per shard and buffer row: tokens, logprobs, logprobs_untruncated [D, H*N_d, R]; length, eos_seen,
     segment (the segment that prefilled the row's prompt and drew its first token; -1 before),
     split (its first token sampled by the next segment's weights; R if none) [D, H*N_d]. With
-    `EngineSpec.record_routes` (else None): routes [D, H*N_d, R, L, k], the expert ids of the token
-    fed at each response index; prompt_routes [D, H*P_d, T, L, k], of each buffer prompt's tokens
-    (0 on its padding); both `moe.route_dtype`."""
+    `EngineSpec.record_routes` (else None): routes [D, H*N_d, R, L k], the expert ids of the token
+    fed at each response index (layer l's j-th at l k + j); prompt_routes [D, H*P_d, T, L k], of each
+    buffer prompt's tokens (0 on its padding); both `moe.route_dtype`. A token's L k ids are one minor
+    dim: XLA:TPU pads a minor dim to 128 lanes, so [.., L, k] held 16x its ids (k = 8) and [.., L k]
+    none at Qwen3-30B-A3B's 48 x 8 = 384."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -463,7 +465,7 @@ def prefill(engine: Engine, weights, sampling: Sampling, state: EngineState, fir
     if spec.record_routes:  # routes [D*A, T, L, k] of the prompts' tokens, 0 on their padding
         routes = jnp.where(mask.reshape(-1, prompt_len)[..., None, None] > 0, routes, 0)
         out = out._replace(prompt_routes=_put(out.prompt_routes, jnp.where(valid, prompt, -1),
-                                              routes.reshape((shards, prompts_per_round) + routes.shape[1:]),
+                                              routes.reshape((shards, prompts_per_round, prompt_len, -1)),
                                               unique=True))
     # first tokens of every row of these prompts (rows admitted now or later read them from `out`)
     rows = jnp.where(valid[..., None], prompt[..., None] * samples + jnp.arange(samples), -1)
@@ -668,7 +670,7 @@ def decode_step(engine: Engine, weights, sampling: Sampling, state: EngineState)
         is_eos = is_eos & ~forcing
         out = out._replace(eos_seen=_put(out.eos_seen, jnp.where(slots.live, rows, -1), is_eos, unique=True))
     if spec.record_routes:  # the fed token's expert ids [D*S, 1, k] a layer -> its row at response index `fed`
-        routes = jnp.stack(routes, axis=2).reshape((shards, slots_per_shard) + (len(routes), -1))
+        routes = jnp.stack(routes, axis=2).reshape(shards, slots_per_shard, -1)  # [D, S, L k]
         out = out._replace(routes=_put2(out.routes, jnp.where(slots.live, rows, -1), fed, routes, unique=True))
     length = slots.length + slots.live.astype(jnp.int32)
     done = is_eos | (length >= _take(state.queue.budget, jnp.maximum(rows, 0)))
@@ -765,7 +767,7 @@ def empty_state(engine: Engine, queue: Queue, end, pad_id) -> EngineState:
         done=jnp.zeros((), jnp.int32),
     )
     if spec.record_routes:
-        routes_shape = (config.num_layers, config.num_experts_per_tok)
+        routes_shape = (config.num_layers * config.num_experts_per_tok,)
         dtype = route_dtype(config.num_experts)
         state = state._replace(out=state.out._replace(
             routes=zeros((shards, rows, max_new_tokens) + routes_shape, dtype),
@@ -783,6 +785,7 @@ def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
     length = unshard(take(out.length, rows))
     steps = jnp.arange(spec.max_new_tokens, dtype=jnp.int32)
     of_prompts = lambda x: engine.constrain_rows(jnp.repeat(unshard(take(x, prompts)), spec.num_samples, axis=0))
+    of_layers = lambda x: x.reshape(x.shape[:-1] + (spec.config.num_layers, -1))  # [.., L k] -> [.., L, k]
     return ProgramOutput(
         prompt_tokens=of_prompts(queue.tokens),
         prompt_mask=of_prompts(queue.mask).astype(jnp.float32),
@@ -792,8 +795,8 @@ def rows_of_half(engine: Engine, state: EngineState, half) -> ProgramOutput:
         logprobs_untruncated=unshard(take(out.logprobs_untruncated, rows)),
         lengths=length,
         truncated=~unshard(take(out.eos_seen, rows)),
-        routes=None if out.routes is None else unshard(take(out.routes, rows)),
-        prompt_routes=None if out.prompt_routes is None else unshard(take(out.prompt_routes, prompts)),
+        routes=None if out.routes is None else of_layers(unshard(take(out.routes, rows))),
+        prompt_routes=None if out.prompt_routes is None else of_layers(unshard(take(out.prompt_routes, prompts))),
     )
 
 

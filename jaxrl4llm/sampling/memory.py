@@ -25,8 +25,9 @@ import math
 
 import jax.numpy as jnp
 
+from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for, minor_dim_size, prefill_expert_copy_width
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.layers.moe import route_bytes
+from jaxrl4llm.models.layers.moe import route_dtype
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import PAGE_SIZE, shard_sizes
 from jaxrl4llm.sampling.decode_loop import block_size_for
@@ -123,8 +124,9 @@ def prompts_per_chunk(config: ModelConfig, budget_bytes: float, *, prompts: int,
 
 def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples: int, prompt_len: int,
                       max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
-                      page_size: int | None = None, record_routes: bool = False) -> dict:
-    """Per-chip bytes of the continuous sampler (`sampling.continuous`) by category.
+                      page_size: int | None = None, record_routes: bool = False, platform: str) -> dict:
+    """Per-chip bytes of the continuous sampler (`sampling.continuous`) on `platform` ("tpu", "gpu",
+    "cpu": the sampler mesh's devices) by category.
 
     page pool      2 L (1 + S_d ceil((page-1 + R-1)/page) + (S_d + 1) ceil(T/page)) page KVH Dh / tp
                    (`paged_cache.pool_pages`: a pool that never runs dry; S_d = slots / dp; the
@@ -134,11 +136,19 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
                    residual, its norm and the two outputs; while the pool is held)
     per-row tables N R (4 uniforms + 12 tokens and two log-probs) / dp             (every row's outputs)
     score row      S_d H (pages of a slot) page 4 / tp                              (one layer's, float32)
-    routes         (N R + P T) L k b / dp    (`record_routes`: a mixture-of-experts model's expert ids of
-                   every response and prompt token, b bytes an id: `models.layers.moe.route_bytes`)
+    routes         (N R + P T) [L k] b / dp  (`record_routes`: a mixture-of-experts model's expert ids of
+                   every response and prompt token, b bytes an id (`models.layers.moe.route_dtype`),
+                   L k one minor dim: [L k] rounds it up to whole 128-lane rows on TPU,
+                   `kernels.choice.minor_dim_size`)
+    expert copies  2 L E D I' c             (a mixture of experts: every layer's gate and up copied for the
+                   prefill's expert form, I' = I/tp padded to whole lanes, c the compute dtype's bytes;
+                   `kernels.choice.prefill_expert_copy_width`, nonzero on TPU where I/tp is not a
+                   multiple of 128: Qwen3-30B-A3B at tp 4)
 
 A mixture-of-experts layer's prefill holds k expert intermediates a token (3 k I for F: the ragged
-form's sorted copies of the token's k (token, expert) pairs).
+form's sorted copies of the token's k (token, expert) pairs), and with the ragged form (the prefill's
+on TPU and GPU, `kernels.choice.expert_form_for`) 2 k D more: its [N k, D] float32 output and the
+gather that unsorts it (Qwen3-30B-A3B on v5p: two f32[32768, 2048] for 4 prompts of 1024 tokens).
 
     XLA's TPU compile holds the pool once (Qwen3-8B's rollout shard on v5p, 64 slots, tp 4: 22.4
     GiB of temporaries for a 20.3 GiB pool, ours/XLA 0.97 in all; 39.4 GiB before). The extra came
@@ -157,6 +167,8 @@ form's sorted copies of the token's k (token, expert) pairs).
     pool = width * sizes.pool_pages * page // tensor_parallel
     ffn = c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else c.intermediate_size
     per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * ffn // tensor_parallel + 4 * c.hidden_size
+    if c.num_experts and expert_form_for(platform, "prefill").kernel == ExpertForm.RAGGED_DOT:
+        per_token += 2 * c.num_experts_per_tok * c.hidden_size  # the sorted pairs' output, unsorted
     memory = {
         "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),
         "page pool": pool,
@@ -166,19 +178,28 @@ form's sorted copies of the token's k (token, expert) pairs).
     }
     if record_routes:
         prompts_here = math.ceil(prompts / data_parallel)
-        memory["routes"] = (rows * max_new_tokens + prompts_here * prompt_len) * route_bytes(config)
+        ids = minor_dim_size(platform, c.num_layers * c.num_experts_per_tok)
+        memory["routes"] = (rows * max_new_tokens + prompts_here * prompt_len) * ids * \
+            jnp.dtype(route_dtype(c.num_experts)).itemsize
+    if c.num_experts:
+        width = c.moe_intermediate_size
+        copy_width = prefill_expert_copy_width(platform, width // tensor_parallel if width % tensor_parallel == 0
+                                               else width)  # the experts' width split where tp divides it
+        memory["expert copies"] = 2 * c.num_layers * c.num_experts * c.hidden_size * copy_width * \
+            jnp.dtype(c.dtype).itemsize
     return memory
 
 
 def slots_that_fit(config: ModelConfig, budget_bytes: float, *, prompts: int, samples: int, prompt_len: int,
                    max_new_tokens: int, data_parallel: int, tensor_parallel: int = 1, embed_dtype="float32",
-                   record_routes: bool = False, **unused) -> int:
+                   record_routes: bool = False, platform: str, **unused) -> int:
     """`rollout.slots: auto`: the most slots (all rows at most, a multiple of data_parallel, at least
-    one per shard) whose `continuous_memory` fits `budget_bytes` per chip."""
+    one per shard) whose `continuous_memory` on `platform` fits `budget_bytes` per chip."""
     def fits(per_shard: int) -> bool:
         used = continuous_memory(config, prompts=prompts, slots=per_shard * data_parallel, samples=samples,
                                  prompt_len=prompt_len, max_new_tokens=max_new_tokens, data_parallel=data_parallel,
-                                 tensor_parallel=tensor_parallel, embed_dtype=embed_dtype, record_routes=record_routes)
+                                 tensor_parallel=tensor_parallel, embed_dtype=embed_dtype, record_routes=record_routes,
+                                 platform=platform)
         return sum(used.values()) <= budget_bytes
 
     lo, hi = 1, math.ceil(prompts / data_parallel) * samples

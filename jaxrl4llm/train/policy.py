@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl4llm.kernels.choice import mesh_devices
 from jaxrl4llm.models import (ModelConfig, add_lora, init_model, load_pretrained, load_tokenizer, merge,
                               param_shardings, save_pretrained, score_tokens, score_tokens_with_routes)
 from jaxrl4llm.models.hub import HubFilesMissing, resolve_model
@@ -169,7 +170,8 @@ class Policy:
             return None
         sizing = decode_sizing(self.config, self.sampler_mesh, samples=num_samples, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens)
-        return slots_that_fit(self.config, budget, prompts=num_prompts, record_routes=record_routes, **sizing)
+        return slots_that_fit(self.config, budget, prompts=num_prompts, record_routes=record_routes,
+                              platform=mesh_devices(self.sampler_mesh)[0].platform, **sizing)
 
     def chunk_for(self, num_prompts: int, num_samples: int, prompt_len: int, max_new_tokens: int) -> int | None:
         """Prompts per sampler call: `prompts_per_chunk`, or with "auto" the largest chunk whose

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl4llm.kernels.choice import EXPERT_FORMS, ExpertForm, expert_form_for
+from jaxrl4llm.kernels.choice import (
+    EXPERT_FORMS,
+    ExpertForm,
+    expert_form_for,
+    experts_model_dim_minor,
+    prefill_expert_copy_width,
+)
+from jaxrl4llm.models.layers import moe
 from jaxrl4llm.models.layers.moe import (
     Experts,
     expert_ffn,
@@ -60,6 +67,43 @@ def test_expert_forms_agree_in_values_and_gradients(seed, used, norm):
         for name, a, b in zip(("x", "router", "experts"), grads, g_ref):
             for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_allclose(leaf_a, leaf_b, rtol=1e-5, atol=1e-5, err_msg=f"{form}: d/d{name}")
+
+
+def test_dense_capacity_over_the_experts_rows_equals_the_reference(monkeypatch):
+    """dense_capacity as three matmuls over the experts' (expert, unit) rows (`moe.expert_rows`, what
+    it runs where XLA lays the experts out model dim minor: TPU, widths not a multiple of 128 lanes) =
+    the reference form, in values and gradients."""
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]), jnp.int32)
+    x, router, experts = _weights(3)
+    cotangent = jax.random.normal(jax.random.key(4), (N, D))
+
+    def run(form):  # traced afresh (no jit cache): the layout rule is read while tracing
+        def loss(x, router, experts):
+            y = expert_ffn(x, ids, replay_route(router_probs(x, router), ids, True), experts, form)
+            return jnp.sum(y * cotangent), y
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, router, experts)
+
+    (_, y_ref), g_ref = run("reference")
+    monkeypatch.setattr(moe, "experts_model_dim_minor", lambda platform, width: True)
+    (_, y), grads = run("dense_capacity")
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    gate, up, down = moe.expert_rows(experts)  # row e I + i: expert e's unit i
+    np.testing.assert_array_equal(gate[2 * I + 1], experts.gate[2, :, 1])
+    np.testing.assert_array_equal(down[2 * I + 1], experts.down[2, 1])
+
+
+def test_which_expert_layout_and_prefill_copies_each_platform_gets():
+    """XLA:TPU lays a device's experts [E, D, I] model dim minor where I does not fill whole 128-lane
+    rows (Qwen3-30B-A3B at tensor parallel 4: I = 192), and its ragged_dot prefill then holds gate and
+    up copied I minor, padded to 256; I-minor widths and other platforms hold no copy."""
+    assert experts_model_dim_minor("tpu", 192) and experts_model_dim_minor("tpu", 96)
+    assert not experts_model_dim_minor("tpu", 256) and not experts_model_dim_minor("cpu", 192)
+    assert prefill_expert_copy_width("tpu", 192) == 256 and prefill_expert_copy_width("tpu", 96) == 128
+    assert prefill_expert_copy_width("tpu", 384) == 0
+    assert prefill_expert_copy_width("gpu", 192) == prefill_expert_copy_width("cpu", 192) == 0
 
 
 def test_unused_experts_get_zero_gradient():

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxrl4llm.core.routing import RouterStats, router_stats
-from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for
+from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for, experts_model_dim_minor
 from jaxrl4llm.models.layers.linear import einsum, normal_init, param
 from jaxrl4llm.models.layers.segment_attention import compile_platform
 from jaxrl4llm.models.sharding import logical_to_spec
@@ -78,14 +78,6 @@ def route_dtype(num_experts: int):
     return jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.int32
 
 
-def route_bytes(config) -> int:
-    """Bytes of one token's recorded routes: L layers x k expert ids of `route_dtype` (0 for a dense
-    model). Qwen3-30B-A3B: 48 x 8 x 1 = 384."""
-    if not config.num_experts:
-        return 0
-    return config.num_layers * config.num_experts_per_tok * jnp.dtype(route_dtype(config.num_experts)).itemsize
-
-
 # ---------------------------------------------------------------------------- experts
 def _reference(x, expert_ids, gate_weights, experts: Experts, dtype):
     """y = sum_e c[:, e] * FFN_e(x), one expert at a time; c [N, E] the combine weights."""
@@ -104,10 +96,29 @@ def _combine(expert_ids, gate_weights, num_experts):
 
 
 def _dense_capacity(x, expert_ids, gate_weights, experts: Experts, dtype):
-    """Every expert on every token, weighted by the combine matrix: [E, N, I] intermediates."""
-    combine = _combine(expert_ids, gate_weights, experts.gate.shape[0])
-    h = jax.nn.silu(einsum("nd,edi->eni", x, experts.gate, dtype)) * einsum("nd,edi->eni", x, experts.up, dtype)
-    return einsum("eni,eid->nd", h * combine.T[:, :, None], experts.down, dtype)  # weighted, summed over e and i
+    """Every expert on every token, weighted by the combine matrix: [E, N, I] or [N, E I] intermediates,
+    in the order XLA lays the experts out (`kernels.choice.experts_model_dim_minor`): with the model
+    dim minor, three plain matmuls over the experts' (expert, unit) rows (`expert_rows`); else
+    einsums over [E, D, I]. Either reads the weights in place."""
+    num_experts, _, width = experts.gate.shape
+    combine = _combine(expert_ids, gate_weights, num_experts)
+    if not experts_model_dim_minor(compile_platform(), width):
+        h = jax.nn.silu(einsum("nd,edi->eni", x, experts.gate, dtype)) * einsum("nd,edi->eni", x, experts.up, dtype)
+        return einsum("eni,eid->nd", h * combine.T[:, :, None], experts.down, dtype)  # weighted, summed over e and i
+    gate, up, down = expert_rows(experts)
+    h = jax.nn.silu(einsum("nd,fd->nf", x, gate, dtype)) * einsum("nd,fd->nf", x, up, dtype)  # [N, E I]
+    h = (h.reshape(-1, num_experts, width) * combine[:, :, None]).reshape(-1, num_experts * width)
+    return einsum("nf,fd->nd", h, down, dtype)  # weighted, summed over the experts and their units
+
+
+def expert_rows(experts: Experts) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The experts as matrices over their (expert, unit) rows: gate, up [E, D, I] -> [E I, D] (row
+    e I + i: W[e, :, i]), down [E, I, D] -> [E I, D]. A transpose and reshape of whole arrays: run it
+    where each device holds its experts' own width (`moe_ffn`'s shard_map), since a width split over
+    a mesh axis cannot stay split through the merge of (E, I)."""
+    e, d, i = experts.gate.shape
+    rows = lambda w: jnp.swapaxes(w, 1, 2).reshape(e * i, d)
+    return rows(experts.gate), rows(experts.up), experts.down.reshape(e * i, d)
 
 
 def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
@@ -155,10 +166,12 @@ def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_t
     router [D, E]; form: an `ExpertForm` name or "auto" (`kernels.choice.expert_form_for` for the
     compiling platform and `phase`: "train", "prefill" or "decode"). The training forward (`MoE`) and
     the sampler's decode layout (`models.decode.FusedLayer`) both run this. mesh: the mesh h's rows
-    are split over (default: the current `jax.set_mesh` context's); outside decode, each of its batch
-    shards routes its own rows (`_per_batch_shard`). token_mask [B, T] (> 0: counted): the router's
-    `core.routing.RouterStats` over those tokens (the load-balancing loss, the router entropy); None:
-    none computed (stats None, the program as without)."""
+    are split over (default: the current `jax.set_mesh` context's); each of its batch shards routes
+    its own rows (`_per_batch_shard`), and the dense_capacity form (a decode step's) runs there
+    even where the rows are not split, its experts' width split over the tensor axis. token_mask
+    [B, T] (> 0: counted): the router's `core.routing.RouterStats` over those tokens (the
+    load-balancing loss, the router entropy); None: none computed (stats None, the program as
+    without)."""
     form = expert_form_for(compile_platform(), phase).kernel if form == "auto" else form
 
     def rows(h, routes, mask, router, experts):
@@ -175,8 +188,10 @@ def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_t
         return y.reshape(b, t, d), ids.reshape(b, t, k), stats
 
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    split = None if phase == "decode" or mesh.empty else _row_split(h, mesh)
-    if split is None:  # one device, or a decode step (no sort: GSPMD splits its einsums)
+    split = None if mesh.empty else _row_split(h, mesh)
+    if split is None and form == ExpertForm.DENSE_CAPACITY and not mesh.empty and mesh.size > 1:
+        split = PartitionSpec(None, None, None)  # rows whole; each device its experts' width (`expert_rows`)
+    if split is None:  # one device, or rows not split (the ragged form under GSPMD)
         return rows(h, routes, token_mask, router, experts)
     return _per_batch_shard(rows, h, routes, token_mask, router, experts, mesh, split)
 
@@ -188,7 +203,8 @@ def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh
     asked 227 GiB a chip). The router enters whole; each expert enters with its width split over
     the tensor axis where the mesh has one (`expert_mlp`), the partial outputs summed by one psum;
     the model dim enters whole, as FSDP gathers a layer's weights for its matmuls. Router stats
-    (sums) are summed over the batch shards by a psum."""
+    (sums) are summed over the batch shards by a psum. split P(None, None, None): the rows whole on
+    every device (the dense_capacity form where no batch axis splits them)."""
     tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and experts.gate.shape[2] % mesh.shape["tensor"] == 0 \
         else None
     specs = Experts(PartitionSpec(None, None, tensor), PartitionSpec(None, None, tensor),
@@ -200,7 +216,7 @@ def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh
     def local(h, optional, router, experts):
         y, ids, stats = rows(h, optional.get("routes"), optional.get("token_mask"), router, experts)
         y = jax.lax.psum(y, tensor) if tensor else y
-        return (y, ids) if stats is None else (y, ids, jax.lax.psum(stats, batch_axes))
+        return (y, ids) if stats is None else (y, ids, jax.lax.psum(stats, batch_axes) if batch_axes else stats)
 
     out_specs = (split, split) if token_mask is None else (split, split, PartitionSpec())
     out = jax.shard_map(local, mesh=mesh, in_specs=(split, {n: a[1] for n, a in given.items()}, PartitionSpec(), specs),
