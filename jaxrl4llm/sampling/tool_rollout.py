@@ -156,7 +156,7 @@ def run_tools(state, *, segment, resume, fmt: ToolFormat, spec: ToolsSpec, execu
     """Drive a `continuous.tool_init` state to its end (the module docstring's loop).
 
     A segment runs `segment_steps` decode steps, or while calls run about as many as a call takes
-    (the mean call batch's seconds over the last segment's seconds a step, at least
+    (the mean call batch's seconds over a decode step's, `SegmentClock`; at least
     MIN_SEGMENT_STEPS): a parked row then resumes right after its call returns instead of idling
     until a whole segment ends. A segment also ends once the slots that parked in it have waited, in
     all, the slot-steps one host round trip costs (`continuous.segment_end`): park_wait = a round
