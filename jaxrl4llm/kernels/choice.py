@@ -8,7 +8,8 @@
     training attention (`segment_attention.segment_causal_attention`; `model.attention_impl`):
         xla | splash (TPU) | pallas_gpu (GPU)
     mixture-of-experts feed-forward (`models.layers.moe.expert_ffn`; `model.expert_form`):
-        ragged_dot | dense_capacity | reference, by platform and phase (`expert_form_for`)
+        ragged_dot | dense_capacity | reference, by platform and phase (`expert_form_for`); the
+        ragged form's weight gradient: ragged_dot | tgmm (`expert_weight_grad_for`)
 
 `train.layout.run_layout` resolves both once for a run's devices (`RunLayout.decode_attention`,
 `RunLayout.train_attention`: a `KernelChoice`, the kernel and why; layout.json, `plan --show-layout`);
@@ -59,6 +60,14 @@ class ExpertForm(enum.StrEnum):
 
 
 EXPERT_FORMS = tuple(f.value for f in ExpertForm)  # model.expert_form (or "auto")
+
+
+class ExpertWeightGrad(enum.StrEnum):
+    """How the ragged form's backward computes the experts' gradient dW[e] = X_e^T G_e
+    (`models.layers.moe.grouped_matmul`)."""
+
+    RAGGED_DOT = "ragged_dot"  # JAX's transpose of ragged_dot: a ragged_dot_general over the ragged rows
+    TGMM = "tgmm"  # the Pallas TPU megablox kernel `tgmm` (transposed grouped matmul), one group at a time
 EXPERT_PHASES = ("train", "prefill", "decode")
 
 
@@ -67,7 +76,7 @@ class KernelChoice:
     """A resolved kernel and the reason it runs; `fallback`: "auto" found no kernel that takes the
     model here and runs XLA's path (the reason says what the kernel could not take)."""
 
-    kernel: DecodeAttention | TrainAttention | ExpertForm
+    kernel: DecodeAttention | TrainAttention | ExpertForm | ExpertWeightGrad
     reason: str
     fallback: bool = False
 
@@ -262,6 +271,21 @@ def prefill_expert_copy_width(platform: str, width: int) -> int:
                                                                                                            width):
         return 0
     return minor_dim_size(platform, width)
+
+
+def expert_weight_grad_for(platform: str) -> KernelChoice:
+    """How the ragged form's backward computes the experts' weight gradient on `platform`, and why.
+
+    JAX transposes `ragged_dot` for the weights into a `ragged_dot_general` whose ragged dimension is
+    contracted. XLA:TPU compiles the forward and the input gradient to its grouped-matmul kernel, but
+    this mode to a dense dot over every group: E times the FLOPs (128.1x at Qwen3-30B-A3B's layer, 8192
+    rows x 2048 x 768, v5p, libtpu 0.0.42.1: the update of a 30B-A3B step at 24x its 6N). On TPU the
+    gradient is megablox's `tgmm` instead (1.0x, a Pallas kernel); elsewhere JAX's transpose.
+    """
+    if platform == "tpu":
+        return KernelChoice(ExpertWeightGrad.TGMM, "TPU: XLA compiles ragged_dot's weight gradient to a dense dot "
+                            "over all experts (E times the FLOPs); megablox's tgmm runs each expert's rows only")
+    return KernelChoice(ExpertWeightGrad.RAGGED_DOT, f"{platform}: JAX's transpose of ragged_dot")
 
 
 def expert_form_for(platform: str, phase: str) -> KernelChoice:

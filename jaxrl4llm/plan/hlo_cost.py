@@ -544,6 +544,18 @@ def kernel_launches(comp: Computation) -> int:
                if inst.opcode not in _NO_KERNEL and not inst.opcode.endswith("-done"))
 
 
+_DECLARED_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+
+
+def declared_kernel_flops(comp: Computation) -> float:
+    """FLOPs of one run of `comp`'s Pallas TPU kernels, as each declares them (`pl.CostEstimate`,
+    written into its custom call's backend config: XLA:TPU's own cost analysis reads it, the generic
+    one run here counts a custom call as 0 FLOPs). Kernels that declare none (ours: the attention
+    kernels, priced by `plan.programs.attention_kernel_flops`) add nothing."""
+    return sum(float(m.group(1)) for inst in comp.instructions.values() if inst.opcode == "custom-call"
+               for m in [_DECLARED_FLOPS.search(inst.rest)] if m)
+
+
 def _hbm_flags(shape_text: str) -> list[bool]:
     """For each array of a shape text: True if it lives in HBM (its layout names no memory space S(n), n != 0)."""
     return [not any(int(n) for n in _MEMORY_SPACE.findall(m.group(1) or ""))
@@ -810,7 +822,7 @@ def program_cost(hlo_text: str, *, num_devices: int, dynamic_trips: Sequence[flo
         if name not in once:
             c = _computation_cost(hlo_text, comps, name)
             raw = c.get("bytes accessed", 0.0)
-            once[name] = {"flops": c.get("flops", 0.0), "raw_bytes": raw,
+            once[name] = {"flops": c.get("flops", 0.0) + declared_kernel_flops(comps[name]), "raw_bytes": raw,
                           "bytes": raw - off_hbm_bytes(hlo_text, comps, name)
                           - fusion_excess_bytes(hlo_text, comps, name)}
         return once[name]

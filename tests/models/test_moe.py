@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from jaxrl4llm.kernels.choice import (
     EXPERT_FORMS,
     ExpertForm,
+    ExpertWeightGrad,
     expert_form_for,
+    expert_weight_grad_for,
     experts_model_dim_minor,
     prefill_expert_copy_width,
 )
@@ -21,6 +23,7 @@ from jaxrl4llm.models.layers import moe
 from jaxrl4llm.models.layers.moe import (
     Experts,
     expert_ffn,
+    grouped_matmul,
     replay_route,
     router_probs,
     top_k_route,
@@ -67,6 +70,41 @@ def test_expert_forms_agree_in_values_and_gradients(seed, used, norm):
         for name, a, b in zip(("x", "router", "experts"), grads, g_ref):
             for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_allclose(leaf_a, leaf_b, rtol=1e-5, atol=1e-5, err_msg=f"{form}: d/d{name}")
+
+
+@functools.partial(jax.jit, static_argnames=("weight_grad", "dtype"))
+def _grouped_value_and_grads(a, w, group_sizes, cotangent, *, weight_grad, dtype):
+    loss = lambda a, w: jnp.sum(grouped_matmul(a, w, group_sizes, dtype, weight_grad) * cotangent)
+    return grouped_matmul(a, w, group_sizes, dtype, weight_grad), jax.grad(loss, argnums=(0, 1))(a, w)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), empty=st.integers(0, 4))
+def test_grouped_matmul_tgmm_backward_equals_ragged_dots(seed, empty):
+    """The custom backward (input gradient a ragged_dot, weight gradient megablox's tgmm, here in
+    Pallas' interpreter) = JAX's autodiff of ragged_dot, in values and gradients: uneven and empty
+    groups, 37 rows (tgmm's 128-row tiles padded)."""
+    rows, k, n, groups = 37, 8, 4, 6
+    rng = np.random.default_rng(seed)
+    sizes = rng.multinomial(rows, rng.dirichlet(np.ones(groups)))
+    sizes[rng.permutation(groups)[:empty]] = 0
+    sizes[np.argmax(sizes)] += rows - sizes.sum()
+    a, w, cot = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((rows, k), (groups, k, n), (rows, n)))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    y_ref, (da_ref, dw_ref) = _grouped_value_and_grads(a, w, group_sizes, cot, weight_grad="ragged_dot",
+                                                       dtype=jnp.float32)
+    y, (da, dw) = _grouped_value_and_grads(a, w, group_sizes, cot, weight_grad="tgmm", dtype=jnp.float32)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_allclose(da, da_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(dw)[sizes == 0], 0.0)  # an empty group gets no gradient
+    ends = np.cumsum(sizes)
+    for g in range(groups):  # dW[g] = a_g^T cot_g
+        np.testing.assert_allclose(dw[g], np.asarray(a)[ends[g] - sizes[g]:ends[g]].T @ np.asarray(cot)[
+            ends[g] - sizes[g]:ends[g]], rtol=1e-4, atol=1e-4)
+    _, (da16, dw16) = _grouped_value_and_grads(a, w, group_sizes, cot, weight_grad="tgmm", dtype=jnp.bfloat16)
+    assert da16.dtype == dw16.dtype == jnp.float32  # gradients in the inputs' dtypes
+    np.testing.assert_allclose(dw16, dw_ref, rtol=0.05, atol=0.1)
 
 
 def test_dense_capacity_over_the_experts_rows_equals_the_reference(monkeypatch):
@@ -147,6 +185,8 @@ def test_expert_form_for_each_platform_and_phase():
     assert set(EXPERT_FORMS) == {"ragged_dot", "dense_capacity", "reference"}
     with pytest.raises(ValueError, match="phase='score'"):
         expert_form_for("cpu", "score")
+    assert expert_weight_grad_for("tpu").kernel == ExpertWeightGrad.TGMM
+    assert all(expert_weight_grad_for(p).kernel == ExpertWeightGrad.RAGGED_DOT for p in ("cpu", "gpu", "cuda"))
 
 
 def test_bfloat16_forms_stay_close():

@@ -103,6 +103,46 @@ def test_tpu_loops_are_counted_from_their_condition():
         assert c[4] - c[2] == pytest.approx(2 * (c[2] - c[1]), rel=0.02) and c[2] - c[1] > 0, key
 
 
+@pytest.mark.parametrize("weight_grad", ["auto", "ragged_dot"])
+def test_the_moe_backward_on_tpu_runs_each_experts_rows_once(weight_grad):
+    """The ragged form's forward and backward compiled for TPU (one v5e chip). XLA:TPU's grouped
+    matmuls and megablox's tgmm are custom calls that declare their FLOPs (XLA's generic cost
+    analysis counts them as 0): the meter reads them and agrees with XLA:TPU's own count. With the
+    weight gradient on TPU's choice (tgmm) the program costs its 8-9 useful matmuls (input gradients
+    of gate and up may merge); JAX's transpose of ragged_dot, forced, is a dense dot over all E
+    experts (libtpu 0.0.42.1): E/3 x the FLOPs and more."""
+    from jax.sharding import Mesh
+
+    from jaxrl4llm.models.layers.moe import Experts, expert_ffn, grouped_matmul
+    from jaxrl4llm.plan.programs import topology_devices
+
+    mesh = Mesh(np.array(topology_devices("v5e:2x2")[:1]).reshape(1), ("data",))
+    tokens, k, experts, d, width = 256, 2, 16, 256, 128
+    sds = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    def loss(x, weights, ids, w):
+        if weight_grad == "auto":
+            return jnp.sum(expert_ffn(x, ids, w, weights, "ragged_dot", jnp.bfloat16))
+        sizes = jnp.bincount(ids.reshape(-1), length=experts).astype(jnp.int32)  # as if the rows were sorted
+        xs = jnp.repeat(x, k, axis=0)
+        mm = lambda a, b: grouped_matmul(a, b, sizes, jnp.bfloat16, "ragged_dot")
+        return jnp.sum(mm(jax.nn.silu(mm(xs, weights.gate)) * mm(xs, weights.up), weights.down))
+
+    args = (sds(tokens, d), Experts(sds(experts, d, width), sds(experts, d, width), sds(experts, width, d)),
+            sds(tokens, k, dtype=jnp.int32), sds(tokens, k, dtype=jnp.float32))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    text = compiled_hlo_text(compiled)
+    matmul = 2 * tokens * k * d * width  # one expert matmul over the routed rows
+    flops = program_cost(text, num_devices=1).flops
+    assert flops == pytest.approx(compiled.cost_analysis()["flops"], rel=1e-3)
+    if weight_grad == "auto":
+        assert text.count("jit_tgmm") >= 3  # one tgmm a weight
+        assert 8 * matmul <= flops <= 9.5 * matmul
+    else:
+        assert flops > experts / 3 * 9 * matmul
+
+
 def test_a_conditional_costs_the_branch_it_runs_as_often_as_it_runs():
     """XLA's cost analysis counts a conditional as the max over its branches, a loop inside a branch
     once and its collectives not at all. The meter weights each branch by how often it runs

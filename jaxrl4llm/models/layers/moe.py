@@ -10,9 +10,9 @@ gets a gradient.
 
 The experts run in one of three interchangeable forms (`expert_ffn`; which one where:
 `kernels.choice.expert_form_for`), equal in values and gradients:
-  ragged_dot      sort the N*k (token, expert) pairs by expert, three `jax.lax.ragged_dot`s, and
-                  undo the sort by a gather (never a scatter-add): k FFNs per token where the
-                  platform has a grouped matmul.
+  ragged_dot      sort the N*k (token, expert) pairs by expert, three grouped matmuls
+                  (`grouped_matmul`: `jax.lax.ragged_dot`), and undo the sort by a gather (never a
+                  scatter-add): k FFNs per token where the platform has a grouped matmul.
   dense_capacity  every expert on every token, a batched einsum weighted by the [N, E] combine
                   matrix (zero off the chosen experts): E FFNs per token, each expert's weights
                   read once (decode). Dropless: no expert can receive more than N tokens.
@@ -27,10 +27,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
 from jax.sharding import PartitionSpec
 
 from jaxrl4llm.core.routing import RouterStats, router_stats
-from jaxrl4llm.kernels.choice import ExpertForm, expert_form_for, experts_model_dim_minor
+from jaxrl4llm.kernels.choice import (ExpertForm, ExpertWeightGrad, expert_form_for, expert_weight_grad_for,
+                                      experts_model_dim_minor)
 from jaxrl4llm.models.layers.linear import einsum, normal_init, param
 from jaxrl4llm.models.layers.segment_attention import compile_platform
 from jaxrl4llm.models.sharding import logical_to_spec
@@ -121,6 +123,58 @@ def expert_rows(experts: Experts) -> tuple[jax.Array, jax.Array, jax.Array]:
     return rows(experts.gate), rows(experts.up), experts.down.reshape(e * i, d)
 
 
+TGMM_TILE = 128  # megablox tgmm's (rows, k, n) tile: TPU's lane width; rows are padded to a multiple of it
+
+
+def grouped_matmul(a: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype, weight_grad: str = "auto") -> jax.Array:
+    """out[r] = a[r] @ w[g(r)], rows sorted by group (rows of group 0 first): `jax.lax.ragged_dot`.
+
+    Args: a [M, K]; w [G, K, N]; group_sizes [G] int32 (sum <= M; rows past the sum give 0); dtype:
+      the matmuls' inputs (float32 accumulation, output float32 [M, N]); weight_grad: how the
+      backward computes dW[g] = a_g^T dout_g, an `ExpertWeightGrad` or "auto"
+      (`kernels.choice.expert_weight_grad_for` the compiling platform). "ragged_dot": JAX's own
+      autodiff; "tgmm": a custom VJP whose input gradient is a ragged_dot (dout W_g^T) and weight
+      gradient megablox's Pallas `tgmm` (Pallas' interpreter off TPU, for tests), in `dtype`.
+    """
+    dtype = jnp.dtype(dtype)
+    if weight_grad == "auto":
+        weight_grad = expert_weight_grad_for(compile_platform()).kernel
+    if ExpertWeightGrad(weight_grad) == ExpertWeightGrad.RAGGED_DOT:
+        return _ragged_matmul(a.astype(dtype), w.astype(dtype), group_sizes)
+    return _tgmm_matmul(a.astype(dtype), w.astype(dtype), group_sizes)
+
+
+def _ragged_matmul(a, w, group_sizes):
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None  # as `linear.einsum`
+    return jax.lax.ragged_dot(a, w, group_sizes, precision=precision, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _tgmm_matmul(a, w, group_sizes):
+    return _ragged_matmul(a, w, group_sizes)
+
+
+def _tgmm_matmul_fwd(a, w, group_sizes):
+    return _ragged_matmul(a, w, group_sizes), (a, w, group_sizes)
+
+
+def _tgmm_matmul_bwd(residuals, dout):
+    """da = dout W_g^T (a ragged_dot: XLA:TPU's grouped kernel); dW[g] = a_g^T dout_g (tgmm)."""
+    a, w, group_sizes = residuals
+    dout = dout.astype(a.dtype)
+    da = _ragged_matmul(dout, jnp.swapaxes(w, 1, 2), group_sizes).astype(a.dtype)
+    rows = a.shape[0]
+    pad = -rows % TGMM_TILE
+    a_t = jnp.pad(a, ((0, pad), (0, 0))).T  # [K, M']: tgmm's lhs; padded rows belong to no group
+    dout = jnp.pad(dout, ((0, pad), (0, 0)))
+    tiling = (TGMM_TILE, min(TGMM_TILE, a.shape[1]), min(TGMM_TILE, w.shape[2]))
+    dw = tgmm(a_t, dout, group_sizes, jnp.float32, tiling, interpret=compile_platform() != "tpu")
+    return da, dw.astype(w.dtype), None
+
+
+_tgmm_matmul.defvjp(_tgmm_matmul_fwd, _tgmm_matmul_bwd)
+
+
 def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
     """Sort the N*k (token, expert) pairs by expert, grouped matmuls, unsort by a gather."""
     n, k = expert_ids.shape
@@ -129,9 +183,7 @@ def _ragged_dot(x, expert_ids, gate_weights, experts: Experts, dtype):
     order = jnp.argsort(flat, stable=True)  # pairs by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], zeros allowed
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D], rows of expert 0 first
-    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # as `linear.einsum`
-    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), group_sizes, precision=precision,
-                                         preferred_element_type=jnp.float32)
+    mm = lambda a, w: grouped_matmul(a, w, group_sizes, dtype)
     h = jax.nn.silu(mm(xs, experts.gate)) * mm(xs, experts.up)  # [N*k, I]
     out = mm(h, experts.down)  # [N*k, D]
     unsorted = jnp.take(out, jnp.argsort(order), axis=0).reshape(n, k, -1)  # the inverse permutation
@@ -150,7 +202,8 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, gate_weights: jax.Array, exp
       experts: `Experts` [E, D, I], [E, D, I], [E, I, D]; form: an `ExpertForm` name (module
       docstring); dtype: matmul inputs, float32 accumulation (`linear.einsum`'s precision: with
       bfloat16, dense_capacity and reference run bf16 backward matmuls too; ragged_dot's backward is
-      JAX's autodiff of `ragged_dot`).
+      JAX's autodiff of `ragged_dot`, or on TPU a custom one with the same matmuls in `dtype`:
+      `grouped_matmul`).
     Returns: y [N, D] float32.
     """
     return _FORMS[ExpertForm(form)](x, expert_ids, gate_weights, experts, jnp.dtype(dtype))
