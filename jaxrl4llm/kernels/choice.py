@@ -273,6 +273,20 @@ def prefill_expert_copy_width(platform: str, width: int) -> int:
     return minor_dim_size(platform, width)
 
 
+def expert_kernels(form: str, trainer_platform: str, sampler_platform: str) -> dict[str, KernelChoice]:
+    """A mixture of experts' kernels in a run (`RunLayout.experts`): the expert form of the training
+    forward ("train", on the trainer's platform), the sampler's "prefill" and "decode" (on its
+    platform), each by `expert_form_for` unless `form` (`model.expert_form`) forces one, and the ragged
+    form's "weight_grad" (`expert_weight_grad_for` the trainer's platform)."""
+    def phase_form(platform: str, phase: str) -> KernelChoice:
+        if form != "auto":
+            return KernelChoice(ExpertForm(form), f"model.expert_form={form}")
+        return expert_form_for(platform, phase)
+
+    return {"train": phase_form(trainer_platform, "train"), "prefill": phase_form(sampler_platform, "prefill"),
+            "decode": phase_form(sampler_platform, "decode"), "weight_grad": expert_weight_grad_for(trainer_platform)}
+
+
 def expert_weight_grad_for(platform: str) -> KernelChoice:
     """How the ragged form's backward computes the experts' weight gradient on `platform`, and why.
 

@@ -84,7 +84,8 @@ def _parse_size(size: int | str) -> int:
 # ---------------------------------------------------------------------------- load
 def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="float32",
                     mesh: Mesh | None = None, rules=None, remat: bool = False,
-                    remat_policy: str = "full", attention_impl: str = "auto", numerics: str = "default") -> CausalLM:
+                    remat_policy: str = "full", attention_impl: str = "auto", numerics: str = "default",
+                    expert_form: str = "auto") -> CausalLM:
     """Load a local Hugging Face checkpoint folder (Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE) as an NNX model.
 
     Args:
@@ -97,6 +98,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
       remat, remat_policy: rematerialise each layer in training, keeping what the policy names
         (`ModelConfig`, models/remat.py). attention_impl: the training forward's attention
         backend (`ModelConfig.attention_impl`). numerics: "default" | "exact" (`ModelConfig.numerics`).
+        expert_form: a mixture of experts' expert form (`ModelConfig.expert_form`).
     Returns: the `CausalLM` module of the checkpoint's family (`model.config` is its
       ModelConfig); `graphdef, state = nnx.split(model)` for the functional API.
     Raises: FileNotFoundError (folder / config.json), ConfigError (unsupported config),
@@ -105,7 +107,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype="bfloat16", param_dtype="f
     path = os.fspath(path)
     config = ModelConfig.from_pretrained_dir(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
                                              remat_policy=remat_policy, attention_impl=attention_impl,
-                                             numerics=numerics)
+                                             numerics=numerics, expert_form=expert_form)
     files = _weight_files(path)
     graphdef, abstract = abstract_model(config)
     if mesh is not None:

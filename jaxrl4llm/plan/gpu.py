@@ -16,6 +16,10 @@ What a program compiled this way tells (jax 0.10.2, measured):
 - `cost_analysis()` is None: count FLOPs and bytes from the optimized HLO, `as_text()`.
 - No autotuning without a GPU (default Triton GEMM configs): temporaries may differ a little
   from a compile on a real GPU.
+- A large sort (a mixture of experts' sort of its tokens by expert) compiles to CUB's radix sort,
+  whose scratch XLA sizes by loading the CUDA runtime: with none here the compile fails ("Error
+  loading CUDA libraries"). `GPU_COMPILE_OPTIONS` compiles XLA's own sort instead (the same
+  program otherwise; a sort is a small part of a step).
 The devices come host-major (ids 0-7 on host 0, 8-15 on host 1), so a mesh made by reshaping
 them row-major keeps its innermost axes (tensor, then fsdp) inside a host's NVLink domain.
 """
@@ -90,6 +94,16 @@ def cuda_plugin() -> tuple[str, str, str] | None:
             return None
 
     return next((p for p in installed if version(p[1]) == jaxlib_version), installed[0] if installed else None)
+
+
+# compiler options of every program compiled for a GPU topology on this CPU (module docstring)
+GPU_COMPILE_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def compile_options(devices) -> dict | None:
+    """The compiler options `plan` compiles a program for `devices` with: `GPU_COMPILE_OPTIONS` on
+    GPU devices, else None (XLA's defaults)."""
+    return dict(GPU_COMPILE_OPTIONS) if next(iter(devices)).platform in ("gpu", "cuda") else None
 
 
 def is_gpu_topology(topology: str) -> bool:

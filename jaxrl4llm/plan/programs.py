@@ -49,7 +49,7 @@ from jaxrl4llm.plan.compile_errors import classify as classify_compile_error
 from jaxrl4llm.plan.compile_errors import error_frames
 from jaxrl4llm.plan.chips import FIT_SHARE, GiB, ChipSpec, jax_memory_fraction, measure_cpu_chip, measured_peaks, tpu_chip_spec
 from jaxrl4llm.plan.decode_work import continuous_decode_work, decode_block_trips, static_decode_work
-from jaxrl4llm.plan.gpu import gpu_chip_spec, gpu_topology_devices, is_gpu_topology
+from jaxrl4llm.plan.gpu import compile_options, gpu_chip_spec, gpu_topology_devices, is_gpu_topology
 from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled_hlo_text, computation_flops,
                                      find_loops, meter_notice, parse_module, program_cost)
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
@@ -320,7 +320,7 @@ def _compile(name: str, lowered_fn, analytic: dict, model_flops: float, mesh: Me
     try:
         with jax.set_mesh(mesh):
             lowered = lowered_fn()
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=compile_options(mesh.devices.flat))
     except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError / JaxRuntimeError, kernels their own
         failure = classify_compile_error(f"{type(e).__name__}: {e}", name, error_frames(e))
         if failure is None:

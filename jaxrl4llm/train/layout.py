@@ -31,7 +31,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl4llm.kernels import exact
-from jaxrl4llm.kernels.choice import KernelChoice, decode_attention_choice, mesh_devices, train_attention_choice
+from jaxrl4llm.kernels.choice import (KernelChoice, decode_attention_choice, expert_kernels, mesh_devices,
+                                      train_attention_choice)
 from jaxrl4llm.models import LoraSettings, ModelConfig
 from jaxrl4llm.sampling.buckets import PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import PAGE_SIZE
@@ -71,7 +72,9 @@ class RunLayout:
     the `sampler`'s layout, the share of a device's memory the sampler's automatic sizing fills, and
     the attention kernels (`kernels.choice.KernelChoice`: kernel and reason; None for a model.module
     model, which decodes with the generic decoder and attends its own way): `decode_attention` on
-    the sampler's devices, `train_attention` on the trainer's."""
+    the sampler's devices, `train_attention` on the trainer's; a mixture of experts' `experts`
+    (`kernels.choice.expert_kernels`: the expert form of training, prefill and decode, and the ragged
+    form's weight gradient; None for a dense model)."""
 
     model: ModelConfig | None
     lora: LoraSettings | None
@@ -84,6 +87,7 @@ class RunLayout:
     row_form_reason: str = ""  # trainer.packing=auto: why (`choose_row_form`)
     decode_attention: KernelChoice | None = None
     train_attention: KernelChoice | None = None
+    experts: dict[str, KernelChoice] | None = None
 
     @property
     def data_parallel(self) -> int:
@@ -96,6 +100,8 @@ class RunLayout:
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, (tuple, list)):
                 return [plain(v) for v in value]
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
             return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
         return plain(self)
 
@@ -114,7 +120,8 @@ def model_config_from_fields(cfg: RunConfig, *, vocab_size: int, eos_token_id=No
         attention_bias=m.architecture == "qwen2", tie_word_embeddings=m.tie_word_embeddings,
         max_position_embeddings=max(m.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens),
         rope_theta=m.rope_theta, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-        remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics, eos_token_id=eos_token_id,
+        remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics,
+        expert_form=m.expert_form, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
         moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob and m.num_experts > 0)
 
@@ -411,13 +418,16 @@ def run_layout(cfg: RunConfig, mesh: Mesh, model_config: ModelConfig | None, *, 
         own_devices=0 if sampler_mesh is None else math.prod(sampler_mesh.shape.values()))
     shape = None if model_config is None else dataclasses.replace(  # the model's shape: no tokenizer's ids
         model_config, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    decode = train = None
+    decode = train = experts = None
     if own_model:
         decode, train = attention_kernels(cfg, model_config, mesh_devices(mesh), mesh_devices(dmesh), cpu_kernels,
                                           sampler_tensor=dmesh.shape["tensor"])
         if decode.fallback:
             log(f"decode attention (rollout.decode_attention): {decode.reason}")
+        if model_config.num_experts:
+            experts = expert_kernels(model_config.expert_form, mesh_devices(mesh)[0].platform,
+                                     mesh_devices(dmesh)[0].platform)
     return RunLayout(model=shape, lora=lora_settings(cfg) if own_model else None,
                      mesh=(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]), rows=rows,
                      update=update, sampler=sampler, row_form=form, row_form_reason=reason,
-                     decode_attention=decode, train_attention=train)
+                     decode_attention=decode, train_attention=train, experts=experts)

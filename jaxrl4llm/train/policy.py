@@ -313,7 +313,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh | None) -> Policy:
             raise ConfigError(f"model.path={m.path!r} is not a folder; point it at a Hugging Face checkpoint folder "
                               f"(config.json + *.safetensors), local or gs://, or a Hub id (org/name[@revision]).")
         model = load_pretrained(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat,
-                                remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics)
+                                remat_policy=m.remat_policy, attention_impl=m.attention_impl, numerics=m.numerics,
+                                expert_form=m.expert_form)
         model_config = model.config
         graphdef, state = nnx.split(model)
         tokenizer = run_tokenizer(cfg) if m.tokenizer else load_tokenizer(path)

@@ -84,7 +84,12 @@ def main() -> int:
                     print(f"KERNELS {[f.name for f in files]} {name}: {ours.decode_attention} {ours.train_attention} "
                           f"{plans.train_attention}")
                     return 1
-                ours, plans = (dataclasses.replace(x, decode_attention=None, train_attention=None)
+                if (ours.experts is None) != (plans.experts is None) or ours.experts and (
+                        ours.experts["train"].kernel != "dense_capacity" or plans.experts["train"].kernel != "ragged_dot"
+                        or plans.experts["weight_grad"].kernel != "tgmm"):
+                    print(f"EXPERTS {[f.name for f in files]} {name}: {ours.experts} {plans.experts}")
+                    return 1
+                ours, plans = (dataclasses.replace(x, decode_attention=None, train_attention=None, experts=None)
                                for x in (ours, plans))
                 if ours != plans:
                     a, b = ours.to_dict(), plans.to_dict()

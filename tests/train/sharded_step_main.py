@@ -138,10 +138,21 @@ def check_moe(batch, opt, sched, mesh):
         text = update.lower(state, batch).as_text()
         looped = update(state, batch)
     assert "shard_map" in text or "sdy.manual_computation" in text, "the experts did not run per batch shard"
-    for k in ("loss", "grad_norm", "clip_frac", "entropy", "router_aux_loss"):
-        np.testing.assert_allclose(single[1][k], looped[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
-    for a, b in zip(jax.tree.leaves(single[0].params), jax.tree.leaves(looped[0].params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+    # the ragged form with TPU's weight gradient (megablox's tgmm, in Pallas' interpreter here) in the
+    # per-batch-shard shard_map, which then runs unchecked: the same update as one device's dense_capacity
+    from jaxrl4llm.kernels.choice import ExpertWeightGrad, KernelChoice
+    from jaxrl4llm.models.layers import moe
+
+    moe.expert_weight_grad_for = lambda platform: KernelChoice(ExpertWeightGrad.TGMM, "as on TPU")
+    graphdef, _ = init_model(cfg.replace(expert_form="ragged_dot"), jax.random.PRNGKey(1))  # `make` reads it
+    with jax.set_mesh(mesh):
+        ragged = jax.jit(make(), in_shardings=(pinned, batch_shardings(mesh)), out_shardings=(pinned, None, None))(
+            state, batch)
+    for run in (looped, ragged):
+        for k in ("loss", "grad_norm", "clip_frac", "entropy", "router_aux_loss"):
+            np.testing.assert_allclose(single[1][k], run[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
+        for a, b in zip(jax.tree.leaves(single[0].params), jax.tree.leaves(run[0].params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
 
 
 def check_packed(graphdef, params, opt, sched, mesh, pinned, sharded_params):

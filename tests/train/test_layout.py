@@ -55,6 +55,28 @@ def test_plan_shows_the_layout_without_compiling(capsys):
     assert layout["update"]["micro_batches"] == 32 and layout["sampler"]["engine"] == "continuous"
 
 
+def test_a_mixture_of_experts_layout_names_its_expert_kernels(capsys):
+    """Qwen3-30B-A3B on v5p: the ragged form trains and prefills, dense_capacity decodes, tgmm takes
+    the weight gradient, each with its reason; a forced model.expert_form is named; dense: none."""
+    from jaxrl4llm.cli import main
+
+    models = ROOT / "configs/models"
+    args = ["plan", "-c", str(models / "qwen3_30b_a3b_base.yaml"), "-c", str(ROOT / "configs/lite_ppo_r3.yaml"),
+            "--show-layout"]
+    assert main(args) == 0
+    experts = json.loads(capsys.readouterr().out)["experts"]
+    assert {k: v["kernel"] for k, v in experts.items()} == {
+        "train": "ragged_dot", "prefill": "ragged_dot", "decode": "dense_capacity", "weight_grad": "tgmm"}
+    assert "dense dot over all experts" in experts["weight_grad"]["reason"]
+    assert main(args + ["model.expert_form=reference"]) == 0
+    experts = json.loads(capsys.readouterr().out)["experts"]
+    assert experts["train"] == experts["decode"] == {"kernel": "reference", "reason": "model.expert_form=reference",
+                                                      "fallback": False}
+    assert main(["plan", "-c", str(models / "qwen3_0.6b_base.yaml"), "--topology", "cpu", "--show-layout", "mesh.fsdp=1",
+                 "mesh.data=-1", "trainer.micro_batch_size=8"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts"] is None
+
+
 @pytest.mark.parametrize("bad", [["mesh.fsdp=3"], ["trainer.micro_batch_size=7"]])
 def test_a_layout_that_cannot_be_built_is_a_config_error_from_plan_too(bad):
     from jaxrl4llm.plan.programs import plan_layout

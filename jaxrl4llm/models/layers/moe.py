@@ -246,10 +246,16 @@ def moe_ffn(h: jax.Array, router: jax.Array, experts: Experts, *, k: int, norm_t
         split = PartitionSpec(None, None, None)  # rows whole; each device its experts' width (`expert_rows`)
     if split is None:  # one device, or rows not split (the ragged form under GSPMD)
         return rows(h, routes, token_mask, router, experts)
-    return _per_batch_shard(rows, h, routes, token_mask, router, experts, mesh, split)
+    # megablox's Pallas tgmm declares its output without the varying-axes type a checked shard_map's
+    # values carry: where the backward runs it, the shard_map runs unchecked (its transpose then sums
+    # the replicated weights' cotangents over the batch shards itself)
+    pallas_grad = form == ExpertForm.RAGGED_DOT and \
+        expert_weight_grad_for(compile_platform()).kernel == ExpertWeightGrad.TGMM
+    return _per_batch_shard(rows, h, routes, token_mask, router, experts, mesh, split, check_vma=not pallas_grad)
 
 
-def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh, split: PartitionSpec):
+def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh, split: PartitionSpec,
+                     check_vma: bool = True):
     """`rows` run by each batch shard on its own rows (`jax.shard_map` over the batch axes): the sort
     by expert, the grouped matmuls and the unsort stay on the shard. Over rows split across chips,
     GSPMD gathers every chip's tokens for one global sort (Qwen3-30B-A3B's scoring pass on v5p:4x4x4
@@ -257,7 +263,7 @@ def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh
     the tensor axis where the mesh has one (`expert_mlp`), the partial outputs summed by one psum;
     the model dim enters whole, as FSDP gathers a layer's weights for its matmuls. Router stats
     (sums) are summed over the batch shards by a psum. split P(None, None, None): the rows whole on
-    every device (the dense_capacity form where no batch axis splits them)."""
+    every device (the dense_capacity form where no batch axis splits them). check_vma: `jax.shard_map`'s."""
     tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and experts.gate.shape[2] % mesh.shape["tensor"] == 0 \
         else None
     specs = Experts(PartitionSpec(None, None, tensor), PartitionSpec(None, None, tensor),
@@ -273,7 +279,8 @@ def _per_batch_shard(rows, h, routes, token_mask, router, experts: Experts, mesh
 
     out_specs = (split, split) if token_mask is None else (split, split, PartitionSpec())
     out = jax.shard_map(local, mesh=mesh, in_specs=(split, {n: a[1] for n, a in given.items()}, PartitionSpec(), specs),
-                        out_specs=out_specs)(h, {n: a[0] for n, a in given.items()}, router, experts)
+                        out_specs=out_specs, check_vma=check_vma)(h, {n: a[0] for n, a in given.items()}, router,
+                                                                  experts)
     return out if token_mask is not None else (*out, None)
 
 
