@@ -312,9 +312,10 @@ def expert_form_for(platform: str, phase: str) -> KernelChoice:
       decode: dense_capacity everywhere (a step of N rows is bandwidth-bound: it reads all E
         experts once N*k >= E, and needs no sort and no ragged kernel).
       train, prefill on TPU: ragged_dot (XLA:TPU compiles `chlo.ragged_dot` natively).
-      on GPU: ragged_dot (`chlo.ragged_dot`; XLA:GPU may rewrite it to a dense dot, unmeasured here).
-      on CPU: dense_capacity: XLA:CPU lowers ragged_dot to a dense expansion (lhs broadcast to
-        [E, N*k, D], E FFNs per routed row: E*k per token, k times dense_capacity's E).
+      on GPU and CPU: dense_capacity. XLA:CPU lowers ragged_dot to a dense expansion (lhs broadcast
+        to [E, N*k, D], E FFNs per routed row: E*k per token, k times dense_capacity's E), and so
+        does XLA:GPU (jax 0.10.2, compiled for an H100: 128.8x the useful FLOPs forward, where
+        dense_capacity is 16.0x, at E 128, k 8; `scripts/gpu_check --phases moe` times both on a chip).
     """
     if phase not in EXPERT_PHASES:
         raise ValueError(f"phase={phase!r}; choose one of {', '.join(EXPERT_PHASES)}")
@@ -324,7 +325,7 @@ def expert_form_for(platform: str, phase: str) -> KernelChoice:
     if platform == "tpu":
         return KernelChoice(ExpertForm.RAGGED_DOT, f"{phase} on TPU: XLA compiles chlo.ragged_dot natively")
     if platform in ("gpu", "cuda", "rocm"):
-        return KernelChoice(ExpertForm.RAGGED_DOT, f"{phase} on GPU: chlo.ragged_dot (XLA:GPU may rewrite it to a "
-                            f"dense dot; its speed is not measured yet)")
+        return KernelChoice(ExpertForm.DENSE_CAPACITY, f"{phase} on GPU: XLA:GPU rewrites ragged_dot to a dense dot "
+                            f"over all experts (k times dense_capacity's FLOPs)")
     return KernelChoice(ExpertForm.DENSE_CAPACITY, f"{phase} on {platform}: XLA lowers ragged_dot to a dense "
                         f"expansion over all experts (k times dense_capacity's FLOPs)")

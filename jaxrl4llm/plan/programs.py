@@ -1079,9 +1079,28 @@ def advice(plan: RunPlan) -> list[str]:
             "sampler/weights": "raise rollout.tensor_parallel (the decode weights are replicated over the "
                                "sampler's data-parallel chips, split only over its tensor axis)",
         }[p.name]
+        if p.name == "update" and (state := train_state_advice(plan, p)):
+            what = state
         out.append(f"{p.name}: needs {_gib(p.total_bytes + p.resident_bytes)} GiB per chip, over "
                    f"{memory_limit_text(plan.chip)} (with the train state that stays beside it): {what}")
     return out
+
+
+def train_state_advice(plan: RunPlan, update: ProgramPlan) -> str | None:
+    """What fits when the update's parameters, optimizer state and gradients alone (by our count, FSDP
+    over every chip of the trainer's data x fsdp) take more than a chip may hold: the chips a full
+    fine-tune needs at this share, or LoRA adapters (the base frozen: no optimizer state or gradients
+    for it). None where the state alone fits (activations are what to lower)."""
+    state = sum(update.analytic.get(k, 0) for k in ("parameters", "optimizer state", "gradients"))
+    if not update.analytic or state <= plan.chip.fit_bytes:
+        return None
+    sharded = plan.mesh.get("data", 1) * plan.mesh.get("fsdp", 1)
+    chips = math.ceil(sharded * state / plan.chip.fit_bytes)  # the state divided over more FSDP chips
+    lora = "" if plan.layout is not None and plan.layout.lora is not None else ("; or train LoRA adapters (model.lora.rank=16, model.param_dtype=bfloat16: the "
+                                 "base frozen, no optimizer state or gradients for it)")
+    return (f"the parameters, optimizer state and gradients alone take {_gib(state)} GiB a chip over "
+            f"{sharded} chips of FSDP: a full fine-tune needs more than {chips} chips "
+            f"(a larger topology, mesh.fsdp covering them){lora}")
 
 
 def _seconds(x: float) -> str:

@@ -145,10 +145,11 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
                    `kernels.choice.prefill_expert_copy_width`, nonzero on TPU where I/tp is not a
                    multiple of 128: Qwen3-30B-A3B at tp 4)
 
-A mixture-of-experts layer's prefill holds k expert intermediates a token (3 k I for F: the ragged
-form's sorted copies of the token's k (token, expert) pairs), and with the ragged form (the prefill's
-on TPU and GPU, `kernels.choice.expert_form_for`) 2 k D more: its [N k, D] float32 output and the
-gather that unsorts it (Qwen3-30B-A3B on v5p: two f32[32768, 2048] for 4 prompts of 1024 tokens).
+A mixture-of-experts layer's prefill holds, with the ragged form (the prefill's on TPU,
+`kernels.choice.expert_form_for`), k expert intermediates a token (3 k I for F: the sorted copies of
+the token's k (token, expert) pairs) and 2 k D more: its [N k, D] float32 output and the gather that
+unsorts it (Qwen3-30B-A3B on v5p: two f32[32768, 2048] for 4 prompts of 1024 tokens); with
+dense_capacity (GPU, CPU) every expert's intermediates, 3 E I for F.
 
     XLA's TPU compile holds the pool once (Qwen3-8B's rollout shard on v5p, 64 slots, tp 4: 22.4
     GiB of temporaries for a 20.3 GiB pool, ours/XLA 0.97 in all; 39.4 GiB before). The extra came
@@ -165,9 +166,11 @@ gather that unsorts it (Qwen3-30B-A3B on v5p: two f32[32768, 2048] for 4 prompts
     width = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize  # K and V of one token
     rows = math.ceil(prompts / data_parallel) * samples
     pool = width * sizes.pool_pages * page // tensor_parallel
-    ffn = c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else c.intermediate_size
+    ragged = c.num_experts and expert_form_for(platform, "prefill").kernel == ExpertForm.RAGGED_DOT
+    ffn = ((c.num_experts_per_tok if ragged else c.num_experts) * c.moe_intermediate_size if c.num_experts
+           else c.intermediate_size)
     per_token = 2 * c.num_heads * prompt_len // tensor_parallel + 3 * ffn // tensor_parallel + 4 * c.hidden_size
-    if c.num_experts and expert_form_for(platform, "prefill").kernel == ExpertForm.RAGGED_DOT:
+    if ragged:
         per_token += 2 * c.num_experts_per_tok * c.hidden_size  # the sorted pairs' output, unsorted
     memory = {
         "decode weights": decode_weight_bytes(config, tensor_parallel=tensor_parallel, embed_dtype=embed_dtype),

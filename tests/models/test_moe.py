@@ -180,7 +180,8 @@ def test_expert_form_for_each_platform_and_phase():
     assert expert_form_for("cpu", "train").kernel == ExpertForm.DENSE_CAPACITY
     assert "dense expansion" in expert_form_for("cpu", "prefill").reason
     assert expert_form_for("tpu", "train").kernel == ExpertForm.RAGGED_DOT
-    assert expert_form_for("gpu", "train").kernel == ExpertForm.RAGGED_DOT
+    assert expert_form_for("gpu", "train").kernel == expert_form_for("cuda", "prefill").kernel == \
+        ExpertForm.DENSE_CAPACITY
     assert all(expert_form_for(p, "decode").kernel == ExpertForm.DENSE_CAPACITY for p in ("cpu", "tpu", "gpu"))
     assert set(EXPERT_FORMS) == {"ragged_dot", "dense_capacity", "reference"}
     with pytest.raises(ValueError, match="phase='score'"):

@@ -208,3 +208,27 @@ def test_a_teacher_too_large_for_the_mesh_is_a_verdict_naming_the_fix(tmp_path, 
         kernel["logprob pass"] * (64 * 64 * 128) / (2 * 4 * 32))
     line = next(a for a in out["advice"] if a.startswith("teacher.model:"))
     assert "raise mesh.fsdp" in line and "teacher.dtype=bfloat16" in line and "\n" not in line
+
+
+def test_a_full_fine_tune_whose_state_alone_does_not_fit_is_told_the_chips_it_needs_or_lora():
+    """An update over the limit whose parameters, optimizer state and gradients alone exceed a chip
+    (Qwen3-30B-A3B on h100:8: 71 GiB a GPU by our count) gets the chips a full fine-tune needs and
+    LoRA; with LoRA on, or where the state fits (activations over), the usual advice."""
+    import dataclasses
+
+    from jaxrl4llm.plan.chips import ChipSpec
+    from jaxrl4llm.plan.gpu import GPU_CHIPS
+    from jaxrl4llm.plan.programs import ProgramPlan, RunPlan, advice
+
+    gib = 2**30
+    state = {"parameters": 14.2 * gib, "optimizer state": 28.4 * gib, "gradients": 28.4 * gib, "activations": 14 * gib}
+    update = ProgramPlan("update", True, temp_bytes=330 * gib, analytic=state)
+    chip = GPU_CHIPS["h100"]._replace(memory_fraction=0.75)  # JAX takes 75% of a GPU by default
+    assert isinstance(chip, ChipSpec) and chip.fit_bytes < 71 * gib
+    plan = RunPlan("h100:8", {"data": 1, "fsdp": 8, "tensor": 1}, chip, ModelConfig(), 1024, 1024, 8192, [update])
+    (line,) = advice(plan)
+    assert "alone take 71.00 GiB a chip over 8 chips of FSDP: a full fine-tune needs more than 11 chips" in line
+    assert "model.lora.rank=16" in line
+    small = dataclasses.replace(update, analytic={**state, "optimizer state": 0.1 * gib, "gradients": 0.1 * gib})
+    (line,) = advice(dataclasses.replace(plan, programs=[small]))
+    assert "raise mesh.fsdp" in line and "LoRA" not in line

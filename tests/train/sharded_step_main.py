@@ -108,6 +108,7 @@ def main() -> int:
     np.testing.assert_array_equal(np.asarray(whole[2]), np.asarray(shared[2]))
     check_packed(graphdef, params, opt, sched, mesh, pinned, sharded_params)
     check_moe(batch, opt, sched, mesh)
+    check_moe_bfloat16(mesh)
     print(f"OK sharded params: {n_sharded}, loss {float(single[1]['loss']):.6f} vs {float(multi[1]['loss']):.6f}")
     return 0
 
@@ -153,6 +154,29 @@ def check_moe(batch, opt, sched, mesh):
             np.testing.assert_allclose(single[1][k], run[1][k], rtol=2e-5, atol=1e-6, err_msg=k)
         for a, b in zip(jax.tree.leaves(single[0].params), jax.tree.leaves(run[0].params)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+
+
+def check_moe_bfloat16(mesh):
+    """The dense_capacity form in bfloat16 (`linear.einsum`'s custom backward) inside `moe_ffn`'s
+    per-batch-shard shard_map: the weights' gradients (per shard, summed over the shards) equal one
+    device's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxrl4llm.models.layers.moe import Experts, moe_ffn
+
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    h = jax.random.normal(keys[0], (8, 4, 32))
+    router = jax.random.normal(keys[1], (32, 4))
+    experts = Experts(*(0.3 * jax.random.normal(k, s) for k, s in zip(keys[2:], [(4, 32, 16), (4, 32, 16), (4, 16, 32)])))
+    loss = lambda h, router, experts: jnp.sum(moe_ffn(h, router, experts, k=2, norm_topk_prob=True,
+                                                      form="dense_capacity", dtype=jnp.bfloat16)[0] ** 2)
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    single = jax.jit(grads)(h, router, experts)
+    with jax.set_mesh(mesh):
+        rows = jax.device_put(h, NamedSharding(mesh, P(("data", "fsdp"), None, None)))
+        sharded = jax.jit(grads)(rows, router, experts)
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
 
 
 def check_packed(graphdef, params, opt, sched, mesh, pinned, sharded_params):

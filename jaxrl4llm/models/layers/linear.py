@@ -64,10 +64,21 @@ def _mixed_einsum(spec: str, dtype: jnp.dtype, x_dtype: jnp.dtype, w_dtype: jnp.
         xc, w = residuals
         wc = w.astype(dtype)
         ct = ct.astype(dtype)
-        return mm(dx_spec, ct, wc).astype(x_dtype), mm(dw_spec, xc, ct).astype(w_dtype)
+        return (summed_to_primal_axes(mm(dx_spec, ct, wc), xc).astype(x_dtype),
+                summed_to_primal_axes(mm(dw_spec, xc, ct), w).astype(w_dtype))
 
     f.defvjp(fwd, bwd)
     return f
+
+
+def summed_to_primal_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """A custom backward's cotangent of `primal`, summed over the mesh axes it varies over and the
+    primal does not: inside a `jax.shard_map` (checked), an input the same on every shard (a weight
+    entering whole) gets per-shard gradients, and autodiff's transpose of its implicit broadcast is
+    this psum. Outside a shard_map nothing varies: the cotangent as is."""
+    varying = lambda a: jax.typeof(a).manual_axis_type.varying
+    extra = tuple(sorted(varying(cotangent) - varying(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
