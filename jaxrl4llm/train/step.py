@@ -418,7 +418,10 @@ def _optimizer_step(state: TrainState, grads, num, den, metrics, *, optimizer: o
     grads = jax.tree.map(lambda g: g * scale, grads)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = optax.apply_updates(state.params, updates)  # in the parameters' dtypes
+    # the optimizer state stays in the dtypes it was created in (Adam's moments in bfloat16 parameters'
+    # dtype: float32 gradients would promote them, and the mini-batch scan's carry must not change type)
+    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
     metrics = dict(metrics, loss=LossTerms(num, den).value, grad_norm=grad_norm, learning_rate=schedule(state.step))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
 

@@ -59,6 +59,19 @@ def test_mini_batches_and_epochs_step_the_optimizer():
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+def test_bfloat16_parameters_keep_their_dtype_and_adams_through_mini_batches():
+    """model.param_dtype=bfloat16: float32 gradients used to promote Adam's bf16 moments, and the
+    mini-batch scan refused a carry that changed type. Parameters and moments stay bf16 and move."""
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), toy_params())
+    state, metrics, _ = _run(LITE_PPO, UpdateSettings(mini_batches=2, micro_batches=2), toy_batch(), params=params)
+    assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim]
+    assert moments and {leaf.dtype for leaf in moments} == {jnp.dtype(jnp.bfloat16)}
+    assert any(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) > 0
+               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
+
+
 def test_indivisible_batch_is_a_clear_error():
     batch = toy_batch(B=12, G=4)
     with pytest.raises(ValueError, match="not divisible by mini_batches"):
