@@ -36,7 +36,8 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl4llm.kernels.choice import DecodeAttention, TrainAttention, decode_attention_choice, mesh_devices
+from jaxrl4llm.kernels.choice import (DecodeAttention, ExpertForm, TrainAttention, decode_attention_choice, expert_form_for,
+                                      mesh_devices)
 from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend
@@ -814,8 +815,14 @@ def trainer_work(ins: PlanInputs, seq: int, routing_pass: bool = False, config=N
     # positions a chip runs through the stack per micro-batch (the prompt once per group when shared)
     per_chip_positions = per_chip_rows * (seq if group is None else ins.response_len - 1 + ins.prompt_len / group)
     d, v = config.hidden_size, config.vocab_size
-    # a token's feed-forward width: a mixture of experts runs k experts of moe_intermediate_size
-    f = config.num_experts_per_tok * config.moe_intermediate_size if config.num_experts else config.intermediate_size
+    # a token's feed-forward width: a mixture of experts runs k experts of moe_intermediate_size, or
+    # every expert in the dense_capacity form (the layout's, or the platform's for the teacher)
+    f = config.intermediate_size
+    if config.num_experts:
+        chosen = (ins.layout.experts or {}).get("train") if config is ins.config else None
+        form = chosen.kernel if chosen else expert_form_for(mesh.devices.flat[0].platform, "train").kernel
+        f = (config.num_experts if form == ExpertForm.DENSE_CAPACITY else config.num_experts_per_tok) * \
+            config.moe_intermediate_size
     chunk = min(chunk_size or cfg.model.logprob_chunk_size, ins.response_len if packing is None else seq)  # head positions at once
     heads = config.num_heads // tensor if config.num_heads % tensor == 0 else config.num_heads
     query_block = min(seq, config.attention_query_chunk or seq)
