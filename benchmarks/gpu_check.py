@@ -52,7 +52,8 @@ class Phase:
 PHASES = (
     #     name       GPU  dry  what
     Phase("setup",    30,  60, "probe the host's Python for WHEELS; install the missing ones from .gpu_wheels/"),
-    Phase("peaks",    45,  60, "the chip's bf16 matmul rate and copy bandwidth (plan.chips.measured_peaks)"),
+    Phase("peaks",    45,  60, "the chip's bf16 matmul rate, copy bandwidth (plan.chips.measured_peaks) and read "
+                               "bandwidth (a bf16 sum over 4 GiB: plan.chips.read_bandwidth)"),
     Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
                                "priced at the measured peaks, beside the measured times (compiles on the CPU "
                                "while the next phases run)", collect_after="step"),
@@ -60,7 +61,7 @@ PHASES = (
                                "and a float64 reference (bf16, Qwen3 heads): errors, pass/fail, times"),
     Phase("step",    125, 240, "one phase per model of MODELS (step:<model>, random weights): a rollout of P x G "
                                "rows at forced lognormal lengths, the log-prob pass, the update, timed after compile"),
-    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (the measured copy bandwidth) and vs "
+    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (the measured read bandwidth) and vs "
                                "transformers' generate on the same weights"),
     Phase("tests",    50,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
     Phase("demo",    175, 600, "`jaxrl4llm demo`, 20 RL steps (--quick on the dry run): held-out accuracy before -> "
@@ -262,10 +263,15 @@ def step_overrides(mode: str, model: str, root: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- phase: peaks
+READ_MIB = {"gpu": 4096, "dry": 64}  # the read-bandwidth pass's array: 4 GiB past any cache on the chip
+
+
 def phase_peaks(mode: str, work: Path, log) -> dict:
     """The default device's bf16 matmul FLOP/s and copy bandwidth (bytes read + written per second),
-    as `plan --peak measured` measures them (`plan.chips.measured_peaks`), and the datasheet's."""
-    from jaxrl4llm.plan.chips import measured_peaks
+    as `plan --peak measured` measures them (`plan.chips.measured_peaks`), the datasheet's, and its
+    read bandwidth (`plan.chips.read_bandwidth`: bytes read per second by a bf16 sum over
+    READ_MIB[mode] MiB), which the decode phase's roofline divides by."""
+    from jaxrl4llm.plan.chips import measured_peaks, read_bandwidth
     from jaxrl4llm.plan.programs import chip_spec
 
     import jax
@@ -273,10 +279,12 @@ def phase_peaks(mode: str, work: Path, log) -> dict:
     topology = plan_topology(mode, jax.devices()[0].device_kind)
     sheet = chip_spec(topology)
     chip = sheet if topology == "cpu" else measured_peaks(sheet)  # plan's "cpu" chip is measured already
+    read = read_bandwidth(jax.devices()[0], READ_MIB[mode])
     log(f"  bf16 matmul {chip.peak_flops / 1e12:.3g} TFLOP/s ({sheet.peak_flops / 1e12:.3g} on the datasheet), "
-        f"copy {chip.hbm_bandwidth / 1e9:.3g} GB/s ({sheet.hbm_bandwidth / 1e9:.3g})")
-    return {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth, "datasheet_peak_flops": sheet.peak_flops,
-            "datasheet_hbm_bandwidth": sheet.hbm_bandwidth, "source": chip.peak_source}
+        f"copy {chip.hbm_bandwidth / 1e9:.3g} GB/s ({sheet.hbm_bandwidth / 1e9:.3g}), read {read / 1e9:.3g} GB/s")
+    return {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth, "read_bandwidth": read,
+            "datasheet_peak_flops": sheet.peak_flops, "datasheet_hbm_bandwidth": sheet.hbm_bandwidth,
+            "source": chip.peak_source}
 
 
 # ---------------------------------------------------------------------------- phase: kernels
@@ -1050,8 +1058,8 @@ def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict
 # ---------------------------------------------------------------------------- phase: decode
 def phase_decode(mode: str, work: Path, log) -> dict:
     """Generated tokens/s of the continuous engine (the first step phase's rollout: its rows, forced
-    lengths and weights) against the HBM roofline (weights + live KV a step / the copy bandwidth
-    measured here) and against transformers' `generate` on the same weights (the step phase's export)
+    lengths and weights) against the HBM roofline (weights + live KV a step / the read bandwidth
+    the peaks phase measured: a decode step reads far more than it writes) and against transformers' `generate` on the same weights (the step phase's export)
     on the same device, every row generating the rollout's mean length."""
     import jax
     import numpy as np
@@ -1071,8 +1079,8 @@ def phase_decode(mode: str, work: Path, log) -> dict:
     g, rows = w["samples"], w["prompts"] * w["samples"]
     peaks = read_record(work.parent, "peaks")
     if peaks["status"] != "ok":
-        raise PhaseFailed(f"needs the copy bandwidth of the peaks phase ({peaks['status']})", {})
-    bandwidth = peaks["figures"]["hbm_bandwidth"]
+        raise PhaseFailed(f"needs the read bandwidth of the peaks phase ({peaks['status']})", {})
+    bandwidth = peaks["figures"]["read_bandwidth"]
     folder = f["export"]
     config = ModelConfig.from_pretrained_dir(folder)
     hf_tokens = max(1, int(round(lengths.mean())))
@@ -1085,10 +1093,11 @@ def phase_decode(mode: str, work: Path, log) -> dict:
     roof_bytes = ragged_decode_bytes(config, np.repeat(f["prompt_lens"], g), lengths, steps, 2)
     roof_s = roof_bytes / bandwidth
     tokens = float(lengths.sum())
-    log(f"  ours {tokens / t_ours:.0f} tok/s, roofline {tokens / roof_s:.0f} tok/s, transformers "
-        f"{rows * hf_tokens / t_hf:.0f} tok/s")
+    log(f"  ours {tokens / t_ours:.0f} tok/s, roofline {tokens / roof_s:.0f} tok/s (at the read bandwidth, "
+        f"{bandwidth / 1e9:.0f} GB/s), transformers {rows * hf_tokens / t_hf:.0f} tok/s")
     return {"model": model, "rows": rows, "mean_length": float(lengths.mean()), "prompt_tokens": f["prompt_tokens"],
-            "copy_bandwidth_gb_s": bandwidth / 1e9, "ours_s": t_ours, "ours_tokens_per_s": tokens / t_ours,
+            "roofline_bandwidth": "read", "read_bandwidth_gb_s": bandwidth / 1e9,
+            "copy_bandwidth_gb_s": peaks["figures"]["hbm_bandwidth"] / 1e9, "ours_s": t_ours, "ours_tokens_per_s": tokens / t_ours,
             "decode_steps": steps, "roofline_gb": roof_bytes / 1e9, "roofline_s": roof_s,
             "roofline_tokens_per_s": tokens / roof_s, "roofline_use": roof_s / t_ours,
             "transformers_new_tokens": hf_tokens, "transformers_s": t_hf,

@@ -93,7 +93,9 @@ def main() -> None:
     base = results["dense_capacity"]["fwd_bwd_s"]
     for form, r in results.items():
         print(f"{form:15s} N={n} D={d} I={i} E={e} k={k}: forward+backward median {r['fwd_bwd_s'] * 1e3:8.2f} ms, "
-              f"{r['fwd_bwd_flops'] / 1e9:6.2f} GFLOP (XLA), {r['fwd_bwd_s'] / base:.2f}x dense_capacity")
+              f"{r['fwd_bwd_flops'] / 1e9:6.2f} GFLOP (XLA), "
+              f"{r['fwd_bwd_temp_bytes'] / 2**20:7.1f} MiB of temporaries, "
+              f"{r['fwd_bwd_s'] / base:.2f}x dense_capacity")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,13 @@ import jax.numpy as jnp
 from jaxrl4llm.kernels.decode_attention import supports as cpu_kernel_supports
 from jaxrl4llm.kernels.tpu_blocks import ragged_blocks
 
+try:  # Pallas' Triton backend: deprecated in jax 0.11, it may leave any release (docs/gpu.md, "Without Triton")
+    from jax.experimental.pallas import triton as pallas_triton
+except ImportError:
+    pallas_triton = None
+NO_TRITON = ("this jax has no Pallas Triton backend (jax.experimental.pallas.triton), which the GPU kernels "
+             "need: XLA's path runs; install the `cuda` extra's jax (pip install -e .[cuda]) for the kernels")
+
 
 class DecodeAttention(enum.StrEnum):
     """The continuous engine's paged decode attention (module docstring)."""
@@ -139,6 +146,8 @@ def platform_decode_kernel(config, devices, *, cpu_kernels: bool, page_size: int
             return None, why
         return DecodeAttention.TPU_RAGGED, f"TPU, head_dim {head_dim} a multiple of 128, {why}"
     if is_gpu(devices):
+        if pallas_triton is None:
+            return None, NO_TRITON
         if gpu_kernel_supports(head_dim, dtype, page_size):
             return DecodeAttention.GPU_TRITON, f"GPU, head_dim {head_dim}, kv_page_size {page_size}, {dtype.name}"
         return None, (f"the Triton paged attention kernel needs a power-of-two head_dim >= 16 and kv_page_size and a "
@@ -228,9 +237,13 @@ def train_attention_choice(impl: str, platform: str, numerics: str = "default") 
         raise ValueError("attention impl 'cudnn' is not available: cuDNN flash attention takes per-row lengths of "
                          "right-padded rows, not segment ids (packed or left-padded rows); set "
                          "model.attention_impl=pallas_gpu (or auto) on GPU")
+    if impl == TrainAttention.PALLAS_GPU and pallas_triton is None:
+        raise ValueError(f"model.attention_impl=pallas_gpu: {NO_TRITON} (or set model.attention_impl=auto or xla)")
     if impl != "auto":
         return KernelChoice(TrainAttention(impl), f"model.attention_impl={impl}")
     kernel = TRAIN_ATTENTION_BY_PLATFORM.get(platform, TrainAttention.XLA)
+    if kernel == TrainAttention.PALLAS_GPU and pallas_triton is None:
+        return KernelChoice(TrainAttention.XLA, f"auto on {platform}: {NO_TRITON}", fallback=True)
     return KernelChoice(kernel, f"auto: the {platform} default")
 
 

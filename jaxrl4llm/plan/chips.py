@@ -135,6 +135,15 @@ def copy_bandwidth(device=None, mib: int = 256, reps: int = 5) -> float:
     return 2 * x.nbytes / _best_seconds(jax.jit(lambda a: a + 1), x, reps=reps)
 
 
+def read_bandwidth(device=None, mib: int = 256, reps: int = 5) -> float:
+    """`device`'s memory read bandwidth, bytes read per second by a bfloat16 sum over a `mib` MiB array
+    (one read of every element, a scalar written), measured now: a decode step's traffic, which reads
+    the weights and the live KV and writes little (`copy_bandwidth` reads and writes alike)."""
+    device = device or jax.devices("cpu")[0]
+    x = jax.device_put(jnp.ones((mib * 2**20 // 2,), jnp.bfloat16), device)
+    return x.nbytes / _best_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), x, reps=reps)
+
+
 def cpu_matmul_peak(sizes: tuple[int, ...] = (1024, 2048), reps: int = 5) -> float:
     """This CPU's best bf16 x bf16 -> f32 matmul FLOP/s over square sizes, measured now
     (`matmul_peak` on the first CPU device; benchmarks/train_step.py's MFU divides by it too)."""

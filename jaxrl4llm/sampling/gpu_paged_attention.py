@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from jaxrl4llm.kernels.choice import NO_TRITON, pallas_triton
 from jaxrl4llm.sampling.paged_cache import per_device
 
 BLOCK_H = 16  # Triton's fewest dot rows: a program's query rows are padded up to a power of two >= this
@@ -55,6 +55,14 @@ SLOT_PAGES_PER_BLOCK = 1  # of a per_slot program (a page holds every kv head: 1
 GRID_TARGET = 2048  # programs worth launching: the k-split parallelises long slots when slots are few
 NUM_WARPS, NUM_STAGES = 8, 2  # Triton's launch parameters of a program
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a logit past the slot's length: finite, so no inf - inf
+
+
+def triton_params(**params):
+    """Pallas' Triton compiler parameters; a ValueError naming the fix on a jax without the backend
+    (the layout picks XLA's attention there: `kernels.choice.platform_decode_kernel`)."""
+    if pallas_triton is None:
+        raise ValueError(f"rollout.decode_attention=gpu_triton: {NO_TRITON}")
+    return pallas_triton.CompilerParams(**params)
 
 
 def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m_ref, *, pages_per_block: int,
@@ -99,11 +107,12 @@ def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m
             visible = (token < length_ref[0])[None, :]
             if kv_heads > 1:  # block-diagonal: row r reads kv head r // group
                 visible = visible & ((jnp.arange(rows) // group)[:, None] == (column % kv_heads)[None, :])
-            s = jnp.where(visible, plgpu.dot(q, k.T), MASK_VALUE)  # [R, block_k]
+            s = jnp.where(visible, pallas_triton.dot(q, k.T), MASK_VALUE)  # [R, block_k]
             m_next = jnp.maximum(m, s.max(axis=-1))
             correction = jnp.exp2((m - m_next) * log2e)
             p = jnp.exp2((s - m_next[:, None]) * log2e)
-            return correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_next, correction * l + p.sum(axis=-1)
+            o = correction[:, None] * o + pallas_triton.dot(p.astype(v.dtype), v)
+            return o, m_next, correction * l + p.sum(axis=-1)
 
         return jax.lax.fori_loop(0, pl.cdiv(last_page - first_page, pages_per_block), step, start)
 
@@ -241,7 +250,7 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
                    jax.ShapeDtypeStruct((splits, s, head_programs, rows), jnp.float32),
                    jax.ShapeDtypeStruct((splits, s, head_programs, rows), jnp.float32)],
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES),
+        compiler_params=triton_params(num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES),
         name="jaxrl4llm_paged_attention",
     )(q, pool, pool, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
     o, l, m = (rows_by_head(x, kvh, hg, per_slot) for x in (o, l, m))

@@ -140,6 +140,7 @@ def continuous_memory(config: ModelConfig, *, prompts: int, slots: int, samples:
                    every response and prompt token, b bytes an id (`models.layers.moe.route_dtype`),
                    L k one minor dim: [L k] rounds it up to whole 128-lane rows on TPU,
                    `kernels.choice.minor_dim_size`)
+    page pool copy the page pool again      (a mixture of experts on TPU: `tpu_moe_pool_copies`)
     expert copies  2 L E D I' c             (a mixture of experts: every layer's gate and up copied for the
                    prefill's expert form, I' = I/tp padded to whole lanes, c the compute dtype's bytes;
                    `kernels.choice.prefill_expert_copy_width`, nonzero on TPU where I/tp is not a
@@ -184,6 +185,8 @@ dense_capacity (GPU, CPU) every expert's intermediates, 3 E I for F.
         ids = minor_dim_size(platform, c.num_layers * c.num_experts_per_tok)
         memory["routes"] = (rows * max_new_tokens + prompts_here * prompt_len) * ids * \
             jnp.dtype(route_dtype(c.num_experts)).itemsize
+    if copies := tpu_moe_pool_copies(platform, c):
+        memory["page pool copy"] = copies * pool
     if c.num_experts:
         width = c.moe_intermediate_size
         copy_width = prefill_expert_copy_width(platform, width // tensor_parallel if width % tensor_parallel == 0
@@ -191,6 +194,17 @@ dense_capacity (GPU, CPU) every expert's intermediates, 3 E I for F.
         memory["expert copies"] = 2 * c.num_layers * c.num_experts * c.hidden_size * copy_width * \
             jnp.dtype(c.dtype).itemsize
     return memory
+
+
+def tpu_moe_pool_copies(platform: str, config: ModelConfig) -> int:
+    """Page pools beyond the engine's own that a compiled mixture-of-experts decode program holds on
+    `platform`: 1 on TPU, else 0. Measured, cause unnamed: XLA:TPU's `memory_analysis()` of a
+    Qwen3-30B-A3B sampler (libtpu 0.0.42.1, 512 slots) exceeds its buffer assignment's allocations by
+    the pool and the routes again at 1, 2, 3 and 48 layers (0.20, 0.33, 0.54 and 7.08 GiB;
+    docs/results/scaling.md), and a dense model's program does not; no buffer of the assignment is
+    that size. Counted so `rollout.slots: auto` does not over-fill an MoE sampler on TPU. H100s'
+    programs (jax-cuda12-plugin 0.10.2) hold the pool once."""
+    return int(platform == "tpu" and bool(config.num_experts))
 
 
 def slots_that_fit(config: ModelConfig, budget_bytes: float, *, prompts: int, samples: int, prompt_len: int,

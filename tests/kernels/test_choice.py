@@ -163,3 +163,18 @@ def test_the_run_logs_why_auto_falls_back_to_xla():
     assert [line for line in lines if "decode_attention" in line] == [
         "decode attention (rollout.decode_attention): auto: the TPU ragged paged attention kernel needs head_dim a "
         "multiple of 128 (this model: 32); XLA's chunks of live pages instead"]
+
+
+def test_without_pallas_triton_the_layout_takes_xla_and_the_run_works():
+    """jax.experimental.pallas.triton missing (deprecated in jax 0.11; simulated in a process of its
+    own, tests/kernels/without_triton_main.py): importing jaxrl4llm works, GPUs get XLA's attention
+    with the reason, a forced Triton kernel is an error naming the fix, a rollout and an update run."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("without_triton_main.py"))], cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OK without Pallas' Triton backend" in proc.stdout

@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl4llm.cli import build_parser
 from jaxrl4llm.plan.chips import (FIT_SHARE, JAX_GPU_MEM_FRACTION, TPU_CHIPS, copy_bandwidth, jax_memory_fraction,
-                                  matmul_peak, measured_peaks)
+                                  matmul_peak, measured_peaks, read_bandwidth)
 from jaxrl4llm.plan.programs import chip_spec, format_plan, memory_limit_text
 from jaxrl4llm.sampling.memory import SIZING_SHARE
 from jaxrl4llm.train.config import ConfigError
@@ -42,6 +42,7 @@ def test_measured_peaks_are_this_device_s_and_say_so():
     cpu = jax.devices("cpu")[0]
     flops, bandwidth = matmul_peak(cpu, (256,), reps=2), copy_bandwidth(cpu, 16, reps=2)
     assert 1e8 < flops < 1e15 and 1e8 < bandwidth < 1e13
+    assert 1e8 < read_bandwidth(cpu, 16, reps=2) < 1e13  # a bf16 sum: bytes read a second
     chip = measured_peaks(TPU_CHIPS["v5e"], cpu)
     assert chip.peak_source == f"measured on {cpu.device_kind}"
     assert chip.peak_flops != TPU_CHIPS["v5e"].peak_flops and chip.hbm == TPU_CHIPS["v5e"].hbm

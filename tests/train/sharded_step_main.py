@@ -167,7 +167,8 @@ def check_moe_bfloat16(mesh):
     keys = jax.random.split(jax.random.PRNGKey(5), 5)
     h = jax.random.normal(keys[0], (8, 4, 32))
     router = jax.random.normal(keys[1], (32, 4))
-    experts = Experts(*(0.3 * jax.random.normal(k, s) for k, s in zip(keys[2:], [(4, 32, 16), (4, 32, 16), (4, 16, 32)])))
+    shapes = [(4, 32, 16), (4, 32, 16), (4, 16, 32)]
+    experts = Experts(*(0.3 * jax.random.normal(k, s) for k, s in zip(keys[2:], shapes)))
     loss = lambda h, router, experts: jnp.sum(moe_ffn(h, router, experts, k=2, norm_topk_prob=True,
                                                       form="dense_capacity", dtype=jnp.bfloat16)[0] ** 2)
     grads = jax.grad(loss, argnums=(0, 1, 2))
