@@ -5,6 +5,8 @@ On a GPU backend the Triton kernels run for real (bf16 at Qwen3 shapes: head_dim
 on any other backend Pallas' interpreter runs the same kernel body (slowly: shapes stay small).
 """
 
+import functools
+
 import jax
 import numpy as np
 
@@ -85,13 +87,20 @@ def paged_attention_reference(q, pool, table, lengths):
     return out
 
 
+@functools.cache
+def abstract_h100():
+    """One abstract H100 (jax's CUDA plugin, no GPU needed), the same device object for every argument
+    of a program (each topology built anew has devices of its own, which one jit refuses to mix)."""
+    from jaxrl4llm.plan.gpu import gpu_topology_devices
+
+    return gpu_topology_devices("h100:1")[0]
+
+
 def h100_spec(shape, dtype=np.float32):
     """An abstract argument on an abstract H100 (no GPU needed): for `compile_for_h100`."""
     from jax.sharding import SingleDeviceSharding
 
-    from jaxrl4llm.plan.gpu import gpu_topology_devices
-
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(gpu_topology_devices("h100:1")[0]))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(abstract_h100()))
 
 
 def compile_for_h100(fn, *args) -> None:
@@ -100,9 +109,7 @@ def compile_for_h100(fn, *args) -> None:
     (no slice of a loaded value, power-of-two tiles). Needs the `gpu` or `gpu13` extra."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    from jaxrl4llm.plan.gpu import gpu_topology_devices
-
-    kind = gpu_topology_devices("h100:1")[0].device_kind
+    kind = abstract_h100().device_kind
     h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=kind, num_cores=None, platform="cuda"))
     with use_abstract_mesh(h100):  # Pallas' Triton lowering reads the GPU's kind from it
         lowered = jax.jit(fn).trace(*args).lower()

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxrl4llm.kernels.decode_attention import supports as cpu_kernel_supports
 from jaxrl4llm.kernels.tpu_blocks import ragged_blocks
 
-try:  # Pallas' Triton backend: deprecated in jax 0.11, it may leave any release (docs/gpu.md, "Without Triton")
+try:  # Pallas' Triton backend: deprecated in jax 0.11, it may leave any release (docs/gpu.md, "Without Pallas' Triton backend")
     from jax.experimental.pallas import triton as pallas_triton
 except ImportError:
     pallas_triton = None
@@ -67,6 +67,7 @@ class ExpertForm(enum.StrEnum):
 
 
 EXPERT_FORMS = tuple(f.value for f in ExpertForm)  # model.expert_form (or "auto")
+EXPERT_PHASES = ("train", "prefill", "decode")
 
 
 class ExpertWeightGrad(enum.StrEnum):
@@ -75,7 +76,6 @@ class ExpertWeightGrad(enum.StrEnum):
 
     RAGGED_DOT = "ragged_dot"  # JAX's transpose of ragged_dot: a ragged_dot_general over the ragged rows
     TGMM = "tgmm"  # the Pallas TPU megablox kernel `tgmm` (transposed grouped matmul), one group at a time
-EXPERT_PHASES = ("train", "prefill", "decode")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,8 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl4llm.kernels.choice import (DecodeAttention, ExpertForm, TrainAttention, decode_attention_choice, expert_form_for,
-                                      mesh_devices)
+from jaxrl4llm.kernels.choice import (DecodeAttention, ExpertForm, TrainAttention, decode_attention_choice,
+                                      expert_form_for, mesh_devices)
 from jaxrl4llm.models import abstract_model, param_shardings, split_trainable
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.decode import DecodeBackend
@@ -1103,8 +1103,9 @@ def train_state_advice(plan: RunPlan, update: ProgramPlan) -> str | None:
         return None
     sharded = plan.mesh.get("data", 1) * plan.mesh.get("fsdp", 1)
     chips = math.ceil(sharded * state / plan.chip.fit_bytes)  # the state divided over more FSDP chips
-    lora = "" if plan.layout is not None and plan.layout.lora is not None else ("; or train LoRA adapters (model.lora.rank=16, model.param_dtype=bfloat16: the "
-                                 "base frozen, no optimizer state or gradients for it)")
+    lora_on = plan.layout is not None and plan.layout.lora is not None
+    lora = "" if lora_on else ("; or train LoRA adapters (model.lora.rank=16, model.param_dtype=bfloat16: the base "
+                               "frozen, no optimizer state or gradients for it)")
     return (f"the parameters, optimizer state and gradients alone take {_gib(state)} GiB a chip over "
             f"{sharded} chips of FSDP: a full fine-tune needs more than {chips} chips "
             f"(a larger topology, mesh.fsdp covering them){lora}")

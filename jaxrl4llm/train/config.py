@@ -76,8 +76,8 @@ class ModelConfigSection:
     # (TPU splash kernel, GPU Pallas flash attention, CPU block-causal XLA), or force one
     attention_impl: Literal["auto", "xla", "splash", "pallas_gpu"] = "auto"
     # a mixture of experts' expert form (models/layers/moe.py): auto = by platform and phase
-    # (kernels.choice.expert_form_for: ragged_dot to train and prefill on TPU and GPU, dense_capacity
-    # to decode and on CPU), or force one everywhere
+    # (kernels.choice.expert_form_for: ragged_dot to train and prefill on TPU, dense_capacity to
+    # decode and on GPU and CPU), or force one everywhere
     expert_form: Literal["auto", "ragged_dot", "dense_capacity", "reference"] = "auto"
     # exact: batch-invariant kernels, so the sampler's log-probs equal the trainer's bit for bit
     # (kernels/exact.py; one device: C++ kernels on a CPU, Pallas on a GPU or TPU; no LoRA;
