@@ -304,14 +304,16 @@ def expert_weight_grad_for(platform: str) -> KernelChoice:
     """How the ragged form's backward computes the experts' weight gradient on `platform`, and why.
 
     JAX transposes `ragged_dot` for the weights into a `ragged_dot_general` whose ragged dimension is
-    contracted. XLA:TPU compiles the forward and the input gradient to its grouped-matmul kernel, but
-    this mode to a dense dot over every group: E times the FLOPs (128.1x at Qwen3-30B-A3B's layer, 8192
-    rows x 2048 x 768, v5p, libtpu 0.0.42.1: the update of a 30B-A3B step at 24x its 6N). On TPU the
-    gradient is megablox's `tgmm` instead (1.0x, a Pallas kernel); elsewhere JAX's transpose.
+    contracted. XLA:TPU compiles the forward and the input gradient to its grouped-matmul kernel; with
+    libtpu 0.0.42.1 (jax 0.10.2's) this mode became a dense dot over every group: E times the FLOPs
+    (128.1x at Qwen3-30B-A3B's layer, 8192 rows x 2048 x 768, v5p: the update of a 30B-A3B step at
+    24x its 6N); libtpu 0.0.50.1 (jax 0.12's) compiles it grouped. On TPU the gradient is megablox's
+    `tgmm` (1.0x, a Pallas kernel: MaxText's), whatever the libtpu; elsewhere JAX's transpose.
     """
     if platform == "tpu":
-        return KernelChoice(ExpertWeightGrad.TGMM, "TPU: XLA compiles ragged_dot's weight gradient to a dense dot "
-                            "over all experts (E times the FLOPs); megablox's tgmm runs each expert's rows only")
+        return KernelChoice(ExpertWeightGrad.TGMM, "TPU: megablox's tgmm runs each expert's rows only (XLA:TPU "
+                            "compiled ragged_dot's weight gradient to a dense dot over all experts with libtpu "
+                            "0.0.42.1: E times the FLOPs)")
     return KernelChoice(ExpertWeightGrad.RAGGED_DOT, f"{platform}: JAX's transpose of ragged_dot")
 
 

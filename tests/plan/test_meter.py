@@ -109,8 +109,9 @@ def test_the_moe_backward_on_tpu_runs_each_experts_rows_once(weight_grad):
     matmuls and megablox's tgmm are custom calls that declare their FLOPs (XLA's generic cost
     analysis counts them as 0): the meter reads them and agrees with XLA:TPU's own count. With the
     weight gradient on TPU's choice (tgmm) the program costs its 8-9 useful matmuls (input gradients
-    of gate and up may merge); JAX's transpose of ragged_dot, forced, is a dense dot over all E
-    experts (libtpu 0.0.42.1): E/3 x the FLOPs and more."""
+    of gate and up may merge). JAX's transpose of ragged_dot, forced, is a dense dot over all E
+    experts with libtpu 0.0.42.1 (jax 0.10.2's: E/3 x the FLOPs and more); libtpu 0.0.50.1 (jax
+    0.12's) compiles it as a grouped matmul too."""
     from jax.sharding import Mesh
 
     from jaxrl4llm.models.layers.moe import Experts, expert_ffn, grouped_matmul
@@ -140,7 +141,8 @@ def test_the_moe_backward_on_tpu_runs_each_experts_rows_once(weight_grad):
         assert text.count("jit_tgmm") >= 3  # one tgmm a weight
         assert 8 * matmul <= flops <= 9.5 * matmul
     else:
-        assert flops > experts / 3 * 9 * matmul
+        dense = flops > experts / 3 * 9 * matmul
+        assert dense if jax.__version__.startswith("0.10.") else (dense or flops <= 9.5 * matmul), flops / matmul
 
 
 def test_a_conditional_costs_the_branch_it_runs_as_often_as_it_runs():
