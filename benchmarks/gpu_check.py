@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -106,7 +107,10 @@ PHASES = (
 # while loop's trips; a longer burst runs more decode steps per trip of the refill loop. None of these
 # helped on the H100 (2026-11-28, the launches table of docs/gpu.md; both together, 1.02x, is dropped).
 # The projections' and MLP's GEMMs of a decode step (64 rows) ran at ~half the copy bandwidth on the
-# H200 as XLA's Triton GEMM fusions: cublas_gemm has XLA call cuBLAS for them instead.
+# H200 as XLA's Triton GEMM fusions (~3.8 us of fixed cost a GEMM): cublas_gemm has XLA call cuBLAS for
+# them instead, cublaslt cuBLASLt, exhaustive_tiling has the autotuner try every Triton tiling. The
+# default variant writes XLA's autotune results (which GEMM config each fusion got) to the output folder
+# (AUTOTUNE_LOG), to read before trying flags.
 LOOP_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LAUNCH_VARIANTS = {
     "default": ("", []),
@@ -114,7 +118,10 @@ LAUNCH_VARIANTS = {
     "command_buffers_in_loops": (LOOP_COMMAND_BUFFERS, []),
     "burst_64": ("", ["rollout.decode_burst=64"]),
     "cublas_gemm": ("--xla_gpu_enable_triton_gemm=false", []),
+    "cublaslt": ("--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true", []),
+    "exhaustive_tiling": ("--xla_gpu_exhaustive_tiling_search=true", []),
 }
+AUTOTUNE_LOG = "autotune_default.textproto"  # in the output folder: `--xla_gpu_dump_autotune_results_to`
 # The attention phase's kernel configurations: (layout, pages a loop step reads, partitions of a slot's pages
 # or None for the default rule, Triton warps); the first is the default. On an H100 and an H200 the
 # Qwen3-0.6B rollout's paged attention took ~0.91 s (36 us a call, then per_kv_head, 4 pages a step, 2
@@ -556,9 +563,13 @@ def phase_launches(mode: str, work: Path, log, variant: str) -> dict:
     overrides = LAUNCH_VARIANTS[variant][1]
     model = next(iter(MODELS[mode]))
     timed = timed_rollout(mode, work, log, model, overrides)
-    return {"model": model, "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": overrides,
-            "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
-            "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s}
+    figures = {"model": model, "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": overrides,
+               "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
+               "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s}
+    dump = re.search(r"--xla_gpu_dump_autotune_results_to=(\S+)", figures["xla_flags"])
+    if dump:  # the default variant: XLA wrote its autotune results there (a GPU's compile; none on a CPU)
+        figures["autotune_log"] = Path(dump.group(1)).name if Path(dump.group(1)).exists() else None
+    return figures
 
 
 # ---------------------------------------------------------------------------- phase: profile (optional)
@@ -1354,8 +1365,11 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
     def phase_env(name: str) -> dict:
         kind, _, variant = name.partition(":")
         extra = dict(PHASE_ENV.get(kind, {}))
-        if kind == "launches" and LAUNCH_VARIANTS[variant][0]:
-            extra["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), LAUNCH_VARIANTS[variant][0]]))
+        if kind == "launches":
+            flags = LAUNCH_VARIANTS[variant][0]
+            if variant == "default":
+                flags = f"--xla_gpu_dump_autotune_results_to={out_dir / AUTOTUNE_LOG}"
+            extra["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flags]))
         return dict(env, **extra)
 
     def launch(name: str, seconds: float):

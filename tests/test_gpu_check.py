@@ -103,6 +103,7 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     assert [p.name for p in gc.PHASES if p.optional] == ["exact", "agreement", "attention", "profile", "trainer",
                                                         "launches", "moe", "tools"]
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
+    assert {"cublas_gemm", "cublaslt", "exhaustive_tiling"} <= set(gc.LAUNCH_VARIANTS)  # the GEMM variants
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
     err = capsys.readouterr().err
