@@ -25,6 +25,18 @@ Two layouts of the grid (`LAYOUTS`):
   times fewer programs, and no padded rows at Qwen3's 16:8.
 Which is faster on a chip is measured by `scripts/gpu_check --phases attention` (docs/gpu.md).
 
+How a slot's pages are cut into the grid's K partitions (`SPLIT_RULES`; K is static, a row's cut is
+an int32 input, so one compiled program serves every mix of lengths):
+- "table": every slot's partitions are the table's width / K pages: a short row fills the first
+  ones and the rest are empty (a row under width / K pages runs unsplit);
+- "length": a slot's partitions are its own live pages / K, rounded up to whole loop steps (as
+  SGLang's per-request `num_kv_splits`): a row's longest partition is about its own length / K,
+  so a batch of short rows is split as finely as a batch of long ones.
+And which partials a program writes (`STORES`): "all" (every program, every row; an empty partition
+writes o = l = 0) or "live" (masked stores: only non-empty partitions, only real query rows: at
+Qwen3's 16:8 the per_kv_head layout's 2 real rows of 16). The combine reads a partition only where
+the rule says it was written, so an unwritten buffer (which may hold NaN) never reaches the output.
+
 It rounds unnormalised probabilities to the pool's dtype before the V matmul (as the TPU kernel
 does), so it equals `paged_cache.paged_attention` (which rounds normalised ones, as the training
 forward) to bf16 rounding, not bit for bit.
@@ -53,7 +65,12 @@ LAYOUT = "per_kv_head"
 PAGES_PER_BLOCK = 4  # pages one loop step of a per_kv_head program reads (64 tokens at 16-token pages)
 SLOT_PAGES_PER_BLOCK = 1  # of a per_slot program (a page holds every kv head: 16 tokens x 8 heads = 128 key rows)
 GRID_TARGET = 2048  # programs worth launching: the k-split parallelises long slots when slots are few
+K_SPLITS = None  # partitions of a slot's pages; None: the GRID_TARGET rule (`kernel_blocks`)
 NUM_WARPS, NUM_STAGES = 8, 2  # Triton's launch parameters of a program
+SPLIT_RULES = ("table", "length")  # how a slot's pages are cut into the K partitions (the module's docstring)
+SPLIT_RULE = "table"  # the rule that ran on the H200 (2026-11-28); "length" has not yet run on a chip
+STORES = ("all", "live")  # which partials a program writes (the module's docstring)
+STORE = "all"  # as on the H200 (2026-11-28); "live" has not yet run on a chip
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a logit past the slot's length: finite, so no inf - inf
 
 
@@ -65,27 +82,30 @@ def triton_params(**params):
     return pallas_triton.CompilerParams(**params)
 
 
-def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m_ref, *, pages_per_block: int,
-                     group: int):
-    """One program: its query rows against partition k = program_id(2) of its slot's pages.
+def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, split_ref, o_ref, l_ref, m_ref, *,
+                     pages_per_block: int, group: int, live_rows: tuple[int, int] | None = None):
+    """One program: its query rows against partition k = program_id(2) of its slot's pages, the
+    slot's pages [k P, (k + 1) P) with P = split_ref[0] (`partition_pages`):
 
         o_k = sum_t exp(s_t - m_k) V_t,  l_k = sum_t exp(s_t - m_k),  m_k = max_t s_t,  s = q K^T
 
     over the partition's tokens below the slot's length and, for query row r, the keys of kv head
     r // group alone (with one kv head a program, group = the rows: every row reads it),
     `pages_per_block` pages a loop step with an online softmax (exp as exp2 of log2(e) x, the GPU's
-    fast exponential); probabilities are rounded to the pool's dtype for the V matmul. A partition
-    past the length leaves o = l = 0, m = the float32 minimum (the combine in
-    `gpu_paged_attention_one_shard` then weighs it 0). Rows past the last kv head's group (padding)
-    match no key: their o, l, m are garbage, sliced off by the caller.
+    fast exponential); probabilities are rounded to the pool's dtype for the V matmul.
+
+    live_rows None (STORE "all"): a partition past the length writes o = l = 0, m = the float32
+    minimum, and rows past the last kv head's group (padding) write garbage, sliced off by the caller.
+    live_rows (heads, blocks) (STORE "live"): an empty partition writes nothing, and a program writes
+    only its real query rows, the first min(R, heads - (program_id(1) % blocks) R) (masked stores).
 
     Refs: q [R, Dh] (pre-scaled by 1/sqrt(Dh), the pool's dtype); k, v [pages, page, KVH, Dh] (the
-    program's kv heads' keys or values in the pool); table [pages of the partition] int32; length [1]
-    int32. Outputs: o [R, Dh], l, m [R] float32.
+    program's kv heads' keys or values in the pool); table [padded pages] int32 (the slot's, whole);
+    length, split [1] int32. Outputs: o [R, Dh], l, m [R] float32.
     """
     rows, dh = q_ref.shape
     page, kv_heads = k_ref.shape[1], k_ref.shape[2]
-    per_partition = table_ref.shape[0]
+    per_partition = split_ref[0]
     block_k = pages_per_block * page * kv_heads  # a loop step's key rows: (token, kv head), token-major
     log2e = math.log2(math.e)
     first_page = pl.program_id(2) * per_partition
@@ -100,7 +120,7 @@ def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m
 
         def step(i, carry):
             o, m, l = carry
-            pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
+            pages = table_ref[pl.ds(first_page + i * pages_per_block, pages_per_block)]
             k = k_ref[pages].reshape(block_k, dh)
             v = v_ref[pages].reshape(block_k, dh)
             token = (first_page + i * pages_per_block) * page + column // kv_heads
@@ -116,8 +136,19 @@ def partition_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, l_ref, m
 
         return jax.lax.fori_loop(0, pl.cdiv(last_page - first_page, pages_per_block), step, start)
 
-    o, m, l = jax.lax.cond(first_page >= last_page, lambda: start, partition)
-    o_ref[...], l_ref[...], m_ref[...] = o, l, m
+    if live_rows is None:
+        o, m, l = jax.lax.cond(first_page >= last_page, lambda: start, partition)
+        o_ref[...], l_ref[...], m_ref[...] = o, l, m
+        return
+    heads, blocks = live_rows
+    real = jnp.arange(rows) < jnp.minimum(rows, heads - (pl.program_id(1) % blocks) * rows)
+
+    @pl.when(first_page < last_page)
+    def store_live_rows():
+        o, m, l = partition()
+        pallas_triton.store(o_ref, o, mask=real[:, None])
+        pallas_triton.store(l_ref, l, mask=real)
+        pallas_triton.store(m_ref, m, mask=real)
 
 
 def kernel_layout(kv_heads: int, group: int, layout: str | None = None) -> str:
@@ -176,6 +207,39 @@ def kernel_blocks(pages: int, slots: int, head_programs: int, pages_per_block: i
     return block, k_splits, -(-pages // (block * k_splits)) * block * k_splits
 
 
+def partition_pages(kv_len: jax.Array, page: int, padded_pages: int, pages_per_block: int, k_splits: int,
+                    rule: str) -> jax.Array:
+    """[S] int32: pages in each partition of each slot (`SPLIT_RULES`), P_s with partition k = pages
+    [k P_s, (k + 1) P_s) of slot s:
+        table:  P_s = padded_pages / K                         (the same for every slot)
+        length: P_s = b ceil(ceil(ceil(kv_len_s / page) / K) / b),  b = pages_per_block, at least b
+    Either covers a slot's live pages in K partitions, and every loop step reads table entries below
+    `padded_pages` (a partition starts at a whole loop step; `kernel_blocks` pads to whole steps)."""
+    if rule not in SPLIT_RULES:
+        raise ValueError(f"paged attention split rule {rule!r}: one of {', '.join(SPLIT_RULES)}")
+    if rule == "table":
+        return jnp.full(kv_len.shape, padded_pages // k_splits, jnp.int32)
+    live = -(-kv_len.astype(jnp.int32) // page)
+    steps = -(-live // (k_splits * pages_per_block))  # loop steps a partition: ceil(ceil(live / K) / b)
+    return jnp.maximum(steps, 1) * pages_per_block
+
+
+def combine_partitions(o: jax.Array, l: jax.Array, m: jax.Array, written: jax.Array) -> jax.Array:
+    """The flash-decoding combine of K partitions' partials, reading a partition only where it was
+    written (an unwritten buffer may hold anything, NaN included):
+
+        out = sum_k w_k o_k / sum_k w_k l_k,  w_k = exp(m_k - max_j m_j) over the written k (0 if none)
+
+    o [K, ..., Dh], l, m [K, ...] float32; written [K, ...] bool. Returns [..., Dh] float32 (0 where
+    nothing was written: an idle slot)."""
+    m = jnp.where(written, m, -jnp.inf)
+    top = jnp.max(m, axis=0)
+    w = jnp.where(written, jnp.exp(m - top), 0.0)  # [K, ...]: each partition's share of the softmax
+    total = jnp.sum(jnp.where(written, w * l, 0.0), axis=0)
+    out = jnp.sum(jnp.where(written[..., None], w[..., None] * o, 0.0), axis=0)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
 def heads_by_program(q: jax.Array, programs: int, rows: int, per_slot: bool) -> jax.Array:
     """q [S, KVH, group, Dh] as the kernel's [S, programs, R, Dh], padded rows of zeros (`program_shape`);
     `rows_by_head` undoes it. per_slot: row r = kv head r // group; else program g = kv head g // blocks,
@@ -199,7 +263,8 @@ def rows_by_head(x: jax.Array, kv_heads: int, group: int, per_slot: bool) -> jax
 def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *,
                                   layout: str | None = None, pages_per_block: int | None = None,
                                   k_splits: int | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                                  num_stages: int | None = None, split_rule: str | None = None,
+                                  store: str | None = None, interpret: bool = False) -> jax.Array:
     """softmax(q K^T / sqrt(Dh)) V over each slot's first kv_len tokens, K and V read in place.
 
     Args:
@@ -209,7 +274,10 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
       kv_len [S] int32: valid tokens of each slot (0: an idle slot, whose output is 0).
       layout: the grid's (`LAYOUTS`, `kernel_layout`); pages_per_block: pages a program reads per
         loop step; k_splits: partitions of a slot's pages run as separate programs (`kernel_blocks`);
-        num_warps, num_stages: Triton's. None: this module's constants, read when the call traces.
+        num_warps, num_stages: Triton's; split_rule: how a slot's pages are cut into those partitions
+        (`SPLIT_RULES`); store: which partials the programs write (`STORES`). None: this module's
+        constants (LAYOUT, PAGES_PER_BLOCK or SLOT_PAGES_PER_BLOCK, K_SPLITS, NUM_WARPS, NUM_STAGES,
+        SPLIT_RULE, STORE), read when the call traces.
       interpret: run the kernel in Pallas' interpreter (any backend; for tests on CPU).
     Returns: [S, KVH, H/KVH, Dh] float32.
     """
@@ -219,16 +287,22 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
     if two_kvh != 2 * kvh:
         raise ValueError(f"pool [pages, page, 2 KVH, Dh] has {two_kvh} head columns for {kvh} kv heads of q")
     layout = kernel_layout(kvh, hg, layout)
+    store = store or STORE
+    if store not in STORES:
+        raise ValueError(f"paged attention store {store!r}: one of {', '.join(STORES)}")
     head_programs, rows = program_shape(kvh, hg, layout)
     per_slot = layout == "per_slot"
     block, splits, padded = kernel_blocks(width, s, head_programs, pages_per_block or default_pages_per_block(layout),
-                                          k_splits)
+                                          K_SPLITS if k_splits is None else k_splits)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, padded - width)))  # page 0: read past the length only
-    per_split = padded // splits
+    kv_len = kv_len.astype(jnp.int32)
+    split = partition_pages(kv_len, page, padded, block, splits, split_rule or SPLIT_RULE)
     q = heads_by_program((q * dh**-0.5).astype(pool.dtype), head_programs, rows, per_slot)
     kv_block = kvh if per_slot else 1  # kv heads a program reads
     head = lambda g: 0 if per_slot else g // (head_programs // kvh)  # a program's first kv head (in blocks of kv_block)
-    kernel = functools.partial(partition_kernel, pages_per_block=block, group=hg if per_slot else rows)
+    live_rows = None if store == "all" else (kvh * hg, 1) if per_slot else (hg, head_programs // kvh)
+    kernel = functools.partial(partition_kernel, pages_per_block=block, group=hg if per_slot else rows,
+                               live_rows=live_rows)
     pool = pool.reshape(pages, page, kvh, 2, dh)  # free: keys at [..., h, 0, :], values at [..., h, 1, :]
     # grid (slot, head program, partition): the kernel reads its partition as program_id(2)
     o, l, m = pl.pallas_call(
@@ -238,8 +312,9 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
             pl.BlockSpec((None, None, rows, dh), lambda b, g, k: (b, g, 0, 0)),  # q
             pl.BlockSpec((pages, page, kv_block, None, dh), lambda b, g, k: (0, 0, head(g), 0, 0)),  # keys
             pl.BlockSpec((pages, page, kv_block, None, dh), lambda b, g, k: (0, 0, head(g), 1, 0)),  # values
-            pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),  # the partition's pages
+            pl.BlockSpec((None, padded), lambda b, g, k: (b, 0)),  # the slot's pages
             pl.BlockSpec((1,), lambda b, g, k: (b,)),  # the slot's length
+            pl.BlockSpec((1,), lambda b, g, k: (b,)),  # the slot's pages a partition
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, dh), lambda b, g, k: (k, b, g, 0, 0)),  # o_k
@@ -252,11 +327,10 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES),
         name="jaxrl4llm_paged_attention",
-    )(q, pool, pool, table.reshape(s, splits, per_split), kv_len.astype(jnp.int32))
-    o, l, m = (rows_by_head(x, kvh, hg, per_slot) for x in (o, l, m))
-    w = jnp.exp(m - jnp.max(m, axis=0))  # [K, S, KVH, hg]: each partition's share of the softmax
-    total = jnp.sum(w * l, axis=0)
-    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    )(q, pool, pool, table, kv_len, split)
+    o, l, m = (rows_by_head(x, kvh, hg, per_slot) for x in (o, l, m))  # the padded rows dropped
+    written = jnp.arange(splits)[:, None] * split[None] < -(-kv_len // page)[None]  # [K, S]: a live partition
+    return combine_partitions(o, l, m, written[:, :, None, None])
 
 
 def gpu_paged_attention(q: jax.Array, pool: jax.Array, table: jax.Array, kv_len: jax.Array, *, mesh=None,

@@ -125,27 +125,28 @@ def test_the_ragged_kernel_call_traces():
     assert out.shape == (1, 8, 2, 4, 128) and out.dtype == jnp.float32
 
 
-_gpu_kernel = jax.jit(lambda q, pool, table, kv_len, k_splits, layout: gpu_paged_attention(
-    q, pool, table, kv_len, interpret=True, layout=layout, pages_per_block=1, k_splits=k_splits),
-    static_argnames=("k_splits", "layout"))
+_gpu_kernel = jax.jit(lambda q, pool, table, kv_len, k_splits, layout, split_rule, store: gpu_paged_attention(
+    q, pool, table, kv_len, interpret=True, layout=layout, pages_per_block=1, k_splits=k_splits,
+    split_rule=split_rule, store=store), static_argnames=("k_splits", "layout", "split_rule", "store"))
 _xla_path = jax.jit(lambda q, pool, table, counts: paged_attention(q, pool, table, counts, jnp.int32(2),
                                                                    pages_per_chunk=2, dtype=jnp.bfloat16))
 
 
-@pytest.mark.parametrize("case", [(2, 3, 4, 2, "per_kv_head"), (1, 4, 8, 3, "per_kv_head"), (4, 2, 4, 2, "per_slot"),
-                                  (2, 3, 8, 3, "per_slot")])
+@pytest.mark.parametrize("case", [(2, 3, 4, 2, "per_kv_head", "table", "all"), (1, 4, 8, 3, "per_kv_head", "length", "live"),
+                                  (4, 2, 4, 2, "per_slot", "length", "all"), (2, 3, 8, 3, "per_slot", "table", "live")])
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     """The GPU (Triton) paged attention kernel, run by Pallas' interpreter on CPU, on our interleaved
     pool as the engine holds it: equals `paged_attention` (XLA) on every live slot, for (kv heads,
-    GQA group, page size, partitions of a slot's pages, layout) = (2, 3, 4, 2), (1, 4, 8, 3) a program
+    GQA group, page size, partitions of a slot's pages, layout; each split rule and store of the
+    partials at least once: `gpu_paged_attention.SPLIT_RULES`, `STORES`) = (2, 3, 4, 2), (1, 4, 8, 3) a program
     per kv head (a group padded to the kernel's 16 query rows; partitions: the flash-decoding combine,
     three of a 4-page slot padding its page table to 6), (4, 2, 4, 2), (2, 3, 8, 3) a program per slot
     (every kv head's keys a loop step, each query row masked to its own head's: 8 and 6 real rows of
     16); lengths cross pages, an idle slot gives 0. Tolerance: a bf16 pool; the kernel rounds
     unnormalised probabilities to bf16 (the XLA path normalised ones). Four shapes: one compile each."""
-    kvh, hg, page, splits, layout = case
+    kvh, hg, page, splits, layout, split_rule, store = case
     rng = np.random.default_rng(seed)
     slots, dh, width, pages = 3, 16, 4, 24
     pool = jnp.asarray(rng.normal(size=(1, pages, page, 2 * kvh, dh)), jnp.bfloat16)
@@ -154,7 +155,7 @@ def test_gpu_paged_kernel_equals_the_xla_path(case, seed):
     table = np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in range(slots)])[None].astype(np.int32)
     counts = np.clip(lengths[..., None] - np.arange(width) * page, 0, page)
     want = np.asarray(_xla_path(q, pool, table, counts))
-    got = _gpu_kernel(q, pool, table, lengths, k_splits=splits, layout=layout)
+    got = _gpu_kernel(q, pool, table, lengths, k_splits=splits, layout=layout, split_rule=split_rule, store=store)
     assert got.shape == q.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got)[0, 1:], want[0, 1:], atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)  # the idle slot

@@ -4,12 +4,13 @@ body against JAX's, and its compile for an H100 (the kernel's values: tests/samp
 in Pallas' interpreter and, marked gpu, on a chip)."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl4llm.plan.gpu import missing_gpu_packages
-from jaxrl4llm.sampling.gpu_paged_attention import (GRID_TARGET, LAYOUTS, PAGES_PER_BLOCK, dot_rows, kernel_blocks,
-                                                     kernel_layout, program_shape)
+from jaxrl4llm.sampling.gpu_paged_attention import (GRID_TARGET, LAYOUTS, PAGES_PER_BLOCK, SPLIT_RULES,
+                                                     combine_partitions, dot_rows, kernel_blocks, kernel_layout,
+                                                     partition_pages, program_shape)
 from tests.gpu_kernels import compile_for_h100, h100_spec
 
 
@@ -97,16 +98,19 @@ def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
                         jnp.int32).reshape(slots, splits, per_split)
     lengths = jnp.asarray([0, 7, 13], jnp.int32)  # idle; inside partition 0's second page; partition 1 empty
 
-    def run(kernel, with_scales):  # JAX's body takes k, v [pages, page, Dh] and scales; ours [pages, page, KVH, Dh]
+    def run(kernel, with_scales):  # JAX's body takes k, v [pages, page, Dh] and scales and its partition's
+        # table; ours k, v [pages, page, KVH, Dh], the slot's whole table and its pages a partition
         none = [None] if with_scales else []
         kv = (pages, page, dh) if with_scales else (pages, page, 1, dh)
+        tables = [pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0))] if with_scales else \
+            [pl.BlockSpec((None, splits * per_split), lambda b, g, k: (b, 0))]
         return pl.pallas_call(
             kernel, grid=(slots, 1, splits),
             in_specs=[pl.BlockSpec((None, block_h, dh), lambda b, g, k: (b, 0, 0)),
                       pl.BlockSpec(kv, lambda b, g, k: (0,) * len(kv)), *none,
-                      pl.BlockSpec(kv, lambda b, g, k: (0,) * len(kv)), *none,
-                      pl.BlockSpec((None, None, per_split), lambda b, g, k: (b, k, 0)),
-                      pl.BlockSpec((1,), lambda b, g, k: (b,))],
+                      pl.BlockSpec(kv, lambda b, g, k: (0,) * len(kv)), *none, *tables,
+                      pl.BlockSpec((1,), lambda b, g, k: (b,)),
+                      *([] if with_scales else [pl.BlockSpec((1,), lambda b, g, k: (b,))])],
             out_specs=[pl.BlockSpec((None, None, block_h, dh), lambda b, g, k: (k, b, 0, 0)),
                        pl.BlockSpec((None, None, block_h), lambda b, g, k: (k, b, 0)),
                        pl.BlockSpec((None, None, block_h), lambda b, g, k: (k, b, 0))],
@@ -114,7 +118,9 @@ def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
                        jax.ShapeDtypeStruct((splits, slots, block_h), jnp.float32),
                        jax.ShapeDtypeStruct((splits, slots, block_h), jnp.float32)],
             interpret=True,
-        )(q, *((keys, *none, values, *none) if with_scales else (keys[:, :, None], values[:, :, None])), table, lengths)
+        )(q, *((keys, *none, values, *none, table) if with_scales else
+               (keys[:, :, None], values[:, :, None], table.reshape(slots, -1))), lengths,
+          *([] if with_scales else [jnp.full((slots,), per_split, jnp.int32)]))
 
     ours = run(functools.partial(gpa.partition_kernel, pages_per_block=per_block, group=block_h), False)
     theirs = run(functools.partial(upstream.paged_attention_kernel, num_heads=block_h,
@@ -126,16 +132,144 @@ def test_the_kernel_body_equals_jax_s_deprecated_one_bit_for_bit():
     assert gpa.MASK_VALUE == upstream.DEFAULT_MASK_VALUE
 
 
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=6), st.integers(1, 8), st.sampled_from([1, 2, 4, 8]),
+       st.integers(1, 12), st.sampled_from(SPLIT_RULES))
+def test_each_split_rule_covers_a_slot_s_live_pages_within_the_padded_table(lengths, page, per_block, splits, rule):
+    """`partition_pages`: K partitions of P_s pages cover each slot's live pages, start at whole loop
+    steps and read no table entry past the padding; "table" cuts every slot alike (the table's width /
+    K), "length" by the slot's own live pages (the fewest whole loop steps by which K partitions cover
+    them: a partition is at most one loop step longer than its live pages / K)."""
+    import numpy as np
+
+    width = max(1, -(-max(lengths) // page))
+    block, splits, padded = kernel_blocks(width, len(lengths), 1, per_block, splits)
+    got = np.asarray(partition_pages(np.asarray(lengths, np.int32), page, padded, block, splits, rule))
+    live = -(-np.asarray(lengths) // page)
+    assert got.dtype == np.int32 and (got % block == 0).all() and (got >= block).all()
+    assert (splits * got >= live).all()  # every live page in some partition
+    last_read = np.minimum(live, splits * got)  # a partition reads whole steps from its start up to its last live page
+    assert (-(-last_read // block) * block <= padded).all()
+    if rule == "table":
+        assert (got == padded // splits).all()
+    else:
+        assert (got == np.maximum(1, -(-live // (splits * block))) * block).all()
+        assert ((got == block) | (splits * (got - block) < live)).all()  # the fewest whole steps that cover
+
+
+def test_an_unknown_split_rule_or_store_is_an_error_that_lists_them():
+    import jax.numpy as jnp
+
+    from jaxrl4llm.sampling.gpu_paged_attention import gpu_paged_attention_one_shard
+
+    with pytest.raises(ValueError, match="'rows'.*table, length"):
+        partition_pages(jnp.zeros(2, jnp.int32), 4, 8, 1, 2, "rows")
+    q, pool = jnp.zeros((2, 1, 2, 16)), jnp.zeros((5, 4, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="'some'.*all, live"):
+        gpu_paged_attention_one_shard(q, pool, jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), store="some",
+                                      interpret=True)
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 5), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_the_combine_reads_only_written_partitions(splits, tokens, seed):
+    """`combine_partitions` of K partitions' (o, l, m) equals float64 softmax attention over the
+    tokens of the written partitions, whatever an unwritten one holds (NaN here: what Pallas'
+    interpreter puts in an output buffer no program wrote); nothing written gives 0."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(size=(splits, tokens)) * 4
+    values = rng.normal(size=(splits, tokens, 3))
+    written = rng.random(splits) < 0.6
+    m = scores.max(-1)
+    p = np.exp(scores - m[:, None])
+    o, l = np.einsum("kt,ktd->kd", p, values), p.sum(-1)
+    poison = lambda x, w: np.where(w, x, np.nan)
+    got = np.asarray(combine_partitions(jnp.asarray(poison(o, written[:, None]), jnp.float32),
+                                        jnp.asarray(poison(l, written), jnp.float32),
+                                        jnp.asarray(poison(m, written), jnp.float32), jnp.asarray(written)))
+    if not written.any():
+        np.testing.assert_array_equal(got, 0.0)
+        return
+    s, v = scores[written].ravel(), values[written].reshape(-1, 3)
+    want = np.exp(s - s.max()) @ v / np.exp(s - s.max()).sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_live_stores_write_only_real_rows_of_non_empty_partitions():
+    """STORE "live": a program writes its partials only where its partition holds a live page, and only
+    its real query rows (masked stores); Pallas' interpreter poisons every output buffer with NaN, so
+    what no program wrote stays NaN, and what one wrote equals STORE "all"'s bits. End to end
+    (`gpu_paged_attention_one_shard`, both layouts, both split rules) the output is finite and equals
+    STORE "all"'s bit for bit: the combine reads only the written partitions."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import pallas as pl
+
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
+
+    rng = np.random.default_rng(1)
+    slots, rows, real, dh, page, pages, splits, per_split = 3, 16, 3, 16, 4, 20, 2, 2
+    q = jnp.asarray(rng.normal(size=(slots, rows, dh)), jnp.bfloat16)
+    keys, values = (jnp.asarray(rng.normal(size=(pages, page, 1, dh)), jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(np.stack([rng.permutation(np.arange(1, pages))[:splits * per_split] for _ in range(slots)]),
+                        jnp.int32)
+    lengths = jnp.asarray([0, 7, 13], jnp.int32)  # idle; partition 0 only; both partitions
+
+    def run(live_rows):
+        kernel = functools.partial(gpa.partition_kernel, pages_per_block=1, group=rows, live_rows=live_rows)
+        return pl.pallas_call(
+            kernel, grid=(slots, 1, splits),
+            in_specs=[pl.BlockSpec((None, None, rows, dh), lambda b, g, k: (b, g, 0, 0)),
+                      pl.BlockSpec((pages, page, 1, dh), lambda b, g, k: (0, 0, 0, 0)),
+                      pl.BlockSpec((pages, page, 1, dh), lambda b, g, k: (0, 0, 0, 0)),
+                      pl.BlockSpec((None, splits * per_split), lambda b, g, k: (b, 0)),
+                      pl.BlockSpec((1,), lambda b, g, k: (b,)), pl.BlockSpec((1,), lambda b, g, k: (b,))],
+            out_specs=[pl.BlockSpec((None, None, None, rows, dh), lambda b, g, k: (k, b, g, 0, 0)),
+                       pl.BlockSpec((None, None, None, rows), lambda b, g, k: (k, b, g, 0)),
+                       pl.BlockSpec((None, None, None, rows), lambda b, g, k: (k, b, g, 0))],
+            out_shape=[jax.ShapeDtypeStruct((splits, slots, 1, rows, dh), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, slots, 1, rows), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, slots, 1, rows), jnp.float32)],
+            interpret=True,
+        )(q[:, None], keys, values, table, lengths, jnp.full((slots,), per_split, jnp.int32))
+
+    every, live = run(None), run((real, 1))
+    written = np.array([[False, True, True], [False, False, True]])  # [K, S]
+    for name, a, b in zip("olm", every, live):
+        a, b = np.asarray(a)[:, :, 0], np.asarray(b)[:, :, 0]
+        assert not np.isnan(a).any(), name
+        np.testing.assert_array_equal(b[written][:, :real], a[written][:, :real], err_msg=name)
+        assert np.isnan(b[written][:, real:]).all() and np.isnan(b[~written]).all(), name  # never written
+
+    kvh, group = 2, 3
+    pool = jnp.asarray(rng.normal(size=(pages, page, 2 * kvh, dh)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(slots, kvh, group, dh)), jnp.float32)
+    for layout in LAYOUTS:
+        for rule in SPLIT_RULES:
+            one = functools.partial(gpa.gpu_paged_attention_one_shard, q, pool, table, lengths, layout=layout,
+                                    pages_per_block=1, k_splits=splits, split_rule=rule, interpret=True)
+            every, live = np.asarray(one(store="all")), np.asarray(one(store="live"))
+            assert np.isfinite(live).all() and (live[0] == 0).all(), (layout, rule)  # slot 0 idle
+            np.testing.assert_array_equal(live, every, err_msg=f"{layout}, {rule}")
+
+
 @pytest.mark.skipif(bool(missing_gpu_packages()),
                     reason="XLA's CUDA compiler is not installed (opt-in): pip install -e .[gpu] (or .[gpu13])")
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kv_heads, group", [(8, 2), (8, 4)])
-def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group, layout):
+@pytest.mark.parametrize("kv_heads, group, split_rule, store", [(8, 2, "table", "all"), (8, 4, "table", "all"),
+                                                                (8, 2, "length", "live"), (8, 4, "table", "live")])
+def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group, split_rule, store, layout):
     """What the interpreter does not check (Triton's own rules, shared memory) at the rollout's shapes:
     head_dim 128, GQA 16:8 and 32:8, 16-token pages of a bf16 pool, 64 slots of 64 pages (and of 3), each layout
-    with its default blocks and k-split: the kernel lowers to Triton and compiles for sm_90a on this
-    CPU (jax's CUDA plugin, an abstract H100). On a chip: `scripts/gpu_check` (kernels, attention and
-    decode phases)."""
+    with its default blocks and k-split, each split rule and store (`SPLIT_RULES`, `STORES`: the masked
+    stores of "live"): the kernel lowers to Triton and compiles for sm_90a on this CPU (jax's CUDA
+    plugin, an abstract H100). On a chip: `scripts/gpu_check` (kernels, attention and decode phases)."""
     import functools
 
     import jax.numpy as jnp
@@ -144,7 +278,7 @@ def test_the_kernel_compiles_for_an_h100_at_qwen3_shapes(kv_heads, group, layout
 
     slots, dh, page = 64, 128, 16
     for width in (64, 3):  # a long slot's table; a 3-page one (two pages a loop step, `kernel_blocks`)
-        compile_for_h100(functools.partial(gpu_paged_attention, layout=layout),
+        compile_for_h100(functools.partial(gpu_paged_attention, layout=layout, split_rule=split_rule, store=store),
                          h100_spec((1, slots, kv_heads, group, dh), jnp.float32),
                          h100_spec((1, slots * width + 1, page, 2 * kv_heads, dh), jnp.bfloat16),
                          h100_spec((1, slots, width), jnp.int32), h100_spec((1, slots), jnp.int32))
