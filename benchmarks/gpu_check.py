@@ -1,19 +1,23 @@
-"""The first run on a GPU: kernels on the chip, a train step and a rollout, plan's prediction, decode
-against its limit and a peer, the GPU tests and the demo, in at most 8 minutes, into one folder.
+"""One call measures a GPU: kernels on the chip, the paged attention's fastest configuration, a train
+step and a rollout under it with their profiles, plan's prediction, decode against its limit and a
+peer, exact numerics end to end, the MoE expert layer and tool calls, in at most 9 minutes, into one
+folder.
 
     scripts/gpu_check --fetch-wheels        # here (internet): the wheels the GPU host lacks -> .gpu_wheels/
-    scripts/gpu_check OUT_DIR               # on the GPU host: every phase, ~8 minutes
+    scripts/gpu_check OUT_DIR               # on the GPU host: every default phase, at most 9 minutes
     scripts/gpu_check --dry-run OUT_DIR     # on a CPU: every phase at toy sizes (Pallas' interpreter)
 
 Phases run in the order of PHASES (the table below: budgets in seconds on the GPU and on the dry
 run), each in its own process under its budget: a phase that fails or runs out of time is reported
-(its exception in the table, its traceback in the log) and the next one runs. `plan` compiles on
-the CPU (JAX_PLATFORMS=cpu) in the background from its place in the order, while the GPU phases
-run, and is collected after the step phases.
+(its exception in the table, its traceback in the log) and the next one runs. The attention phase
+writes its fastest configuration to the work folder (ATTENTION_CHOICE); the later phases that decode
+read it before they trace. `plan` compiles on the CPU (JAX_PLATFORMS=cpu) in the background from its
+place in the order, while the GPU phases run, and is collected after the step phases.
 
 The whole run stops at TOTAL_SECONDS: a late phase gets what is left of it. OUT_DIR receives
-gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (every phase's output) and
-pytest_gpu.log: four files, one folder level.
+gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (every phase's output), and
+pytest_gpu.log when the tests phase runs (autotune_default.textproto when launches runs): one folder
+level.
 """
 
 from __future__ import annotations
@@ -49,58 +53,70 @@ class Phase:
     optional: bool = False  # run only when --phases names it
 
 
-# The phases, in order (most valuable first), with their time budgets in seconds.
+# The phases, in order (most valuable first), with their time budgets in seconds. The default phases
+# measure everything in one call within TOTAL_SECONDS (9 minutes on the GPU): the attention phase picks
+# the paged attention's fastest configuration and writes it to ATTENTION_CHOICE, which every later phase
+# that decodes (and plan) reads before anything traces; the step phases profile what they timed (the
+# first model's rollout, the last model's log-prob pass and update), so no phase compiles a program
+# another one already ran. The GPU budgets are set from the phases' times on the H100 and H200 runs
+# (docs/results/gpu.md) with what the one-call run must leave out: two processes and three compiles.
 PHASES = (
     #     name       GPU  dry  what
-    Phase("setup",    30,  60, "probe the host's Python for WHEELS; install the missing ones from .gpu_wheels/"),
-    Phase("peaks",    45,  60, "the chip's bf16 matmul rate, copy bandwidth (plan.chips.measured_peaks) and read "
+    Phase("setup",    15,  60, "probe the host's Python for WHEELS; install the missing ones from .gpu_wheels/"),
+    Phase("peaks",    25,  60, "the chip's bf16 matmul rate, copy bandwidth (plan.chips.measured_peaks) and read "
                                "bandwidth (a bf16 sum over 4 GiB: plan.chips.read_bandwidth)"),
-    Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
-                               "priced at the measured peaks, beside the measured times (compiles on the CPU "
-                               "while the next phases run)", collect_after="step"),
-    Phase("kernels",  60, 120, "Triton paged attention, Pallas flash attention forward + backward vs the XLA path "
+    Phase("kernels",  40, 120, "Triton paged attention, Pallas flash attention forward + backward vs the XLA path "
                                "and a float64 reference (bf16, Qwen3 heads): errors, pass/fail, times"),
-    Phase("step",    125, 240, "one phase per model of MODELS (step:<model>, random weights): a rollout of P x G "
-                               "rows at forced lognormal lengths, the log-prob pass, the update, timed after compile"),
-    Phase("decode",   75,  90, "the rollout's tokens/s vs the HBM roofline (the measured read bandwidth) and vs "
+    Phase("attention", 55, 240, "the Triton paged attention alone at the first step model's rollout's kv lengths "
+                                "every ATTENTION_STRIDE decode steps, under each layout/block/split/warps/split rule/"
+                                "store of ATTENTION_CONFIGS: the rollout's attention seconds each predicts, its output "
+                                "against the default's; the fastest goes to ATTENTION_CHOICE for the later phases"),
+    Phase("plan",    330, 240, "`jaxrl4llm plan --json` of the step phases' runs (h100:1; cpu on the dry run) "
+                               "priced at the measured peaks, with the attention phase's choice, beside the measured "
+                               "times (compiles on the CPU while the next phases run)", collect_after="step"),
+    Phase("step",    105, 240, "one phase per model of MODELS (step:<model>, random weights), under the attention "
+                               "phase's choice: a rollout of P x G rows at forced lognormal lengths, the log-prob "
+                               "pass and the update, timed after compile; then under jax.profiler the first model's "
+                               "rollout and the last model's log-prob pass and update (trace_summary)"),
+    Phase("decode",   45,  90, "the rollout's tokens/s vs the HBM roofline (the measured read bandwidth) and vs "
                                "transformers' generate on the same weights"),
-    Phase("tests",    50,  90, "pytest -m gpu on the kernel tests (collection only on the dry run)"),
-    Phase("demo",    175, 600, "`jaxrl4llm demo`, 20 RL steps (--quick on the dry run): held-out accuracy before -> "
-                               "after"),
+    Phase("agreement", 50, 240, "model.numerics=exact end to end on the chip (benchmarks/numerics.py, a random "
+                                "Qwen3-shaped model, bf16): the sampler's log-prob of every token against the "
+                                "trainer's recompute (exact: 0 differing), rollout and update tokens/s against default "
+                                "numerics"),
+    Phase("moe",      35, 120, "the expert layer of Qwen3-30B-A3B (MOE_SHAPES: hidden 2048, width 768, 128 experts, "
+                               "top 8, bf16 matmuls) at three token counts, forward and forward + backward of "
+                               "expert_ffn's ragged_dot form against dense_capacity (benchmarks/moe_forms.py): seconds, "
+                               "XLA's FLOPs, TFLOP/s on the useful FLOPs, time over dense_capacity's, and whether "
+                               "ragged_dot runs as a grouped matmul or a dense expansion over all experts"),
+    Phase("tools",    45, 120, "rollouts with tool calls against rollouts without (benchmarks/tool_rollout.py's "
+                               "plain, segments and tools arms; TOOLS: Qwen3-0.6B's shapes, random weights, bf16, a "
+                               "stand-in tool of 20 ms and of 200 ms): tokens/s, time vs plain, decode steps, "
+                               "segments, calls a row, tool seconds hidden, parked share"),
+    Phase("baseline", 45, 240, "optional (`--phases baseline`, with attention and step): the first step model's "
+                               "rollout under the default attention configuration, beside the step phase's under the "
+                               "chosen one: what the choice gained end to end; nothing to run when the default is the "
+                               "fastest", optional=True),
+    Phase("tests",    50,  90, "optional (`--phases tests`): pytest -m gpu on the kernel tests (collection only on "
+                               "the dry run)", optional=True),
+    Phase("demo",    175, 600, "optional (`--phases demo`): `jaxrl4llm demo`, 20 RL steps (--quick on the dry run): "
+                               "held-out accuracy before -> after", optional=True),
     Phase("exact",    60, 240, "optional (`--phases exact`): the Pallas kernels of model.numerics=exact "
                                "(kernels/exact_pallas.py) on the chip: each row's bits whatever its companions "
                                "(matmul, attention as a training row and as a decode step, the row kernels), "
                                "errors against XLA, times", optional=True),
-    Phase("agreement", 150, 240, "optional (`--phases agreement`): model.numerics=exact end to end on the chip "
-                                 "(benchmarks/numerics.py, a random Qwen3-shaped model, bf16): the sampler's log-prob "
-                                 "of every token against the trainer's recompute (exact: 0 differing), rollout and "
-                                 "update tokens/s against default numerics", optional=True),
-    Phase("attention", 110, 240, "optional (`--phases attention`): the Triton paged attention alone at the first "
-                               "step model's rollout's kv lengths every ATTENTION_STRIDE decode steps, under each "
-                               "layout/block/split/warps of ATTENTION_CONFIGS: the rollout's attention seconds each "
-                               "predicts, its output against the default's; then (attention:default, "
-                               "attention:best, a process each) the rollout under the default and the fastest",
-          optional=True),
-    Phase("profile",  90, 240, "optional (`--phases profile`): the first step model's rollout once more under "
-                               "jax.profiler: the device's busy time, kernels and launch calls (trace_summary)",
-          optional=True),
-    Phase("trainer", 120, 240, "optional (`--phases trainer`): the last step model's log-prob pass and update "
-                               "once more under jax.profiler: busy share and kernels (trace_summary), beside their "
-                               "timed runs", optional=True),
+    Phase("profile",  90, 240, "optional (`--phases profile`, when the step phases do not run): the first step "
+                               "model's rollout once more under jax.profiler: the device's busy time, kernels and "
+                               "launch calls (trace_summary)", optional=True),
+    Phase("trainer", 120, 240, "optional (`--phases trainer`, when the step phases do not run): the last step "
+                               "model's log-prob pass and update once more under jax.profiler: busy share and "
+                               "kernels (trace_summary), beside their timed runs", optional=True),
     Phase("launches", 80, 240, "optional (`--phases launches`): the first step model's rollout under each of "
                                "LAUNCH_VARIANTS, one process each: XLA flags and decode bursts", optional=True),
-    Phase("moe",      90, 120, "optional (`--phases moe`): the expert layer of Qwen3-30B-A3B (MOE_SHAPES: hidden "
-                               "2048, width 768, 128 experts, top 8, bf16 matmuls) at three token counts, forward and "
-                               "forward + backward of expert_ffn's ragged_dot form against dense_capacity "
-                               "(benchmarks/moe_forms.py): seconds, XLA's FLOPs, TFLOP/s on the useful FLOPs, time "
-                               "over dense_capacity's, and whether ragged_dot runs as a grouped matmul or a dense "
-                               "expansion over all experts", optional=True),
-    Phase("tools",   120, 120, "optional (`--phases tools`): rollouts with tool calls against rollouts without "
-                               "(benchmarks/tool_rollout.py's plain, segments and tools arms; TOOLS: Qwen3-0.6B's "
-                               "shapes, random weights, bf16, a stand-in tool of 20 ms and of 200 ms): tokens/s, time "
-                               "vs plain, decode steps, segments, calls a row, tool seconds hidden, parked share",
-          optional=True),
 )
+# Later phases that decode with the attention phase's choice (ATTENTION_CHOICE), set before they trace.
+READS_ATTENTION_CHOICE = frozenset({"plan", "step", "profile", "trainer", "launches", "tools", "demo"})
+ATTENTION_CHOICE = "attention_choice.json"  # in the work folder: gpu_paged_attention's constants, by name
 # The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
 # its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
 # XLA's command buffers (CUDA graphs) are one launch for a run of kernels, but by default not across a
@@ -123,22 +139,30 @@ LAUNCH_VARIANTS = {
 }
 AUTOTUNE_LOG = "autotune_default.textproto"  # in the output folder: `--xla_gpu_dump_autotune_results_to`
 # The attention phase's kernel configurations: (layout, pages a loop step reads, partitions of a slot's pages
-# or None for the default rule, Triton warps); the first is the default. On an H100 and an H200 the
-# Qwen3-0.6B rollout's paged attention took ~0.91 s (36 us a call, then per_kv_head, 4 pages a step, 2
-# partitions, 4 warps): ~4x its KV bytes at the copy bandwidth. Of 16 per_kv_head configurations on an
-# H200 (2026-11-28, docs/gpu.md) 4 pages, 4 partitions, 8 warps was the fastest (1.22x), now the default;
-# the 8 kept here spanned them. The per_slot layout (every kv head of a slot in one program: no padded
-# query rows, 8x fewer programs and partials at 16:8) has not yet run on a chip. A row's kv lengths every
-# ATTENTION_STRIDE decode steps stand for the steps between.
-ATTENTION_CONFIGS = (("per_kv_head", 4, None, 8), ("per_kv_head", 4, 2, 4), ("per_kv_head", 4, 8, 4),
-                     ("per_kv_head", 8, 2, 8), ("per_kv_head", 8, 4, 8), ("per_kv_head", 16, 1, 4),
-                     ("per_kv_head", 2, 8, 4), ("per_kv_head", 1, 8, 4),
-                     ("per_slot", 1, None, 4), ("per_slot", 1, 1, 4), ("per_slot", 1, 2, 4), ("per_slot", 1, 4, 4),
-                     ("per_slot", 1, 8, 4), ("per_slot", 2, 2, 4), ("per_slot", 2, 4, 8), ("per_slot", 1, 4, 8))
-ATTENTION_DRY_CONFIGS = (ATTENTION_CONFIGS[0], ("per_kv_head", 1, 8, 4), ("per_slot", 1, None, 4), ("per_slot", 2, 2, 4))
+# or None for the default rule, Triton warps, split rule, store); the first is the default. On an H100 and an
+# H200 the Qwen3-0.6B rollout's paged attention took ~0.91 s (36 us a call, then per_kv_head, 4 pages a step,
+# 2 partitions, 4 warps): ~4x its KV bytes at the copy bandwidth. Of 16 per_kv_head configurations on an
+# H200 (2026-11-28, docs/gpu.md) 4 pages, 4 partitions, 8 warps was the fastest (1.22x), now the default.
+# Not yet run on a chip: the per_slot layout (every kv head of a slot in one program: no padded query
+# rows, 8x fewer programs and partials at 16:8), the "length" split rule (a row's partitions sized by its
+# own live pages) and the "live" store (partials written only for non-empty partitions and real rows:
+# the per_kv_head layout wrote 16.8 MB of float32 partials a call at 16:8, 2 real rows of each 16, beside
+# the ~19 MB of keys and values it read). A row's kv lengths every ATTENTION_STRIDE decode steps stand for
+# the steps between.
+ATTENTION_CONFIGS = (("per_kv_head", 4, None, 8, "table", "all"), ("per_kv_head", 4, None, 8, "table", "live"),
+                     ("per_kv_head", 4, None, 8, "length", "all"), ("per_kv_head", 4, None, 8, "length", "live"),
+                     ("per_kv_head", 4, 8, 8, "length", "live"), ("per_kv_head", 2, 8, 4, "length", "live"),
+                     ("per_kv_head", 8, 2, 8, "table", "all"),
+                     ("per_slot", 1, None, 4, "table", "all"), ("per_slot", 1, 2, 4, "table", "all"),
+                     ("per_slot", 1, 4, 4, "table", "all"), ("per_slot", 1, 8, 4, "table", "all"),
+                     ("per_slot", 1, 4, 4, "length", "live"), ("per_slot", 1, 8, 4, "length", "live"),
+                     ("per_slot", 2, 4, 8, "length", "live"), ("per_slot", 1, 4, 8, "table", "live"),
+                     ("per_slot", 1, 8, 8, "length", "all"))
+ATTENTION_DRY_CONFIGS = (ATTENTION_CONFIGS[0], ("per_kv_head", 1, 8, 4, "length", "live"),
+                         ("per_slot", 1, None, 4, "table", "all"), ("per_slot", 2, 2, 4, "length", "live"))
 ATTENTION_STRIDE = 32
-# the whole check: at most 8 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
-TOTAL_SECONDS = {"gpu": 480, "dry": 1500}
+# the whole check: at most 9 minutes on the GPU; the dry run's budgets only stop a hang (a loaded CPU is slow)
+TOTAL_SECONDS = {"gpu": 540, "dry": 1500}
 # A phase's environment on top of the driver's. JAX takes 75% of a GPU's memory when it starts: a step
 # takes more (Qwen3-1.7B's Adam state and activations), and plan checks the fit at the same share
 # (compiling on the CPU beside the GPU phases); the decode phase takes none ahead (its transformers
@@ -150,6 +174,7 @@ PHASE_ENV = {
     "profile": STEP_MEMORY,
     "trainer": STEP_MEMORY,
     "attention": STEP_MEMORY,
+    "baseline": STEP_MEMORY,
     "moe": STEP_MEMORY,
     "plan": {"JAX_PLATFORMS": "cpu", **STEP_MEMORY},
     "decode": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
@@ -537,23 +562,43 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
 
     from plan_accuracy import PROGRAMS, time_update_programs
 
+    from plan_accuracy import update_batch
+
     w = WORKLOAD[mode]
+    models = list(MODELS[mode])
     timed = timed_rollout(mode, work, log, model)
-    partial({"model": model, "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s})
-    export = ""
-    if model == next(iter(MODELS[mode])):  # the decode phase's transformers peer loads these weights
-        export = str(timed.policy.export(work / "hf"))  # before the update donates (deletes) them
-    t_logprob, t_update, _ = time_update_programs(timed.run, timed.state, timed.out, w["reps"] + 1)
-    log(f"  log-prob pass {t_logprob:.3f} s, update {t_update:.3f} s")
     lengths = timed.lengths
-    return {"model": model, "export": export, "prompt_lens": [len(p) for p in timed.prompts],
-            "params_m": timed.run.policy.config.num_params / 1e6, "rows": len(lengths),
-            "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
-            "prompt_tokens": float(np.asarray(timed.out.prompt_mask).sum(-1).mean()), "setup_s": timed.setup_s,
-            "rollout_first_s": timed.first_s,
-            "measured": dict(zip(PROGRAMS, (timed.rollout_s, t_logprob, t_update))),
-            "step_s": timed.rollout_s + t_logprob + t_update,
-            "rollout_tokens_per_s": float(lengths.sum()) / timed.rollout_s}
+    figures = {"model": model, "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s}
+    partial(figures)
+    export = ""
+    if model == models[0]:  # the decode phase's transformers peer loads these weights, and the rollout's profile
+        export = str(timed.policy.export(work / "hf"))  # runs them, before the update donates (deletes) them
+        profiled(figures, "profile", lambda: profile_rollout(timed, work, log), log)
+    t_logprob, t_update, state = time_update_programs(timed.run, timed.state, timed.out, w["reps"] + 1)
+    log(f"  log-prob pass {t_logprob:.3f} s, update {t_update:.3f} s")
+    figures.update({
+        "export": export, "prompt_lens": [len(p) for p in timed.prompts],
+        "params_m": timed.run.policy.config.num_params / 1e6, "rows": len(lengths),
+        "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
+        "prompt_tokens": float(np.asarray(timed.out.prompt_mask).sum(-1).mean()), "setup_s": timed.setup_s,
+        "measured": dict(zip(PROGRAMS, (timed.rollout_s, t_logprob, t_update))),
+        "step_s": timed.rollout_s + t_logprob + t_update,
+        "rollout_tokens_per_s": float(lengths.sum()) / timed.rollout_s})
+    if model == models[-1]:  # the trainer's profile, of the programs just compiled and timed
+        partial(figures)  # the timed step survives a profile that runs out of time
+        profiled(figures, "trainer_profile", lambda: profile_trainer(
+            timed.run, state, update_batch(timed.run, state, timed.out), work, log), log)
+    return figures
+
+
+def profiled(figures: dict, name: str, profile, log) -> None:
+    """figures[name] = profile(), or figures[name + "_error"] = its exception: a step's timed figures
+    stand whatever its profile does."""
+    try:
+        figures[name] = profile()
+    except Exception as e:  # noqa: BLE001 - reported as a figure; the step's own figures stand
+        figures[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        log(traceback.format_exc(limit=6))
 
 
 # ---------------------------------------------------------------------------- phase: launches (optional)
@@ -615,13 +660,12 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
             "top": [{"name": k, "count": c, "total_ms": t / 1e6, "mean_us": t / c / 1e3} for k, (c, t) in ranked]}
 
 
-def phase_profile(mode: str, work: Path, log) -> dict:
-    """The first step model's rollout (compiled and timed as in the step phase), then once more under
-    jax.profiler.trace: is the decode step busy on the device (with which kernels) or idle between them?"""
+def profile_rollout(timed: TimedRollout, work: Path, log) -> dict:
+    """A compiled rollout (`timed_rollout`) once more under jax.profiler.trace: is the decode step busy on
+    the device (with which kernels) or idle between them? `trace_summary`, the traced and untraced
+    seconds and the longest row."""
     import jax
 
-    model = next(iter(MODELS[mode]))
-    timed = timed_rollout(mode, work, log, model)
     t0 = time.perf_counter()
     with jax.profiler.trace(str(work / "trace")):
         timed.rollout()
@@ -629,30 +673,24 @@ def phase_profile(mode: str, work: Path, log) -> dict:
     summary = trace_summary(work / "trace")
     log(f"  traced rollout {traced_s:.3f} s: {summary['kernels']} kernels, busy {summary['busy_s']:.3f} s of "
         f"{summary['span_s']:.3f} s")
-    return {"model": model, "rollout_s": timed.rollout_s, "traced_s": traced_s,
-            "longest_row": int(timed.lengths.max()), **summary}
+    return {"rollout_s": timed.rollout_s, "traced_s": traced_s, "longest_row": int(timed.lengths.max()), **summary}
 
 
-# ---------------------------------------------------------------------------- phase: trainer (optional)
-def phase_trainer(mode: str, work: Path, log) -> dict:
-    """The last step model's log-prob pass and update (set up, compiled and timed as in the step
-    phase), then each once more under jax.profiler.trace: where a trainer program's device time goes
-    (busy share, kernels by total time), to name why the measured time runs past plan's prediction."""
+def profile_trainer(run, state, batch, work: Path, log, reps: int = 0) -> dict:
+    """The log-prob pass (when the run has one) and the update on `batch`, each under
+    jax.profiler.trace after a call that compiles it (and, reps > 0, the median of `reps` timed calls):
+    where a trainer program's device time goes (busy share, kernels by total time). `state` is donated."""
     import jax
 
     from jaxrl4llm.train.step import join_params
-    from plan_accuracy import runs_logprob_pass, update_batch
+    from plan_accuracy import runs_logprob_pass
 
-    w = WORKLOAD[mode]
-    model = list(MODELS[mode])[-1]
-    timed = timed_rollout(mode, work, log, model)
-    run, state = timed.run, timed.state
-    batch = update_batch(run, state, timed.out)
-    figures: dict = {"model": model, "rows": len(timed.lengths)}
+    figures: dict = {}
 
     def profiled(name: str, call) -> None:
-        call()  # its compile
-        seconds = median_seconds(call, w["reps"])
+        t0 = time.perf_counter()
+        call()  # its compile (none when it ran already)
+        seconds = median_seconds(call, reps) if reps else time.perf_counter() - t0
         trace = work / f"trace_{name.replace(' ', '_')}"
         t0 = time.perf_counter()
         with jax.profiler.trace(str(trace)):
@@ -674,6 +712,29 @@ def phase_trainer(mode: str, work: Path, log) -> dict:
 
     profiled("update", update)
     return figures
+
+
+def phase_profile(mode: str, work: Path, log) -> dict:
+    """The first step model's rollout (compiled and timed as in the step phase), then once more under
+    jax.profiler.trace (`profile_rollout`): for a check without the step phases."""
+    model = next(iter(MODELS[mode]))
+    return {"model": model, **profile_rollout(timed_rollout(mode, work, log, model), work, log)}
+
+
+# ---------------------------------------------------------------------------- phase: trainer (optional)
+def phase_trainer(mode: str, work: Path, log) -> dict:
+    """The last step model's log-prob pass and update (set up, compiled and timed as in the step
+    phase), then each once more under jax.profiler.trace (`profile_trainer`): where a trainer program's
+    device time goes, to name why the measured time runs past plan's prediction. For a check without
+    the step phases."""
+    from plan_accuracy import update_batch
+
+    w = WORKLOAD[mode]
+    model = list(MODELS[mode])[-1]
+    timed = timed_rollout(mode, work, log, model)
+    batch = update_batch(timed.run, timed.state, timed.out)
+    return {"model": model, "rows": len(timed.lengths),
+            **profile_trainer(timed.run, timed.state, batch, work, log, reps=w["reps"])}
 
 
 # ---------------------------------------------------------------------------- phase: attention (optional)
@@ -704,8 +765,9 @@ def phase_attention(mode: str, work: Path, log) -> dict:
     """`gpu_paged_attention` alone at the rollout's kv lengths (`attention_snapshots`), one program a
     configuration of ATTENTION_CONFIGS that runs every snapshot: the rollout's attention seconds it
     predicts (layers x ATTENTION_STRIDE x the program's time), and its output's relative error against
-    the default configuration's (bf16: the partitions round probabilities apart). Pallas' interpreter and
-    three configurations on the dry run."""
+    the default configuration's (bf16: the partitions round probabilities apart). The fastest whose
+    output agrees goes to ATTENTION_CHOICE in the check's work folder (`attention_choice`), for the later
+    phases. Pallas' interpreter and four configurations on the dry run."""
     import functools
 
     import jax
@@ -727,16 +789,18 @@ def phase_attention(mode: str, work: Path, log) -> dict:
     configs = ATTENTION_CONFIGS if mode == "gpu" else ATTENTION_DRY_CONFIGS
     reps = 5 if mode == "gpu" else 1
     live = jnp.asarray(kv_len > 0)
+    default_config = (gpa.LAYOUT, gpa.default_pages_per_block(gpa.LAYOUT), gpa.K_SPLITS, gpa.NUM_WARPS,
+                      gpa.SPLIT_RULE, gpa.STORE)
     rows, reference = [], None
-    for layout, per_block, splits, warps in configs:
+    for layout, per_block, splits, warps, rule, store in configs:
         block, k, padded = gpa.kernel_blocks(width, slots, gpa.program_shape(kvh, group, layout)[0], per_block, splits)
-        default = (layout, per_block, splits, warps) == (gpa.LAYOUT, gpa.default_pages_per_block(gpa.LAYOUT), None,
-                                                         gpa.NUM_WARPS)
-        name = f"{layout}: {block} pages/step, {k} partitions{'' if splits else ' (the rule)'}, {warps} warps" + \
-            (" (default)" if default else "")
+        default = (layout, per_block, splits, warps, rule, store) == default_config
+        name = f"{layout}: {block} pages/step, {k} partitions{'' if splits else ' (the rule)'}, {warps} warps, " \
+               f"{rule} split, {store} stores" + (" (default)" if default else "")
         try:
             one = functools.partial(gpa.gpu_paged_attention_one_shard, layout=layout, pages_per_block=per_block,
-                                    k_splits=splits, num_warps=warps, interpret=mode == "dry")
+                                    k_splits=splits, num_warps=warps, split_rule=rule, store=store,
+                                    interpret=mode == "dry")
             program = jax.jit(lambda q, pool, table, kv_len: jax.lax.map(lambda n: one(q, pool, table, n), kv_len))
             out = jax.block_until_ready(program(q, pool, table, kv_len))
             seconds = median_seconds(lambda: jax.block_until_ready(program(q, pool, table, kv_len)), reps)
@@ -744,10 +808,10 @@ def phase_attention(mode: str, work: Path, log) -> dict:
             if reference is None:
                 reference = out
             rel = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
-            row = {"config": name, "layout": layout, "pages_per_block": block, "k_splits": k, "num_warps": warps,
-                   "padded_pages": padded,
+            row = {"config": name, "layout": layout, "pages_per_block": block, "k_splits": k, "rule_splits": splits is None,
+                   "num_warps": warps, "split_rule": rule, "store": store, "padded_pages": padded,
                    "program_ms": 1e3 * seconds, "rollout_attention_s": fields["num_layers"] * stride * seconds,
-                   "rel_to_default": rel}
+                   "rel_to_default": rel, "default": default}
         except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a row of the table
             row = {"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         log(f"  {row}")
@@ -760,40 +824,71 @@ def phase_attention(mode: str, work: Path, log) -> dict:
     for r in timed:
         r["default_over_this"] = default / r["rollout_attention_s"]
     bad = [r["config"] for r in timed if not r["rel_to_default"] <= 2e-2]
-    best = min(timed, key=lambda r: r["rollout_attention_s"])
+    best = min((r for r in timed if r["config"] not in bad), key=lambda r: r["rollout_attention_s"])
+    choice = attention_choice(best)
+    write_record(work.parent / ATTENTION_CHOICE, choice)
+    log(f"  fastest: {best['config']}; later phases set {choice}")
     figures = {"snapshots": snaps, "slots": slots, "table_pages": width, "stride": stride, "rows": rows,
-               "best": best["config"]}
+               "best": best["config"], "choice": choice}
     if bad:
         raise PhaseFailed(f"outputs off the default's by more than 2e-2: {', '.join(bad)}", figures)
     return figures
 
 
-def phase_attention_rollout(mode: str, work: Path, log, which: str) -> dict:
-    """The first step model's rollout with the attention phase's `which` configuration ("default", or
-    "best": its fastest), set in `gpu_paged_attention`'s constants before anything traces (this process
-    is the rollout's own): seconds and generated tokens/s. "best" does not run when it is the default."""
+def attention_choice(row: dict) -> dict:
+    """The `gpu_paged_attention` constants (by name) that make a sweep row's configuration the one every
+    call traces with: layout, its pages a loop step, partitions (None: the GRID_TARGET rule, as the row
+    ran), warps, split rule, store."""
+    per_block = "SLOT_PAGES_PER_BLOCK" if row["layout"] == "per_slot" else "PAGES_PER_BLOCK"
+    return {"LAYOUT": row["layout"], per_block: row["pages_per_block"],
+            "K_SPLITS": None if row.get("rule_splits") else row["k_splits"], "NUM_WARPS": row["num_warps"],
+            "SPLIT_RULE": row["split_rule"], "STORE": row["store"], "config": row["config"]}
+
+
+def use_attention_choice(choice: dict, log) -> None:
+    """Set `gpu_paged_attention`'s constants to `choice` (`attention_choice`) in this process, before
+    anything traces: every paged attention call of the sampler reads them when it traces."""
     from jaxrl4llm.sampling import gpu_paged_attention as gpa
 
-    sweep = read_record(work.parent, "attention")
-    rows = [r for r in sweep.get("figures", {}).get("rows", []) if "error" not in r]
-    if not rows:
-        raise PhaseFailed(f"needs the attention phase's table, which has no timed row ({sweep['status']})", {})
-    row = rows[0] if which == "default" else min(rows, key=lambda r: r["rollout_attention_s"])
-    if which == "best" and row is rows[0]:
-        return {"config": row["config"], "note": "the default is the fastest: its rollout is attention:default's"}
-    w = WORKLOAD[mode]
-    fields = model_fields(mode, next(iter(MODELS[mode])))
-    gpa.LAYOUT, gpa.NUM_WARPS = row["layout"], row["num_warps"]
-    if row["layout"] == "per_slot":
-        gpa.SLOT_PAGES_PER_BLOCK = row["pages_per_block"]
-    else:
-        gpa.PAGES_PER_BLOCK = row["pages_per_block"]
-    head_programs = gpa.program_shape(fields["num_kv_heads"], fields["num_heads"] // fields["num_kv_heads"])[0]
-    gpa.GRID_TARGET = row["k_splits"] * w["prompts"] * w["samples"] * head_programs  # the rule then gives k
-    timed = timed_rollout(mode, work, log, next(iter(MODELS[mode])))
-    return {"config": row["config"], "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
-            "tokens_per_s": float(timed.lengths.sum()) / timed.rollout_s,
-            "predicted_attention_s": row["rollout_attention_s"]}
+    for name, value in choice.items():
+        if name != "config":
+            if not hasattr(gpa, name):
+                raise PhaseFailed(f"{ATTENTION_CHOICE} sets {name}, which gpu_paged_attention does not have", {})
+            setattr(gpa, name, value)
+    log(f"  paged attention: {choice['config']} (the attention phase's choice)")
+
+
+def read_attention_choice(work_root: Path) -> dict | None:
+    """The attention phase's choice in this check's work folder (None: that phase has not run)."""
+    path = work_root / ATTENTION_CHOICE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def phase_baseline(mode: str, work: Path, log) -> dict:
+    """The first step model's rollout under the default attention configuration (this process reads no
+    choice), beside the step phase's rollout under the attention phase's choice: seconds, generated
+    tokens/s and default / chosen. Nothing runs when the choice is the default."""
+    choice = read_attention_choice(work.parent)
+    if choice is None:
+        raise PhaseFailed("needs the attention phase's choice (run it in the same check: --phases attention,step,...)",
+                          {})
+    model = next(iter(MODELS[mode]))
+    step = read_record(work.parent, f"step:{model}")
+    if step["status"] != "ok" and not step["figures"].get("rollout_s"):
+        raise PhaseFailed(f"needs the rollout of step:{model} ({step['status']})", {})
+    chosen_s = step["figures"].get("measured", {}).get("sampler/decode") or step["figures"]["rollout_s"]
+    sweep = read_record(work.parent, "attention")["figures"]
+    default = next((r for r in sweep.get("rows", []) if r.get("default")), None)
+    if default is None or default["config"] == choice["config"]:
+        return {"config": choice["config"], "note": "the default is the fastest: the step phase's rollout is the baseline"}
+    timed = timed_rollout(mode, work, log, model)
+    tokens = float(timed.lengths.sum())
+    return {"config": default["config"], "rollout_s": timed.rollout_s, "rollout_first_s": timed.first_s,
+            "tokens_per_s": tokens / timed.rollout_s, "predicted_attention_s": default["rollout_attention_s"],
+            "chosen": choice["config"], "chosen_rollout_s": chosen_s, "chosen_tokens_per_s": tokens / chosen_s,
+            "chosen_predicted_attention_s": next(r["rollout_attention_s"] for r in sweep["rows"]
+                                                  if r.get("config") == choice["config"]),
+            "default_over_chosen": timed.rollout_s / chosen_s}
 
 
 # ---------------------------------------------------------------------------- phase: exact (optional)
@@ -1048,10 +1143,10 @@ def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict
         prompt_tokens = sum(len(train_set.token_ids[i]) for i in range(w["prompts"])) / w["prompts"]
         lengths_file = root / "response_lengths.jsonl"
         lengths_file.write_text(json.dumps({"step": 1, "response_lengths": lengths}) + "\n")
-        command = [sys.executable, "-m", "jaxrl4llm.cli", "plan", *(f"--config={c}" for c in CONFIG_FILES), *overrides,
+        command = [*plan_command(work.parent), "plan", *(f"--config={c}" for c in CONFIG_FILES), *overrides,
                    "--topology", topology, "--json", "--response-lengths", str(lengths_file),
                    "--prompt-tokens", f"{prompt_tokens:.2f}", *flags]
-        log(f"  {model}: {' '.join(command[1:4])} ... --topology {topology} {' '.join(flags)}")
+        log(f"  {model}: jaxrl4llm plan --config={CONFIG_FILES[0]} ... --topology {topology} {' '.join(flags)}")
         t0 = time.perf_counter()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
         log(done.stderr[-3000:])
@@ -1064,6 +1159,20 @@ def phase_plan(mode: str, work: Path, log, partial=lambda figures: None) -> dict
             "binding": {p["name"]: p["binding"] for p in plan["programs"]}, "step_s": plan["step_seconds"]}
         partial(figures)  # what is planned so far survives a timeout
     return figures
+
+
+def plan_command(work_root: Path) -> list[str]:
+    """The command that runs `jaxrl4llm <args>` for the plan phase: the CLI itself, or, when the attention
+    phase chose a configuration, the CLI after `gpu_paged_attention`'s constants are set to it (plan
+    compiles the sampler's programs with the kernel the step phases run)."""
+    choice = work_root / ATTENTION_CHOICE
+    if not choice.is_file():
+        return [sys.executable, "-m", "jaxrl4llm.cli"]
+    code = ("import json, sys\nfrom jaxrl4llm.sampling import gpu_paged_attention as gpa\n"
+            "for name, value in json.loads(open(sys.argv[1]).read()).items():\n"
+            "    if name != 'config':\n        setattr(gpa, name, value)\n"
+            "from jaxrl4llm.cli import main\nsys.exit(main(sys.argv[2:]))")
+    return [sys.executable, "-c", code, str(choice)]
 
 
 # ---------------------------------------------------------------------------- phase: decode
@@ -1192,8 +1301,12 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     record = {"status": "ok", "figures": {}, "error": ""}
+    choice = None
     try:
         kind, _, model = name.partition(":")
+        choice = read_attention_choice(work.parent) if kind in READS_ATTENTION_CHOICE else None
+        if choice is not None and kind != "plan":  # plan's CLI process sets it (`plan_command`)
+            use_attention_choice(choice, log)
         if kind == "step":
             record["figures"] = phase_step(mode, work, log, model, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": "ran out of time after the rollout"}))
@@ -1216,8 +1329,9 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
         elif kind == "trainer":
             record["figures"] = phase_trainer(mode, work, log)
         elif kind == "attention":
-            record["figures"] = phase_attention_rollout(mode, work, log, model) if model else \
-                phase_attention(mode, work, log)
+            record["figures"] = phase_attention(mode, work, log)
+        elif kind == "baseline":
+            record["figures"] = phase_baseline(mode, work, log)
         elif kind == "plan":
             record["figures"] = phase_plan(mode, work, log, partial=lambda figures: write_record(result, {
                 "status": "timeout", "figures": figures, "error": f"ran out of time after {', '.join(figures)}"}))
@@ -1232,6 +1346,8 @@ def run_phase(name: str, mode: str, work: Path, result: Path, out_dir: Path, sec
         record.update(status="fail", error=f"{type(e).__name__}: {str(e)[:1000]}")
         traceback.print_exc()
     record["seconds"] = time.perf_counter() - t0
+    if choice is not None:
+        record["attention_choice"] = choice["config"]
     if name != "plan":  # the plan phase runs on the CPU beside the GPU phases
         try:
             record.update(device_info())
@@ -1412,8 +1528,7 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
             background[p.name] = (launch(p.name, seconds), p.collect_after)
             log(f"{p.name}: started in the background ({PHASE_ENV.get(p.name)}, up to {seconds:.0f} s)")
             continue
-        expand = {"step": [f"step:{m}" for m in models], "launches": [f"launches:{v}" for v in LAUNCH_VARIANTS],
-                  "attention": ["attention", "attention:default", "attention:best"]}
+        expand = {"step": [f"step:{m}" for m in models], "launches": [f"launches:{v}" for v in LAUNCH_VARIANTS]}
         for phase in expand.get(p.name, [p.name]):
             left = total - (time.monotonic() - start)
             if left < 10:
@@ -1430,8 +1545,8 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
                 del background[name]
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
-    for name in ("kernels", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS), "profile",
-                 "trainer", "exact", "agreement", "attention", "moe", "tools"):  # the first phase on the device names it
+    for name in ("kernels", "attention", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS),
+                 "profile", "trainer", "exact", "agreement", "moe", "tools", "baseline"):  # the first on the device names it
         rec = report["phases"].get(name, {})
         if "device" in rec:
             report.update(device=rec["device"], jax=rec["jax"])
@@ -1491,6 +1606,18 @@ def profile_lines(what: str, summary: dict, untraced_s: float, note: str = "") -
                     for k in summary["top"]]
 
 
+def profiles(report: dict, kind: str) -> list[tuple[str, dict]]:
+    """(model, figures) of each `kind` profile in the report: "profile" (a rollout's trace_summary) from the
+    step phases' figures and the profile phase, "trainer" (the log-prob pass's and update's) from the step
+    phases' trainer_profile and the trainer phase."""
+    found = [(n[5:], r["figures"][f"{kind}_profile" if kind == "trainer" else kind]) for n, r in report["phases"].items()
+             if n.startswith("step:") and (f"{kind}_profile" if kind == "trainer" else kind) in r.get("figures", {})]
+    alone = report["phases"].get(kind, {}).get("figures", {})
+    if alone.get("top") is not None or any(isinstance(v, dict) and "top" in v for v in alone.values()):
+        found.append((alone["model"], alone))
+    return found
+
+
 def markdown(report: dict) -> str:
     """The report as markdown: a phase table, then a table per phase of its figures."""
     lines = [f"# gpu_check ({report['mode']})", "",
@@ -1544,14 +1671,13 @@ def markdown(report: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {v} | {_fmt(f['rollout_s'])} | {_fmt(f['tokens_per_s'])} | {_fmt(base / f['rollout_s'])} | "
                   f"{f['xla_flags'] or '-'} | {' '.join(f['overrides']) or '-'} |" for v, f in launches.items()]
-    profile = report["phases"].get("profile", {}).get("figures", {})
-    if profile.get("top") is not None:
-        lines += profile_lines(f"the {profile['model']} rollout", profile, profile["rollout_s"],
+    for model, profile in profiles(report, "profile"):
+        lines += profile_lines(f"the {model} rollout", profile, profile["rollout_s"],
                                f"; longest row {profile['longest_row']} tokens")
-    trainer = report["phases"].get("trainer", {}).get("figures", {})
-    for program in ("logprob pass", "update"):
-        if trainer.get(program, {}).get("top") is not None:
-            lines += profile_lines(f"the {trainer['model']} {program}", trainer[program], trainer[program]["seconds"])
+    for model, trainer in profiles(report, "trainer"):
+        for program in ("logprob pass", "update"):
+            if trainer.get(program, {}).get("top") is not None:
+                lines += profile_lines(f"the {model} {program}", trainer[program], trainer[program]["seconds"])
     attention = report["phases"].get("attention", {}).get("figures", {})
     if attention.get("rows"):
         lines += ["", f"## attention (the paged attention alone at {attention['snapshots']} snapshots of the rollout's "
@@ -1562,13 +1688,15 @@ def markdown(report: dict) -> str:
         lines += [f"| {r['config']} | error: {r['error'][:150].replace('|', '/')} | | | |" if "error" in r else
                   f"| {r['config']} | {_fmt(r['program_ms'])} | {_fmt(r['rollout_attention_s'])} | "
                   f"{_fmt(r['default_over_this'])} | {_fmt(r['rel_to_default'])} |" for r in attention["rows"]]
-    rollouts = {n.partition(":")[2]: r["figures"] for n, r in report["phases"].items()
-                if n.startswith("attention:") and r.get("figures", {}).get("rollout_s")}
-    if rollouts:
-        base = rollouts.get("default", {}).get("rollout_s", float("nan"))
-        lines += ["", "| rollout with | configuration | rollout s | tokens/s | default / this |", "| --- | --- | ---: | ---: | ---: |"]
-        lines += [f"| {k} | {f['config']} | {_fmt(f['rollout_s'])} | {_fmt(f['tokens_per_s'])} | "
-                  f"{_fmt(base / f['rollout_s'])} |" for k, f in rollouts.items()]
+        lines += ["", f"The later phases ran {attention['best']}."] if attention.get("best") else []
+    baseline = report["phases"].get("baseline", {}).get("figures", {})
+    if baseline.get("rollout_s"):
+        lines += ["", "| rollout with | configuration | rollout s | tokens/s | default / this |", "| --- | --- | ---: | ---: | ---: |",
+                  f"| the default | {baseline['config']} | {_fmt(baseline['rollout_s'])} | {_fmt(baseline['tokens_per_s'])} | 1 |",
+                  f"| the choice (the step phase's) | {baseline['chosen']} | {_fmt(baseline['chosen_rollout_s'])} | "
+                  f"{_fmt(baseline['chosen_tokens_per_s'])} | {_fmt(baseline['default_over_chosen'])} |"]
+    elif baseline.get("note"):
+        lines += ["", f"baseline: {baseline['note']}"]
     agreement = report["phases"].get("agreement", {}).get("figures", {})
     if agreement.get("exact"):
         m = agreement["model"]

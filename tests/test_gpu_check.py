@@ -1,8 +1,8 @@
-"""`scripts/gpu_check --dry-run`: every phase of the first GPU run (benchmarks/gpu_check.py) runs on
-this CPU at toy sizes and reports "ok" with finite figures, into the four files a GPU session brings
-back. The one test runs the whole dry run but the demo phase (a few minutes: each phase compiles its
-own programs); the demo phase's own code is tested on a stand-in demo (`jaxrl4llm demo --quick`
-itself runs in tests/train/test_demo.py)."""
+"""`scripts/gpu_check --dry-run`: every phase of the GPU check (benchmarks/gpu_check.py) runs on this
+CPU at toy sizes and reports "ok" with finite figures, into the four files a GPU session brings back.
+The one dry run takes the default phases but agreement, moe and tools (each tested alone below), with
+the baseline and tests phases (a few minutes: each phase compiles its own programs); the demo phase's
+own code is tested on a stand-in demo (`jaxrl4llm demo --quick` itself runs in tests/train/test_demo.py)."""
 
 import importlib.util
 import json
@@ -43,13 +43,17 @@ def _numbers(x, path=""):
 
 
 @pytest.mark.slow
-def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
+def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path, monkeypatch):
     gc = _gpu_check()
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling modules (the workload's lengths)
     out = tmp_path / "out"
     # every phase compiles its own programs: unoptimised by LLVM (tests/subprocess_xla_flags.py), they compile
     # sooner; the dry run checks that each phase runs and reports, against no pinned figure
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, XLA_FLAGS=FAST_COMPILE)
-    phases = [q.name for q in gc.PHASES if not q.optional and q.name not in ("setup", "demo")]
+    # the default phases but agreement, moe and tools (each has its own test below), and the baseline: the
+    # attention phase's choice read by the step, plan and baseline phases of the same check
+    phases = [q.name for q in gc.PHASES if not q.optional and q.name not in ("setup", "agreement", "moe", "tools")]
+    phases += ["baseline", "tests"]
     done = subprocess.run([str(REPO / "scripts" / "gpu_check"), "--dry-run", "--phases", ",".join(phases), str(out)],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -72,6 +76,35 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path):
         assert comparison[model]["step (3 programs)"]["measured_over_predicted"] > 0
     table = (out / "gpu_check.md").read_text()
     assert "| kernels | ok |" in table and "measured / predicted" in table
+    # the attention sweep: the default first, every output within bf16 tolerance of it (one splits a slot's
+    # pages 8 ways by its length and stores live partials only; two run a program per slot), the best named
+    attention = report["phases"]["attention"]["figures"]
+    rows = attention["rows"]
+    assert rows[0]["config"].endswith("(default)") and rows[0]["rel_to_default"] == 0
+    assert (rows[1]["k_splits"], rows[1]["split_rule"], rows[1]["store"]) == (8, "length", "live")
+    assert all(r["rel_to_default"] <= 2e-2 for r in rows)
+    assert [r["layout"] for r in rows] == ["per_kv_head", "per_kv_head", "per_slot", "per_slot"]
+    assert all(math.isfinite(r["rollout_attention_s"]) and r["rollout_attention_s"] > 0 for r in rows)
+    assert rows[0]["default_over_this"] == 1 and all(math.isfinite(r["default_over_this"]) for r in rows)
+    assert attention["best"] in {r["config"] for r in rows} and attention["snapshots"] >= 2
+    lengths = gc.attention_snapshots("dry", 16)[0]
+    assert lengths[0].min() > 0 and (lengths == 0).any()  # every row live at step 0, some done by the last
+    # ... its choice, read by the later phases that decode (the step, plan and baseline's rollout is the default's)
+    for name in ("plan", *(f"step:{m}" for m in gc.MODELS["dry"])):
+        assert report["phases"][name]["attention_choice"] == attention["best"], name
+    assert "attention_choice" not in report["phases"]["baseline"] and "decode" in report["phases"]
+    baseline = report["phases"]["baseline"]["figures"]
+    if attention["best"] != rows[0]["config"]:
+        assert baseline["config"] == rows[0]["config"] and baseline["chosen"] == attention["best"]
+        assert baseline["default_over_chosen"] > 0 and "| the choice (the step phase's) |" in table
+    # the step phases profile what they timed: the first model's rollout, the last model's trainer programs
+    first, last = (report["phases"][f"step:{m}"]["figures"] for m in (list(gc.MODELS["dry"])[0], list(gc.MODELS["dry"])[-1]))
+    assert first["profile"]["kernels"] > 0 and 0 < first["profile"]["busy_share"] <= 1
+    for program in ("logprob pass", "update"):
+        f = last["trainer_profile"][program]
+        assert f["seconds"] > 0 and f["kernels"] > 0 and 0 < f["busy_share"] <= 1 and f["top"], (program, f)
+        assert f"## profile (the {last['model']} {program}" in table
+    assert f"## profile (the {first['model']} rollout" in table
 
 
 def test_demo_phase_reports_the_held_out_accuracy_before_and_after(tmp_path, monkeypatch):
@@ -100,33 +133,17 @@ def test_phases_selects_phases_by_name_and_refuses_an_unknown_one(tmp_path, caps
     """`--phases launches` runs that optional phase (and the setup) alone; a misspelt phase is an
     error that lists the known ones, before any work."""
     gc = _gpu_check()
-    assert [p.name for p in gc.PHASES if p.optional] == ["exact", "agreement", "attention", "profile", "trainer",
-                                                        "launches", "moe", "tools"]
+    assert [p.name for p in gc.PHASES if p.optional] == ["baseline", "tests", "demo", "exact", "profile", "trainer",
+                                                        "launches"]
+    budget = sum(p.gpu_seconds for p in gc.PHASES if not p.optional and not p.collect_after)
+    assert budget <= gc.TOTAL_SECONDS["gpu"] == 540  # the default phases in one call of 9 minutes
     assert set(gc.LAUNCH_VARIANTS) >= {"default", "no_command_buffers"}  # the peer and the control
     assert {"cublas_gemm", "cublaslt", "exhaustive_tiling"} <= set(gc.LAUNCH_VARIANTS)  # the GEMM variants
     with pytest.raises(SystemExit):
         gc.main(["--dry-run", "--phases", "launches,lanuches", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert "unknown phase(s) lanuches" in err and "known: peaks, plan, kernels" in err
+    assert "unknown phase(s) lanuches" in err and "known: peaks, kernels, attention, plan" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_attention_phase_times_each_configuration_against_the_default(tmp_path, monkeypatch):
-    """The optional attention phase (Pallas' interpreter here): the default configuration first, every
-    configuration's output within bf16 tolerance of it (one splits a slot's pages 8 ways: the combine
-    runs; two run a program per slot), the rollout's attention seconds finite and the best named."""
-    gc = _gpu_check()
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling modules (the workload's lengths)
-    figures = gc.phase_attention("dry", tmp_path, lambda line: None)
-    rows = figures["rows"]
-    assert rows[0]["config"].endswith("(default)") and rows[0]["rel_to_default"] == 0
-    assert [r["k_splits"] for r in rows][1] == 8 and all(r["rel_to_default"] <= 2e-2 for r in rows)
-    assert [r["layout"] for r in rows] == ["per_kv_head", "per_kv_head", "per_slot", "per_slot"]
-    assert all(math.isfinite(r["rollout_attention_s"]) and r["rollout_attention_s"] > 0 for r in rows)
-    assert rows[0]["default_over_this"] == 1 and all(math.isfinite(r["default_over_this"]) for r in rows)
-    assert figures["best"] in {r["config"] for r in rows} and figures["snapshots"] >= 2
-    lengths = gc.attention_snapshots("dry", 16)[0]
-    assert lengths[0].min() > 0 and (lengths == 0).any()  # every row live at step 0, some done by the last
 
 
 def test_exact_phase_checks_the_pallas_kernels_invariance(tmp_path):
