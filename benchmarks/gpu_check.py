@@ -337,13 +337,19 @@ def paged_case(rng, shapes: dict, heads: tuple[int, int]):
     return q, pool, table, lengths, counts
 
 
-def paged_layouts(group: int, kv_heads: int) -> list[str]:
-    """The paged attention kernel's layouts that run at these heads (`gpu_paged_attention.kernel_layout`),
-    the default first: the kernels phase checks each against the float64 reference."""
+def paged_variants(group: int, kv_heads: int) -> list[tuple[str, str, str, str]]:
+    """(row name, layout, split rule, store) of the paged attention kernel that the kernels phase checks
+    against the float64 reference at these heads: each layout that runs them (`kernel_layout`), the
+    default first, with the default split rule and store ("paged" / "paged per_slot"), then each with the
+    other split rule and store ("... length/live": partitions by a row's own length, masked stores)."""
     from jaxrl4llm.sampling import gpu_paged_attention as gpa
 
     ordered = [gpa.LAYOUT, *(name for name in gpa.LAYOUTS if name != gpa.LAYOUT)]
-    return [name for name in ordered if gpa.kernel_layout(kv_heads, group, name) == name]
+    layouts = [name for name in ordered if gpa.kernel_layout(kv_heads, group, name) == name]
+    other = (next(r for r in gpa.SPLIT_RULES if r != gpa.SPLIT_RULE), next(s for s in gpa.STORES if s != gpa.STORE))
+    named = lambda layout: "paged" if layout == gpa.LAYOUT else f"paged {layout}"
+    return [(named(layout), layout, gpa.SPLIT_RULE, gpa.STORE) for layout in layouts] + \
+        [(f"{named(layout)} {other[0]}/{other[1]}", layout, *other) for layout in layouts]
 
 
 def segment_case(rng, shapes: dict, heads: tuple[int, int]):
@@ -440,10 +446,11 @@ def phase_kernels(mode: str, work: Path, log, partial=lambda figures: None) -> d
         # the reference reads q as the kernel does: rounded to the pool's dtype
         ref = paged_attention_reference(q[0].astype(pool.dtype), pool[0], table[0], lengths[0])[None]
         xla_path = {}  # its output and time, measured once for every layout's row
-        for layout in paged_layouts(h // kvh, kvh):
-            name = f"paged {tag}" if layout == gpa.LAYOUT else f"paged {layout} {tag}"
+        for variant, layout, split_rule, store in paged_variants(h // kvh, kvh):
+            name = f"{variant} {tag}"
             try:
-                kernel = jax.jit(functools.partial(gpa.gpu_paged_attention, layout=layout, interpret=interpret))
+                kernel = jax.jit(functools.partial(gpa.gpu_paged_attention, layout=layout, split_rule=split_rule,
+                                                   store=store, interpret=interpret))
                 got = jax.block_until_ready(kernel(q, pool, table, lengths))
                 if not xla_path:
                     xla_path["out"] = jax.block_until_ready(xla(q, pool, table, counts))

@@ -67,8 +67,9 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path, monkeypatc
     missing = [p for p, v in _numbers(report["phases"]) if v is None or not math.isfinite(v)]
     assert all(p.endswith("/chip/ici_bandwidth") for p in missing), missing
     kernels = report["phases"]["kernels"]["figures"]
-    assert {k for k in kernels if k != "interpret"} == {f"{kind} {h}:{kv}" for kind in ("paged", "paged per_slot",
-                                                                                       "flash forward", "flash backward")
+    kinds = ("paged", "paged per_slot", "paged length/live", "paged per_slot length/live", "flash forward",
+             "flash backward")
+    assert {k for k in kernels if k != "interpret"} == {f"{kind} {h}:{kv}" for kind in kinds
                                                        for h, kv in gc.KERNEL_SHAPES["dry"]["heads"]}
     assert all(v["pass"] for k, v in kernels.items() if k != "interpret")
     comparison = report["phases"]["plan"]["figures"]["comparison"]
