@@ -57,7 +57,9 @@ class ContinuousWork:
       each layer's page-chunk loops (the XLA attention: the longest live slot's pages, in chunks);
       kv_tokens, kv_pages: per step and shard, keys every slot attends to (an idle slot counts one,
       as the kernel runs it) and the pages read for them; useful_fraction: live slot-steps over
-      slot-steps (the row-steps that make a token).
+      slot-steps (the row-steps that make a token); kv_partitions: per step and shard, the partitions
+      whose partials a split attention kernel writes (`partitions` of `continuous_decode_work`; 0
+      without it).
     When a refill chooses its prefill batch at run time (`sampling.continuous.prefill_batch`):
     batched_refills: refills a call that prefill rounds of `prefill_batch` prompts (they admit more
     than half of it), batched_rounds: those rounds per such refill, single_rounds: one-prompt rounds
@@ -77,17 +79,21 @@ class ContinuousWork:
     batched_refills: float = 0.0
     batched_rounds: float = 0.0
     single_rounds: float = 0.0
+    kv_partitions: float = 0.0
 
 
 def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst: int, page_size: int, pages_per_chunk: int,
-                     prompt_tokens: float, lookahead: bool, prefill: tuple[int, bool] = (1, False)) -> list[np.ndarray]:
+                     prompt_tokens: float, lookahead: bool, prefill: tuple[int, bool] = (1, False),
+                     partitions=None) -> list[np.ndarray]:
     """The continuous engine's schedule over a stream of rollouts (lengths [shards, K * nd], rollout
     j = the rows j*nd .. (j+1)*nd - 1 of each shard), one segment a rollout: it ends after the
     burst in which the rollout's last row finishes; with `lookahead` (partial rollouts) it admits
     the next rollout's rows too, and the slots carry over. `prefill`: (A, choose) of
     `sampling.continuous.prefill_batch` (a refill of m prompts runs ceil(m / A) rounds of A; with
-    choose, m rounds of one when m <= A / 2). Returns per segment [bursts, rounds, steps, live
-    slot-steps, keys, pages, page-chunk trips, batched refills, their rounds, one-prompt rounds]."""
+    choose, m rounds of one when m <= A / 2). `partitions`: live pages of each slot (0: idle) ->
+    the partitions whose partials the attention kernel writes for it (None: not counted). Returns
+    per segment [bursts, rounds, steps, live slot-steps, keys, pages, page-chunk trips, batched
+    refills, their rounds, one-prompt rounds, written partitions]."""
     a, choose = prefill
     shards = lengths.shape[0]
     need = lengths - 1  # decode steps each row takes after its prefill token
@@ -98,7 +104,7 @@ def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst:
     out = []
     for j in range(lengths.shape[1] // nd):
         end, limit = (j + 1) * nd, min((j + 2 if lookahead else j + 1) * nd, lengths.shape[1])
-        totals = np.zeros(10)
+        totals = np.zeros(11)
         while True:
             if not (((left > 0) & (row < end)).any() or (nxt < end).any()):
                 break
@@ -127,6 +133,8 @@ def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst:
             totals[5] += np.where(live, np.ceil(tokens / page_size), 1).sum() / shards
             longest = np.where(live, np.ceil(tokens / page_size), 0).max(axis=(0, 1))
             totals[6] += np.ceil(longest / pages_per_chunk).sum()
+            if partitions is not None:
+                totals[10] += partitions(np.where(live, np.ceil(tokens / page_size), 0).astype(np.int64)).sum() / shards
             left, done = np.maximum(left - n, 0), np.where(left > 0, done + np.minimum(left, n), done)
         out.append(totals)
     return out
@@ -135,7 +143,8 @@ def segment_schedule(lengths: np.ndarray, nd: int, sd: int, samples: int, burst:
 def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budget: int, *, shards: int = 1,
                            samples: int = 1, burst: int = 16, page_size: int = 16, pages_per_chunk: int = 8,
                            prompt_tokens: float = 0.0, draws: int = 4, seed: int = 0,
-                           partial: bool = False, prefill: tuple[int, bool] = (1, False)) -> ContinuousWork:
+                           partial: bool = False, prefill: tuple[int, bool] = (1, False),
+                           partitions=None) -> ContinuousWork:
     """Monte Carlo of the continuous engine's schedule over `draws` calls of `rows` rows.
 
     Each of `shards` shards holds rows/shards rows (in order, `samples` a prompt) and
@@ -147,27 +156,30 @@ def continuous_decode_work(dist: LengthDistribution, rows: int, slots: int, budg
     partial (rollout.partial): one stream of draws + 2 rollouts, each segment admitting the next
     rollout's rows into the slots its own free; the figures are per segment in the steady state
     (the first segment, which starts from empty slots, and the last, with no next rollout, left out).
-    prefill: (A, choose) of `sampling.continuous.prefill_batch`: prompts a prefill round takes."""
+    prefill: (A, choose) of `sampling.continuous.prefill_batch`: prompts a prefill round takes.
+    partitions: a slot's live pages (0: idle) -> partitions a split attention kernel writes for it
+    (`sampling.gpu_paged_attention.written_partitions`), counted into kv_partitions."""
     rng = np.random.default_rng(seed)
     nd, sd = rows // shards, max(slots // shards, 1)
     if partial:
         draws *= 3  # segments vary more than calls (a segment's length depends on the one before)
         lengths = dist.sample(shards * nd * (draws + 2), budget, rng).reshape(shards, draws + 2, nd)
         segments = segment_schedule(lengths.reshape(shards, -1), nd, sd, samples, burst, page_size, pages_per_chunk,
-                                    prompt_tokens, lookahead=True, prefill=prefill)[1:-1]
+                                    prompt_tokens, lookahead=True, prefill=prefill, partitions=partitions)[1:-1]
         means = lengths[:, 1:-1].mean()
     else:
         segments, means = [], []
         for _ in range(draws):
             lengths = dist.sample(shards * nd, budget, rng).reshape(shards, nd)
             segments += segment_schedule(lengths, nd, sd, samples, burst, page_size, pages_per_chunk, prompt_tokens,
-                                         lookahead=False, prefill=prefill)
+                                         lookahead=False, prefill=prefill, partitions=partitions)
             means.append(lengths.mean())
         means = float(np.mean(means))
-    b, r, s, live, kv, pages, chunks, batched, batched_rounds, single_rounds = np.mean(segments, axis=0)
+    b, r, s, live, kv, pages, chunks, batched, batched_rounds, single_rounds, written = np.mean(segments, axis=0)
     return ContinuousWork(bursts=b, prefill_rounds=r / max(b, 1), steps=s, steps_per_burst=s / max(b, 1),
                           chunks_per_step=chunks / max(s, 1), kv_tokens=kv / max(s, 1), kv_pages=pages / max(s, 1),
                           useful_fraction=live / max(s * shards * sd, 1), mean_length=float(means),
                           prefill_batch=prefill[0], batched_refills=batched,
                           batched_rounds=batched_rounds / batched if batched else 0.0,
-                          single_rounds=single_rounds / (b - batched) if b > batched else 0.0)
+                          single_rounds=single_rounds / (b - batched) if b > batched else 0.0,
+                          kv_partitions=written / max(s, 1))

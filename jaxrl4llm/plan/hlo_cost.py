@@ -57,8 +57,9 @@ Kernel launches (`kernels`): on a GPU each top-level op of a computation that ru
 loop's body and condition, a conditional's branch) is a kernel the host launches; the fused ops
 inside a fusion are not. They are counted with the same trips and branch weights as the flops, and
 `ChipSpec.kernel_seconds` prices each (`plan.programs.ProgramPlan.launch_seconds`): a decode step of
-a 28-layer model is ~430 kernels, most of them small, each with a floor of GPU time that its
-bytes do not account for (docs/gpu.md, "Results").
+a 28-layer model is ~450 kernels (Qwen3-0.6B on h100:1: 454, 15 a layer, `benchmarks/decode_kernels.py`),
+most of them small, each with a floor of GPU time that its bytes do not account for (docs/gpu.md,
+"Results").
 
 On jax 0.12 the HLO parser accepts the `-done` half of an async op (`slice-done`) fed by a
 parameter instead of its `-start`, and then crashes the process (jax 0.10.2 rejected the text): a
@@ -175,12 +176,16 @@ def parse_module(text: str) -> dict[str, Computation]:
     return comps
 
 
-def _attr(rest: str, key: str) -> str | None:
+def instruction_attr(rest: str, key: str) -> str | None:
+    """The value of attribute `key` (`calls=%fused_computation.3` -> "fused_computation.3") in the text
+    after an instruction's opcode, or None."""
     m = re.search(r"\b" + key + r"=%?([\w.\-]+)", rest)
     return m.group(1) if m else None
 
 
-def _operands(rest: str) -> list[str]:
+def instruction_operands(rest: str) -> list[str]:
+    """The operands of an instruction: `rest` (`Instruction.rest`, its text inside the operand list's
+    parenthesis and after) split at its top-level commas up to the list's closing parenthesis."""
     depth, out, cur = 0, [], ""
     for ch in rest:
         if ch in "({[":
@@ -208,7 +213,7 @@ def _constant(comp: Computation, name: str, depth: int = 0) -> int | None:
         m = re.match(r"\s*(-?\d+)\)", inst.rest)
         return int(m.group(1)) if m else None
     if inst.opcode in ("copy", "convert", "bitcast"):
-        return _constant(comp, _operands(inst.rest)[0], depth + 1)
+        return _constant(comp, instruction_operands(inst.rest)[0], depth + 1)
     return None
 
 
@@ -217,23 +222,23 @@ def _static_trips(comps: dict[str, Computation], parent: Computation, inst: Inst
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', inst.rest)
     if m:
         return float(m.group(1))
-    cond = comps.get(_attr(inst.rest, "condition") or "")
+    cond = comps.get(instruction_attr(inst.rest, "condition") or "")
     if cond is None:
         return None
     root_line = next((line for line in cond.lines if line.lstrip().startswith("ROOT ")), None)
     m = _INSTRUCTION.match(root_line or "")
     if not m or m.group(3) != "compare" or "direction=LT" not in m.group(4):
         return None
-    lhs, rhs = _operands(m.group(4))[:2]
+    lhs, rhs = instruction_operands(m.group(4))[:2]
     bound = _constant(cond, rhs)
     counter = cond.instructions.get(lhs)
     if bound is None or counter is None or counter.opcode != "get-tuple-element":
         return None
-    index = int(_attr(counter.rest, "index") or -1)
+    index = int(instruction_attr(counter.rest, "index") or -1)
     init = 0
-    tup = parent.instructions.get(_operands(inst.rest)[0])
+    tup = parent.instructions.get(instruction_operands(inst.rest)[0])
     if tup is not None and tup.opcode == "tuple":
-        ops = _operands(tup.rest)
+        ops = instruction_operands(tup.rest)
         if 0 <= index < len(ops):
             value = _constant(parent, ops[index])
             init = value if value is not None else 0
@@ -245,7 +250,7 @@ def branches(inst: Instruction) -> tuple[str, ...]:
     m = re.search(r"branch_computations=\{([^}]*)\}", inst.rest)
     if m:
         return tuple(name.strip().lstrip("%") for name in m.group(1).split(","))
-    pair = (_attr(inst.rest, "true_computation"), _attr(inst.rest, "false_computation"))
+    pair = (instruction_attr(inst.rest, "true_computation"), instruction_attr(inst.rest, "false_computation"))
     return pair if all(pair) else ()
 
 
@@ -258,9 +263,9 @@ def _walk(comps: dict[str, Computation]) -> list[tuple[Computation, Instruction]
     def walk(comp: Computation, seen: frozenset):
         for inst in comp.instructions.values():
             out.append((comp, inst))
-            callees = [_attr(inst.rest, "body")] if inst.opcode == "while" else []
+            callees = [instruction_attr(inst.rest, "body")] if inst.opcode == "while" else []
             if inst.opcode in ("call", "conditional", "async-start"):
-                callees += [_attr(inst.rest, key) for key in ("to_apply", "calls")]
+                callees += [instruction_attr(inst.rest, key) for key in ("to_apply", "calls")]
             if inst.opcode == "conditional":
                 callees += list(branches(inst))
             for callee in callees:
@@ -280,7 +285,7 @@ def find_loops(comps: dict[str, Computation], dynamic_trips: Sequence[float] = (
             trips = _static_trips(comps, comp, inst)
             if trips is None and given:
                 trips = float(given.pop(0))
-            loops.append(Loop(inst.name, comp.name, _attr(inst.rest, "body"), _attr(inst.rest, "condition"), trips))
+            loops.append(Loop(inst.name, comp.name, instruction_attr(inst.rest, "body"), instruction_attr(inst.rest, "condition"), trips))
     return loops
 
 
@@ -568,7 +573,7 @@ def _needed(comps: dict[str, Computation], name: str, acc: set) -> set:
         acc.add(name)
         for inst in comps[name].instructions.values():
             for key in ("calls", "to_apply", "body", "condition"):
-                _needed(comps, _attr(inst.rest, key) or "", acc)
+                _needed(comps, instruction_attr(inst.rest, key) or "", acc)
             m = re.search(r"(?:called_computations|branch_computations)=\{([^}]*)\}", inst.rest)
             for callee in (m.group(1).split(",") if m else ()):
                 _needed(comps, callee.strip().lstrip("%"), acc)
@@ -581,13 +586,13 @@ def op_bytes(header: str, comps: dict[str, Computation], comp: Computation, inst
     ValueError for an op that cannot stand alone (`_can_probe`)."""
     if not _can_probe(inst.opcode):
         raise ValueError(f"{inst.opcode} {inst.name} is half of an async pair: no probe module without its start")
-    ops = _operands(inst.rest)
+    ops = instruction_operands(inst.rest)
     close = _operand_text_end(inst.rest)
     args = ", ".join(f"%p{i}" for i in range(len(ops)))
     lines = [header]
     callees: set = set()
     for key in ("calls", "to_apply"):
-        _needed(comps, _attr(inst.rest, key) or "", callees)
+        _needed(comps, instruction_attr(inst.rest, key) or "", callees)
     m = re.search(r"called_computations=\{([^}]*)\}", inst.rest)
     for callee in (m.group(1).split(",") if m else ()):
         _needed(comps, callee.strip().lstrip("%"), callees)
@@ -660,10 +665,10 @@ def _off_hbm_once(hlo_text: str, header: str, comps: dict[str, Computation], nam
     for inst in comp.instructions.values():
         if inst.opcode in ("while", "call"):
             out += sum(_off_hbm(hlo_text, header, comps, c) for c in
-                       {_attr(inst.rest, k) for k in ("body", "condition", "to_apply")} if c in comps)
+                       {instruction_attr(inst.rest, k) for k in ("body", "condition", "to_apply")} if c in comps)
         if inst.opcode in _NO_TRAFFIC:
             continue
-        ops = [o for o in _operands(inst.rest) if o in comp.instructions]
+        ops = [o for o in instruction_operands(inst.rest) if o in comp.instructions]
         op_flags = [_hbm_flags(comp.instructions[o].shape) for o in ops]
         out_flags = _hbm_flags(inst.shape)
         if all(all(f) for f in op_flags) and all(out_flags):
@@ -705,7 +710,7 @@ def _root(comp: Computation) -> Instruction | None:
 def _through_bitcasts(comp: Computation, name: str) -> Instruction | None:
     inst = comp.instructions.get(name)
     while inst is not None and inst.opcode == "bitcast":
-        inst = comp.instructions.get(_operands(inst.rest)[0])
+        inst = comp.instructions.get(instruction_operands(inst.rest)[0])
     return inst
 
 
@@ -716,7 +721,7 @@ def _sliced_reads(fused: Computation, param: str) -> float | None:
     while frontier:
         name = frontier.pop()
         for inst in fused.instructions.values():
-            ops = _operands(inst.rest)
+            ops = instruction_operands(inst.rest)
             if name not in ops:
                 continue
             if inst.opcode == "bitcast":
@@ -741,7 +746,7 @@ def fusion_excess_bytes(hlo_text: str, comps: dict[str, Computation], name: str)
     header = _probe_header(hlo_text)
     comp, out = comps[name], 0.0
     for inst in comp.instructions.values():
-        fused = comps.get(_attr(inst.rest, "calls") or "") if inst.opcode == "fusion" else None
+        fused = comps.get(instruction_attr(inst.rest, "calls") or "") if inst.opcode == "fusion" else None
         if fused is None:
             continue
         params = {int(re.match(r"\s*(\d+)\)", p.rest).group(1)): p for p in fused.instructions.values()
@@ -749,8 +754,8 @@ def fusion_excess_bytes(hlo_text: str, comps: dict[str, Computation], name: str)
         true, written = {}, None  # parameter -> the bytes it really moves; the in-place write's bytes
         root = _root(fused)
         if root is not None and root.opcode in _IN_PLACE:
-            target = _through_bitcasts(fused, _operands(root.rest)[0])
-            update = fused.instructions.get(_operands(root.rest)[-1 if root.opcode == "scatter" else 1])
+            target = _through_bitcasts(fused, instruction_operands(root.rest)[0])
+            update = fused.instructions.get(instruction_operands(root.rest)[-1 if root.opcode == "scatter" else 1])
             if target is not None and target.opcode == "parameter" and update is not None and \
                     array_bytes(target.shape) == array_bytes(root.shape):
                 k = next(i for i, p in params.items() if p is target)
@@ -781,7 +786,7 @@ def collective_bytes(comps: dict[str, Computation], name: str, num_devices: int)
     and in what it calls (fusions, async wrappers), not in its loops."""
     sent, count = 0.0, 0
     for inst in comps[name].instructions.values():
-        callee = _attr(inst.rest, "calls")
+        callee = instruction_attr(inst.rest, "calls")
         if callee in comps and inst.opcode != "while":
             s, c = collective_bytes(comps, callee, num_devices)
             sent, count = sent + s, count + c
@@ -930,7 +935,7 @@ def collective_breakdown(hlo_text: str, *, num_devices: int, dynamic_trips: Sequ
 
     def visit(name: str, w: float, seen: frozenset):
         for inst in comps[name].instructions.values():
-            callee = _attr(inst.rest, "calls")
+            callee = instruction_attr(inst.rest, "calls")
             if callee in comps and inst.opcode != "while" and callee not in seen:
                 visit(callee, w, seen | {callee})
             sent = collective_sent(inst, num_devices)

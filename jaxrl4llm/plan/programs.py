@@ -24,6 +24,7 @@ and what to change; `plan` then exits 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -55,9 +56,11 @@ from jaxrl4llm.plan.hlo_cost import (ProgramCost, collective_breakdown, compiled
                                      find_loops, meter_notice, parse_module, program_cost)
 from jaxrl4llm.sampling.buckets import BATCH_BUCKETS, PROMPT_BUCKETS, bucket
 from jaxrl4llm.sampling.continuous import (PAGE_SIZE, PAGES_PER_CHUNK, continuous_program, engine_spec_for,
-                                           prefill_batch)
+                                           prefill_batch, shard_sizes)
 from jaxrl4llm.sampling.decode_loop import decode_backend, sample_program, weights_jit
 from jaxrl4llm.sampling.gpu_paged_attention import dot_rows as gpu_kernel_dot_rows
+from jaxrl4llm.sampling.gpu_paged_attention import partial_bytes as gpu_kernel_partial_bytes
+from jaxrl4llm.sampling.gpu_paged_attention import written_partitions as gpu_kernel_written_partitions
 from jaxrl4llm.sampling.memory import (SIZING_SHARE, continuous_memory, decode_memory, decode_sizing, prompts_per_chunk,
                                        slots_that_fit, weights_program_memory)
 from jaxrl4llm.train.config import ConfigError, RunConfig
@@ -645,7 +648,11 @@ def plan_continuous_decode(ins: PlanInputs, weights, dmesh: Mesh, backend, sizin
                   partial=bool(cfg.rollout.partial), page_size=PAGE_SIZE, pages_per_chunk=PAGES_PER_CHUNK,
                   attention=attention, num_prompts=num_prompts,
                   q_heads=kernel_query_rows(config, dtp, attention == DecodeAttention.GPU_TRITON),
-                  kv_heads=config.num_kv_heads // dtp, cache_bytes=jnp.dtype(config.dtype).itemsize)
+                  kv_heads=config.num_kv_heads // dtp, group=config.num_heads // config.num_kv_heads,
+                  cache_bytes=jnp.dtype(config.dtype).itemsize,
+                  table_pages=shard_sizes(prompts_per_shard=num_prompts // ddp, slots_per_shard=spec.slots // ddp,
+                                          samples=g_samples, prompt_len=ins.prompt_len,
+                                          max_new_tokens=ins.response_len).table_pages)
     settings = dict(prompts_per_chunk=cfg.rollout.prompts_per_step, chunks=1, slots=spec.slots,
                     fitting_slots=fitting_slots, attention=attention)  # fits or not
     return plan_s, compiled_s, decode, settings
@@ -936,17 +943,24 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
     d = plan.decode
     decode = next((p for p in programs if p.name == "sampler/decode"), None)
     if d is not None and decode is not None and d.get("engine") == "continuous":
+        gpu_kernel = d["attention"] == DecodeAttention.GPU_TRITON and "table_pages" in d  # (a plan saved before: none)
+        partitions = functools.partial(gpu_kernel_written_partitions, width=d["table_pages"],
+                                       slots=d["slots"] // d["shards"], kv_heads=d["kv_heads"],
+                                       group=d["group"]) if gpu_kernel else None
         work = continuous_decode_work(lengths, plan.rows, d["slots"], plan.response_len, shards=d["shards"],
                                       samples=d.get("samples", 1), burst=d["burst"], page_size=d["page_size"],
                                       pages_per_chunk=d["pages_per_chunk"], prompt_tokens=prompt_tokens,
                                       partial=bool(d.get("partial")),
                                       prefill=prefill_batch(d["num_prompts"] // d["shards"], d["slots"] // d["shards"],
-                                                            d.get("samples", 1)))
+                                                            d.get("samples", 1)), partitions=partitions)
         if d["attention"] not in ("xla", "cpu_native"):  # XLA counts the Pallas call as nothing: its keys and pages, every layer
             layers = plan.model.num_layers * work.steps
             decode.kernel_flops = layers * 4 * d["q_heads"] * plan.model.head_dim * work.kv_tokens
             decode.kernel_bytes = layers * work.kv_pages * d["page_size"] * 2 * d["kv_heads"] * plan.model.head_dim \
                 * d["cache_bytes"]
+            if gpu_kernel:  # and the float32 partials it writes (the combine's reads are XLA's, counted by it)
+                decode.kernel_bytes += layers * work.kv_partitions * gpu_kernel_partial_bytes(
+                    d["kv_heads"], d["group"], plan.model.head_dim)
         decode.price(program_cost(decode.hlo, num_devices=decode.devices,
                                   dynamic_trips=continuous_trips(decode.hlo, work)), plan.chip)
         decode.model_flops = 2 * n * (d["slots"] * work.steps + d["num_prompts"] * plan.prompt_len) / decode.devices
@@ -965,7 +979,7 @@ def with_lengths(plan: RunPlan, lengths: LengthDistribution | str | None, prompt
                                prompt_tokens=prompt_tokens, trainer_positions=positions, decode=d)
 
 
-def _decode_loops(hlo: str):
+def decode_loops(hlo: str):
     """(computations, every loop in walk order, the loop whose body is one decode step): the first
     KV-block loop of the static program; the burst loop of the continuous one (the last
     data-dependent loop inside its outer refill loop)."""
@@ -987,7 +1001,7 @@ def continuous_trips(hlo: str, work) -> list[float]:
     one with more flops) runs `batched_rounds` rounds on `batched_refills` of the `bursts` refills,
     the one-prompt one `single_rounds` rounds on the others (two loops, not a `lax.cond`: a
     conditional there made XLA:TPU copy the page pool)."""
-    comps, loops, top, inner = _decode_loops(hlo)
+    comps, loops, top, inner = decode_loops(hlo)
     if not top or not inner:
         raise ValueError("the continuous sampler's HLO has no refill loop holding a burst loop")
     outer, burst = top[0], inner[-1]
@@ -1024,7 +1038,7 @@ def decode_step_collectives(hlo: str, devices: int, engine: str) -> dict:
     """The collectives of one decode step of the sampler's program (its step loop's body, a
     chunk loop inside counted once): count, bytes a chip sends (ring model), and each kind
     (op, dtype, group, result shape). A chip sends these every step, for every row it decodes."""
-    comps, loops, top, inner = _decode_loops(hlo)
+    comps, loops, top, inner = decode_loops(hlo)
     body = (inner[-1] if engine == "continuous" and inner else top[0] if top else None)
     if body is None:
         return {}

@@ -217,11 +217,36 @@ def partition_pages(kv_len: jax.Array, page: int, padded_pages: int, pages_per_b
     `padded_pages` (a partition starts at a whole loop step; `kernel_blocks` pads to whole steps)."""
     if rule not in SPLIT_RULES:
         raise ValueError(f"paged attention split rule {rule!r}: one of {', '.join(SPLIT_RULES)}")
+    kv_len = kv_len.astype("int32")  # a jax array in the kernel's call, a numpy one in the meter's (`written_partitions`)
     if rule == "table":
-        return jnp.full(kv_len.shape, padded_pages // k_splits, jnp.int32)
-    live = -(-kv_len.astype(jnp.int32) // page)
-    steps = -(-live // (k_splits * pages_per_block))  # loop steps a partition: ceil(ceil(live / K) / b)
-    return jnp.maximum(steps, 1) * pages_per_block
+        return kv_len * 0 + padded_pages // k_splits
+    steps = -(-(-(-kv_len // page)) // (k_splits * pages_per_block))  # loop steps a partition: ceil(ceil(live / K) / b)
+    return (steps + (steps == 0)) * pages_per_block  # at least one
+
+
+def written_partitions(live_pages, width: int, slots: int, kv_heads: int, group: int):
+    """Partitions whose float32 partials the kernel writes for each slot of `live_pages` pages (0: an
+    idle slot), in a call over `slots` slots of `width`-page tables, under this module's constants
+    (LAYOUT, the pages a loop step, K_SPLITS, SPLIT_RULE, STORE: what a call traces with): STORE "all":
+    K for every slot, idle ones too; "live": those that hold a live page, ceil(live / P_s)
+    (`partition_pages`). numpy in and out: the meter's count (`plan.decode_work`)."""
+    layout = kernel_layout(kv_heads, group)
+    block, splits, padded = kernel_blocks(width, slots, program_shape(kv_heads, group, layout)[0],
+                                          default_pages_per_block(layout), K_SPLITS)
+    live_pages = np.asarray(live_pages, np.int64)
+    if STORE == "all":
+        return np.full(live_pages.shape, splits, np.int64)
+    per = np.asarray(partition_pages(live_pages, 1, padded, block, splits, SPLIT_RULE), np.int64)
+    return -(-live_pages // per)
+
+
+def partial_bytes(kv_heads: int, group: int, head_dim: int) -> int:
+    """Bytes of float32 partials (o [Dh], l, m a query row) one written partition of a slot stores,
+    under this module's constants: STORE "all": every program's rows, padding included
+    (`program_shape`); "live": the slot's KVH x group query heads."""
+    layout = kernel_layout(kv_heads, group)
+    programs, rows = program_shape(kv_heads, group, layout)
+    return (programs * rows if STORE == "all" else kv_heads * group) * (head_dim + 2) * 4
 
 
 def combine_partitions(o: jax.Array, l: jax.Array, m: jax.Array, written: jax.Array) -> jax.Array:

@@ -57,14 +57,14 @@ def test_a_refill_is_priced_by_the_prefill_loop_it_runs(eval_plan):
     meter runs the batched loop on the refills that admit a wave (2 of 8 at fixed lengths, one
     2-prompt round each) and the one-prompt loop on the others (none here: no trips)."""
     from jaxrl4llm.plan.hlo_cost import find_conditionals, parse_module
-    from jaxrl4llm.plan.programs import _decode_loops, continuous_trips
+    from jaxrl4llm.plan.programs import decode_loops, continuous_trips
 
     full = with_lengths(eval_plan, "fixed:64")
     work = full.decode["work"]
     assert (work["prefill_batch"], work["batched_refills"], work["batched_rounds"], work["single_rounds"]) == (
         2, 2, 1, 0)
     decode = next(p for p in full.programs if p.name == "sampler/decode")
-    comps, loops, top, inner = _decode_loops(decode.hlo)
+    comps, loops, top, inner = decode_loops(decode.hlo)
     assert not [c for c in find_conditionals(parse_module(decode.hlo)) if c.parent == top[0].body]
     trips = continuous_trips(decode.hlo, ContinuousWork(**work))
     dynamic = [loop for loop in loops if loop.trips is None]

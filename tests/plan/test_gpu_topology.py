@@ -212,7 +212,7 @@ def test_xla_compiles_a_program_larger_than_the_gpu_so_plan_must_check():
 
 
 @needs_gpu_extra
-def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_reading_the_pool_in_place():
+def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_reading_the_pool_in_place(monkeypatch):
     """`plan` on h100:2: the tiny run's eval on the continuous engine (decode mesh 2-way tensor parallel:
     one kv head a GPU) runs the Pallas/Triton paged attention kernel, one custom call per layer, whose
     key and value operands are the same buffer, a bitcast of the layer's pool as the step's token write
@@ -233,11 +233,28 @@ def test_plan_compiles_the_continuous_sampler_with_the_triton_paged_kernel_readi
                        r"jaxrl4llm_paged_attention", hlo)
     assert len(calls) == cfg.model.num_layers
     for operands in calls:
-        q, keys, values, table, lengths = [o.strip() for o in operands.split(",")]
+        q, keys, values, table, lengths, split = [o.strip() for o in operands.split(",")]
         assert keys == values  # one pool buffer, K and V picked by the block specs
         # the pool [pages, page, 2 KVH, Dh] viewed as [pages, page, KVH, k|v, Dh]: a bitcast, not a copy
         source = re.search(rf"\n\s*{re.escape(keys)} = bf16\[(\d+),16,1,2,32\]\S* bitcast\(([\w.]+)\)", hlo)
         assert source and "scatter" in source[2], source  # the pool as write_tokens left it
     assert 0 < decode.kernel_flops < decode.flops and 0 < decode.kernel_bytes < decode.hbm_bytes
     assert plan.decode["q_heads"] == 16  # a GPU's kv head and its 2 query heads, padded to the kernel's 16 rows
+    # the kernel's float32 partials (o [Dh], l, m) are its bytes too: every slot's K partitions of 16 padded rows
+    # (STORE "all"), or only the live partitions' real rows (STORE "live", re-priced: no recompile)
+    from jaxrl4llm.plan.programs import with_lengths
+    from jaxrl4llm.sampling import gpu_paged_attention as gpa
+
+    work, slots = plan.decode["work"], plan.decode["slots"] // plan.decode["shards"]
+    steps = cfg.model.num_layers * work["steps"]
+    splits = gpa.kernel_blocks(plan.decode["table_pages"], slots, 1, gpa.PAGES_PER_BLOCK)[1]
+    assert work["kv_partitions"] == slots * splits
+    kv_bytes = steps * work["kv_pages"] * 16 * 2 * 1 * 32 * 2  # pages x page x (k, v) x 1 kv head x Dh x bf16
+    assert decode.kernel_bytes == pytest.approx(kv_bytes + steps * slots * splits * 16 * (32 + 2) * 4)
+    every = with_lengths(plan, "lognormal:mean=6,sigma=0.8")
+    monkeypatch.setattr(gpa, "STORE", "live")
+    live = with_lengths(plan, "lognormal:mean=6,sigma=0.8")
+    assert 0 < live.decode["work"]["kv_partitions"] <= every.decode["work"]["kv_partitions"] == slots * splits
+    kernel_bytes = lambda p: next(x for x in p.programs if x.name == "sampler/decode").kernel_bytes
+    assert kernel_bytes(live) < kernel_bytes(every)
     assert "attention by the Triton paged attention kernel" in format_plan(plan)
