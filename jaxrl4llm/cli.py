@@ -181,6 +181,7 @@ def cmd_plan(args) -> int:
     topology = args.topology or cfg.mesh.topology
     if args.show_layout:
         from jaxrl4llm.plan.programs import plan_layout
+        from jaxrl4llm.train.config import ConfigError
 
         if not topology:
             raise ConfigError("plan --show-layout needs a topology: pass --topology (e.g. v5p:4x4x4, h100:8, cpu) "

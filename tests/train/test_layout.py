@@ -53,6 +53,9 @@ def test_plan_shows_the_layout_without_compiling(capsys):
     assert code == 0
     assert layout["model"]["hidden_size"] == 1024 and layout["lora"]["rank"] == 8
     assert layout["update"]["micro_batches"] == 32 and layout["sampler"]["engine"] == "continuous"
+    # no topology (none passed, none in the config): the error names the fix (it was a NameError)
+    assert main(["plan", "--show-layout", "trainer.micro_batch_size=8"]) != 0
+    assert "plan --show-layout needs a topology: pass --topology" in capsys.readouterr().err
 
 
 def test_a_mixture_of_experts_layout_names_its_expert_kernels(capsys):
