@@ -115,7 +115,7 @@ PHASES = (
                                "LAUNCH_VARIANTS, one process each: XLA flags and decode bursts", optional=True),
 )
 # Later phases that decode with the attention phase's choice (ATTENTION_CHOICE), set before they trace.
-READS_ATTENTION_CHOICE = frozenset({"plan", "step", "profile", "trainer", "launches", "tools", "demo"})
+READS_ATTENTION_CHOICE = frozenset({"plan", "step", "profile", "trainer", "launches", "agreement", "tools", "demo"})
 ATTENTION_CHOICE = "attention_choice.json"  # in the work folder: gpu_paged_attention's constants, by name
 # The launches phase's variants: (XLA_FLAGS, run overrides). On an H100 the rollout took 2 s more than
 # its HBM traffic for either model, ~5.7 us for each of its ~430 kernels a decode step (docs/gpu.md):
