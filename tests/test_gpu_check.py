@@ -1,5 +1,5 @@
 """`scripts/gpu_check --dry-run`: every phase of the GPU check (benchmarks/gpu_check.py) runs on this
-CPU at toy sizes and reports "ok" with finite figures, into the four files a GPU session brings back.
+CPU at toy sizes and reports "ok" with finite figures, into the four files the check writes (OUT_FILES).
 The one dry run takes the default phases but agreement, moe and tools (each tested alone below), with
 the baseline and tests phases (a few minutes: each phase compiles its own programs); the demo phase's
 own code is tested on a stand-in demo (`jaxrl4llm demo --quick` itself runs in tests/train/test_demo.py)."""
@@ -57,7 +57,7 @@ def test_dry_run_reports_every_phase_ok_with_finite_figures(tmp_path, monkeypatc
     done = subprocess.run([str(REPO / "scripts" / "gpu_check"), "--dry-run", "--phases", ",".join(phases), str(out)],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == sorted(gc.OUT_FILES)  # what a GPU session can bring back
+    assert sorted(p.name for p in out.iterdir()) == sorted(gc.OUT_FILES)  # the check's output files, one folder level
     report = json.loads((out / "gpu_check.json").read_text())
     ran = [q for q in phases if q != "step"] + ["setup"] + [f"step:{m}" for m in gc.MODELS["dry"]]
     assert sorted(report["phases"]) == sorted(ran)
