@@ -580,7 +580,7 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
     export = ""
     if model == models[0]:  # the decode phase's transformers peer loads these weights, and the rollout's profile
         export = str(timed.policy.export(work / "hf"))  # runs them, before the update donates (deletes) them
-        profiled(figures, "profile", lambda: profile_rollout(timed, work, log), log)
+        record_profile(figures, "profile", lambda: profile_rollout(timed, work, log), log)
     t_logprob, t_update, state = time_update_programs(timed.run, timed.state, timed.out, w["reps"] + 1)
     log(f"  log-prob pass {t_logprob:.3f} s, update {t_update:.3f} s")
     figures.update({
@@ -593,12 +593,12 @@ def phase_step(mode: str, work: Path, log, model: str, partial=lambda figures: N
         "rollout_tokens_per_s": float(lengths.sum()) / timed.rollout_s})
     if model == models[-1]:  # the trainer's profile, of the programs just compiled and timed
         partial(figures)  # the timed step survives a profile that runs out of time
-        profiled(figures, "trainer_profile", lambda: profile_trainer(
+        record_profile(figures, "trainer_profile", lambda: profile_trainer(
             timed.run, state, update_batch(timed.run, state, timed.out), work, log), log)
     return figures
 
 
-def profiled(figures: dict, name: str, profile, log) -> None:
+def record_profile(figures: dict, name: str, profile, log) -> None:
     """figures[name] = profile(), or figures[name + "_error"] = its exception: a step's timed figures
     stand whatever its profile does."""
     try:
@@ -1175,11 +1175,12 @@ def plan_command(work_root: Path) -> list[str]:
     choice = work_root / ATTENTION_CHOICE
     if not choice.is_file():
         return [sys.executable, "-m", "jaxrl4llm.cli"]
-    code = ("import json, sys\nfrom jaxrl4llm.sampling import gpu_paged_attention as gpa\n"
-            "for name, value in json.loads(open(sys.argv[1]).read()).items():\n"
-            "    if name != 'config':\n        setattr(gpa, name, value)\n"
+    code = (f"import json, sys\nsys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+            "from gpu_check import read_attention_choice, use_attention_choice\n"
+            "from pathlib import Path\n"
+            "use_attention_choice(read_attention_choice(Path(sys.argv[1])), lambda line: print(line, file=sys.stderr))\n"
             "from jaxrl4llm.cli import main\nsys.exit(main(sys.argv[2:]))")
-    return [sys.executable, "-c", code, str(choice)]
+    return [sys.executable, "-c", code, str(work_root)]
 
 
 # ---------------------------------------------------------------------------- phase: decode
@@ -1550,6 +1551,9 @@ def run_driver(out_dir: Path, mode: str, only: frozenset[str] | None = None) -> 
                 log(f"{name}: waiting for the background job")
                 finish(name, *job)
                 del background[name]
+    for name, (job, _) in background.items():  # its phase to collect after did not run (not in --phases)
+        log(f"{name}: waiting for the background job")
+        finish(name, *job)
     compare_plan(report, models)
     report["total_seconds"] = time.monotonic() - start
     for name in ("kernels", "attention", *(f"step:{m}" for m in models), *(f"launches:{v}" for v in LAUNCH_VARIANTS),
@@ -1617,8 +1621,9 @@ def profiles(report: dict, kind: str) -> list[tuple[str, dict]]:
     """(model, figures) of each `kind` profile in the report: "profile" (a rollout's trace_summary) from the
     step phases' figures and the profile phase, "trainer" (the log-prob pass's and update's) from the step
     phases' trainer_profile and the trainer phase."""
-    found = [(n[5:], r["figures"][f"{kind}_profile" if kind == "trainer" else kind]) for n, r in report["phases"].items()
-             if n.startswith("step:") and (f"{kind}_profile" if kind == "trainer" else kind) in r.get("figures", {})]
+    key = "trainer_profile" if kind == "trainer" else kind  # its name in a step phase's figures
+    found = [(n[5:], r["figures"][key]) for n, r in report["phases"].items()
+             if n.startswith("step:") and key in r.get("figures", {})]
     alone = report["phases"].get(kind, {}).get("figures", {})
     if alone.get("top") is not None or any(isinstance(v, dict) and "top" in v for v in alone.values()):
         found.append((alone["model"], alone))

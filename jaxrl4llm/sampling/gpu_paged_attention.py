@@ -207,6 +207,17 @@ def kernel_blocks(pages: int, slots: int, head_programs: int, pages_per_block: i
     return block, k_splits, -(-pages // (block * k_splits)) * block * k_splits
 
 
+def call_blocks(width: int, slots: int, kv_heads: int, group: int, layout: str | None = None,
+                pages_per_block: int | None = None, k_splits: int | None = None) -> tuple[str, int, int, int]:
+    """(layout, pages_per_block, k_splits, padded_pages) a call over `slots` slots of `width`-page
+    tables runs (`kernel_layout`, `kernel_blocks`); None: this module's constants (the layout's pages
+    a loop step, K_SPLITS). The kernel's call and the meter's count (`written_partitions`) both read it."""
+    layout = kernel_layout(kv_heads, group, layout)
+    blocks = kernel_blocks(width, slots, program_shape(kv_heads, group, layout)[0],
+                           pages_per_block or default_pages_per_block(layout), K_SPLITS if k_splits is None else k_splits)
+    return (layout, *blocks)
+
+
 def partition_pages(kv_len: jax.Array, page: int, padded_pages: int, pages_per_block: int, k_splits: int,
                     rule: str) -> jax.Array:
     """[S] int32: pages in each partition of each slot (`SPLIT_RULES`), P_s with partition k = pages
@@ -220,7 +231,8 @@ def partition_pages(kv_len: jax.Array, page: int, padded_pages: int, pages_per_b
     kv_len = kv_len.astype("int32")  # a jax array in the kernel's call, a numpy one in the meter's (`written_partitions`)
     if rule == "table":
         return kv_len * 0 + padded_pages // k_splits
-    steps = -(-(-(-kv_len // page)) // (k_splits * pages_per_block))  # loop steps a partition: ceil(ceil(live / K) / b)
+    live = -(-kv_len // page)
+    steps = -(-live // (k_splits * pages_per_block))  # loop steps a partition: ceil(ceil(live / K) / b)
     return (steps + (steps == 0)) * pages_per_block  # at least one
 
 
@@ -230,9 +242,7 @@ def written_partitions(live_pages, width: int, slots: int, kv_heads: int, group:
     (LAYOUT, the pages a loop step, K_SPLITS, SPLIT_RULE, STORE: what a call traces with): STORE "all":
     K for every slot, idle ones too; "live": those that hold a live page, ceil(live / P_s)
     (`partition_pages`). numpy in and out: the meter's count (`plan.decode_work`)."""
-    layout = kernel_layout(kv_heads, group)
-    block, splits, padded = kernel_blocks(width, slots, program_shape(kv_heads, group, layout)[0],
-                                          default_pages_per_block(layout), K_SPLITS)
+    _, block, splits, padded = call_blocks(width, slots, kv_heads, group)
     live_pages = np.asarray(live_pages, np.int64)
     if STORE == "all":
         return np.full(live_pages.shape, splits, np.int64)
@@ -311,14 +321,12 @@ def gpu_paged_attention_one_shard(q: jax.Array, pool: jax.Array, table: jax.Arra
     width = table.shape[1]
     if two_kvh != 2 * kvh:
         raise ValueError(f"pool [pages, page, 2 KVH, Dh] has {two_kvh} head columns for {kvh} kv heads of q")
-    layout = kernel_layout(kvh, hg, layout)
     store = store or STORE
     if store not in STORES:
         raise ValueError(f"paged attention store {store!r}: one of {', '.join(STORES)}")
+    layout, block, splits, padded = call_blocks(width, s, kvh, hg, layout, pages_per_block, k_splits)
     head_programs, rows = program_shape(kvh, hg, layout)
     per_slot = layout == "per_slot"
-    block, splits, padded = kernel_blocks(width, s, head_programs, pages_per_block or default_pages_per_block(layout),
-                                          K_SPLITS if k_splits is None else k_splits)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, padded - width)))  # page 0: read past the length only
     kv_len = kv_len.astype(jnp.int32)
     split = partition_pages(kv_len, page, padded, block, splits, split_rule or SPLIT_RULE)
